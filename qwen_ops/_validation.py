@@ -1,0 +1,199 @@
+"""Argument checks shared by every backend and by the fake kernels.
+
+``check_*`` functions look only at metadata (shape, dtype, device, strides), so they also
+run on fake tensors while tracing. ``check_*_values`` read index tensors and therefore
+sync the device; the reference backend always runs them, other backends only under
+``QWEN_OPS_DEBUG=1`` (a CUDA graph may not read device values).
+
+Every error names the argument, the value found and what was expected, and is raised
+before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPE = torch.int32
+
+
+def _rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} (rank {t.dim()}), expected rank {rank}: {layout}")
+
+
+def _index(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dtype != INDEX_DTYPE:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.int32")
+    _rank(name, t, rank, layout)
+
+
+def _float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of float32, float16, bfloat16")
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} has stride {t.stride()}: its last dimension must be contiguous (stride 1)")
+
+
+def _same_device(**tensors: Optional[torch.Tensor]) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "all tensors must be on one device")
+
+
+def _cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    _rank("key_cache", key_cache, 4, layout)
+    _float("key_cache", key_cache)
+    _float("value_cache", value_cache)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache has shape {tuple(value_cache.shape)}, expected the shape of "
+                         f"key_cache {tuple(key_cache.shape)}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache has dtype {value_cache.dtype}, expected key_cache's {key_cache.dtype}")
+
+
+def check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+    _same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                 slot_ids=slot_ids, positions=positions, block_table=block_table)
+    _cache_pair(key_cache, value_cache)
+    _, _, kv_heads, head_dim = key_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        _rank(name, t, 3, "[num_tokens, num_kv_heads, head_dim]")
+        _float(name, t)
+        if tuple(t.shape[1:]) != (kv_heads, head_dim):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [num_tokens, {kv_heads}, {head_dim}] "
+                             f"to match the cache's num_kv_heads={kv_heads}, head_dim={head_dim}")
+        if t.dtype != key_cache.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected the cache dtype {key_cache.dtype}")
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
+    num_tokens = key.shape[0]
+    for name, t in (("slot_ids", slot_ids), ("positions", positions)):
+        _index(name, t, 1, "[num_tokens]")
+        if t.shape[0] != num_tokens:
+            raise ValueError(f"{name} has {t.shape[0]} entries, expected num_tokens = {num_tokens}")
+    _index("block_table", block_table, 2, "[max_slots, max_blocks_per_slot]")
+
+
+def check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                         seq_lens, scale, max_query_len, gate) -> None:
+    _same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                 seq_slots=seq_slots, query_start_loc=query_start_loc, seq_lens=seq_lens, gate=gate)
+    _cache_pair(key_cache, value_cache)
+    _, _, kv_heads, head_dim = key_cache.shape
+    _rank("query", query, 3, "[num_tokens, num_heads, head_dim]")
+    _float("query", query)
+    if query.shape[2] != head_dim:
+        raise ValueError(f"query has head_dim {query.shape[2]} (shape {tuple(query.shape)}), "
+                         f"expected the cache's head_dim {head_dim}")
+    if query.shape[1] % kv_heads != 0:
+        raise ValueError(f"query has {query.shape[1]} heads, expected a multiple of the cache's "
+                         f"num_kv_heads = {kv_heads}")
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query has dtype {query.dtype}, expected the cache dtype {key_cache.dtype}")
+    if gate is not None:
+        _float("gate", gate)
+        if gate.shape != query.shape:
+            raise ValueError(f"gate has shape {tuple(gate.shape)}, expected the query shape {tuple(query.shape)}")
+        if gate.dtype != query.dtype:
+            raise ValueError(f"gate has dtype {gate.dtype}, expected the query dtype {query.dtype}")
+    _index("block_table", block_table, 2, "[max_slots, max_blocks_per_slot]")
+    _index("seq_slots", seq_slots, 1, "[num_seqs]")
+    _index("seq_lens", seq_lens, 1, "[num_seqs]")
+    _index("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    num_seqs = seq_slots.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, expected num_seqs = {num_seqs} (len of seq_slots)")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, expected num_seqs + 1 = "
+                         f"{num_seqs + 1} (seq_slots has {num_seqs})")
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len = {max_query_len!r}, expected an int >= 1")
+    if not (scale == scale and abs(scale) != float("inf")):
+        raise ValueError(f"scale = {scale!r}, expected a finite float")
+
+
+def _slot_capacity(block_table: torch.Tensor, key_cache: torch.Tensor) -> int:
+    return block_table.shape[1] * key_cache.shape[1]
+
+
+def _check_blocks(block_table, slots, num_blocks_needed, num_blocks, what) -> None:
+    """Every block a sequence uses must name a physical block of the cache."""
+    if slots.numel() == 0:
+        return
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols[None, :] < num_blocks_needed[:, None]
+    rows = block_table[slots.long()]
+    bad = used & ((rows < 0) | (rows >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        slot = int(slots[i])
+        raise ValueError(f"block_table[{slot}, {j}] = {int(rows[i, j])} ({what}), but the cache has "
+                         f"{num_blocks} blocks; expected 0 <= block id < {num_blocks}")
+
+
+def check_kv_write_values(key_cache, slot_ids, positions, block_table) -> None:
+    max_slots = block_table.shape[0]
+    capacity = _slot_capacity(block_table, key_cache)
+    bad = (slot_ids < -1) | (slot_ids >= max_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"slot_ids[{i}] = {int(slot_ids[i])}, but block_table has {max_slots} slots; "
+                         f"expected -1 (padding) or 0 <= slot < {max_slots}")
+    live = slot_ids >= 0
+    bad = live & ((positions < 0) | (positions >= capacity))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"positions[{i}] = {int(positions[i])} for slot {int(slot_ids[i])}, but a slot holds "
+                         f"{capacity} positions (block_table columns x block_size); expected 0 <= position < {capacity}")
+    block_size = key_cache.shape[1]
+    slots, pos = slot_ids[live], positions[live]
+    if slots.numel():
+        block_ids = block_table[slots.long(), (pos // block_size).long()]
+        bad = (block_ids < 0) | (block_ids >= key_cache.shape[0])
+        if bool(bad.any()):
+            i = int(live.nonzero()[bad.nonzero()[0, 0], 0])
+            j = int(positions[i]) // block_size
+            raise ValueError(f"block_table[{int(slot_ids[i])}, {j}] = {int(block_ids[bad][0])} (for positions[{i}]), "
+                             f"but the cache has {key_cache.shape[0]} blocks")
+
+
+def check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                                max_query_len) -> None:
+    num_tokens = query.shape[0]
+    max_slots = block_table.shape[0]
+    capacity = _slot_capacity(block_table, key_cache)
+    qsl = query_start_loc
+    if qsl.numel() and int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0] = {int(qsl[0])}, expected 0")
+    q_lens = qsl[1:] - qsl[:-1]
+    if bool((q_lens < 0).any()):
+        i = int((q_lens < 0).nonzero()[0, 0])
+        raise ValueError(f"query_start_loc decreases at index {i + 1} ({int(qsl[i])} -> {int(qsl[i + 1])}); "
+                         "expected a non-decreasing prefix sum")
+    if qsl.numel() and int(qsl[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc[-1] = {int(qsl[-1])}, expected num_tokens = {num_tokens} (query rows)")
+    bad = (seq_slots < -1) | (seq_slots >= max_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"seq_slots[{i}] = {int(seq_slots[i])}, but block_table has {max_slots} slots; "
+                         f"expected -1 (padding) or 0 <= slot < {max_slots}")
+    if q_lens.numel() and int(q_lens.max()) > max_query_len:
+        i = int(q_lens.argmax())
+        raise ValueError(f"max_query_len = {max_query_len}, but sequence {i} has {int(q_lens[i])} query tokens; "
+                         "expected max_query_len >= every query length")
+    live = seq_slots >= 0
+    bad = live & ((seq_lens < q_lens) | (seq_lens > capacity))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} with {int(q_lens[i])} query tokens, expected "
+                         f"{int(q_lens[i])} <= seq_len <= {capacity} (the slot's capacity)")
+    block_size = key_cache.shape[1]
+    needed = (seq_lens[live] + block_size - 1) // block_size
+    _check_blocks(block_table, seq_slots[live], needed, key_cache.shape[0], "a block the sequence reads")

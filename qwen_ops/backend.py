@@ -1,0 +1,110 @@
+"""Kernel backend selection for torch.ops.qwen.* (DESIGN.md section 4).
+
+Backends: ``reference`` (plain torch, CPU kernel and test oracle), ``triton`` (GPU default;
+runs on CPU tensors under ``TRITON_INTERPRET=1``), ``cuda`` (the csrc/ extension).
+``auto`` picks the best available one for the tensors' device and falls back quietly;
+an explicit choice that cannot run raises.
+
+The choice comes from ``QWEN_OPS_BACKEND`` or from :func:`set_backend` /
+:func:`use_backend`. Like ``torch.backends`` flags it is process configuration, kept in a
+``ContextVar`` so that a ``use_backend`` block in one thread does not leak into another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton", "cuda")
+_KERNEL_MODULES = {
+    "reference": "qwen_ops.kernels.reference",
+    "triton": "qwen_ops.kernels.triton",
+    "cuda": "qwen_ops.kernels.cuda",
+}
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
+
+
+def _check_name(name: str, source: str) -> str:
+    name = name.strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"{source} = {name!r}; expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def get_backend() -> str:
+    """The requested backend name (may be ``auto``)."""
+    chosen = _override.get()
+    if chosen is not None:
+        return chosen
+    return _check_name(os.environ.get("QWEN_OPS_BACKEND", "auto"), "QWEN_OPS_BACKEND")
+
+
+def set_backend(name: str | None) -> None:
+    """Select a backend for this context (``None`` returns to ``QWEN_OPS_BACKEND``)."""
+    _override.set(None if name is None else _check_name(name, "backend"))
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    token = _override.set(_check_name(name, "backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def debug_checks_enabled() -> bool:
+    """``QWEN_OPS_DEBUG=1`` makes every backend check index values (this syncs the device)."""
+    return os.environ.get("QWEN_OPS_DEBUG", "0") not in ("", "0")
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def why_unavailable(name: str, device: torch.device) -> str | None:
+    """None when backend ``name`` can run on ``device``, otherwise the reason."""
+    if name == "reference":
+        return None
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and triton_interpret():
+            return None
+        return f"triton needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"the cuda backend needs CUDA tensors, got {device}"
+        from qwen_ops.kernels import cuda as cuda_kernels
+        return cuda_kernels.why_unavailable()
+    raise ValueError(f"backend = {name!r}; expected one of {', '.join(BACKENDS[1:])}")
+
+
+def resolve_backend(device: torch.device) -> str:
+    """The concrete backend that runs for tensors on ``device``."""
+    name = get_backend()
+    if name == "auto":
+        if device.type == "cuda":
+            for candidate in ("triton", "cuda"):
+                if why_unavailable(candidate, device) is None:
+                    return candidate
+        return "reference"
+    reason = why_unavailable(name, device)
+    if reason is not None:
+        raise RuntimeError(f"qwen_ops backend {name!r} is unavailable: {reason}")
+    return name
+
+
+def kernels(name: str) -> ModuleType:
+    """The kernel module of a concrete backend (imported on first use)."""
+    return importlib.import_module(_KERNEL_MODULES[name])
