@@ -46,6 +46,9 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
     blocks = block_table[slots, :n_blocks].long().clamp(0, key_cache.shape[0] - 1)
     k = key_cache[blocks].reshape(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L].float()
     v = value_cache[blocks].reshape(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L].float()
+    # Zero the values past each seq_len: a masked probability is 0, but 0 * NaN junk is NaN.
+    key_valid = torch.arange(L, device=device)[None, :] < seq_lens[:, None]          # [S, L]
+    v = v.masked_fill(~key_valid[:, :, None, None], 0.0)
 
     # Query rows padded to Q per sequence: [S, Q, kv_heads, group, head_dim].
     j = torch.arange(Q, device=device)
