@@ -1,0 +1,124 @@
+"""CI check: every Triton kernel of qwen_ops/kernels/triton.py compiles for sm_90 without a GPU.
+
+The kernel configurations come from the launchers' own launch plans
+(``kv_write_launches`` / ``slot_attention_launches``), built on small CPU tensors for each
+dtype, head_dim, GQA ratio, gate and decode/prefill shape below, so this check compiles what
+the launchers would launch and cannot drift from them. Each distinct (kernel, signature,
+constexprs) is compiled once with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+
+Prints one line per kernel configuration; exits 1 if any fails to compile or needs more shared
+memory than an sm_90 block may have.
+
+Usage: python .ci/compile_triton_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# The interpreter replaces triton.jit functions with interpreted ones: compile the real kernels.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qwen_ops.kernels import triton as qt  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)
+_POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32"}
+
+# (num_heads, num_kv_heads, gate, decode context capacity). Every dtype x head_dim compiles the
+# first shape (GQA 4, gate, multi-split decode with merge); bf16 also compiles the others
+# (GQA 1 without gate and GQA 7, both one-split decode), which change only constexprs.
+SHAPES = ((16, 4, True, 4096), (8, 8, False, 64), (14, 2, True, 64))
+FULL_SHAPES_DTYPE = torch.bfloat16
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _POINTER[value.dtype]
+    if isinstance(value, bool):
+        raise TypeError("bool runtime argument: pass it as a constexpr")
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unsupported runtime argument {value!r}")
+
+
+def _launches(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, gate: bool, capacity: int):
+    """Launch plans of both ops for one shape, built on tiny CPU tensors (nothing runs)."""
+    block_size = 16
+    num_slots, num_seqs = 4, 4
+    blocks = capacity // block_size
+    cache = torch.empty(num_slots * blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    block_table = torch.zeros(num_slots, blocks, dtype=torch.int32)
+    index = torch.zeros(num_seqs, dtype=torch.int32)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    plans = []
+    for num_tokens, max_query_len in ((num_seqs, 1), (3 * num_seqs, 3)):
+        query = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
+        g = torch.empty_like(query) if gate else None
+        out = torch.empty_like(query)
+        plans += qt.slot_attention_launches(query, cache, cache, block_table, index, qsl, index, 0.1,
+                                            max_query_len, g, out, interpret=False)
+    kv = torch.empty(num_seqs, num_kv_heads, head_dim, dtype=dtype)
+    plans += qt.kv_write_launches(kv, kv, cache, cache, index, index, block_table)
+    return plans
+
+
+def _compile(launch: qt.Launch):
+    fn = launch.kernel
+    constexprs = dict(launch.constexprs)
+    runtime = [name for name in fn.arg_names if name not in constexprs]
+    if len(runtime) != len(launch.args):
+        raise TypeError(f"{fn.__name__}: {len(launch.args)} runtime args for parameters {runtime}")
+    signature = {name: _arg_type(value) for name, value in zip(runtime, launch.args)}
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in fn.arg_names}  # kernel parameter order
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
+
+
+def main() -> int:
+    seen: set = set()
+    failures = 0
+    for dtype in DTYPES:
+        for head_dim in HEAD_DIMS:
+            for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):
+                for launch in _launches(dtype, head_dim, num_heads, num_kv_heads, gate, capacity):
+                    types = tuple(_arg_type(a) for a in launch.args)
+                    key = (launch.kernel.__name__, types, launch.constexprs, launch.num_warps, launch.num_stages)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    config = " ".join(f"{k}={v}" for k, v in launch.constexprs)
+                    label = (f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} {config} "
+                             f"warps={launch.num_warps} stages={launch.num_stages}")
+                    start = time.perf_counter()
+                    try:
+                        compiled = _compile(launch)
+                    except Exception as exc:  # report every failing config, then fail
+                        failures += 1
+                        print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                        continue
+                    shared = compiled.metadata.shared
+                    status = "ok  "
+                    if shared > SM90_MAX_SHARED_BYTES:
+                        failures += 1
+                        status = "FAIL"
+                    print(f"{status} {label} shared={shared}B ptx={len(compiled.asm['ptx'])}B "
+                          f"{time.perf_counter() - start:.2f}s", flush=True)
+    print(f"{len(seen)} kernel configurations, {failures} failed (triton {triton.__version__}, sm_90)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
