@@ -28,6 +28,7 @@ _KERNEL_MODULES = {
     "cuda": "qwen_ops.kernels.cuda",
 }
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
+_trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_ops_trusted_metadata", default=False)
 
 
 def _check_name(name: str, source: str) -> str:
@@ -57,6 +58,27 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _override.reset(token)
+
+
+@contextlib.contextmanager
+def trusted_metadata() -> Iterator[None]:
+    """Skip the reference backend's per-call value checks inside this block.
+
+    For callers that build the index tensors themselves from validated state (the engine's
+    runner): the model calls the ops once per layer with the same metadata, and re-reading it
+    every time would dominate a CPU decode step. Shape/dtype/device checks still run, and
+    ``QWEN_OPS_DEBUG=1`` still forces the value checks.
+    """
+    token = _trusted.set(True)
+    try:
+        yield
+    finally:
+        _trusted.reset(token)
+
+
+def value_checks_enabled(backend: str) -> bool:
+    """Whether an op call must read and check its index values on ``backend``."""
+    return debug_checks_enabled() or (backend == "reference" and not _trusted.get())
 
 
 def debug_checks_enabled() -> bool:

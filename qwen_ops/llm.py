@@ -54,7 +54,8 @@ class LLM:
                  device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: int = 2048,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, preemption_mode: str = "recompute",
-                 kv_cache_bytes: Optional[int] = None, check_invariants: bool = False):
+                 kv_cache_bytes: Optional[int] = None, check_invariants: bool = False,
+                 compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None):
         from qwen_ops.defaults import default_model_path
         from qwen_ops.loader import load_checkpoint
 
@@ -78,7 +79,8 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens}, expected >= 1")
         self.engine = QwenEngine(ckpt.model, cfg, max_slots=max_num_seqs, max_seq_len=max_model_len,
                                  block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                 tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids)
+                                 tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, compile=compile,
+                                 decode_buckets=decode_buckets)
         self.tokenizer = ckpt.tokenizer
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

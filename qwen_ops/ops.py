@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from qwen_ops import _validation as V
-from qwen_ops.backend import debug_checks_enabled, kernels, resolve_backend
+from qwen_ops.backend import kernels, resolve_backend, value_checks_enabled
 from qwen_ops.torch_library import NAMESPACE, SCHEMAS
 
 # Holds the op definitions alive for the life of the process; never mutated after import.
@@ -26,7 +26,7 @@ for _name, _schema in SCHEMAS.items():
 def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
     V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
     backend = resolve_backend(key.device)
-    if backend == "reference" or debug_checks_enabled():
+    if value_checks_enabled(backend):
         V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
     getattr(kernels(backend), f"kv_write_{backend}")(key, value, key_cache, value_cache, slot_ids,
                                                       positions, block_table)
@@ -37,7 +37,7 @@ def _slot_attention_impl(query, key_cache, value_cache, block_table, seq_slots, 
     V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
                            scale, max_query_len, gate)
     backend = resolve_backend(query.device)
-    if backend == "reference" or debug_checks_enabled():
+    if value_checks_enabled(backend):
         V.check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
                                       max_query_len)
     return getattr(kernels(backend), f"slot_attention_{backend}")(

@@ -3,16 +3,24 @@ sequence chunks into one forward pass of the model.
 
 The engine decides what to run (which slot, which tokens, from which position); the runner
 only packs it into flat token tensors plus ``AttentionMetadata`` and calls the model once.
+
+Decode batches (one token per sequence) go through static buffers sized for the largest
+bucket: a batch of n is padded up to the next bucket size with slot -1 rows, so the decode
+step sees a handful of shapes. With ``compile=True`` that step is ``torch.compile``d with
+``fullgraph=True``: one graph for batch 1 and one (dynamic in the batch) for the other
+buckets. The same buffers and buckets are what CUDA-graph capture replays into.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from qwen_ops.attention import AttentionMetadata
+from qwen_ops.backend import trusted_metadata
 
 
 @dataclass(frozen=True)
@@ -24,10 +32,18 @@ class SeqChunk:
     start: int
 
 
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then every 8 up to ``max_batch`` (which is always the last bucket)."""
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
+    sizes += list(range(24, max_batch, 8))
+    return sizes + [max_batch]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_slots: int, max_blocks_per_slot: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, compile: bool = False,
+                 buckets: Optional[Sequence[int]] = None):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -37,6 +53,65 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self.block_table = torch.zeros((max_slots, max_blocks_per_slot), dtype=torch.int32, device=device)
+        self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
+        if self.buckets[0] < 1:
+            raise ValueError(f"buckets = {list(buckets)}, expected sizes >= 1")
+        self.compiled = compile
+        self._alloc_decode_buffers()
+        self._decode_step = (torch.compile(self._decode_forward, fullgraph=True) if compile
+                             else self._decode_forward)
+
+    def _alloc_decode_buffers(self) -> None:
+        """Static decode inputs for the largest bucket; a batch of B uses the first B rows."""
+        n, dev = self.buckets[-1], self.device
+        self.buf_input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.buf_positions = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.buf_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)   # slot_ids == seq_slots in decode
+        self.buf_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.buf_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # never changes
+        self.buf_logits_indices = torch.arange(n, dtype=torch.long, device=dev)        # never changes
+
+    def bucket_for(self, n: int) -> Optional[int]:
+        """The smallest bucket holding ``n`` sequences, or None above the largest."""
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        logits_indices: torch.Tensor) -> torch.Tensor:
+        """The decode step: one token per sequence; all shapes are the bucket size."""
+        attn = AttentionMetadata(slot_ids=slots, seq_slots=slots, block_table=self.block_table,
+                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=1)
+        return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
+
+    def fill_decode_buffers(self, chunks: Sequence[SeqChunk], bucket: int) -> None:
+        """Copy a decode batch into the static buffers; rows n..bucket-1 become slot -1 padding."""
+        n = len(chunks)
+        host = torch.tensor([[c.token_ids[0], c.start, c.slot, c.start + 1] for c in chunks]
+                            + [[0, 0, -1, 1]] * (bucket - n), dtype=torch.long)
+        host = host.to(self.device, non_blocking=True)
+        self.buf_input_ids[:bucket].copy_(host[:, 0])
+        self.buf_positions[:bucket].copy_(host[:, 1])
+        self.buf_slots[:bucket].copy_(host[:, 2])
+        self.buf_seq_lens[:bucket].copy_(host[:, 3])
+
+    def decode_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        inputs = (self.buf_input_ids[:bucket], self.buf_positions[:bucket], self.buf_slots[:bucket],
+                  self.buf_query_start_loc[:bucket + 1], self.buf_seq_lens[:bucket],
+                  self.buf_logits_indices[:bucket])
+        if self.compiled and bucket > 1:
+            # One graph for every bucket above 1, instead of a recompile per size.
+            for t in inputs:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return inputs
+
+    @torch.inference_mode()
+    def execute_decode(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        bucket = self.bucket_for(len(chunks))
+        self.fill_decode_buffers(chunks, bucket)
+        with trusted_metadata():   # built from the engine's validated slot state
+            logits = self._decode_step(*self.decode_inputs(bucket))
+        return logits[:len(chunks)].float()
 
     @property
     def num_blocks(self) -> int:
@@ -81,7 +156,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """One forward over all chunks; returns fp32 logits [len(chunks), vocab] of each chunk's last token."""
+        """One forward over all chunks; returns fp32 logits [len(chunks), vocab] of each chunk's last token.
+
+        Decode batches within the largest bucket take the static (compiled) path; prefill,
+        mixed and oversized batches run eager with exact shapes.
+        """
+        if all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]:
+            return self.execute_decode(chunks)
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []
@@ -108,5 +189,6 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
-        logits = self.model(input_ids, pos, attn, self.kv_caches, logits_indices)
+        with trusted_metadata():   # built from the engine's validated slot state
+            logits = self.model(input_ids, pos, attn, self.kv_caches, logits_indices)
         return logits.float()
