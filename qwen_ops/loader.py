@@ -196,23 +196,38 @@ def _ignorable(name: str, config: QwenConfig) -> bool:
 
 def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: torch.dtype,
                   device: torch.device) -> None:
-    """Copy ``names`` from ``file`` into new parameters, reopening the mapping every window."""
+    """Copy ``names`` from ``file`` into new parameters, unmapping the file every window of bytes.
+
+    A tensor larger than the window (an embedding) is copied in row blocks of about one window,
+    so its source pages are never all mapped at once either.
+    """
     handle, mapped = None, 0
     try:
         for name in names:
-            if handle is None:
-                handle = _open(file).__enter__()
-            src = handle.get_tensor(name)  # a view of the mapped file: no copy yet
-            dst = torch.empty(src.shape, dtype=dtype, device=device)
-            dst.copy_(src)  # converts and copies; touches the mapped pages once
-            mapped += src.numel() * src.element_size()
-            del src
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
+            shape = module._parameters[leaf].shape  # a meta tensor: shape only
+            dst = torch.empty(shape, dtype=dtype, device=device)
+            rows = shape[0] if len(shape) else 1
+            if handle is None:
+                handle = _open(file).__enter__()
+            row_bytes = FILE_DTYPES[handle.get_slice(name).get_dtype()].itemsize * (dst.numel() // max(rows, 1))
+            step = rows if row_bytes * rows <= MAP_WINDOW_BYTES else max(1, MAP_WINDOW_BYTES // row_bytes)
+            for start in range(0, rows, step):
+                if handle is None:
+                    handle = _open(file).__enter__()
+                if step == rows:
+                    src = handle.get_tensor(name)  # a view of the mapped file: no copy yet
+                    dst.copy_(src)  # converts and copies; touches the mapped pages once
+                else:
+                    src = handle.get_slice(name)[start:start + step]
+                    dst[start:start + step].copy_(src)
+                mapped += src.numel() * src.element_size()
+                del src
+                if mapped >= MAP_WINDOW_BYTES:  # unmap, so touched file pages stop counting as ours
+                    handle.__exit__(None, None, None)
+                    handle, mapped = None, 0
             module._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
-            if mapped >= MAP_WINDOW_BYTES:  # unmap, so touched file pages stop counting as ours
-                handle.__exit__(None, None, None)
-                handle, mapped = None, 0
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)

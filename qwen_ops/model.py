@@ -15,8 +15,6 @@ fp32, cast back to the model dtype at the same points.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,9 +52,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()
         self.half = config.head_dim // 2
-        # On torch's default device; under the loader's torch.device("meta") that costs nothing,
-        # and the loader, since this non-persistent buffer is not in the checkpoint, recomputes it.
-        self.register_buffer("cos_sin", rope_table(config), persistent=False)
+        # On torch's default device. Under the loader's torch.device("meta") it stays an empty
+        # meta tensor (meta arange would import torch's Python meta kernels, ~180 MB) and the
+        # loader computes it on the target device: being non-persistent, it is not in checkpoints.
+        table = torch.empty(config.max_position_embeddings, config.head_dim)
+        self.register_buffer("cos_sin", table if table.is_meta else rope_table(config, table.device),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim // 2]`` in ``dtype`` for int32 or int64 ``positions [T]``."""
@@ -64,11 +65,8 @@ class RotaryEmbedding(nn.Module):
         return table[:, None, :self.half], table[:, None, self.half:]
 
 
-def rope_table(config: QwenConfig, device: Optional[torch.device] = None) -> torch.Tensor:
-    """fp32 ``[max_position_embeddings, head_dim]``: cos | sin of every position, times the scaling.
-
-    ``device`` None means torch's current default device.
-    """
+def rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
+    """fp32 ``[max_position_embeddings, head_dim]``: cos | sin of every position, times the scaling."""
     inv_freq, scaling = config.rope.inv_freq_and_scaling(config.head_dim, config.max_position_embeddings)
     positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, head_dim // 2]
@@ -146,7 +144,12 @@ class QwenModel(nn.Module):
 
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        # Under the loader's torch.device("meta") the checkpoint fills the weight; normal_ on a
+        # meta tensor would import torch's Python meta kernels (~180 MB of host memory) for nothing.
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(QwenDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
