@@ -38,7 +38,7 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(eq=False)          # identity comparison: requests are looked up in queues often
 class Request:
     request_id: RequestId
     arrival: int                                # arrival order (FCFS key)

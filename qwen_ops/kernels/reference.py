@@ -48,9 +48,12 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
     blocks = block_table[slots, :n_blocks].long().clamp(0, key_cache.shape[0] - 1)
     key_valid = (torch.arange(L, device=device)[None, :] < seq_lens[:, None])[:, None, :, None]
 
+    ragged = S > 1 and bool((seq_lens != L).any())   # some sequence has keys past its seq_len
+
     def gather(cache):
         kv = cache[blocks].reshape(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]
-        return kv.transpose(1, 2).float().masked_fill(~key_valid, 0.0)
+        kv = kv.transpose(1, 2).float()
+        return kv.masked_fill(~key_valid, 0.0) if ragged else kv
 
     k, v = gather(key_cache), gather(value_cache)
 

@@ -1,0 +1,177 @@
+"""Performance gate: speed ratios measured in ONE run, compared with thresholds.
+
+Absolute times on these shared machines jump around; ratios of two implementations measured
+side by side (interleaved where possible, medians) do not. The gate fails only on ratios.
+
+    OMP_NUM_THREADS=1 python benchmarks/gate.py            # full sizes (the issue targets)
+    OMP_NUM_THREADS=1 python benchmarks/gate.py --short    # CI: smaller workloads
+
+Ratios (higher is better):
+  compiled_vs_eager_decode   eager / compiled per-step decode time, batch 1
+  batched_vs_loop_decode     per-token time of a decode_step loop over 32 requests / one batch_decode_step
+  generate_vs_transformers   LLM.generate tokens/s / transformers generate tokens/s (32 requests)
+  single_vs_transformers     the same for a single request
+Thresholds and the last measured values live in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Floors the CI gate enforces (see benchmarks/README.md for the targets and why they differ).
+THRESHOLDS = {
+    "compiled_vs_eager_decode": 1.0,
+    "batched_vs_loop_decode": 8.0,
+    "generate_vs_transformers": 2.0,
+    "single_vs_transformers": 1.5,
+}
+
+
+def _median_interleaved(fns: dict, reps: int) -> dict[str, float]:
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def compiled_vs_eager(path: Path, steps: int) -> dict:
+    from qwen_ops.engine import QwenEngine
+
+    state = {}
+    for name, comp in (("eager", False), ("compiled", True)):
+        eng = QwenEngine.from_pretrained(path, max_slots=4, max_seq_len=512, compile=comp)
+        t0 = time.perf_counter()
+        tok = eng.prefill(list(range(10, 74))).next_token
+        for _ in range(3):
+            tok = eng.decode_step(tok).next_token
+        state[name] = [eng, tok, time.perf_counter() - t0]
+
+    def step(name):
+        def run():
+            eng, tok, _ = state[name]
+            state[name][1] = eng.decode_step(tok).next_token
+        return run
+
+    med = _median_interleaved({k: step(k) for k in state}, steps)
+    return {"ratio": med["eager"] / med["compiled"], "eager_ms": 1e3 * med["eager"],
+            "compiled_ms": 1e3 * med["compiled"], "compiled_warmup_s": state["compiled"][2]}
+
+
+def batched_vs_loop(path: Path, n_requests: int, steps: int) -> dict:
+    from qwen_ops.engine import QwenBatchedRequest, QwenEngine
+    from qwen_ops.sampling import SamplingParams
+
+    eng = QwenEngine.from_pretrained(path, max_slots=2 * n_requests, max_seq_len=512, compile=False)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10_000, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(16)] for i in range(n_requests)]
+    batch = [QwenBatchedRequest(i, p, i, sp) for i, p in enumerate(prompts)]
+    eng.batch_prefill(batch)
+    loop_slots = list(range(n_requests, 2 * n_requests))
+    last = [eng.prefill(p, slot_id=s).next_token for p, s in zip(prompts, loop_slots)]
+
+    def batched():
+        eng.batch_decode_step(batch)
+
+    def loop():
+        for i, s in enumerate(loop_slots):
+            last[i] = eng.decode_step(last[i], slot_id=s).next_token
+
+    med = _median_interleaved({"batched": batched, "loop": loop}, steps)
+    return {"ratio": med["loop"] / med["batched"], "batched_ms_per_token": 1e3 * med["batched"] / n_requests,
+            "loop_ms_per_token": 1e3 * med["loop"] / n_requests}
+
+
+def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_tokens: int, compile: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from qwen_ops.llm import LLM
+    from qwen_ops.sampling import SamplingParams
+
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (n_requests, prompt_len), generator=g)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, max_num_seqs=max(n_requests, 1), max_model_len=prompt_len + new_tokens + 8, compile=compile,
+              max_num_batched_tokens=max(512, n_requests * prompt_len))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run_hf(ids):
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    def run_ours(ids):
+        return [o.outputs[0].token_ids for o in llm.generate(ids.tolist(), sp)]
+
+    result = {}
+    for label, ids in (("batch", prompts), ("single", prompts[:1])):
+        run_ours(ids[:, :8])                      # warm-up (and compile) on a short run
+        run_hf(ids[:, :8])
+        t_ours, t_hf = [], []
+        for _ in range(2 if label == "batch" else 3):
+            t0 = time.perf_counter()
+            ours = run_ours(ids)
+            t_ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ref = run_hf(ids)
+            t_hf.append(time.perf_counter() - t0)
+        same = sum(a == b for a, b in zip(ours, ref))
+        tokens = ids.shape[0] * new_tokens
+        result[label] = {"ratio": statistics.median(t_hf) / statistics.median(t_ours),
+                         "ours_tok_s": tokens / statistics.median(t_ours), "hf_tok_s": tokens / statistics.median(t_hf),
+                         "same_tokens": f"{same}/{ids.shape[0]}"}
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", action="store_true", help="smaller workloads for CI")
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled-decode ratio")
+    args = parser.parse_args(argv)
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        print("warning: set OMP_NUM_THREADS=1; timings with more threads are erratic here", file=sys.stderr)
+    from qwen_ops.defaults import default_model_path
+
+    path = args.model or default_model_path()
+    short = args.short
+    results = {}
+    if not args.no_compile:
+        results["compiled_vs_eager_decode"] = compiled_vs_eager(path, steps=30 if short else 100)
+    results["batched_vs_loop_decode"] = batched_vs_loop(path, n_requests=32, steps=5 if short else 20)
+    gen = generate_vs_transformers(path, n_requests=32, prompt_len=64, new_tokens=16 if short else 64,
+                                   compile=False)
+    results["generate_vs_transformers"] = gen["batch"]
+    results["single_vs_transformers"] = gen["single"]
+
+    failed = []
+    print(f"{'ratio':<28} {'measured':>9} {'floor':>7}  details")
+    for name, r in results.items():
+        floor = THRESHOLDS[name]
+        ok = r["ratio"] >= floor
+        failed += [] if ok else [name]
+        details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ratio")
+        print(f"{name:<28} {r['ratio']:>8.2f}x {floor:>6.2f}x  {'ok ' if ok else 'LOW'} {details}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if failed:
+        print(f"gate FAILED: {', '.join(failed)} below the floor", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
