@@ -76,7 +76,8 @@ class RopeConfig:
         if self.rope_type == "default":
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
         if self.rope_type == "linear":
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim))
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
+            inv_freq = 1.0 / (base ** exponents)
             return inv_freq / self.factor, 1.0
         if self.rope_type == "yarn":
             return self._yarn(dim, max_position_embeddings)

@@ -45,8 +45,8 @@ class RotaryEmbedding(nn.Module):
     """RoPE as a precomputed fp32 table ``cos_sin [max_position_embeddings, head_dim]``.
 
     Row p holds ``cos(p * inv_freq) * s`` in its first half and ``sin(p * inv_freq) * s`` in its
-    second (``s`` is yarn's attention factor, 1 otherwise): the very fp32 values transformers
-    computes per step, so gathering rows by position reproduces them exactly.
+    second (``s`` is yarn's attention factor, 1 otherwise), by the same fp32 operations that
+    transformers runs at every step, so gathering rows by position reproduces its values.
     """
 
     def __init__(self, config: QwenConfig) -> None:
