@@ -96,7 +96,8 @@ class QwenEngine:
     def __init__(self, model: torch.nn.Module, config: Any, *, max_slots: int = 8, max_seq_len: int = 2048,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, chunk_size: int = 512,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (), compile: Optional[bool] = None,
-                 decode_buckets: Optional[Sequence[int]] = None):
+                 decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
+                 backend: str = "inductor"):
         for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
                                  ("block_size", block_size, 1), ("chunk_size", chunk_size, 1)):
             if not _is_int(value) or value < low:
@@ -126,7 +127,9 @@ class QwenEngine:
             model, num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
             max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
-            compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets)
+            compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
+            cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
+            compile_backend=backend)
         self.allocator = BlockAllocator(num_kv_blocks)
         self._slots = [_SlotState() for _ in range(max_slots)]
         self._lock = threading.RLock()

@@ -24,7 +24,17 @@ from qwen_ops.scheduler import Request, Scheduler, SchedulerConfig
 
 Prompt = Union[str, Sequence[int]]
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30   # KV budget when num_kv_blocks is None on the CPU
+DEFAULT_KV_CACHE_BYTES = 1 << 30     # KV budget when num_kv_blocks is None on the CPU
+CUDA_GRAPH_RESERVE_BYTES = 1 << 30   # kept free on a GPU for activations and CUDA-graph capture
+
+
+def _default_kv_budget(device: torch.device) -> int:
+    """Bytes for the KV cache: 1 GiB on the CPU; on a GPU, 90% of what is free after the weights,
+    less a reserve for activations and graph capture, taken before the cache is sized."""
+    if device.type != "cuda":
+        return DEFAULT_KV_CACHE_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
 
 
 @dataclass
@@ -55,7 +65,8 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, preemption_mode: str = "recompute",
                  kv_cache_bytes: Optional[int] = None, check_invariants: bool = False,
-                 compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None):
+                 compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
+                 cuda_graphs: Optional[bool] = None, backend: str = "inductor"):
         from qwen_ops.defaults import default_model_path
         from qwen_ops.loader import load_checkpoint
 
@@ -68,7 +79,7 @@ class LLM:
         if num_kv_blocks is None:
             elem = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
             block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-            budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(torch.device(device))
             num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
         if num_kv_blocks < per_seq_blocks:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
@@ -80,7 +91,8 @@ class LLM:
         self.engine = QwenEngine(ckpt.model, cfg, max_slots=max_num_seqs, max_seq_len=max_model_len,
                                  block_size=block_size, num_kv_blocks=num_kv_blocks,
                                  tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, compile=compile,
-                                 decode_buckets=decode_buckets)
+                                 decode_buckets=decode_buckets, cuda_graphs=cuda_graphs,
+                                 backend=backend)
         self.tokenizer = ckpt.tokenizer
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -39,11 +39,30 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def _compile_decode(fn, backend: str):
+    """``torch.compile`` the decode step: Inductor, or Torch-TensorRT (``backend="tensorrt"``)."""
+    if backend == "inductor":
+        return torch.compile(fn, fullgraph=True)
+    if backend == "tensorrt":
+        try:
+            import torch_tensorrt  # noqa: F401  (registers the "torch_tensorrt" compile backend)
+        except ImportError as e:
+            raise RuntimeError("compile_backend='tensorrt' needs the torch-tensorrt package "
+                               "(pip install 'qwen_ops[tensorrt]') and a CUDA GPU") from e
+        # torch.ops.qwen.* are not TensorRT layers: they keep running in PyTorch between engines.
+        return torch.compile(fn, fullgraph=False, backend="torch_tensorrt",
+                             options={"torch_executed_ops": {"torch.ops.qwen.kv_write.default",
+                                                             "torch.ops.qwen.slot_attention.default"},
+                                      "min_block_size": 1})
+    raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, max_slots: int, max_blocks_per_slot: int,
                  dtype: torch.dtype, device: torch.device, compile: bool = False,
-                 buckets: Optional[Sequence[int]] = None):
+                 buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
+                 compile_backend: str = "inductor"):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -56,10 +75,20 @@ class ModelRunner:
         self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
         if self.buckets[0] < 1:
             raise ValueError(f"buckets = {list(buckets)}, expected sizes >= 1")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {device}")
+        if compile_backend == "tensorrt":
+            if device.type != "cuda":
+                raise ValueError(f"backend='tensorrt' needs a CUDA device, got device {device}")
+            compile = True
         self.compiled = compile
         self._alloc_decode_buffers()
-        self._decode_step = (torch.compile(self._decode_forward, fullgraph=True) if compile
+        self._decode_step = (_compile_decode(self._decode_forward, compile_backend) if compile
                              else self._decode_forward)
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
 
     def _alloc_decode_buffers(self) -> None:
         """Static decode inputs for the largest bucket; a batch of B uses the first B rows."""
@@ -109,9 +138,53 @@ class ModelRunner:
     def execute_decode(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         bucket = self.bucket_for(len(chunks))
         self.fill_decode_buffers(chunks, bucket)
+        if self.cuda_graphs:
+            if not self._graphs:
+                self.capture()
+            graph, out = self._graphs[bucket]
+            graph.replay()
+            # The graph's output buffer is overwritten by the next replay: hand out a copy.
+            return out[:len(chunks)].to(torch.float32, copy=True)
         with trusted_metadata():   # built from the engine's validated slot state
             logits = self._decode_step(*self.decode_inputs(bucket))
         return logits[:len(chunks)].float()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the decode step of every bucket into CUDA graphs, largest first, one memory pool.
+
+        Capture runs on all-padding inputs (slot -1: nothing is written). Replays read the
+        static buffers, which ``fill_decode_buffers`` rewrites in full up to the bucket size
+        before every replay, so no stale row from an earlier batch is ever read.
+        """
+        import time
+
+        self._graphs.clear()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        for bucket in reversed(self.buckets):
+            self.fill_decode_buffers([], bucket)
+            inputs = self.decode_inputs(bucket)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):        # warm-up (and compile) outside the capture
+                for _ in range(2):
+                    self._decode_step(*inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_step(*inputs)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[bucket] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+
+    def _tensors_replaced(self) -> None:
+        """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""
+        self._graphs.clear()
 
     @property
     def num_blocks(self) -> int:
@@ -128,6 +201,7 @@ class ModelRunner:
             grown = torch.zeros((max_slots, cols), dtype=torch.int32, device=self.device)
             grown[:rows] = self.block_table
             self.block_table = grown
+            self._tensors_replaced()
 
     def grow_blocks(self, num_blocks: int) -> None:
         """Add physical blocks at the end; existing block ids keep their contents."""
@@ -142,6 +216,7 @@ class ModelRunner:
             v2[:old] = v
             grown.append((k2, v2))
         self.kv_caches = grown
+        self._tensors_replaced()
 
     def copy_blocks_out(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host copies of ``blocks`` of every layer (for swap-out)."""
