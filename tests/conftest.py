@@ -1,0 +1,53 @@
+"""Shared pytest setup for qwen_ops: Triton interpreter on CPU-only machines, device and backend fixtures.
+
+``TRITON_INTERPRET=1`` must be set before triton (imported lazily by qwen_ops' triton backend)
+builds its kernels, so it is set here, before any test module imports qwen_ops. It is only a
+default: an explicit ``TRITON_INTERPRET=0`` in the environment wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from qwen_ops.backend import why_unavailable  # noqa: E402
+
+# Every concrete backend; the fixture below skips those that cannot run here, with the reason.
+BACKENDS = ("reference", "triton", "cuda")
+
+
+def backend_unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` (None when it can)."""
+    try:
+        return why_unavailable(name, device)
+    except ImportError as exc:  # e.g. the cuda backend's kernel module is not part of this build
+        return f"{name} backend cannot be imported: {exc}"
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device kernels are tested on: the CUDA GPU when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, device) -> str:
+    """A concrete backend name that can run on ``device``; skips (with the reason) otherwise."""
+    reason = backend_unavailable_reason(request.param, device)
+    if reason is not None:
+        pytest.skip(f"backend {request.param!r} unavailable on {device}: {reason}")
+    return request.param
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    """For GPU-only tests."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    return torch.device("cuda")
