@@ -1,0 +1,213 @@
+"""Device check: one run on a GPU machine (no network, preinstalled torch) that
+
+1. runs the GPU tests (ops on every backend, the CUDA extension, CUDA-graph decode);
+2. measures achieved bandwidth of kv_write and slot_attention decode on every available backend,
+   against a measured device-to-device copy;
+3. times a Qwen3-0.6B-shaped model with random bf16 weights: per-step decode latency at batch
+   1, 8 and 64 (eager, compiled, CUDA graph), end-to-end throughput for 256 requests, and the
+   floor (weight bytes / measured copy bandwidth);
+4. writes the table to benchmarks/results/.
+
+Usage on the GPU machine, from the repo root:
+    pip install --no-deps --no-build-isolation -e .          # QWEN_OPS_BUILD_CUDA=1 to build csrc/
+    python benchmarks/device_check.py [--skip-tests] [--quick]
+``--smoke`` runs the measurement code on tiny CPU shapes (to check the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def timed(fn, reps: int, device: torch.device) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs (CUDA events on GPUs)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), reps, device)
+    return 2 * nbytes / t          # read + write
+
+
+def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
+    import qwen_ops
+    from qwen_ops.backend import why_unavailable
+
+    if smoke:
+        batch, ctx, heads, kv_heads, head_dim, block = 2, 64, 4, 2, 32, 16
+    else:
+        batch, ctx, heads, kv_heads, head_dim, block = 64, 4096, 32, 8, 128, 16
+    dtype = torch.bfloat16
+    blocks_per_seq = ctx // block
+    num_blocks = batch * blocks_per_seq
+    kc = torch.randn(num_blocks, block, kv_heads, head_dim, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
+    seq_slots = torch.arange(batch, device=device, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    # kv_write: a prefill-sized write of 64 x 512 tokens.
+    n_tok = batch * (8 if smoke else 512)
+    k = torch.randn(n_tok, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    slot_ids = torch.arange(batch, device=device, dtype=torch.int32).repeat_interleave(n_tok // batch)
+    positions = torch.arange(n_tok // batch, device=device, dtype=torch.int32).repeat(batch)
+    attn_bytes = 2 * kc.numel() * kc.element_size() + 2 * q.numel() * q.element_size()
+    write_bytes = 2 * (k.numel() * k.element_size()) * 2      # read k, v and write them
+    say(f"| op | backend | shape | time (us) | GB/s | % of copy |")
+    say(f"|---|---|---|---|---|---|")
+    for backend in ("reference", "triton", "cuda"):
+        if why_unavailable(backend, device) is not None:
+            say(f"| both | {backend} | - | - | - | unavailable: {why_unavailable(backend, device)} |")
+            continue
+        with qwen_ops.use_backend(backend):
+            t_attn = timed(lambda: torch.ops.qwen.slot_attention(q, kc, vc, bt, seq_slots, qsl, seq_lens,
+                                                                 head_dim ** -0.5, 1), reps, device)
+            t_write = timed(lambda: torch.ops.qwen.kv_write(k, v, kc, vc, slot_ids, positions, bt), reps, device)
+        for name, t, nbytes, shape in (
+                ("slot_attention decode", t_attn, attn_bytes, f"b{batch} ctx{ctx} h{heads}/{kv_heads} d{head_dim} bf16"),
+                ("kv_write", t_write, write_bytes, f"{n_tok} tokens, kv{kv_heads} d{head_dim} bf16")):
+            bw = nbytes / t
+            say(f"| {name} | {backend} | {shape} | {t * 1e6:.1f} | {bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
+
+
+def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
+    import json
+    import tempfile
+
+    from qwen_ops.engine import QwenBatchedRequest, QwenEngine
+    from qwen_ops.llm import LLM
+    from qwen_ops.sampling import SamplingParams
+    from safetensors.torch import save_file
+
+    # Qwen3-0.6B shape (random weights): 28 layers, hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151936.
+    shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    if smoke:
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=256)
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], max_position_embeddings=4096,
+               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
+               attention_bias=False, eos_token_id=1, bos_token_id=0, **shape)
+    vocab = shape["vocab_size"]
+    tmp = Path(tempfile.mkdtemp(prefix="qwen3_06b_shape_"))
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    from qwen_ops.config import QwenConfig
+    from qwen_ops.model import QwenForCausalLM
+
+    with torch.device("meta"):
+        skeleton = QwenForCausalLM(QwenConfig.from_pretrained(tmp))
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+               for n, p in skeleton.named_parameters() if n != "lm_head.weight"}
+    for n in list(tensors):
+        if n.endswith("norm.weight"):
+            tensors[n] = torch.ones_like(tensors[n])
+    save_file(tensors, str(tmp / "model.safetensors"))
+    weight_bytes = sum(t.numel() * 2 for t in tensors.values())
+    floor = weight_bytes / copy_bw * 2        # copy_bw counts read + write; a decode step only reads
+    say(f"\nQwen3-0.6B shape, random bf16 weights: {weight_bytes / 1e9:.2f} GB of weights; "
+        f"floor (weight bytes / read bandwidth) = {floor * 1e3:.3f} ms per step")
+    say("| batch | eager (ms) | compiled (ms) | CUDA graph (ms) | graph / floor | eager / graph |")
+    say("|---|---|---|---|---|---|")
+    modes = {"eager": dict(compile=False, cuda_graphs=False), "compiled": dict(compile=True, cuda_graphs=False),
+             "graph": dict(compile=True, cuda_graphs=device.type == "cuda")}
+    engines = {m: QwenEngine.from_pretrained(tmp, dtype="bfloat16", device=device, max_slots=64, max_seq_len=1024,
+                                             **kw) for m, kw in modes.items()}
+    sp = SamplingParams(temperature=0.0, max_new_tokens=100_000, ignore_eos=True)
+    for batch in (1, 8, 64):
+        row = {}
+        for m, eng in engines.items():
+            reqs = [QwenBatchedRequest(i, [(i * 7 + j) % (vocab - 2) + 2 for j in range(128)], i, sp) for i in range(batch)]
+            eng.batch_prefill(reqs)
+            for _ in range(3):
+                eng.batch_decode_step(reqs)
+            row[m] = timed(lambda: eng.batch_decode_step(reqs), reps, device)
+            for r in reqs:
+                eng.free_slot(r.slot_id)
+        say(f"| {batch} | {row['eager'] * 1e3:.3f} | {row['compiled'] * 1e3:.3f} | {row['graph'] * 1e3:.3f} | "
+            f"{row['graph'] / floor:.2f}x | {row['eager'] / row['graph']:.2f}x |")
+    del engines
+    n_req = 16 if smoke else 256
+    llm = LLM(tmp, dtype="bfloat16", device=device, max_num_seqs=64, max_model_len=1024)
+    prompts = [[(i * 13 + j) % (vocab - 2) + 2 for j in range(128)] for i in range(n_req)]
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True))
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    say(f"\nEnd to end: {n_req} requests x (128 prompt + 128 output tokens): {elapsed:.2f} s, "
+        f"{n_out / elapsed:.0f} output tokens/s, stats {llm.stats()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes: check the script itself")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA GPU here; use --smoke to check the script on the CPU", file=sys.stderr)
+        return 2
+    reps = 3 if args.smoke else (10 if args.quick else 30)
+    name = "cpu-smoke" if args.smoke else torch.cuda.get_device_name(device).replace(" ", "-")
+    say(f"# Device check: {name}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
+    status = 0
+    if not args.skip_tests and not args.smoke:
+        tests = ["tests/test_ops.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py", "tests/test_engine.py"]
+        say(f"\n## GPU tests: pytest {' '.join(tests)}")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", *tests], cwd=ROOT,
+                              capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        say("```\n" + "\n".join(tail) + "\n```")
+        status = proc.returncode
+    copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (1 << 30), reps)
+    say(f"\n## Bandwidth\nmeasured device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)\n")
+    op_bandwidth(device, args.smoke, reps, copy_bw)
+    say("\n## Qwen3-0.6B-shaped decode")
+    model_timings(device, args.smoke, reps, copy_bw)
+    out = args.out or ROOT / "benchmarks" / "results" / f"device_check_{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(LINES) + "\n")
+    print(f"\nwrote {out}")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
