@@ -1,0 +1,107 @@
+// Launch parameters and launchers of the CUDA kernels in qwen_kernels.cu.
+//
+// This header has no torch dependency: qwen_kernels.cu includes only CUDA headers (so nvcc
+// compiles it quickly), and qwen_ops.cpp turns torch tensors into these plain structs.
+// Strides are in elements. Index tensors are int32, as DESIGN.md section 3 states.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace qwen_cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+constexpr int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+// Head dims with a compiled kernel (templates in qwen_kernels.cu).
+constexpr bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 128 || d == 256; }
+
+// ---- Decode tiling (shared by the kernel templates and the host launch plan) ----------------
+// Each key row of head_dim elements is read with 16-byte vectors by `threads_per_key` lanes of a
+// warp (at most 32); a warp reads 32 / threads_per_key keys at once, and each thread handles
+// `decode_unroll` keys per tile, so a tile is 4 warps x keys-per-warp x unroll keys.
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+constexpr int kMaxDecodeSplits = 64;
+constexpr int kMinDecodeSplitKeys = 256;
+
+constexpr int decode_row_vectors(int elem_size, int head_dim) { return head_dim * elem_size / 16; }
+constexpr int decode_threads_per_key(int elem_size, int head_dim) {
+  return decode_row_vectors(elem_size, head_dim) < 32 ? decode_row_vectors(elem_size, head_dim) : 32;
+}
+constexpr int decode_vectors_per_thread(int elem_size, int head_dim) {
+  return decode_row_vectors(elem_size, head_dim) / decode_threads_per_key(elem_size, head_dim);
+}
+constexpr int decode_unroll(int elem_size, int head_dim) {
+  return decode_vectors_per_thread(elem_size, head_dim) == 1 ? 4 : 2;
+}
+constexpr int decode_key_groups(int elem_size, int head_dim) {
+  return kDecodeWarps * (32 / decode_threads_per_key(elem_size, head_dim));
+}
+constexpr int decode_tile_keys(int elem_size, int head_dim) {
+  return decode_key_groups(elem_size, head_dim) * decode_unroll(elem_size, head_dim);
+}
+
+// Query heads of one GQA group handled by one decode thread block (a template parameter).
+constexpr int decode_heads_per_block(int64_t group) {
+  return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
+}
+
+// ---- Prefill tiling: query rows per block and keys per tile, so that the static shared memory
+// (query tile + key tile + value tile + fp32 probabilities) stays under 48 KiB on every arch.
+constexpr int prefill_tile_rows(int elem_size, int head_dim) { return head_dim * elem_size <= 512 ? 32 : 16; }
+constexpr int prefill_tile_keys(int elem_size, int head_dim) {
+  return head_dim * elem_size <= 256 ? 32 : (head_dim * elem_size <= 512 ? 16 : 8);
+}
+
+struct KvWriteParams {
+  const char* key;          // [num_tokens, num_kv_heads, head_dim]
+  const char* value;
+  char* key_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  char* value_cache;
+  const int32_t* slot_ids;  // [num_tokens]
+  const int32_t* positions; // [num_tokens]
+  const int32_t* block_table;  // [num_slots, max_blocks_per_slot]
+  int64_t num_tokens, num_kv_heads, head_dim, elem_size;
+  int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;
+  int64_t kc_stride_block, kc_stride_row, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_row, vc_stride_head;
+  int64_t slot_ids_stride, positions_stride, bt_stride_slot, bt_stride_col;
+  int64_t num_slots, max_blocks_per_slot, block_size, num_blocks;
+  int vector_bytes;         // 16 when every row start is 16-byte aligned, else elem_size
+};
+
+struct AttentionParams {
+  DType dtype;
+  const void* query;        // [num_tokens, num_heads, head_dim]
+  const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;
+  const void* gate;         // [num_tokens, num_heads, head_dim] or nullptr
+  void* out;                // [num_tokens, num_heads, head_dim], contiguous
+  const int32_t* block_table;      // [num_slots, max_blocks_per_slot]
+  const int32_t* seq_slots;        // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  float* partial_acc;       // split decode workspace [num_seqs, num_heads, num_splits, head_dim]
+  float* partial_ml;        // [num_seqs, num_heads, num_splits, 2]: running max (log2 domain), sum
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_seqs;
+  int64_t q_stride_token, q_stride_head, gate_stride_token, gate_stride_head;
+  int64_t out_stride_token, out_stride_head;
+  int64_t kc_stride_block, kc_stride_row, kc_stride_head;
+  int64_t vc_stride_block, vc_stride_row, vc_stride_head;
+  int64_t bt_stride_slot, bt_stride_col, seq_slots_stride, qsl_stride, seq_lens_stride;
+  int64_t num_slots, max_blocks_per_slot, block_size, num_blocks;
+  float scale_log2;         // softmax scale x log2(e): the kernels use exp2
+  int64_t max_query_len;    // 1 selects the split decode kernel
+  int64_t num_splits;       // decode splits (1: the decode kernel writes `out` directly)
+  int64_t head_chunks;      // decode: ceil(group / heads_per_block)
+};
+
+// Launchers; they return false for a configuration without a compiled kernel (the caller
+// checks dtype and head_dim first, so this is a second line of defence).
+bool launch_kv_write(const KvWriteParams& p, cudaStream_t stream);
+bool launch_slot_attention(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace qwen_cuda
