@@ -333,12 +333,7 @@ def test_triton_launch_plan_reads_no_device_values(device):
     assert plans[0] == plans[1] and plans[2] == plans[3] and plans[0] != plans[2]
 
 
-def test_slot_attention_empty_batch(backend, device, request):
-    if backend == "reference":
-        # kernels/reference.py: `len(single) == len(slot_list)` is true for 0 == 0, so _attend runs on an
-        # empty group and int(q_lens.max()) raises. Fix: `if slot_list and len(single) == len(slot_list):`.
-        request.applymarker(pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                              reason="reference crashes on num_seqs == 0 (reported)"))
+def test_slot_attention_empty_batch(backend, device):
     case = make_attention_case("decode", dtype=torch.float32, device=device)
     query = case.query[:0]
     out = run_op(backend, torch.ops.qwen.slot_attention, query, case.key_cache, case.value_cache,
