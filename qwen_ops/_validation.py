@@ -197,3 +197,122 @@ def check_slot_attention_values(query, key_cache, block_table, seq_slots, query_
     block_size = key_cache.shape[1]
     needed = (seq_lens[live] + block_size - 1) // block_size
     _check_blocks(block_table, seq_slots[live], needed, key_cache.shape[0], "a block the sequence reads")
+
+
+# --------------------------------------------------------------------------------------------
+# Slot-state ops of hybrid models: causal_conv1d and gated_delta_rule
+# --------------------------------------------------------------------------------------------
+
+def _check_seq_metadata(seq_slots, query_start_loc, seq_lens) -> None:
+    """seq_slots, seq_lens int32 [num_seqs], query_start_loc int32 [num_seqs + 1] (shapes only)."""
+    _index("seq_slots", seq_slots, 1, "[num_seqs]")
+    _index("seq_lens", seq_lens, 1, "[num_seqs]")
+    _index("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    num_seqs = seq_slots.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, expected num_seqs = {num_seqs} (len of seq_slots)")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, expected num_seqs + 1 = "
+                         f"{num_seqs + 1} (seq_slots has {num_seqs})")
+
+
+def check_causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> None:
+    _same_device(x=x, weight=weight, bias=bias, conv_state=conv_state, seq_slots=seq_slots,
+                 query_start_loc=query_start_loc, seq_lens=seq_lens)
+    _rank("x", x, 2, "[num_tokens, dim]")
+    _float("x", x)
+    dim = x.shape[1]
+    _rank("weight", weight, 2, "[dim, kernel] (the depthwise Conv1d weight [dim, 1, kernel] squeezed)")
+    _float("weight", weight)
+    if weight.shape[0] != dim or weight.shape[1] < 1:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [{dim}, kernel >= 1] to match x's dim = {dim}")
+    kernel = weight.shape[1]
+    if bias is not None:
+        _rank("bias", bias, 1, "[dim]")
+        _float("bias", bias)
+        if bias.shape[0] != dim:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [{dim}] to match x's dim = {dim}")
+    _rank("conv_state", conv_state, 3, "[max_slots, dim, kernel - 1]")
+    _float("conv_state", conv_state)
+    if conv_state.shape[1:] != (dim, kernel - 1):
+        raise ValueError(f"conv_state has shape {tuple(conv_state.shape)}, expected [max_slots, {dim}, {kernel - 1}] "
+                         f"for x's dim = {dim} and weight's kernel = {kernel}")
+    for name, t in (("weight", weight), ("bias", bias), ("conv_state", conv_state)):
+        if t is not None and t.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+    _check_seq_metadata(seq_slots, query_start_loc, seq_lens)
+
+
+def check_gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale) -> None:
+    _same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, seq_slots=seq_slots,
+                 query_start_loc=query_start_loc, seq_lens=seq_lens)
+    _rank("q", q, 3, "[num_tokens, num_k_heads, k_dim]")
+    _float("q", q)
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected q's shape {tuple(q.shape)}")
+    _float("k", k)
+    _rank("v", v, 3, "[num_tokens, num_v_heads, v_dim]")
+    _float("v", v)
+    num_tokens, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[1], v.shape[2]
+    if v.shape[0] != num_tokens:
+        raise ValueError(f"v has {v.shape[0]} tokens (shape {tuple(v.shape)}), expected q's num_tokens = {num_tokens}")
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"v has {num_v_heads} heads, expected a multiple of q/k's num_k_heads = {num_k_heads}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
+    for name, t in (("g", g), ("beta", beta)):
+        _rank(name, t, 2, "[num_tokens, num_v_heads]")
+        _float(name, t)
+        if tuple(t.shape) != (num_tokens, num_v_heads):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{num_tokens}, {num_v_heads}] "
+                             "(num_tokens, num_v_heads)")
+    _rank("state", state, 4, "[max_slots, num_v_heads, k_dim, v_dim]")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state has dtype {state.dtype}, expected torch.float32 (the recurrent state is kept in fp32)")
+    _float("state", state)
+    if tuple(state.shape[1:]) != (num_v_heads, k_dim, v_dim):
+        raise ValueError(f"state has shape {tuple(state.shape)}, expected [max_slots, {num_v_heads}, {k_dim}, {v_dim}] "
+                         "(num_v_heads, k_dim, v_dim of v and k)")
+    _check_seq_metadata(seq_slots, query_start_loc, seq_lens)
+    if not isinstance(scale, (int, float)) or not (scale == scale and abs(scale) != float("inf")):
+        raise ValueError(f"scale = {scale!r}, expected a finite float")
+
+
+def check_slot_state_values(num_tokens: int, max_slots: int, seq_slots, query_start_loc, seq_lens) -> None:
+    """Index values of causal_conv1d / gated_delta_rule (reads the device, like the other value checks).
+
+    query_start_loc is a prefix sum from 0 to num_tokens; every seq_slot is -1 or a slot of the state;
+    a live sequence holds at least its query tokens (seq_len >= q_len) and no live slot appears twice
+    (two sequences updating one slot's state in one call would race).
+    """
+    qsl = query_start_loc
+    if qsl.numel() and int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0] = {int(qsl[0])}, expected 0")
+    q_lens = qsl[1:] - qsl[:-1]
+    if bool((q_lens < 0).any()):
+        i = int((q_lens < 0).nonzero()[0, 0])
+        raise ValueError(f"query_start_loc decreases at index {i + 1} ({int(qsl[i])} -> {int(qsl[i + 1])}); "
+                         "expected a non-decreasing prefix sum")
+    if qsl.numel() and int(qsl[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc[-1] = {int(qsl[-1])}, expected num_tokens = {num_tokens}")
+    bad = (seq_slots < -1) | (seq_slots >= max_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"seq_slots[{i}] = {int(seq_slots[i])}, but the state has {max_slots} slots; "
+                         f"expected -1 (padding) or 0 <= slot < {max_slots}")
+    live = seq_slots >= 0
+    bad = live & (seq_lens < q_lens)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} with {int(q_lens[i])} query tokens, expected "
+                         f"seq_len >= {int(q_lens[i])}")
+    slots = seq_slots[live]
+    if slots.numel() > 1:
+        values, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            slot = int(values[counts > 1][0])
+            rows = (seq_slots == slot).nonzero()[:, 0].tolist()
+            raise ValueError(f"seq_slots{rows} = {slot}: a live slot may appear only once per call "
+                             "(its state is updated in place)")

@@ -466,3 +466,22 @@ def slot_attention_triton(query, key_cache, value_cache, block_table, seq_slots,
                                           seq_lens, scale, max_query_len, gate, out, triton_interpret()):
         launch.run()
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Slot-state ops of hybrid models: kernels in triton_linear.py (imported on first call, since
+# that module imports Launch from this one)
+# --------------------------------------------------------------------------------------------
+
+def causal_conv1d_triton(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
+    """See ``qwen_ops.kernels.triton_linear.causal_conv1d_triton``."""
+    from qwen_ops.kernels import triton_linear
+    return triton_linear.causal_conv1d_triton(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+
+
+def gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
+                            scale: float) -> torch.Tensor:
+    """See ``qwen_ops.kernels.triton_linear.gated_delta_rule_triton``."""
+    from qwen_ops.kernels import triton_linear
+    return triton_linear.gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
+                                                 scale)
