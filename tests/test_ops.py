@@ -333,6 +333,23 @@ def test_triton_launch_plan_reads_no_device_values(device):
     assert plans[0] == plans[1] and plans[2] == plans[3] and plans[0] != plans[2]
 
 
+@pytest.mark.parametrize("scenario", DECODE_AND_MIXED)
+def test_triton_rows_no_sequence_covers_are_zero(scenario, device):
+    """The launcher's output is fully defined: rows past query_start_loc[-1] (which only the value
+    checks reject, and those are off on the triton path) come back zero, not uninitialised."""
+    if backend_mod.why_unavailable("triton", device) is not None:
+        pytest.skip(f"triton unavailable on {device}: {backend_mod.why_unavailable('triton', device)}")
+    from qwen_ops.kernels.triton import slot_attention_triton
+    case = make_attention_case(scenario, dtype=torch.float16, device=device, seed=15)
+    extra = torch.randn(3, *case.query.shape[1:], device=device).to(torch.float16)
+    query = torch.cat([case.query, extra])
+    gate = torch.cat([case.gate, extra])
+    poison_allocator(query)
+    out = slot_attention_triton(query, *case.args()[1:9], gate)
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+    assert_attention_close(out[:-3], slot_attention_reference(*case.args()), torch.float16)
+
+
 def test_slot_attention_empty_batch(backend, device):
     case = make_attention_case("decode", dtype=torch.float32, device=device)
     query = case.query[:0]
