@@ -1,13 +1,13 @@
-// Launch parameters and launchers of the CUDA kernels in qwen_kernels.cu.
+// Launch parameters, tiling constants and launch plans of the CUDA kernels (qwen_kernels.cuh).
 //
-// This header has no torch dependency: qwen_kernels.cu includes only CUDA headers (so nvcc
-// compiles it quickly), and qwen_ops.cpp turns torch tensors into these plain structs.
-// Strides are in elements. Index tensors are int32, as DESIGN.md section 3 states.
+// Plain C++ with neither torch nor CUDA headers: qwen_kernels.cu (nvcc), qwen_ops.cpp (torch)
+// and the host emulator in emulation/ all include it. Strides are in elements. Index tensors are
+// int32, as DESIGN.md section 3 states.
 #pragma once
 
 #include <cstdint>
 
-#include <cuda_runtime_api.h>
+#include "qwen_index.h"
 
 namespace qwen_cuda {
 
@@ -99,9 +99,43 @@ struct AttentionParams {
   int64_t head_chunks;      // decode: ceil(group / heads_per_block)
 };
 
-// Launchers; they return false for a configuration without a compiled kernel (the caller
-// checks dtype and head_dim first, so this is a second line of defence).
-bool launch_kv_write(const KvWriteParams& p, cudaStream_t stream);
-bool launch_slot_attention(const AttentionParams& p, cudaStream_t stream);
+// Launch plan of the decode kernel, from static shapes and the device's SM count only (so a
+// decode step is CUDA-graph capturable).
+struct DecodePlan {
+  int64_t heads_per_block;  // template parameter HPB of the decode kernel
+  int64_t head_chunks;      // thread blocks per KV head along the GQA group
+  int64_t tile_keys;        // keys per tile; split ranges are multiples of it
+  int64_t num_splits;       // context splits (1: no merge kernel)
+};
+
+inline DecodePlan make_decode_plan(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t elem_size, int64_t capacity, int64_t num_sms) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t hpb = decode_heads_per_block(group);
+  const int64_t chunks = qwen_index::num_head_chunks(group, hpb);
+  const int64_t tile = decode_tile_keys(static_cast<int>(elem_size), static_cast<int>(head_dim));
+  const int64_t min_split = qwen_index::max64(kMinDecodeSplitKeys, tile);
+  const int64_t splits = qwen_index::num_decode_splits(num_seqs * num_kv_heads * chunks, capacity, num_sms,
+                                                       min_split, kMaxDecodeSplits);
+  return {hpb, chunks, tile, splits};
+}
+
+// True when every row start of a tensor (all dims but the last, ignoring dims of size 1) is
+// 16-byte aligned, so kernels may move it with 16-byte vectors.
+inline bool rows_aligned16(const void* data, const int64_t* sizes, const int64_t* strides, int64_t dims,
+                           int64_t elem_size) {
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
+  if (dims == 0 || (sizes[dims - 1] * elem_size) % 16 != 0) return false;
+  for (int64_t d = 0; d + 1 < dims; ++d) {
+    if (sizes[d] > 1 && (strides[d] * elem_size) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Launchers on a cudaStream_t (passed as void*, so this header needs no CUDA header). They return
+// false for a configuration without a compiled kernel (the caller checks dtype and head_dim
+// first, so this is a second line of defence).
+bool launch_kv_write(const KvWriteParams& p, void* stream);
+bool launch_slot_attention(const AttentionParams& p, void* stream);
 
 }  // namespace qwen_cuda

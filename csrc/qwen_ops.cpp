@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -39,15 +40,8 @@ DType to_dtype(const at::Tensor& t) {
   }
 }
 
-// True when every row start of `t` (all dims but the last, ignoring dims of size 1) is 16-byte
-// aligned, so kernels may move 16-byte vectors.
 bool rows_aligned16(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  if ((t.size(-1) * t.element_size()) % 16 != 0) return false;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-    if (t.size(d) > 1 && (t.stride(d) * t.element_size()) % 16 != 0) return false;
-  }
-  return true;
+  return qwen_cuda::rows_aligned16(t.data_ptr(), t.sizes().data(), t.strides().data(), t.dim(), t.element_size());
 }
 
 // A tensor whose rows the kernels can read with 16-byte vectors: `t` itself when possible,
@@ -82,18 +76,11 @@ int multiprocessor_count(const at::Tensor& t) {
   return count;
 }
 
-// Launch plan of the decode kernel: [heads_per_block, head_chunks, tile_keys, num_splits].
-// From static shapes and the device's SM count only (CUDA-graph capturable).
+// [heads_per_block, head_chunks, tile_keys, num_splits] of make_decode_plan, for the test hook.
 std::vector<int64_t> decode_plan(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t elem_size, int64_t capacity, int64_t num_sms) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t hpb = decode_heads_per_block(group);
-  const int64_t chunks = qwen_index::num_head_chunks(group, hpb);
-  const int64_t tile = decode_tile_keys(static_cast<int>(elem_size), static_cast<int>(head_dim));
-  const int64_t min_split = qwen_index::max64(kMinDecodeSplitKeys, tile);
-  const int64_t splits = qwen_index::num_decode_splits(num_seqs * num_kv_heads * chunks, capacity, num_sms, min_split,
-                                                       kMaxDecodeSplits);
-  return {hpb, chunks, tile, splits};
+  const DecodePlan plan = make_decode_plan(num_seqs, num_heads, num_kv_heads, head_dim, elem_size, capacity, num_sms);
+  return {plan.heads_per_block, plan.head_chunks, plan.tile_keys, plan.num_splits};
 }
 
 void kv_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
@@ -153,7 +140,7 @@ void kv_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   p.num_blocks = key_cache.size(0);
   const bool vec = rows_aligned16(k) && rows_aligned16(v) && rows_aligned16(key_cache) && rows_aligned16(value_cache);
   p.vector_bytes = vec ? 16 : static_cast<int>(p.elem_size);
-  TORCH_CHECK(launch_kv_write(p, c10::cuda::getCurrentCUDAStream()), "_qwen_C: no kv_write kernel for this input");
+  TORCH_CHECK(launch_kv_write(p, c10::cuda::getCurrentCUDAStream().stream()), "_qwen_C: no kv_write kernel for this input");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -240,10 +227,10 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
   at::Tensor partial_acc, partial_ml;  // decode workspace; must outlive the launches below
   if (max_query_len == 1) {
     const int64_t capacity = qwen_index::slot_capacity(p.max_blocks_per_slot, p.block_size);
-    const std::vector<int64_t> plan = decode_plan(num_seqs, num_heads, kv_heads, head_dim, query.element_size(),
-                                                  capacity, multiprocessor_count(query));
-    p.head_chunks = plan[1];
-    p.num_splits = plan[3];
+    const DecodePlan plan = make_decode_plan(num_seqs, num_heads, kv_heads, head_dim, query.element_size(), capacity,
+                                             multiprocessor_count(query));
+    p.head_chunks = plan.head_chunks;
+    p.num_splits = plan.num_splits;
     TORCH_CHECK(num_seqs <= INT32_MAX && kv_heads * p.head_chunks <= 65535,
                 "_qwen_C: decode grid too large: ", num_seqs, " sequences x ", kv_heads * p.head_chunks, " head blocks");
     if (p.num_splits > 1) {
@@ -257,7 +244,7 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
     TORCH_CHECK(num_seqs * q_tiles <= INT32_MAX && num_heads <= 65535, "_qwen_C: prefill grid too large: ",
                 num_seqs, " sequences x ", q_tiles, " query tiles x ", num_heads, " heads");
   }
-  TORCH_CHECK(launch_slot_attention(p, c10::cuda::getCurrentCUDAStream()),
+  TORCH_CHECK(launch_slot_attention(p, c10::cuda::getCurrentCUDAStream().stream()),
               "_qwen_C: no slot_attention kernel for dtype ", query.scalar_type(), " and head_dim ", head_dim);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

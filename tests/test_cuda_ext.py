@@ -1,9 +1,13 @@
 """Tests of the CUDA C++ backend: csrc/ built as ``qwen_ops._qwen_C`` (torch.ops._qwen_C.*).
 
-Three layers, each skipping with its reason where it cannot run:
+Four layers, each skipping with its reason where it cannot run:
 
 * everywhere with g++: csrc/qwen_index.h (the kernels' index arithmetic) compiled on the host and
   compared with the reference arithmetic;
+* everywhere with g++: the kernels themselves (csrc/qwen_kernels.cuh, with their dispatch and
+  launch plan) compiled over a SIMT shim (csrc/emulation/: a std::thread per CUDA thread,
+  barriers for __syncthreads and shuffles) and run on CPU tensors against the reference, so the
+  kernel logic is exercised on machines without a GPU (not the CUDA compiler or the hardware);
 * with the extension built (a CUDA build of torch; no GPU needed): the private schemas equal
   torch_library/qwen.schema, the kernels are registered for CUDA only, the extension's host-side
   hooks (the same helpers and launch plans the kernels use) agree with Python, and
@@ -18,6 +22,7 @@ cannot pass by skipping.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import os
@@ -37,7 +42,9 @@ from qwen_ops.kernels.reference import kv_write_reference, slot_attention_refere
 from qwen_ops.torch_library import SCHEMAS
 
 REPO = Path(__file__).resolve().parents[1]
-INDEX_HEADER = REPO / "csrc" / "qwen_index.h"
+CSRC = REPO / "csrc"
+INDEX_HEADER = CSRC / "qwen_index.h"
+EMULATOR_SOURCE = CSRC / "emulation" / "simt_emulator.cpp"
 
 
 def _extension_reason() -> str | None:
@@ -417,6 +424,187 @@ def scenario_lengths(scenario: str, rng: random.Random) -> tuple[list[int], list
     raise ValueError(f"scenario = {scenario!r}")
 
 
+# ---- the kernels on the CPU, through the SIMT emulator ----------------------------------------------
+
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # qwen_cuda::DType
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """csrc/emulation/simt_emulator.cpp built with g++ and loaded with ctypes."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    lib_path = tmp_path_factory.mktemp("simt") / "libqwen_simt.so"
+    build = subprocess.run([gxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-I", str(CSRC),
+                            str(EMULATOR_SOURCE), "-o", str(lib_path)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-4000:]
+    return ctypes.CDLL(str(lib_path))
+
+
+def _i64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*[int(v) for v in values])
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def emulate_slot_attention(lib, case: Case, max_query_len: int, num_sms: int) -> tuple[torch.Tensor, list[int]]:
+    """The CUDA kernels on CPU tensors; returns (output, decode plan [hpb, chunks, tile, splits])."""
+    q, kc, vc, bt, g = case.query, case.key_cache, case.value_cache, case.block_table, case.gate
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: every row must be written
+    dims = [q.shape[0], q.shape[1], kc.shape[2], kc.shape[3], case.seq_slots.shape[0], bt.shape[0], bt.shape[1],
+            kc.shape[1], kc.shape[0]]
+    strides = [q.stride(0), q.stride(1), 0 if g is None else g.stride(0), 0 if g is None else g.stride(1),
+               *kc.stride()[:3], *vc.stride()[:3], bt.stride(0), bt.stride(1), case.seq_slots.stride(0),
+               case.query_start_loc.stride(0), case.seq_lens.stride(0)]
+    plan = _i64s([0, 0, 0, 0])
+    rc = lib.qwen_emu_slot_attention(
+        ctypes.c_int(DTYPE_CODE[q.dtype]), _ptr(q), _ptr(kc), _ptr(vc), _ptr(g), _ptr(out), _ptr(bt),
+        _ptr(case.seq_slots), _ptr(case.query_start_loc), _ptr(case.seq_lens), _i64s(dims), _i64s(strides),
+        ctypes.c_double(case.scale), ctypes.c_int64(max_query_len), ctypes.c_int64(num_sms), plan)
+    assert rc == 0, "no kernel for this dtype / head_dim"
+    return out, list(plan)
+
+
+def _check_emulated(lib, case: Case, max_query_len: int, num_sms: int, what: str) -> list[int]:
+    expected = slot_attention_reference(*case.attention_args(max_query_len))
+    out, plan = emulate_slot_attention(lib, case, max_query_len, num_sms)
+    torch.testing.assert_close(out.float(), expected.float(), equal_nan=False, msg=lambda m: f"{what}\n{m}",
+                               **TOLERANCE[case.query.dtype])
+    return plan
+
+
+def _emulated_cases():
+    """dtype x head_dim x (decode | one of the prefill-kernel scenarios); group, gate, block size rotate."""
+    cases = []
+    others = ("prefill", "chunk", "mixed", "padding")
+    for i, (dtype, head_dim, kind) in enumerate(itertools.product(DTYPES, HEAD_DIMS, ("decode", "prefill_kernel"))):
+        scenario = "decode" if kind == "decode" else others[(i // 2) % 4]
+        group = (1, 4, 7)[i % 3]
+        block_size = BLOCK_SIZES[(i // 3) % 3]
+        gate = (i // 2) % 2 == 0
+        cases.append(pytest.param(dtype, head_dim, scenario, group, block_size, gate,
+                                  id=f"{str(dtype)[6:]}-d{head_dim}-{scenario}-g{group}-bs{block_size}-gate{int(gate)}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, head_dim, scenario, group, block_size, gate", _emulated_cases())
+def test_emulated_slot_attention_matches_reference(emulator, dtype, head_dim, scenario, group, block_size, gate):
+    rng = random.Random(zlib.crc32(f"emu-{dtype}-{head_dim}-{scenario}".encode()))
+    q_lens, seq_lens, pad = scenario_lengths(scenario, rng)
+    case = make_case(torch.device("cpu"), dtype, head_dim, group=group, num_kv_heads=1, block_size=block_size,
+                     q_lens=q_lens, seq_lens=seq_lens, pad_seqs=pad, gate=gate, seed=rng.randrange(1 << 30))
+    max_query_len = 1 if scenario == "decode" else max(q_lens) + 5 * (head_dim == 64)
+    _check_emulated(emulator, case, max_query_len, 132, f"{scenario} {dtype} d{head_dim} group {group}")
+
+
+@pytest.mark.parametrize("group", GQA_GROUPS)
+@pytest.mark.parametrize("scenario", ("decode", "mixed"))
+def test_emulated_gqa_groups(emulator, group, scenario):
+    """Every decode heads-per-block instance (1, 2, 4, 8), partial chunks (3, 7) and two chunks (16)."""
+    rng = random.Random(group)
+    q_lens, seq_lens, pad = scenario_lengths(scenario, rng)
+    case = make_case(torch.device("cpu"), torch.float16, 64, group=group, num_kv_heads=2, block_size=16,
+                     q_lens=q_lens, seq_lens=seq_lens, pad_seqs=pad, gate=group % 2 == 1, seed=group)
+    plan = _check_emulated(emulator, case, 1 if scenario == "decode" else max(q_lens), 132, f"group {group}")
+    assert plan[0] * plan[1] >= group
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", (32, 128))
+def test_emulated_decode_splits_and_merge(emulator, dtype, head_dim):
+    """Long and short contexts in one batch: several splits, some of them empty, merged."""
+    seq_lens = [1100, 7, 600, 1]
+    case = make_case(torch.device("cpu"), dtype, head_dim, group=2, num_kv_heads=1, block_size=16, q_lens=[1] * 4,
+                     seq_lens=seq_lens, pad_seqs=(3,), gate=True, seed=head_dim)
+    plan = _check_emulated(emulator, case, 1, 132, f"long decode {dtype} d{head_dim}")
+    assert plan[3] == 5, f"expected 5 splits of a {case.block_table.shape[1] * 16}-position slot, plan {plan}"
+    # Few SMs: the same batch unsplit must agree too.
+    assert _check_emulated(emulator, case, 1, 1, "unsplit")[3] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_emulated_strided_query_and_gate(emulator, dtype):
+    """Query and gate as views of one fused projection (non-contiguous rows, aligned)."""
+    for q_lens, seq_lens, max_query_len in (([5, 1, 12], [9, 30, 12], 12), ([1, 1], [9, 30], 1)):
+        case = make_case(torch.device("cpu"), dtype, 64, group=4, num_kv_heads=1, block_size=16, q_lens=q_lens,
+                         seq_lens=seq_lens, gate=True, seed=11)
+        tokens, heads, dim = case.query.shape
+        fused = torch.randn((tokens, heads, 2 * dim)).to(dtype)
+        case.query, case.gate = fused[..., :dim], fused[..., dim:]
+        _check_emulated(emulator, case, max_query_len, 132, f"strided query, max_query_len {max_query_len}")
+
+
+def kv_write_inputs(dtype, head_dim, block_size, layout, device, seed):
+    """Caches full of NaN, a shuffled block table, 23 tokens to distinct (slot, position), 1/4 padding."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, num_kv_heads, num_tokens = 5, 2, 23
+    if block_size == "max":  # one block per slot
+        block_size, cols = 48, 1
+    else:
+        cols = -(-48 // block_size)
+    capacity = cols * block_size
+    num_blocks = num_slots * cols + 4
+    table = torch.randperm(num_blocks, generator=gen)[: num_slots * cols].view(num_slots, cols).to(torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), device=device, dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), device=device, dtype=dtype)
+    pairs = torch.randperm(num_slots * capacity, generator=gen)[:num_tokens]
+    slot_ids = (pairs // capacity).to(torch.int32)
+    positions = (pairs % capacity).to(torch.int32)
+    slot_ids[::4] = -1
+    key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(device, dtype)
+    value = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(device, dtype)
+    key_in, value_in = _kv_write_views(layout, key, value)
+    return key, value, key_in, value_in, key_cache, value_cache, slot_ids.to(device), positions.to(device), table.to(device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float tensor, so NaN poison compares exactly."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _kv_write_views(layout: str, key: torch.Tensor, value: torch.Tensor):
+    """The same key/value values laid out as the kernel may receive them."""
+    if layout == "contiguous":
+        return key, value
+    tokens, heads, dim = key.shape
+    if layout == "fused_qkv_view":  # [tokens, (q + k + v) heads, dim], k and v sliced out
+        fused = torch.randn((tokens, 3 * heads, dim), device=key.device).to(key.dtype)
+        fused[:, heads:2 * heads], fused[:, 2 * heads:] = key, value
+        return fused[:, heads:2 * heads], fused[:, 2 * heads:]
+    # "unaligned": rows start one element into a buffer, so 16-byte moves are impossible
+    views = []
+    for t in (key, value):
+        flat = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+        views.append(flat[1:].view(t.shape))
+        views[-1].copy_(t)
+    return views[0], views[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("layout", KV_WRITE_LAYOUTS)
+@pytest.mark.parametrize("head_dim", (64, 20))  # 20: rows not a multiple of 16 bytes
+def test_emulated_kv_write_matches_reference(emulator, dtype, block_size, layout, head_dim):
+    key, value, key_in, value_in, kc, vc, slot_ids, positions, table = kv_write_inputs(
+        dtype, head_dim, block_size, layout, "cpu", zlib.crc32(f"{dtype}-{block_size}-{layout}-{head_dim}".encode()))
+    exp_k, exp_v = kc.clone(), vc.clone()
+    kv_write_reference(key, value, exp_k, exp_v, slot_ids, positions, table)
+    dims = [key.shape[0], kc.shape[2], kc.shape[3], table.shape[0], table.shape[1], kc.shape[1], kc.shape[0]]
+    strides = [key_in.stride(0), key_in.stride(1), value_in.stride(0), value_in.stride(1), *kc.stride()[:3],
+               *vc.stride()[:3], slot_ids.stride(0), positions.stride(0), table.stride(0), table.stride(1)]
+    width = emulator.qwen_emu_kv_write(ctypes.c_int64(kc.element_size()), _ptr(key_in), _ptr(value_in), _ptr(kc),
+                                       _ptr(vc), _ptr(slot_ids), _ptr(positions), _ptr(table), _i64s(dims),
+                                       _i64s(strides))
+    aligned = layout != "unaligned" and (head_dim * kc.element_size()) % 16 == 0
+    assert width == (16 if aligned else kc.element_size())
+    assert torch.equal(_bits(kc), _bits(exp_k)), "key_cache differs from the reference write"
+    assert torch.equal(_bits(vc), _bits(exp_v)), "value_cache differs from the reference write"
+
+
 # ---- GPU: the cuda backend against the reference ----------------------------------------------------
 
 def _poison_next_allocation(like: torch.Tensor) -> None:
@@ -533,64 +721,21 @@ def test_slot_attention_strided_query_and_gate(dtype):
     _check_attention(decode, 1, dtype, "strided query decode")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern of a float tensor, so NaN poison compares exactly."""
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
-
-
-def _kv_write_views(layout: str, key: torch.Tensor, value: torch.Tensor):
-    """The same key/value values laid out as the kernel may receive them."""
-    if layout == "contiguous":
-        return key, value
-    tokens, heads, dim = key.shape
-    if layout == "fused_qkv_view":  # [tokens, (q + k + v) heads, dim], k and v sliced out
-        fused = torch.randn((tokens, 3 * heads, dim), device=key.device).to(key.dtype)
-        fused[:, heads:2 * heads], fused[:, 2 * heads:] = key, value
-        return fused[:, heads:2 * heads], fused[:, 2 * heads:]
-    # "unaligned": rows start one element into a buffer, so 16-byte moves are impossible
-    flat = torch.empty(key.numel() + 1, device=key.device, dtype=key.dtype)
-    k = flat[1:].view(key.shape)
-    k.copy_(key)
-    flat_v = torch.empty(value.numel() + 1, device=key.device, dtype=key.dtype)
-    v = flat_v[1:].view(value.shape)
-    v.copy_(value)
-    return k, v
-
-
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + (20,))  # 20: rows not a multiple of 16 bytes
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("layout", KV_WRITE_LAYOUTS)
 def test_kv_write_matches_reference(dtype, head_dim, block_size, layout):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{head_dim}-{block_size}-{layout}".encode()))
-    num_slots, num_kv_heads, num_tokens = 5, 2, 23
-    if block_size == "max":  # one block per slot
-        block_size, cols = 48, 1
-    else:
-        cols = -(-48 // block_size)
-    capacity = cols * block_size
-    num_blocks = num_slots * cols + 4
-    # Shuffled physical blocks; the cache starts as NaN so every row not written stays NaN.
-    table = torch.randperm(num_blocks, generator=gen)[: num_slots * cols].view(num_slots, cols).to(torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
-    pairs = torch.randperm(num_slots * capacity, generator=gen)[:num_tokens]  # distinct (slot, position)
-    slot_ids = (pairs // capacity).to(torch.int32)
-    positions = (pairs % capacity).to(torch.int32)
-    slot_ids[::4] = -1
-    key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to("cuda", dtype)
-    value = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to("cuda", dtype)
-    key_in, value_in = _kv_write_views(layout, key, value)
-    table, slot_ids, positions = table.cuda(), slot_ids.cuda(), positions.cuda()
-    exp_k, exp_v = key_cache.clone(), value_cache.clone()
+    key, value, key_in, value_in, kc, vc, slot_ids, positions, table = kv_write_inputs(
+        dtype, head_dim, block_size, layout, "cuda", zlib.crc32(f"{dtype}-{block_size}-{layout}-{head_dim}".encode()))
+    exp_k, exp_v = kc.clone(), vc.clone()
     kv_write_reference(key, value, exp_k, exp_v, slot_ids, positions, table)
     with qwen_ops.use_backend("cuda"):
-        qwen_ops.kv_write(key_in, value_in, key_cache, value_cache, slot_ids, positions, table)
+        qwen_ops.kv_write(key_in, value_in, kc, vc, slot_ids, positions, table)
     torch.cuda.synchronize()
-    assert torch.equal(_bits(key_cache), _bits(exp_k)), "key_cache differs from the reference write"
-    assert torch.equal(_bits(value_cache), _bits(exp_v)), "value_cache differs from the reference write"
+    assert torch.equal(_bits(kc), _bits(exp_k)), "key_cache differs from the reference write"
+    assert torch.equal(_bits(vc), _bits(exp_v)), "value_cache differs from the reference write"
 
 
 @needs_gpu
