@@ -90,14 +90,16 @@ def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_le
     L = int(lens.max())
     n_blocks = (L + block_size - 1) // block_size
     blocks = block_table.index_select(0, seq_slots.long())[:, :n_blocks].long().clamp_(0, key_cache.shape[0] - 1)
-    k = key_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L].transpose(1, 2).float()
-    v = value_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L].transpose(1, 2).float()
+    k = key_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]   # fresh copies
+    v = value_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]
     mask = None
     if S > 1 and bool((lens != L).any()):
-        valid = torch.arange(L, device=query.device)[None, :] < lens[:, None]          # [S, L]
-        k = k.masked_fill(~valid[:, None, :, None], 0.0)
-        v = v.masked_fill(~valid[:, None, :, None], 0.0)
-        mask = valid[:, None, None, :]                                                  # [S, 1, 1, L]
+        junk = torch.arange(L, device=query.device)[None, :] >= lens[:, None]           # [S, L]
+        # Zero the junk rows in place on the gathered copies (contiguous, before any transpose).
+        k.masked_fill_(junk[:, :, None, None], 0.0)
+        v.masked_fill_(junk[:, :, None, None], 0.0)
+        mask = torch.zeros(S, 1, 1, L, device=query.device).masked_fill_(junk[:, None, None, :], float("-inf"))
+    k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
     o = F.scaled_dot_product_attention(query[:, :, None, :].float(), k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=num_heads != num_kv_heads)[:, :, 0]   # [S, H, D] fp32
     if gate is not None:
