@@ -71,23 +71,6 @@ class SwappedSlot:
     blocks: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype, None], default: torch.dtype = torch.float32) -> torch.dtype:
-    if dtype is None:
-        return default
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype = {dtype}, expected float32, float16 or bfloat16")
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"dtype = {dtype!r}, expected a torch dtype or one of {sorted(_DTYPES)}")
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -142,8 +125,7 @@ class QwenEngine:
         from qwen_ops.defaults import default_model_path
         from qwen_ops.loader import load_checkpoint
 
-        ckpt = load_checkpoint(default_model_path() if path is None else path, dtype=resolve_dtype(dtype),
-                               device=torch.device(device))
+        ckpt = load_checkpoint(default_model_path() if path is None else path, dtype=dtype, device=device)
         return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
 
     # ----------------------------------------------------------------- slots

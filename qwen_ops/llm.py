@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from qwen_ops.batch import RequestId
-from qwen_ops.engine import QwenEngine, resolve_dtype
+from qwen_ops.engine import QwenEngine
 from qwen_ops.runner import SeqChunk
 from qwen_ops.sampling import SamplingParams, sample
 from qwen_ops.scheduler import Request, Scheduler, SchedulerConfig
@@ -72,14 +72,13 @@ class LLM:
 
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {preemption_mode!r}, expected 'recompute' or 'swap'")
-        ckpt = load_checkpoint(default_model_path() if model is None else model, dtype=resolve_dtype(dtype),
-                               device=torch.device(device))
+        ckpt = load_checkpoint(default_model_path() if model is None else model, dtype=dtype, device=device)
         cfg = ckpt.config
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
-            elem = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+            elem = next(ckpt.model.parameters()).element_size()
             block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(torch.device(device))
+            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(next(ckpt.model.parameters()).device)
             num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
         if num_kv_blocks < per_seq_blocks:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
