@@ -7,6 +7,10 @@ means there (for instance a Qwen3 config without ``head_dim`` has head_dim 128, 
 has q/k/v biases). The one deliberate exception: a config without a RoPE theta is an error,
 never a silent 10000.
 
+Hybrid Qwen3.5 models (``qwen3_5_text``, and ``qwen3_5`` whose ``text_config`` is read) add
+``layer_types`` (or transformers' ``full_attention_interval`` default), the Gated DeltaNet sizes
+(:class:`LinearAttentionConfig`) and ``partial_rotary_factor`` (default 0.25, as transformers).
+
 RoPE frequencies are computed exactly as transformers 5.x's rope init functions
 (``modeling_rope_utils.py``) compute them, in fp32, so that cos/sin tables match bit for bit.
 """
@@ -33,6 +37,8 @@ class Architecture:
     o_bias_follows_attention_bias: bool  # o_proj has a bias when ``attention_bias`` is true
     default_head_dim: Optional[int]  # head_dim when config.json has none; None = hidden / heads
     default_attention_bias: bool
+    hybrid: bool = False            # Gated DeltaNet + gated full attention layers (qwen_ops.model_hybrid)
+    default_partial_rotary_factor: float = 1.0  # when config.json names none
 
 
 # Supported model types. transformers' Qwen2Attention hard-codes bias=True on q/k/v and False on
@@ -43,7 +49,22 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
                           default_head_dim=None, default_attention_bias=True),
     "qwen3": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
                           default_head_dim=128, default_attention_bias=False),
+    # Qwen3.5 text model (Qwen3_5TextConfig): attention_bias on all four projections, head_dim 256,
+    # partial_rotary_factor 0.25 by default. "qwen3_5" is the multimodal wrapper: its text_config is
+    # read and only the language model (checkpoint names model.language_model.*) is loaded.
+    "qwen3_5_text": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                                 default_head_dim=256, default_attention_bias=False, hybrid=True,
+                                 default_partial_rotary_factor=0.25),
+    "qwen3_5": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                            default_head_dim=256, default_attention_bias=False, hybrid=True,
+                            default_partial_rotary_factor=0.25),
 })
+
+# Layer kinds of hybrid models, as transformers names them in ``layer_types``.
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+DEFAULT_FULL_ATTENTION_INTERVAL = 4   # transformers' default when config.json has no layer_types
 
 ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -64,6 +85,11 @@ class RopeConfig:
     mscale: Optional[float] = None                       # yarn (DeepSeek style attention factor)
     mscale_all_dim: Optional[float] = None
     truncate: bool = True                                # yarn: floor/ceil the correction range
+    partial_rotary_factor: float = 1.0                   # fraction of head_dim that is rotated (Qwen3.5)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Leading channels of a head that RoPE rotates (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     def inv_freq_and_scaling(self, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
         """fp32 CPU inverse frequencies ``[head_dim // 2]`` and the factor cos/sin are multiplied by.
@@ -140,10 +166,18 @@ class QwenConfig:
     qk_norm: bool = False          # per-head q_norm / k_norm (Qwen3)
     torch_dtype: Optional[str] = None  # "bfloat16", ... as written in config.json; None if absent
     eos_token_ids: tuple[int, ...] = ()  # from config.json only; see loader.load_eos_token_ids
+    # Hybrid models only (qwen3_5_text, qwen3_5): the kind of every layer, and the linear layers' sizes.
+    layer_types: tuple[str, ...] = ()
+    linear: Optional["LinearAttentionConfig"] = None
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
             raise ValueError(_unsupported_type_message(self.model_type, "<QwenConfig>"))
+        if self.is_hybrid:
+            _check_hybrid(self)
+        elif self.layer_types or self.linear is not None:
+            raise ValueError(f"model_type = {self.model_type!r} has only full-attention layers; layer_types and "
+                             "linear belong to hybrid model types (qwen3_5_text, qwen3_5)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -156,6 +190,11 @@ class QwenConfig:
             raise ValueError(f"head_dim = {self.head_dim}, expected an even number (RoPE rotates pairs)")
         if self.rope.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type = {self.rope.rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet (linear attention) layers beside gated full attention (qwen_ops.model_hybrid)."""
+        return ARCHITECTURES[self.model_type].hybrid
 
     @property
     def dtype(self) -> Optional[torch.dtype]:
@@ -182,11 +221,13 @@ class QwenConfig:
     def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> "QwenConfig":
         """Build from the dict of a config.json; ``source`` names the file in error messages."""
         d = dict(d)
-        # Multimodal and hybrid exports nest the language model's config; not supported yet.
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(_unsupported_type_message(model_type, source))
         arch = ARCHITECTURES[model_type]
+        outer: Mapping[str, Any] = {}
+        if model_type == "qwen3_5":   # multimodal wrapper: the language model's config is nested
+            outer, d = d, _text_config(d, source)
 
         def need(key: str) -> Any:
             if d.get(key) is None:
@@ -202,6 +243,16 @@ class QwenConfig:
         _check_no_sliding_window(d, source)
         attention_bias = bool(d.get("attention_bias", arch.default_attention_bias))
         max_pos = d.get("max_position_embeddings", 32768)
+        hybrid: dict[str, Any] = {}
+        if arch.hybrid:
+            hybrid = dict(layer_types=_read_layer_types(d, need("num_hidden_layers"), source),
+                          linear=_read_linear(d, source))
+            # transformers ties lm_head by the outer (multimodal) config's flag, default False.
+            if outer:
+                d["tie_word_embeddings"] = outer.get("tie_word_embeddings", False)
+                d["eos_token_id"] = _merged_eos(d.get("eos_token_id"), outer.get("eos_token_id"))
+                if outer.get("dtype", outer.get("torch_dtype")) is not None:
+                    d["dtype"] = outer.get("dtype", outer.get("torch_dtype"))
         return cls(
             model_type=model_type,
             vocab_size=need("vocab_size"),
@@ -213,13 +264,14 @@ class QwenConfig:
             head_dim=head_dim,
             max_position_embeddings=max_pos,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=_read_rope(d, source, max_pos),
+            rope=_read_rope(d, source, max_pos, arch.default_partial_rotary_factor if arch.hybrid else None),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch.qkv_bias if arch.qkv_bias is not None else attention_bias,
             o_proj_bias=attention_bias if arch.o_bias_follows_attention_bias else False,
             qk_norm=arch.qk_norm,
             torch_dtype=_read_dtype(d, source),
             eos_token_ids=token_ids(d.get("eos_token_id"), f"{source}: eos_token_id"),
+            **hybrid,
         )
 
 
@@ -262,7 +314,9 @@ def _check_no_sliding_window(d: Mapping[str, Any], source: str) -> None:
                          "attention is not supported (set use_sliding_window to false to run full attention)")
 
 
-def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int) -> RopeConfig:
+def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int,
+               default_partial: Optional[float] = None) -> RopeConfig:
+    """``default_partial`` None: only full rotary is accepted; else the default partial_rotary_factor."""
     # 5.x: everything in rope_parameters; 4.x: rope_theta at top level, scaling in rope_scaling
     # (None for plain RoPE). As in transformers, a theta inside the dict wins over a top-level one.
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -275,9 +329,11 @@ def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int) 
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial or 1.0))
+    if default_partial is None and partial != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor = {partial!r}; only 1.0 (full rotary) is supported")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0.0 < partial <= 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor = {partial!r}, expected a number in (0, 1]")
     factor = params.get("factor")
     if rope_type == "linear" and not isinstance(factor, (int, float)):
         raise ValueError(f"{source}: rope type 'linear' needs a numeric 'factor', got {factor!r}")
@@ -296,4 +352,118 @@ def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int) 
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=float(partial),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Hybrid models (Qwen3.5): layer kinds and Gated DeltaNet sizes
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Sizes of the Gated DeltaNet layers (transformers' ``linear_*`` config fields)."""
+    num_key_heads: int      # linear_num_key_heads: q/k heads
+    num_value_heads: int    # linear_num_value_heads: v heads; a multiple of num_key_heads
+    key_head_dim: int       # linear_key_head_dim
+    value_head_dim: int     # linear_value_head_dim
+    conv_kernel_dim: int = 4  # linear_conv_kernel_dim: causal depthwise conv width
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and of in_proj_qkv): q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+_LINEAR_FIELDS = {"linear_num_key_heads": "num_key_heads", "linear_num_value_heads": "num_value_heads",
+                  "linear_key_head_dim": "key_head_dim", "linear_value_head_dim": "value_head_dim",
+                  "linear_conv_kernel_dim": "conv_kernel_dim"}
+# transformers' Qwen3_5TextConfig defaults.
+_LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
+def _check_hybrid(config: QwenConfig) -> None:
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers = "
+                         f"{config.num_hidden_layers}")
+    for i, kind in enumerate(config.layer_types):
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] = {kind!r} is not a supported layer type; expected one of "
+                             f"{', '.join(LAYER_TYPES)}")
+    linear = config.linear
+    if linear is None:
+        raise ValueError(f"model_type = {config.model_type!r} needs the linear-attention sizes (linear=...)")
+    for name, value in vars(linear).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"linear {name} = {value!r}, expected a positive int")
+    if linear.num_value_heads % linear.num_key_heads != 0:
+        raise ValueError(f"linear_num_value_heads = {linear.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads = {linear.num_key_heads}: each q/k head must serve a whole "
+                         "number of value heads")
+    rotary = config.rope.rotary_dim(config.head_dim)
+    if rotary < 2 or rotary % 2:
+        raise ValueError(f"partial_rotary_factor = {config.rope.partial_rotary_factor} gives a rotary dim of "
+                         f"{rotary} for head_dim = {config.head_dim}, expected an even number >= 2")
+
+
+def _text_config(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' object (the language model's "
+                         f"config), got {text!r}")
+    text_type = text.get("model_type", "qwen3_5_text")
+    if text_type != "qwen3_5_text":
+        raise ValueError(f"{source}: text_config.model_type = {text_type!r}, expected 'qwen3_5_text'")
+    return dict(text, model_type="qwen3_5")
+
+
+def _merged_eos(inner: Any, outer: Any) -> Any:
+    values = []
+    for v in (inner, outer):
+        if v is not None:
+            values += list(v) if isinstance(v, (list, tuple)) else [v]
+    return list(dict.fromkeys(values)) or None
+
+
+def _read_layer_types(d: Mapping[str, Any], num_layers: int, source: str) -> tuple[str, ...]:
+    """``layer_types``, or transformers' default from ``full_attention_interval``: every n-th layer is full."""
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        interval = d.get("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{source}: full_attention_interval = {interval!r}, expected a positive int")
+        return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
+    if not isinstance(layer_types, (list, tuple)):
+        raise ValueError(f"{source}: layer_types = {layer_types!r}, expected a list of layer type names")
+    for i, kind in enumerate(layer_types):
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"{source}: layer_types[{i}] = {kind!r} is not a supported layer type; expected one of "
+                             f"{', '.join(LAYER_TYPES)}")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{source}: layer_types has {len(layer_types)} entries, expected num_hidden_layers = "
+                         f"{num_layers}")
+    return tuple(layer_types)
+
+
+def _read_linear(d: Mapping[str, Any], source: str) -> LinearAttentionConfig:
+    values = {}
+    for key, field_name in _LINEAR_FIELDS.items():
+        value = d.get(key)
+        value = _LINEAR_DEFAULTS[key] if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{source}: {key} = {value!r}, expected a positive int")
+        values[field_name] = value
+    if values["num_value_heads"] % values["num_key_heads"] != 0:
+        raise ValueError(f"{source}: linear_num_value_heads = {values['num_value_heads']} is not a multiple of "
+                         f"linear_num_key_heads = {values['num_key_heads']}: each q/k head must serve a whole "
+                         "number of value heads")
+    return LinearAttentionConfig(**values)

@@ -24,6 +24,7 @@ from torch import nn
 
 from qwen_ops.config import QwenConfig, token_ids
 from qwen_ops.model import QwenForCausalLM, rope_table
+from qwen_ops.model_hybrid import Qwen3_5ForCausalLM, partial_rope_table
 from qwen_ops.tokenizer import QwenTokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -41,6 +42,10 @@ MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Names a checkpoint may hold that carry nothing the model needs (old exports saved RoPE buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Qwen3.5 checkpoints: the multi-token-prediction head and (qwen3_5) the vision tower are not loaded.
+HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
+# qwen3_5 (multimodal) checkpoints hold the language model under this prefix instead of "model.".
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 MAX_LISTED_PROBLEMS = 20
 
 
@@ -107,26 +112,36 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                config: Optional[QwenConfig] = None) -> QwenForCausalLM:
-    """Build :class:`QwenForCausalLM` for ``path`` and fill it from its safetensors weights."""
+    """Build the model of ``path`` (:class:`QwenForCausalLM`; :class:`Qwen3_5ForCausalLM` for qwen3_5_text /
+    qwen3_5, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors weights."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     with torch.device("meta"):
-        model = QwenForCausalLM(config)
-    params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
+        model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
+    # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
+    params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
     files = weight_files(path)
     _check_tensors(path, files, params, config)
 
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in params:
         by_file[files[name]].append(name)
+    renamed = {checkpoint_name(name, config): name for name, _ in model.named_parameters()}
     for file, names in by_file.items():
-        _copy_tensors(file, names, model, dtype, device)
+        _copy_tensors(file, names, model, dtype, device, renamed)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.cos_sin = rope_table(config, device)
+    model.model.rotary_emb.cos_sin = (partial_rope_table if config.is_hybrid else rope_table)(config, device)
     return model.eval()
+
+
+def checkpoint_name(param_name: str, config: QwenConfig) -> str:
+    """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in qwen3_5."""
+    if config.model_type == "qwen3_5" and param_name.startswith("model."):
+        return LANGUAGE_MODEL_PREFIX + param_name.removeprefix("model.")
+    return param_name
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -191,20 +206,22 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
 
 def _ignorable(name: str, config: QwenConfig) -> bool:
     # A tied checkpoint may still hold lm_head.weight (transformers 4.x often saved it); it is unused.
-    return name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+            or (config.is_hybrid and name.startswith(HYBRID_IGNORED_PREFIXES)))
 
 
 def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: torch.dtype,
-                  device: torch.device) -> None:
+                  device: torch.device, renamed: Optional[dict[str, str]] = None) -> None:
     """Copy ``names`` from ``file`` into new parameters, unmapping the file every window of bytes.
 
     A tensor larger than the window (an embedding) is copied in row blocks of about one window,
-    so its source pages are never all mapped at once either.
+    so its source pages are never all mapped at once either. ``renamed`` maps a checkpoint name to
+    the parameter name where the two differ (``model.language_model.*`` of qwen3_5 checkpoints).
     """
     handle, mapped = None, 0
     try:
         for name in names:
-            module_name, _, leaf = name.rpartition(".")
+            module_name, _, leaf = (renamed or {}).get(name, name).rpartition(".")  # checkpoint -> param name
             module = model.get_submodule(module_name)
             shape = module._parameters[leaf].shape  # a meta tensor: shape only
             dst = torch.empty(shape, dtype=dtype, device=device)

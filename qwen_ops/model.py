@@ -166,6 +166,21 @@ class QwenForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per layer, the kind of cache it takes: all "attention" (paged KV); cf. model_hybrid's "linear"."""
+        return ["attention"] * len(self.model.layers)
+
+    def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int, dtype: torch.dtype,
+                        device: torch.device) -> list[KVCache]:
+        """Zero-filled ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+
+        ``max_slots`` is unused (no per-slot state); it keeps the signature of the hybrid model's method.
+        """
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in self.model.layers]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[KVCache], logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab_size]`` (model dtype) of the rows ``logits_indices [N]`` of the batch.
