@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
   const int hpb = static_cast<int>(qwen_index::min64(HPB, group - chunk * HPB));
   const int64_t head0 = kv_head * group + chunk * HPB;
   const bool direct = p.num_splits == 1;
+  const int hd = static_cast<int>(p.head_dim);  // <= D: dims [hd, D) of the template are zero padding
 
   const int64_t q_begin = p.query_start_loc[seq * p.qsl_stride];
   const int64_t q_end = p.query_start_loc[(seq + 1) * p.qsl_stride];
@@ -196,8 +197,8 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
   if (slot < 0 || slot >= p.num_slots) {
     // Padding sequence: zero rows. With splits the merge kernel writes them.
     if (direct) {
-      for (int i = tid; i < hpb * D; i += kDecodeThreads) {
-        Elem<T>::store(out + row * p.out_stride_token + (head0 + i / D) * p.out_stride_head + i % D, 0.0f);
+      for (int i = tid; i < hpb * hd; i += kDecodeThreads) {
+        Elem<T>::store(out + row * p.out_stride_token + (head0 + i / hd) * p.out_stride_head + i % hd, 0.0f);
       }
     }
     return;
@@ -210,7 +211,8 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
   const T* query = static_cast<const T*>(p.query);
   for (int i = tid; i < hpb * D; i += kDecodeThreads) {
     const int g = i / D, d = i % D;
-    q_s[g][d] = Elem<T>::load(query + row * p.q_stride_token + (head0 + g) * p.q_stride_head + d) * p.scale_log2;
+    q_s[g][d] = d < hd ? Elem<T>::load(query + row * p.q_stride_token + (head0 + g) * p.q_stride_head + d) * p.scale_log2
+                       : 0.0f;
   }
   if (tid < HPB) { m_s[tid] = -INFINITY; l_s[tid] = 0.0f; alpha_s[tid] = 1.0f; }
   __syncthreads();
@@ -243,8 +245,9 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
     for (int u = 0; u < S::kUnroll; ++u)
 #pragma unroll
       for (int v = 0; v < S::kVPT; ++v) {
-        kraw[u][v] = valid[u] ? load16(kc + kbase[u] + S::dim(kl, v, 0)) : zero16();
-        vraw[u][v] = valid[u] ? load16(vc + vbase[u] + S::dim(kl, v, 0)) : zero16();
+        const bool in_row = valid[u] && S::dim(kl, v, 0) < hd;  // head_dim is a whole number of vectors
+        kraw[u][v] = in_row ? load16(kc + kbase[u] + S::dim(kl, v, 0)) : zero16();
+        vraw[u][v] = in_row ? load16(vc + vbase[u] + S::dim(kl, v, 0)) : zero16();
       }
 
     // 2. Logits of every (head, key) of the tile; the kTPK lanes of a key reduce by shuffles.
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
       __syncthreads();
       const int64_t head = head0 + g;
       const float l = l_s[g];
-      for (int d = tid; d < D; d += kDecodeThreads) {
+      for (int d = tid; d < hd; d += kDecodeThreads) {
         float s = 0.0f;
 #pragma unroll 8
         for (int k = 0; k < S::kGroups; ++k) s += red_s[k][d];
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
           }
           Elem<T>::store(out + row * p.out_stride_token + head * p.out_stride_head + d, o);
         } else {
-          p.partial_acc[((seq * p.num_heads + head) * p.num_splits + split) * D + d] = s;
+          p.partial_acc[((seq * p.num_heads + head) * p.num_splits + split) * hd + d] = s;
         }
       }
       if (!direct && tid == 0) {
@@ -373,12 +376,13 @@ __global__ void __launch_bounds__(128) _slot_attention_merge_kernel(const Attent
   T* out = static_cast<T*>(p.out) + row * p.out_stride_token + head * p.out_stride_head;
   const int64_t slot = p.seq_slots[seq * p.seq_slots_stride];
   if (slot < 0 || slot >= p.num_slots) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x) Elem<T>::store(out + d, 0.0f);
+    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) Elem<T>::store(out + d, 0.0f);
     return;
   }
   const int64_t n = p.num_splits;
   const float* ml = p.partial_ml + (seq * p.num_heads + head) * n * 2;
-  const float* acc = p.partial_acc + (seq * p.num_heads + head) * n * D;
+  const int64_t hd = p.head_dim;
+  const float* acc = p.partial_acc + (seq * p.num_heads + head) * n * hd;
   if (threadIdx.x == 0) {
     // Splits with l == 0 saw no key: their partials are skipped (their acc is never read).
     float m = -INFINITY;
@@ -392,9 +396,9 @@ __global__ void __launch_bounds__(128) _slot_attention_merge_kernel(const Attent
     inv_l_s = l > 0.0f ? 1.0f / l : 0.0f;
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
-    for (int64_t s = 0; s < n; ++s) if (w_s[s] > 0.0f) o += w_s[s] * acc[s * D + d];
+    for (int64_t s = 0; s < n; ++s) if (w_s[s] > 0.0f) o += w_s[s] * acc[s * hd + d];
     o *= inv_l_s;
     if (p.gate != nullptr) {
       o *= sigmoid(Elem<T>::load(static_cast<const T*>(p.gate) + row * p.gate_stride_token +
@@ -440,6 +444,7 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
   const int64_t row0 = (blockIdx.x % q_tiles) * S::kBM;
   const int64_t head = blockIdx.y;
   const int64_t kv_head = head / (p.num_heads / p.num_kv_heads);
+  const int hd = static_cast<int>(p.head_dim);  // <= D: dims [hd, D) of the template are zero padding
 
   const int64_t q_begin = p.query_start_loc[seq * p.qsl_stride];
   const int64_t q_len = p.query_start_loc[(seq + 1) * p.qsl_stride] - q_begin;
@@ -448,8 +453,8 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
   T* out = static_cast<T*>(p.out);
   const int64_t slot = p.seq_slots[seq * p.seq_slots_stride];
   if (slot < 0 || slot >= p.num_slots) {  // padding sequence: zero rows
-    for (int64_t i = tid; i < rows * D; i += S::kThreads) {
-      Elem<T>::store(out + (q_begin + row0 + i / D) * p.out_stride_token + head * p.out_stride_head + i % D, 0.0f);
+    for (int64_t i = tid; i < rows * hd; i += S::kThreads) {
+      Elem<T>::store(out + (q_begin + row0 + i / hd) * p.out_stride_token + head * p.out_stride_head + i % hd, 0.0f);
     }
     return;
   }
@@ -462,7 +467,7 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
   for (int i = tid; i < S::kBM * S::kRowVecs; i += S::kThreads) {
     const int r = i / S::kRowVecs, c = (i % S::kRowVecs) * S::kEPV;
     uint4 x = zero16();
-    if (r < rows) {
+    if (r < rows && c < hd) {
       x = load16(query + ((q_begin + row0 + r) * p.q_stride_token + head * p.q_stride_head + c) * S::kElem);
     }
     *reinterpret_cast<uint4*>(&q_s[r][c]) = x;
@@ -489,7 +494,7 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
       const int c = i / S::kRowVecs, e = (i % S::kRowVecs) * S::kEPV;
       const int64_t k = kt0 + c;
       uint4 kx = zero16(), vx = zero16();  // keys past key_end and bad blocks read as zeros
-      if (k < key_end) {
+      if (k < key_end && e < hd) {
         const int64_t block = physical_block(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, k,
                                              p.block_size, p.num_blocks);
         if (block >= 0) {
@@ -579,6 +584,7 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
 #pragma unroll
     for (int j = 0; j < S::kDPT; ++j) {
       const int64_t d = tc + S::kTPR * j;
+      if (d >= hd) continue;
       float o = acc[i][j] * inv_l;
       if (gate != nullptr) o *= sigmoid(Elem<T>::load(gate + tok * p.gate_stride_token + head * p.gate_stride_head + d));
       Elem<T>::store(out + tok * p.out_stride_token + head * p.out_stride_head + d, o);
@@ -603,7 +609,6 @@ void dispatch_attention(const AttentionParams& p, Launch& launch) {
   if (p.max_query_len == 1) {
     switch (decode_heads_per_block(p.num_heads / p.num_kv_heads)) {
       case 1: dispatch_decode<T, D, 1>(p, launch); break;
-      case 2: dispatch_decode<T, D, 2>(p, launch); break;
       case 4: dispatch_decode<T, D, 4>(p, launch); break;
       default: dispatch_decode<T, D, 8>(p, launch); break;
     }
@@ -616,7 +621,9 @@ void dispatch_attention(const AttentionParams& p, Launch& launch) {
 
 template <typename T, class Launch>
 bool dispatch_attention_dtype(const AttentionParams& p, Launch& launch) {
-  switch (p.head_dim) {
+  if (!supported_head_dim(p.head_dim, sizeof(T))) return false;
+  switch (padded_head_dim(p.head_dim)) {
+    case 16: dispatch_attention<T, 16>(p, launch); return true;
     case 32: dispatch_attention<T, 32>(p, launch); return true;
     case 64: dispatch_attention<T, 64>(p, launch); return true;
     case 128: dispatch_attention<T, 128>(p, launch); return true;

@@ -15,8 +15,16 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 constexpr int dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
-// Head dims with a compiled kernel (templates in qwen_kernels.cu).
-constexpr bool supported_head_dim(int64_t d) { return d == 32 || d == 64 || d == 128 || d == 256; }
+// The attention kernels are templates on a head dim D of 16, 32, 64, 128 or 256; another head_dim
+// runs in the smallest D above it, its extra dims read as zeros and never written. A row must be a
+// whole number of 16-byte vectors (head_dim a multiple of 8 in fp16/bf16, of 4 in fp32).
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t padded_head_dim(int64_t d) {
+  return d <= 16 ? 16 : d <= 32 ? 32 : d <= 64 ? 64 : d <= 128 ? 128 : 256;
+}
+constexpr bool supported_head_dim(int64_t d, int64_t elem_size) {
+  return d >= 1 && d <= kMaxHeadDim && (d * elem_size) % 16 == 0;
+}
 
 // ---- Decode tiling (shared by the kernel templates and the host launch plan) ----------------
 // Each key row of head_dim elements is read with 16-byte vectors by `threads_per_key` lanes of a
@@ -45,9 +53,7 @@ constexpr int decode_tile_keys(int elem_size, int head_dim) {
 }
 
 // Query heads of one GQA group handled by one decode thread block (a template parameter).
-constexpr int decode_heads_per_block(int64_t group) {
-  return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8;
-}
+constexpr int decode_heads_per_block(int64_t group) { return group <= 1 ? 1 : group <= 4 ? 4 : 8; }
 
 // ---- Prefill tiling: query rows per block and keys per tile, so that the static shared memory
 // (query tile + key tile + value tile + fp32 probabilities) stays under 48 KiB on every arch.
@@ -113,7 +119,7 @@ inline DecodePlan make_decode_plan(int64_t num_seqs, int64_t num_heads, int64_t 
   const int64_t group = num_heads / num_kv_heads;
   const int64_t hpb = decode_heads_per_block(group);
   const int64_t chunks = qwen_index::num_head_chunks(group, hpb);
-  const int64_t tile = decode_tile_keys(static_cast<int>(elem_size), static_cast<int>(head_dim));
+  const int64_t tile = decode_tile_keys(static_cast<int>(elem_size), static_cast<int>(padded_head_dim(head_dim)));
   const int64_t min_split = qwen_index::max64(kMinDecodeSplitKeys, tile);
   const int64_t splits = qwen_index::num_decode_splits(num_seqs * num_kv_heads * chunks, capacity, num_sms,
                                                        min_split, kMaxDecodeSplits);

@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -157,8 +158,10 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
   const int64_t kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   TORCH_CHECK(query.dim() == 3 && query.size(2) == head_dim && kv_heads > 0 && query.size(1) % kv_heads == 0,
               "_qwen_C: query has shape ", query.sizes(), ", expected [num_tokens, k * ", kv_heads, ", ", head_dim, "]");
-  TORCH_CHECK(supported_head_dim(head_dim), "_qwen_C: head_dim = ", head_dim,
-              " has no compiled CUDA kernel; expected one of 32, 64, 128, 256 (use the triton or reference backend)");
+  TORCH_CHECK(supported_head_dim(head_dim, query.element_size()), "_qwen_C: head_dim = ", head_dim, " in ",
+              query.scalar_type(), " has no CUDA kernel; expected head_dim <= ", kMaxHeadDim,
+              " with rows of whole 16-byte vectors (a multiple of ", 16 / query.element_size(),
+              "); use the triton or reference backend");
   TORCH_CHECK(max_query_len >= 1, "_qwen_C: max_query_len = ", max_query_len, ", expected >= 1");
   check_index(block_table, "block_table", 2, query);
   check_index(seq_slots, "seq_slots", 1, query);
@@ -174,7 +177,9 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
 
   const c10::cuda::CUDAGuard guard(query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1);
-  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+  // Zeros, so that rows no sequence covers (only invalid query_start_loc leaves any) are defined,
+  // as on the other backends; every covered row is overwritten by the kernels.
+  at::Tensor out = at::zeros({num_tokens, num_heads, head_dim}, query.options());
   if (num_tokens == 0 || num_seqs == 0) return out;
 
   const at::Tensor q = readable16(query);
@@ -240,7 +245,8 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
       p.partial_ml = partial_ml.data_ptr<float>();
     }
   } else {
-    const int64_t q_tiles = qwen_index::ceil_div(max_query_len, prefill_tile_rows(query.element_size(), head_dim));
+    const int64_t q_tiles = qwen_index::ceil_div(
+        max_query_len, prefill_tile_rows(query.element_size(), static_cast<int>(padded_head_dim(head_dim))));
     TORCH_CHECK(num_seqs * q_tiles <= INT32_MAX && num_heads <= 65535, "_qwen_C: prefill grid too large: ",
                 num_seqs, " sequences x ", q_tiles, " query tiles x ", num_heads, " heads");
   }
@@ -285,8 +291,9 @@ int64_t tile_key_end(int64_t seq_len, int64_t q_len, int64_t row_begin, int64_t 
 }
 
 std::vector<int64_t> prefill_plan(int64_t elem_size, int64_t head_dim, int64_t max_query_len) {
-  const int64_t rows = prefill_tile_rows(static_cast<int>(elem_size), static_cast<int>(head_dim));
-  return {rows, prefill_tile_keys(static_cast<int>(elem_size), static_cast<int>(head_dim)),
+  const int padded = static_cast<int>(padded_head_dim(head_dim));
+  const int64_t rows = prefill_tile_rows(static_cast<int>(elem_size), padded);
+  return {rows, prefill_tile_keys(static_cast<int>(elem_size), padded),
           qwen_index::ceil_div(max_query_len, rows)};
 }
 

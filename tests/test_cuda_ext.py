@@ -61,7 +61,8 @@ needs_ext = pytest.mark.skipif(EXT_REASON is not None, reason=str(EXT_REASON))
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HEAD_DIMS = (32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 128, 256)   # the kernel templates
+PADDED_HEAD_DIMS = (24, 48, 80)      # other head dims, run in the next template with zero padding
 GQA_GROUPS = (1, 2, 3, 4, 7, 16)
 BLOCK_SIZES = (1, 16, "max")  # "max": one block per slot (the seed's contiguous layout)
 SCENARIOS = ("decode", "prefill", "chunk", "mixed", "padding")
@@ -275,7 +276,7 @@ def test_launch_plans(dtype, head_dim):
     elem = torch.empty((), dtype=dtype).element_size()
     for group in GQA_GROUPS:
         hpb, chunks, tile, splits = torch.ops._qwen_C._decode_plan(3, 2 * group, 2, head_dim, elem, 4096, 132)
-        assert hpb in (1, 2, 4, 8) and (chunks - 1) * hpb < group <= chunks * hpb
+        assert hpb in (1, 4, 8) and (chunks - 1) * hpb < group <= chunks * hpb
         assert tile > 0 and 1 <= splits <= 64 and splits <= -(-4096 // max(256, tile))
         assert splits == _num_splits_reference(3 * 2 * chunks, 4096, 132, max(256, tile), 64)
     # The decode benchmark shape (batch 64, 32/8 heads, 4096 context) on 132 SMs.
@@ -503,7 +504,7 @@ def test_emulated_slot_attention_matches_reference(emulator, dtype, head_dim, sc
 @pytest.mark.parametrize("group", GQA_GROUPS)
 @pytest.mark.parametrize("scenario", ("decode", "mixed"))
 def test_emulated_gqa_groups(emulator, group, scenario):
-    """Every decode heads-per-block instance (1, 2, 4, 8), partial chunks (3, 7) and two chunks (16)."""
+    """Every decode heads-per-block instance (1, 4, 8), partial chunks (2, 3, 7) and two chunks (16)."""
     rng = random.Random(group)
     q_lens, seq_lens, pad = scenario_lengths(scenario, rng)
     case = make_case(torch.device("cpu"), torch.float16, 64, group=group, num_kv_heads=2, block_size=16,
@@ -523,6 +524,25 @@ def test_emulated_decode_splits_and_merge(emulator, dtype, head_dim):
     assert plan[3] == 5, f"expected 5 splits of a {case.block_table.shape[1] * 16}-position slot, plan {plan}"
     # Few SMs: the same batch unsplit must agree too.
     assert _check_emulated(emulator, case, 1, 1, "unsplit")[3] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
+def test_emulated_padded_head_dims(emulator, dtype, head_dim):
+    """A head_dim between the templates runs in the next one up; its padding is never written."""
+    for scenario in ("decode", "mixed"):
+        q_lens, seq_lens, pad = scenario_lengths(scenario, random.Random(head_dim))
+        case = make_case(torch.device("cpu"), dtype, head_dim, group=3, num_kv_heads=1, block_size=16,
+                         q_lens=q_lens, seq_lens=seq_lens, pad_seqs=pad, gate=True, seed=head_dim)
+        _check_emulated(emulator, case, 1 if scenario == "decode" else max(q_lens), 132, f"{scenario} d{head_dim}")
+
+
+def test_emulated_unsupported_head_dim_has_no_kernel(emulator):
+    """fp16 rows of 20 elements (40 bytes) are not whole 16-byte vectors: no kernel, nothing written."""
+    case = make_case(torch.device("cpu"), torch.float16, 20, group=2, num_kv_heads=1, block_size=4, q_lens=[1],
+                     seq_lens=[5])
+    with pytest.raises(AssertionError, match="no kernel"):
+        emulate_slot_attention(emulator, case, 1, 132)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -755,9 +775,31 @@ def test_bad_input_raises_and_writes_nothing():
 
 @needs_gpu
 def test_unsupported_head_dim_names_it():
-    case = make_case(torch.device("cuda"), torch.float16, 48, group=2, block_size=8, q_lens=[1], seq_lens=[5])
-    with qwen_ops.use_backend("cuda"), pytest.raises(RuntimeError, match="head_dim = 48"):
+    case = make_case(torch.device("cuda"), torch.float16, 20, group=2, block_size=8, q_lens=[1], seq_lens=[5])
+    with qwen_ops.use_backend("cuda"), pytest.raises(RuntimeError, match="head_dim = 20"):
         qwen_ops.slot_attention(*case.attention_args(1))
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS)
+def test_padded_head_dims(head_dim):
+    for scenario in ("decode", "mixed"):
+        q_lens, seq_lens, pad = scenario_lengths(scenario, random.Random(head_dim))
+        case = make_case(torch.device("cuda"), torch.bfloat16, head_dim, group=3, block_size=16, q_lens=q_lens,
+                         seq_lens=seq_lens, pad_seqs=pad, gate=True, seed=head_dim)
+        _check_attention(case, 1 if scenario == "decode" else max(q_lens), torch.bfloat16, f"{scenario} d{head_dim}")
+
+
+@needs_gpu
+def test_rows_no_sequence_covers_are_zero():
+    """Rows past query_start_loc[-1] (invalid input the value checks would reject) come back zero."""
+    case = make_case(torch.device("cuda"), torch.float16, 64, group=2, block_size=8, q_lens=[1, 3], seq_lens=[5, 9])
+    extra = torch.randn((3,) + tuple(case.query.shape[1:]), device="cuda").to(torch.float16)
+    case.query = torch.cat([case.query, extra])
+    _poison_next_allocation(case.query)
+    with qwen_ops.use_backend("cuda"):
+        out = qwen_ops.slot_attention(*case.attention_args(3))
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
 
 
 @needs_gpu
