@@ -80,11 +80,15 @@ def causal_conv1d_reference(x, weight, bias, conv_state, seq_slots, query_start_
     rows = starts[seq_of_row] + j                                                        # rows of x
     ext[off[seq_of_row] + width + j] = x[rows].float()
 
-    # Row j of sequence s sees ext[off[s] + j + t], t = 0 .. kernel-1 (t = kernel-1 is the row itself).
-    window = ext[off[seq_of_row][:, None] + j[:, None] + torch.arange(kernel, device=device)[None, :]]  # [R, K, dim]
-    acc = (window * weight.t().float()[None]).sum(1)
+    # Row j of sequence s sees ext[off[s] + j + t], t = 0 .. kernel-1 (t = kernel-1 is the row itself):
+    # one gather per tap, so no [R, kernel, dim] window is materialised.
+    first = off[seq_of_row] + j                                                         # [R]
+    w = weight.float()
+    acc = torch.zeros((first.numel(), dim), dtype=torch.float32, device=device)
     if bias is not None:
-        acc = acc + bias.float()
+        acc += bias.float()
+    for t in range(kernel):
+        acc.addcmul_(torch.index_select(ext, 0, first + t), w[:, t])
     out[rows] = F.silu(acc).to(x.dtype)
 
     # The new state: the last ``width`` entries of each sequence's segment.
