@@ -27,6 +27,9 @@ QWEN_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 QWEN_HD int64_t block_column(int64_t position, int64_t block_size) { return position / block_size; }
 QWEN_HD int64_t block_row(int64_t position, int64_t block_size) { return position % block_size; }
 
+// The same in 32 bits, as the kernels compute it (a slot holds fewer than 2^31 positions).
+QWEN_HD uint32_t block_column_u32(uint32_t position, uint32_t block_size) { return position / block_size; }
+
 // Positions a slot can hold: block_table columns x block_size.
 QWEN_HD int64_t slot_capacity(int64_t max_blocks_per_slot, int64_t block_size) {
   return max_blocks_per_slot * block_size;

@@ -33,9 +33,6 @@
 namespace qwen_cuda {
 namespace {
 
-using qwen_index::block_column;
-using qwen_index::block_row;
-
 // ---- element conversion ----------------------------------------------------------------------
 // bf16 is handled through its bits (the top half of an fp32), which needs no sm_80 intrinsic.
 struct Bf16 { uint16_t bits; };
@@ -107,12 +104,45 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Physical block holding position `pos` of `slot`, or -1 when the table names no valid block.
-// Reads exactly one block-table entry, the one for `pos`; callers only ask for pos < seq_len.
-__device__ __forceinline__ int64_t physical_block(const int32_t* bt, int64_t bt_stride_slot, int64_t bt_stride_col,
-                                                  int64_t slot, int64_t pos, int64_t block_size, int64_t num_blocks) {
-  const int64_t b = bt[slot * bt_stride_slot + block_column(pos, block_size) * bt_stride_col];
-  return (b >= 0 && b < num_blocks) ? b : -1;
+// Where position `pos` of `slot` lives: its physical block (-1 when the table names no valid
+// block) and row. Reads exactly one block-table entry, the one for `pos`; callers only ask for
+// positions below seq_len. 32-bit division (the host checks that a slot holds < 2^31 positions):
+// a 64-bit division is a long subroutine on the GPU, and this runs once per key.
+struct KeyLocation {
+  int64_t block;
+  int64_t row;
+};
+__device__ __forceinline__ KeyLocation locate(const int32_t* bt, int64_t bt_stride_slot, int64_t bt_stride_col,
+                                              int64_t slot, int64_t pos, int64_t block_size, int64_t num_blocks) {
+  const uint32_t col = qwen_index::block_column_u32(static_cast<uint32_t>(pos), static_cast<uint32_t>(block_size));
+  const int64_t b = bt[slot * bt_stride_slot + static_cast<int64_t>(col) * bt_stride_col];
+  return {(b >= 0 && b < num_blocks) ? b : -1,
+          static_cast<int64_t>(static_cast<uint32_t>(pos) - col * static_cast<uint32_t>(block_size))};
+}
+
+// Sums part[0, N) over the lanes of a key group that differ in lane bits OFF, OFF / 2, ..., 1, as
+// a transposed butterfly: while a lane carries several heads, each step sends half of them to
+// its partner and keeps the other half, so HPB heads over kTPK lanes cost HPB - 1 +
+// log2(kTPK / HPB) shuffles instead of HPB x log2(kTPK). On return the lane holds
+// max(N / (2 OFF), 1) sums in part[0, ...) for heads head, head + 1, ...
+template <int N, int OFF>
+__device__ __forceinline__ void butterfly_sum(float* part, int kl, int& head) {
+  if constexpr (OFF > 0) {
+    if constexpr (N > 1) {
+      const bool hi = (kl & OFF) != 0;
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {  // in place: step i reads i and i + N/2, writes i
+        const float send = hi ? part[i] : part[i + N / 2];
+        const float keep = hi ? part[i + N / 2] : part[i];
+        part[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+      }
+      if (hi) head += N / 2;
+      butterfly_sum<N / 2, OFF / 2>(part, kl, head);
+    } else {
+      part[0] += __shfl_xor_sync(0xffffffffu, part[0], OFF);
+      butterfly_sum<1, OFF / 2>(part, kl, head);
+    }
+  }
 }
 
 // ---- kv_write ----------------------------------------------------------------------------------
@@ -127,10 +157,10 @@ __global__ void __launch_bounds__(128) _kv_write_kernel(const KvWriteParams p) {
       pos >= qwen_index::slot_capacity(p.max_blocks_per_slot, p.block_size)) {
     return;  // slot -1 is padding: nothing is written
   }
-  const int64_t block = physical_block(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, pos,
-                                       p.block_size, p.num_blocks);
-  if (block < 0) return;
-  const int64_t row = block_row(pos, p.block_size);
+  const KeyLocation loc = locate(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, pos, p.block_size,
+                                 p.num_blocks);
+  if (loc.block < 0) return;
+  const int64_t block = loc.block, row = loc.row;
   const int64_t elems_per_vec = static_cast<int64_t>(sizeof(VecT)) / p.elem_size;
   const int64_t vecs_per_head = p.head_dim / elems_per_vec;
   const int64_t es = p.elem_size;
@@ -233,13 +263,11 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
 #pragma unroll
     for (int u = 0; u < S::kUnroll; ++u) {
       const int64_t k = tile0 + u * S::kGroups + kg;
-      int64_t block = -1;
-      if (k < k_end) block = physical_block(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, k,
-                                            p.block_size, p.num_blocks);
-      valid[u] = block >= 0;
-      const int64_t r = block_row(k, p.block_size);
-      kbase[u] = block * p.kc_stride_block + r * p.kc_stride_row + kv_head * p.kc_stride_head;
-      vbase[u] = block * p.vc_stride_block + r * p.vc_stride_row + kv_head * p.vc_stride_head;
+      KeyLocation loc{-1, 0};
+      if (k < k_end) loc = locate(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, k, p.block_size, p.num_blocks);
+      valid[u] = loc.block >= 0;
+      kbase[u] = loc.block * p.kc_stride_block + loc.row * p.kc_stride_row + kv_head * p.kc_stride_head;
+      vbase[u] = loc.block * p.vc_stride_block + loc.row * p.vc_stride_row + kv_head * p.vc_stride_head;
     }
 #pragma unroll
     for (int u = 0; u < S::kUnroll; ++u)
@@ -250,27 +278,37 @@ __global__ void __launch_bounds__(kDecodeThreads) _slot_attention_decode_kernel(
         vraw[u][v] = in_row ? load16(vc + vbase[u] + S::dim(kl, v, 0)) : zero16();
       }
 
-    // 2. Logits of every (head, key) of the tile; the kTPK lanes of a key reduce by shuffles.
+    // 2. Logits of every (head, key) of the tile: partial dot products over this lane's dims,
+    //    summed over the kTPK lanes of the key by a transposed butterfly.
 #pragma unroll
     for (int u = 0; u < S::kUnroll; ++u) {
       float kf[S::kEPT];
 #pragma unroll
       for (int v = 0; v < S::kVPT; ++v) Elem<T>::unpack(kraw[u][v], kf + v * S::kEPV);
+      float part[HPB];
 #pragma unroll
       for (int g = 0; g < HPB; ++g) {
-        if (g < hpb) {  // uniform over the block
-          float dot = 0.0f;
+        part[g] = 0.0f;
+        if (g < hpb) {  // uniform over the block; q_s rows >= hpb are not loaded
 #pragma unroll
           for (int v = 0; v < S::kVPT; ++v)
 #pragma unroll
             for (int i = 0; i < S::kEPV; i += 4) {
               const float4 q4 = *reinterpret_cast<const float4*>(&q_s[g][S::dim(kl, v, i)]);
               const float* kv = kf + v * S::kEPV + i;
-              dot += q4.x * kv[0] + q4.y * kv[1] + q4.z * kv[2] + q4.w * kv[3];
+              part[g] += q4.x * kv[0] + q4.y * kv[1] + q4.z * kv[2] + q4.w * kv[3];
             }
+        }
+      }
+      int head = 0;
+      butterfly_sum<HPB, S::kTPK / 2>(part, kl, head);
+      // Lanes whose bits below the last transposed step are zero hold distinct heads' sums.
+      constexpr int kHeld = HPB / S::kTPK > 1 ? HPB / S::kTPK : 1;
+      constexpr int kSameSum = S::kTPK / HPB > 1 ? S::kTPK / HPB : 1;
+      if (kl % kSameSum == 0) {
 #pragma unroll
-          for (int off = S::kTPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-          if (kl == 0) logit_s[g][u * S::kGroups + kg] = valid[u] ? dot : -INFINITY;
+        for (int i = 0; i < kHeld; ++i) {
+          if (head + i < hpb) logit_s[head + i][u * S::kGroups + kg] = valid[u] ? part[i] : -INFINITY;
         }
       }
     }
@@ -495,12 +533,13 @@ __global__ void __launch_bounds__(128) _slot_attention_prefill_kernel(const Atte
       const int64_t k = kt0 + c;
       uint4 kx = zero16(), vx = zero16();  // keys past key_end and bad blocks read as zeros
       if (k < key_end && e < hd) {
-        const int64_t block = physical_block(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, k,
-                                             p.block_size, p.num_blocks);
-        if (block >= 0) {
-          const int64_t r = block_row(k, p.block_size);
-          kx = load16(kc + (block * p.kc_stride_block + r * p.kc_stride_row + kv_head * p.kc_stride_head + e) * S::kElem);
-          vx = load16(vc + (block * p.vc_stride_block + r * p.vc_stride_row + kv_head * p.vc_stride_head + e) * S::kElem);
+        const KeyLocation loc = locate(p.block_table, p.bt_stride_slot, p.bt_stride_col, slot, k, p.block_size,
+                                       p.num_blocks);
+        if (loc.block >= 0) {
+          kx = load16(kc + (loc.block * p.kc_stride_block + loc.row * p.kc_stride_row + kv_head * p.kc_stride_head + e) *
+                               S::kElem);
+          vx = load16(vc + (loc.block * p.vc_stride_block + loc.row * p.vc_stride_row + kv_head * p.vc_stride_head + e) *
+                               S::kElem);
         }
       }
       *reinterpret_cast<uint4*>(&k_s[c][e]) = kx;

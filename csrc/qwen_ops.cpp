@@ -71,6 +71,13 @@ void check_cache(const at::Tensor& c, const char* name, const at::Tensor& like) 
   TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "_qwen_C: ", name, " must have a contiguous last dim, got strides ", c.strides());
 }
 
+// The kernels locate positions with 32-bit arithmetic.
+void check_capacity(const at::Tensor& block_table, const at::Tensor& cache) {
+  const int64_t capacity = qwen_index::slot_capacity(block_table.size(1), cache.size(1));
+  TORCH_CHECK(capacity < (int64_t{1} << 31), "_qwen_C: a slot holds ", capacity,
+              " positions (block_table columns x block_size); expected fewer than 2^31");
+}
+
 int multiprocessor_count(const at::Tensor& t) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device()));
@@ -103,6 +110,7 @@ void kv_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   const int64_t num_tokens = key.size(0);
   TORCH_CHECK(slot_ids.size(0) == num_tokens && positions.size(0) == num_tokens,
               "_qwen_C: slot_ids and positions need num_tokens = ", num_tokens, " entries");
+  check_capacity(block_table, key_cache);
   if (num_tokens == 0) return;
   TORCH_CHECK(num_tokens <= INT32_MAX, "_qwen_C: too many tokens for one launch: ", num_tokens);
 
@@ -167,6 +175,7 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
   check_index(seq_slots, "seq_slots", 1, query);
   check_index(query_start_loc, "query_start_loc", 1, query);
   check_index(seq_lens, "seq_lens", 1, query);
+  check_capacity(block_table, key_cache);
   const int64_t num_seqs = seq_slots.size(0);
   TORCH_CHECK(seq_lens.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
               "_qwen_C: seq_lens needs num_seqs = ", num_seqs, " entries and query_start_loc num_seqs + 1");

@@ -113,7 +113,8 @@ int main() {
   while (std::scanf("%15s", op) == 1) {
     if (op[0] == 'L') {  // L pos block_size
       std::scanf("%lld %lld", &a, &b);
-      std::printf("%lld %lld\n", (long long)block_column(a, b), (long long)block_row(a, b));
+      std::printf("%lld %lld %lld\n", (long long)block_column(a, b), (long long)block_row(a, b),
+                  (long long)block_column_u32((unsigned)a, (unsigned)b));
     } else if (op[0] == 'S') {  // S seq_len num_splits align
       std::scanf("%lld %lld %lld", &a, &b, &c);
       for (long long s = 0; s < b; ++s)
@@ -164,6 +165,7 @@ def _check_partition(ranges: list[tuple[int, int]], seq_len: int, align: int) ->
 
 def _header_cases(rng: random.Random):
     loc = [(rng.randrange(0, 5000), rng.choice([1, 2, 3, 16, 17, 256, 4096])) for _ in range(200)]
+    loc += [((1 << 31) - 1, 1), ((1 << 31) - 1, 7), ((1 << 31) - 5, 4096)]
     split = [(rng.choice([0, 1, 2, 31, 32, 33, 1000, 4096, 100_000]), rng.choice([1, 2, 3, 7, 64]),
               rng.choice([8, 16, 32, 64, 128])) for _ in range(120)]
     tile = [(s, q, rb, rb + rows) for s, q, rb, rows in
@@ -190,7 +192,7 @@ def test_index_header_with_gxx(tmp_path):
     assert len(lines) == len(commands)
     it = iter(lines)
     for p, b in loc:
-        assert tuple(map(int, next(it).split())) == (p // b, p % b), (p, b)
+        assert tuple(map(int, next(it).split())) == (p // b, p % b, p // b), (p, b)
     for s, n, a in split:
         got = list(map(int, next(it).split()))
         ranges = list(zip(got[::2], got[1::2]))
