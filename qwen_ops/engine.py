@@ -65,10 +65,10 @@ class _SlotState:
 
 @dataclass
 class SwappedSlot:
-    """A slot's KV blocks copied to host memory, with its length (see ``QwenEngine.swap_out``)."""
+    """A slot's KV blocks (and linear-layer state) in host memory, with its length (``QwenEngine.swap_out``)."""
 
     seq_len: int
-    blocks: list[tuple[torch.Tensor, torch.Tensor]]
+    blocks: list[tuple[torch.Tensor, torch.Tensor]]   # per layer, as ModelRunner.copy_out returns
 
 
 def _is_int(x: Any) -> bool:
@@ -107,8 +107,7 @@ class QwenEngine:
         if not _is_int(num_kv_blocks) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks!r}, expected an int >= 1")
         self.runner = ModelRunner(
-            model, num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
+            model, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
             max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
             compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
@@ -257,7 +256,7 @@ class QwenEngine:
         """Copy the slot's KV to host memory and free its blocks (the slot keeps no sequence)."""
         with self._lock:
             s = self._slots[slot_id]
-            saved = SwappedSlot(s.seq_len, self.runner.copy_blocks_out(s.blocks))
+            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks))
             self._release_blocks(slot_id)
             s.active, s.seq_len = False, 0
             return saved
@@ -270,7 +269,7 @@ class QwenEngine:
                 raise ValueError(f"slot_id = {slot_id} holds a sequence; swap_in needs an empty slot")
             if not self.reserve(slot_id, saved.seq_len):
                 return False
-            self.runner.copy_blocks_in(s.blocks, saved.blocks)
+            self.runner.copy_in(slot_id, s.blocks, saved.blocks)
             s.active, s.seq_len = True, saved.seq_len
             return True
 

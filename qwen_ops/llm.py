@@ -77,7 +77,8 @@ class LLM:
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             elem = next(ckpt.model.parameters()).element_size()
-            block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+            attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
+            block_bytes = 2 * attention_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
             budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(next(ckpt.model.parameters()).device)
             num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
         if num_kv_blocks < per_seq_blocks:

@@ -58,19 +58,19 @@ def _compile_decode(fn, backend: str):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_blocks: int, block_size: int, max_slots: int, max_blocks_per_slot: int,
-                 dtype: torch.dtype, device: torch.device, compile: bool = False,
+    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_slots: int,
+                 max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
                  buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
                  compile_backend: str = "inductor"):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zero-filled so that unused rows never hold NaN; reads past seq_len are masked anyway.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        # Per layer: "attention" layers hold paged KV [num_blocks, block_size, kv_heads, head_dim];
+        # "linear" layers (hybrid models) hold per-slot state [max_slots, ...] (conv, recurrent).
+        # Both are zero-filled, so unused rows never hold NaN.
+        self.layer_kinds = list(model.layer_kinds)
+        self.kv_caches = model.allocate_caches(num_blocks, block_size, max_slots, dtype, device)
         self.block_table = torch.zeros((max_slots, max_blocks_per_slot), dtype=torch.int32, device=device)
         self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
         if self.buckets[0] < 1:
@@ -186,48 +186,61 @@ class ModelRunner:
         """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""
         self._graphs.clear()
 
+    def _layers(self, kind: str) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0]
+        return self.kv_caches[self._layers("attention")[0]][0].shape[0]
 
     def set_block_row(self, slot: int, blocks: Sequence[int]) -> None:
         """Make ``block_table[slot, :len(blocks)]`` name ``blocks`` (later columns are left as junk)."""
         if blocks:
             self.block_table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
 
+    def _grow_dim0(self, layers: list[int], size: int) -> None:
+        for i in layers:
+            grown = []
+            for t in self.kv_caches[i]:
+                if size > t.shape[0]:
+                    bigger = torch.zeros((size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+                    bigger[:t.shape[0]] = t
+                    t = bigger
+                grown.append(t)
+            self.kv_caches[i] = tuple(grown)
+        self._tensors_replaced()
+
     def grow_slots(self, max_slots: int) -> None:
+        """More slots: block-table rows, and per-slot state rows of linear layers."""
         rows, cols = self.block_table.shape
         if max_slots > rows:
             grown = torch.zeros((max_slots, cols), dtype=torch.int32, device=self.device)
             grown[:rows] = self.block_table
             self.block_table = grown
-            self._tensors_replaced()
+            self._grow_dim0(self._layers("linear"), max_slots)
 
     def grow_blocks(self, num_blocks: int) -> None:
-        """Add physical blocks at the end; existing block ids keep their contents."""
-        old = self.num_blocks
-        if num_blocks <= old:
-            return
-        grown = []
-        for k, v in self.kv_caches:
-            k2 = torch.zeros((num_blocks,) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
-            v2 = torch.zeros_like(k2)
-            k2[:old] = k
-            v2[:old] = v
-            grown.append((k2, v2))
-        self.kv_caches = grown
-        self._tensors_replaced()
+        """Add physical KV blocks at the end; existing block ids keep their contents."""
+        if num_blocks > self.num_blocks:
+            self._grow_dim0(self._layers("attention"), num_blocks)
 
-    def copy_blocks_out(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of ``blocks`` of every layer (for swap-out)."""
+    def copy_out(self, slot: int, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of a slot's KV ``blocks`` (attention layers) and state rows (linear layers)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in self.kv_caches]
+        return [(a[idx].to("cpu"), b[idx].to("cpu")) if kind == "attention"
+                else (a[slot].to("cpu"), b[slot].to("cpu"))
+                for kind, (a, b) in zip(self.layer_kinds, self.kv_caches)]
 
-    def copy_blocks_in(self, blocks: Sequence[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy_in(self, slot: int, blocks: Sequence[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Inverse of ``copy_out``, into (possibly different) ``blocks`` and ``slot``."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        for (k, v), (hk, hv) in zip(self.kv_caches, saved):
-            k[idx] = hk.to(self.device)
-            v[idx] = hv.to(self.device)
+        for kind, (a, b), (ha, hb) in zip(self.layer_kinds, self.kv_caches, saved):
+            if kind == "attention":
+                a[idx] = ha.to(self.device)
+                b[idx] = hb.to(self.device)
+            else:
+                a[slot] = ha.to(self.device)
+                b[slot] = hb.to(self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
