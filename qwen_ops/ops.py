@@ -96,19 +96,13 @@ def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 # --------------------------------------------------------------------------------------------
 
 def _state_op_kernel(op: str, backend: str):
-    """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none.
-
-    The reference kernels of these ops live in ``kernels/reference_linear.py`` beside the attention
-    reference; the cuda backend may lack them (no csrc/ kernels yet): say so instead of crashing.
-    """
-    from qwen_ops.kernels import reference_linear
-
-    name = f"{op}_{backend}"
-    module = reference_linear if backend == "reference" else kernels(backend)
-    fn = getattr(module, name, None)
+    """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none
+    (the cuda backend has no csrc/ kernels for the state ops yet)."""
+    module = kernels(backend)
+    fn = getattr(module, f"{op}_{backend}", None)
     if fn is None:
-        raise RuntimeError(f"qwen_ops backend {backend!r} has no kernel for qwen::{op} ({module.__name__}.{name} "
-                           "does not exist); select the triton or reference backend "
+        raise RuntimeError(f"qwen_ops backend {backend!r} has no kernel for qwen::{op} ({module.__name__}."
+                           f"{op}_{backend} does not exist); select the triton or reference backend "
                            "(QWEN_OPS_BACKEND=triton|reference) for models with linear-attention layers")
     return fn
 

@@ -568,5 +568,6 @@ def test_backend_without_kernels_raises_clearly(op, monkeypatch):
     monkeypatch.setattr(ops, "kernels", lambda name: empty)
     with pytest.raises(RuntimeError, match=f"backend 'cuda' has no kernel for qwen::{op}.*triton or reference"):
         ops._state_op_kernel(op, "cuda")
+    monkeypatch.undo()
     from qwen_ops.kernels import reference_linear
     assert ops._state_op_kernel(op, "reference") is getattr(reference_linear, f"{op}_reference")

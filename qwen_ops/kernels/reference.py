@@ -132,3 +132,8 @@ def slot_attention_reference(query, key_cache, value_cache, block_table, seq_slo
         _attend(query, out, key_cache, value_cache, block_table, slots[idx], starts[idx], q_lens[idx],
                 lens[idx], scale, gate)
     return out
+
+
+# The state ops of hybrid models (causal_conv1d, gated_delta_rule) have their reference kernels
+# in reference_linear.py; they are re-exported here so every backend module has the same names.
+from qwen_ops.kernels.reference_linear import causal_conv1d_reference, gated_delta_rule_reference  # noqa: E402,F401
