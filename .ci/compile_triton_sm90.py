@@ -1,4 +1,5 @@
-"""CI check: every Triton kernel of qwen_ops/kernels/triton.py compiles for sm_90 without a GPU.
+"""CI check: every Triton kernel of qwen_ops/kernels/triton.py and triton_linear.py compiles for sm_90
+without a GPU.
 
 The kernel configurations come from the launchers' own launch plans
 (``kv_write_launches`` / ``slot_attention_launches``), built on small CPU tensors for each
@@ -27,6 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from qwen_ops.kernels import triton as qt  # noqa: E402
+from qwen_ops.kernels import triton_linear as ql  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
@@ -74,6 +76,29 @@ def _launches(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: i
     return plans
 
 
+def _state_launches(dtype: torch.dtype):
+    """Launch plans of the hybrid state ops at Qwen3.5 shapes (conv kernel 4, 16 k / 32 v heads of 128)."""
+    num_seqs, slots = 4, 4
+    dim = 2 * 16 * 128 + 32 * 128
+    index = torch.zeros(num_seqs, dtype=torch.int32)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    plans = []
+    for num_tokens in (num_seqs, 3 * num_seqs):
+        x = torch.empty(num_tokens, dim, dtype=dtype)
+        weight = torch.empty(dim, 4, dtype=dtype)
+        conv_state = torch.empty(slots, dim, 3, dtype=dtype)
+        for bias in (None, torch.empty(dim, dtype=dtype)):
+            plans += ql.causal_conv1d_launches(x, weight, bias, conv_state, index, qsl, index, torch.empty_like(x),
+                                               interpret=False)
+        q = torch.empty(num_tokens, 16, 128, dtype=dtype)
+        v = torch.empty(num_tokens, 32, 128, dtype=dtype)
+        gb = torch.empty(num_tokens, 32, dtype=torch.float32)
+        state = torch.empty(slots, 32, 128, 128, dtype=torch.float32)
+        plans += ql.gated_delta_rule_launches(q, q, v, gb, gb, state, index, qsl, index, 0.1, torch.empty_like(v),
+                                              interpret=False)
+    return plans
+
+
 def _compile(launch: qt.Launch):
     fn = launch.kernel
     constexprs = dict(launch.constexprs)
@@ -87,35 +112,43 @@ def _compile(launch: qt.Launch):
     return triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
 
 
-def main() -> int:
-    seen: set = set()
-    failures = 0
+def _plans():
+    """(dtype, launch) for every configuration the launchers would launch."""
     for dtype in DTYPES:
+        for launch in _state_launches(dtype):
+            yield dtype, launch
         for head_dim in HEAD_DIMS:
             for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):
                 for launch in _launches(dtype, head_dim, num_heads, num_kv_heads, gate, capacity):
-                    types = tuple(_arg_type(a) for a in launch.args)
-                    key = (launch.kernel.__name__, types, launch.constexprs, launch.num_warps, launch.num_stages)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    config = " ".join(f"{k}={v}" for k, v in launch.constexprs)
-                    label = (f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} {config} "
-                             f"warps={launch.num_warps} stages={launch.num_stages}")
-                    start = time.perf_counter()
-                    try:
-                        compiled = _compile(launch)
-                    except Exception as exc:  # report every failing config, then fail
-                        failures += 1
-                        print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-                        continue
-                    shared = compiled.metadata.shared
-                    status = "ok  "
-                    if shared > SM90_MAX_SHARED_BYTES:
-                        failures += 1
-                        status = "FAIL"
-                    print(f"{status} {label} shared={shared}B ptx={len(compiled.asm['ptx'])}B "
-                          f"{time.perf_counter() - start:.2f}s", flush=True)
+                    yield dtype, launch
+
+
+def main() -> int:
+    seen: set = set()
+    failures = 0
+    for dtype, launch in _plans():
+        types = tuple(_arg_type(a) for a in launch.args)
+        key = (launch.kernel.__name__, types, launch.constexprs, launch.num_warps, launch.num_stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        config = " ".join(f"{k}={v}" for k, v in launch.constexprs)
+        label = (f"{launch.kernel.__name__} {str(dtype).removeprefix('torch.')} {config} "
+                 f"warps={launch.num_warps} stages={launch.num_stages}")
+        start = time.perf_counter()
+        try:
+            compiled = _compile(launch)
+        except Exception as exc:  # report every failing config, then fail
+            failures += 1
+            print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        shared = compiled.metadata.shared
+        status = "ok  "
+        if shared > SM90_MAX_SHARED_BYTES:
+            failures += 1
+            status = "FAIL"
+        print(f"{status} {label} shared={shared}B ptx={len(compiled.asm['ptx'])}B "
+              f"{time.perf_counter() - start:.2f}s", flush=True)
     print(f"{len(seen)} kernel configurations, {failures} failed (triton {triton.__version__}, sm_90)")
     return 1 if failures else 0
 
