@@ -438,7 +438,15 @@ def emulator(tmp_path_factory):
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed")
-    lib_path = tmp_path_factory.mktemp("simt") / "libqwen_simt.so"
+    folder = tmp_path_factory.mktemp("simt")
+    # The shim needs C++20 <barrier> and _Float16 (g++ 12 or newer); an older compiler is a skip,
+    # an error in the kernels a failure.
+    (folder / "probe.cpp").write_text("#include <barrier>\n_Float16 h = 1.0f;\nstd::barrier<> b(1);\nint main() {}\n")
+    probe = subprocess.run([gxx, "-std=c++20", "-pthread", str(folder / "probe.cpp"), "-o", str(folder / "probe")],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"{gxx} lacks C++20 <barrier> or _Float16 (g++ >= 12 needed): {probe.stderr.strip()[:200]}")
+    lib_path = folder / "libqwen_simt.so"
     build = subprocess.run([gxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-I", str(CSRC),
                             str(EMULATOR_SOURCE), "-o", str(lib_path)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
