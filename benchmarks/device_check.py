@@ -8,9 +8,10 @@
    floor (weight bytes / measured copy bandwidth);
 4. writes the table to benchmarks/results/.
 
-Usage on the GPU machine, from the repo root:
-    pip install --no-deps --no-build-isolation -e .          # QWEN_OPS_BUILD_CUDA=1 to build csrc/
-    python benchmarks/device_check.py [--skip-tests] [--quick]
+Usage on the GPU machine, from the repo root (no network; the preinstalled torch):
+    pip install --no-deps --no-build-isolation -e .
+    python benchmarks/device_check.py [--skip-tests] [--no-build] [--quick]
+It first builds csrc/ in place (QWEN_OPS_BUILD_CUDA=1), so the cuda backend joins the tables.
 ``--smoke`` runs the measurement code on tiny CPU shapes (to check the script itself).
 """
 
@@ -88,21 +89,82 @@ def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -
     positions = torch.arange(n_tok // batch, device=device, dtype=torch.int32).repeat(batch)
     attn_bytes = 2 * kc.numel() * kc.element_size() + 2 * q.numel() * q.element_size()
     write_bytes = 2 * (k.numel() * k.element_size()) * 2      # read k, v and write them
+    # Prefill: 8 sequences of 512 new tokens over 4096 tokens of context (chunked prefill).
+    p_seqs, p_len = (2, 8) if smoke else (8, 512)
+    pq = torch.randn(p_seqs * p_len, heads, head_dim, device=device, dtype=dtype)
+    p_qsl = torch.arange(0, p_seqs * p_len + 1, p_len, device=device, dtype=torch.int32)
     say(f"| op | backend | shape | time (us) | GB/s | % of copy |")
     say(f"|---|---|---|---|---|---|")
+    times: dict[str, dict[str, float]] = {}
     for backend in ("reference", "triton", "cuda"):
         if why_unavailable(backend, device) is not None:
-            say(f"| both | {backend} | - | - | - | unavailable: {why_unavailable(backend, device)} |")
+            say(f"| all | {backend} | - | - | - | unavailable: {why_unavailable(backend, device)} |")
             continue
         with qwen_ops.use_backend(backend):
             t_attn = timed(lambda: torch.ops.qwen.slot_attention(q, kc, vc, bt, seq_slots, qsl, seq_lens,
                                                                  head_dim ** -0.5, 1), reps, device)
+            t_pre = timed(lambda: torch.ops.qwen.slot_attention(pq, kc, vc, bt, seq_slots[:p_seqs], p_qsl,
+                                                                seq_lens[:p_seqs], head_dim ** -0.5, p_len),
+                          reps, device)
             t_write = timed(lambda: torch.ops.qwen.kv_write(k, v, kc, vc, slot_ids, positions, bt), reps, device)
+        times[backend] = {"slot_attention/decode": t_attn, "slot_attention/prefill": t_pre, "kv_write": t_write}
+        pre_bytes = p_seqs * ctx * kv_heads * head_dim * 2 * 2 + 2 * pq.numel() * 2
         for name, t, nbytes, shape in (
                 ("slot_attention decode", t_attn, attn_bytes, f"b{batch} ctx{ctx} h{heads}/{kv_heads} d{head_dim} bf16"),
+                ("slot_attention prefill", t_pre, pre_bytes, f"{p_seqs}x{p_len} new over ctx{ctx} bf16"),
                 ("kv_write", t_write, write_bytes, f"{n_tok} tokens, kv{kv_heads} d{head_dim} bf16")):
             bw = nbytes / t
             say(f"| {name} | {backend} | {shape} | {t * 1e6:.1f} | {bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
+    # The faster GPU backend per op and phase: what QWEN_OPS_BACKEND=auto should use
+    # (copy into qwen_ops/backend_choice.json after review).
+    gpu = {b: t for b, t in times.items() if b in ("triton", "cuda")}
+    if len(gpu) == 2:
+        import json
+        choices = {key: min(gpu, key=lambda b: gpu[b][key]) for key in gpu["triton"]}
+        say(f"\nfaster backend per op/phase: {choices}")
+        (ROOT / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
+        (ROOT / "benchmarks" / "results" / "backend_choice.json").write_text(json.dumps(
+            {"measured_on": torch.cuda.get_device_name(device), "choices": choices,
+             "seconds": {b: gpu[b] for b in gpu}}, indent=2))
+
+
+def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
+    """gated_delta_rule / causal_conv1d decode at Qwen3.5 shapes: bandwidth on the state bytes."""
+    import qwen_ops
+    from qwen_ops.backend import why_unavailable
+
+    seqs, kh, vh, dk, dv, conv_dim = (2, 2, 4, 16, 16, 64) if smoke else (64, 16, 32, 128, 128, 8192)
+    dtype = torch.bfloat16
+    slots = torch.arange(seqs, device=device, dtype=torch.int32)
+    qsl = torch.arange(seqs + 1, device=device, dtype=torch.int32)
+    lens = torch.full((seqs,), 100, device=device, dtype=torch.int32)
+    q = torch.randn(seqs, kh, dk, device=device, dtype=dtype)
+    v = torch.randn(seqs, vh, dv, device=device, dtype=dtype)
+    g = -torch.rand(seqs, vh, device=device)
+    beta = torch.rand(seqs, vh, device=device)
+    state = torch.randn(seqs, vh, dk, dv, device=device)
+    x = torch.randn(seqs, conv_dim, device=device, dtype=dtype)
+    w = torch.randn(conv_dim, 4, device=device, dtype=dtype)
+    conv_state = torch.randn(seqs, conv_dim, 3, device=device, dtype=dtype)
+    state_bytes = 2 * state.numel() * 4
+    conv_bytes = 2 * conv_state.numel() * 2 + 2 * x.numel() * 2
+    say("\n| state op (decode) | backend | time (us) | GB/s on state bytes | % of copy |")
+    say("|---|---|---|---|---|")
+    for backend in ("reference", "triton", "cuda"):
+        if why_unavailable(backend, device) is not None:
+            continue
+        with qwen_ops.use_backend(backend):
+            try:
+                t_gdr = timed(lambda: torch.ops.qwen.gated_delta_rule(q, q, v, g, beta, state, slots, qsl, lens,
+                                                                      dk ** -0.5), reps, device)
+                t_conv = timed(lambda: torch.ops.qwen.causal_conv1d(x, w, None, conv_state, slots, qsl, lens),
+                               reps, device)
+            except RuntimeError as e:        # the cuda backend has no state-op kernels
+                say(f"| both | {backend} | - | - | {str(e).split(';')[0]} |")
+                continue
+        for name, t, nbytes in (("gated_delta_rule", t_gdr, state_bytes), ("causal_conv1d", t_conv, conv_bytes)):
+            bw = nbytes / t
+            say(f"| {name} b{seqs} | {backend} | {t * 1e6:.1f} | {bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
 
 
 def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
@@ -177,6 +239,7 @@ def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--no-build", action="store_true", help="do not build the CUDA extension first")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes: check the script itself")
     parser.add_argument("--out", type=Path, default=None)
@@ -189,17 +252,28 @@ def main() -> int:
     name = "cpu-smoke" if args.smoke else torch.cuda.get_device_name(device).replace(" ", "-")
     say(f"# Device check: {name}, torch {torch.__version__}, {datetime.datetime.now():%Y-%m-%d %H:%M}")
     status = 0
-    if not args.skip_tests and not args.smoke:
-        tests = ["tests/test_ops.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py", "tests/test_engine.py"]
-        say(f"\n## GPU tests: pytest {' '.join(tests)}")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", *tests], cwd=ROOT,
+    if not args.smoke and not args.no_build:
+        say("\n## Build csrc/ (QWEN_OPS_BUILD_CUDA=1 python setup.py build_ext --inplace)")
+        env = dict(os.environ, QWEN_OPS_BUILD_CUDA="1", MAX_JOBS=os.environ.get("MAX_JOBS", "8"))
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,
                               capture_output=True, text=True)
+        say(f"build {'ok' if proc.returncode == 0 else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
+        if proc.returncode:
+            say("```\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]) + "\n```")
+    if not args.skip_tests and not args.smoke:
+        tests = ["tests/test_ops.py", "tests/test_ops_linear.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py",
+                 "tests/test_engine.py", "-k", "not emulated"]
+        say(f"\n## GPU tests: pytest {' '.join(tests)}")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests], cwd=ROOT,
+                              capture_output=True, text=True, env=dict(os.environ, QWEN_OPS_REQUIRE_GPU="1"))
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         say("```\n" + "\n".join(tail) + "\n```")
         status = proc.returncode
     copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (1 << 30), reps)
     say(f"\n## Bandwidth\nmeasured device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)\n")
     op_bandwidth(device, args.smoke, reps, copy_bw)
+    state_op_bandwidth(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
     model_timings(device, args.smoke, reps, copy_bw)
     out = args.out or ROOT / "benchmarks" / "results" / f"device_check_{name}.md"

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
+import json
 import os
+from pathlib import Path
 from types import ModuleType
 from typing import Iterator
 
@@ -112,12 +115,28 @@ def why_unavailable(name: str, device: torch.device) -> str | None:
     raise ValueError(f"backend = {name!r}; expected one of {', '.join(BACKENDS[1:])}")
 
 
-def resolve_backend(device: torch.device) -> str:
-    """The concrete backend that runs for tensors on ``device``."""
+BACKEND_CHOICE_FILE = Path(__file__).with_name("backend_choice.json")
+
+
+@functools.lru_cache(maxsize=None)
+def measured_choices(path: Path = BACKEND_CHOICE_FILE) -> dict[str, str]:
+    """``{"<op>/<phase>": backend}`` measured on a GPU by benchmarks/device_check.py (read once)."""
+    if not path.exists():
+        return {}
+    return dict(json.loads(path.read_text()).get("choices", {}))
+
+
+def resolve_backend(device: torch.device, op: str = "", phase: str = "") -> str:
+    """The concrete backend that runs ``op`` (``phase`` "decode" or "prefill") on ``device``.
+
+    ``auto`` on CUDA takes the faster of triton and cuda as measured for that op and phase
+    (``backend_choice.json``), else triton, else cuda; on the CPU the reference.
+    """
     name = get_backend()
     if name == "auto":
         if device.type == "cuda":
-            for candidate in ("triton", "cuda"):
+            measured = measured_choices().get(f"{op}/{phase}" if phase else op)
+            for candidate in ((measured,) if measured else ()) + ("triton", "cuda"):
                 if why_unavailable(candidate, device) is None:
                     return candidate
         return "reference"

@@ -25,7 +25,7 @@ for _name, _schema in SCHEMAS.items():
 
 def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
     V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
-    backend = resolve_backend(key.device)
+    backend = resolve_backend(key.device, "kv_write")
     if value_checks_enabled(backend):
         V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
     getattr(kernels(backend), f"kv_write_{backend}")(key, value, key_cache, value_cache, slot_ids,
@@ -36,7 +36,7 @@ def _slot_attention_impl(query, key_cache, value_cache, block_table, seq_slots, 
                          scale, max_query_len, gate=None) -> torch.Tensor:
     V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
                            scale, max_query_len, gate)
-    backend = resolve_backend(query.device)
+    backend = resolve_backend(query.device, "slot_attention", "decode" if max_query_len == 1 else "prefill")
     if value_checks_enabled(backend):
         V.check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
                                       max_query_len)
@@ -109,7 +109,7 @@ def _state_op_kernel(op: str, backend: str):
 
 def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
     V.check_causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
-    backend = resolve_backend(x.device)
+    backend = resolve_backend(x.device, "causal_conv1d")
     kernel = _state_op_kernel("causal_conv1d", backend)
     if value_checks_enabled(backend):
         V.check_slot_state_values(x.shape[0], conv_state.shape[0], seq_slots, query_start_loc, seq_lens)
@@ -118,7 +118,7 @@ def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc,
 
 def _gated_delta_rule_impl(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale) -> torch.Tensor:
     V.check_gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
-    backend = resolve_backend(q.device)
+    backend = resolve_backend(q.device, "gated_delta_rule")
     kernel = _state_op_kernel("gated_delta_rule", backend)
     if value_checks_enabled(backend):
         V.check_slot_state_values(q.shape[0], state.shape[0], seq_slots, query_start_loc, seq_lens)
