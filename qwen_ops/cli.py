@@ -21,7 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    p.add_argument("--max-model-len", type=int, default=2048, help="most tokens per request")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request (default: the model's limit, at most 4096)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")

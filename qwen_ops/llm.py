@@ -25,6 +25,7 @@ from qwen_ops.scheduler import Request, Scheduler, SchedulerConfig
 Prompt = Union[str, Sequence[int]]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30     # KV budget when num_kv_blocks is None on the CPU
+DEFAULT_MAX_MODEL_LEN = 4096         # cap of the default max_model_len (the model's max_position_embeddings)
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30   # kept free on a GPU for activations and CUDA-graph capture
 
 
@@ -61,7 +62,7 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = "float32",
-                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: int = 2048,
+                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, preemption_mode: str = "recompute",
                  kv_cache_bytes: Optional[int] = None, check_invariants: bool = False,
@@ -74,6 +75,8 @@ class LLM:
             raise ValueError(f"preemption_mode = {preemption_mode!r}, expected 'recompute' or 'swap'")
         ckpt = load_checkpoint(default_model_path() if model is None else model, dtype=dtype, device=device)
         cfg = ckpt.config
+        if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
+            max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             elem = next(ckpt.model.parameters()).element_size()
