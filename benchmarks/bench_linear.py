@@ -64,29 +64,20 @@ def make_inputs(shape: Shape, device, dtype=DTYPE, seed: int = 0):
     return delta_args, conv_args
 
 
-def _synchronized(fn, device):
-    def run():
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return out
-    return run
-
-
 @pytest.mark.parametrize("kind", list(SHAPES))
-def test_gated_delta_rule(benchmark, backend, kind, device):
+def test_gated_delta_rule(benchmark, backend, kind, device, synchronized):
     delta_args, _ = make_inputs(SHAPES[kind], device)
     benchmark.group = f"gated_delta_rule-{kind}"
     with qwen_ops.use_backend(backend):
-        benchmark(_synchronized(lambda: torch.ops.qwen.gated_delta_rule(*delta_args), device))
+        benchmark(synchronized(lambda: torch.ops.qwen.gated_delta_rule(*delta_args)))
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
-def test_causal_conv1d(benchmark, backend, kind, device):
+def test_causal_conv1d(benchmark, backend, kind, device, synchronized):
     _, conv_args = make_inputs(SHAPES[kind], device)
     benchmark.group = f"causal_conv1d-{kind}"
     with qwen_ops.use_backend(backend):
-        benchmark(_synchronized(lambda: torch.ops.qwen.causal_conv1d(*conv_args), device))
+        benchmark(synchronized(lambda: torch.ops.qwen.causal_conv1d(*conv_args)))
 
 
 def test_reference_prefill_vs_transformers(benchmark):

@@ -66,29 +66,20 @@ def make_inputs(shape: Shape, device, dtype=DTYPE, seed: int = 0):
     return attention_args, write_args
 
 
-def _synchronized(fn, device):
-    def run():
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return out
-    return run
-
-
 @pytest.mark.parametrize("kind", list(SHAPES))
-def test_slot_attention(benchmark, backend, kind, device):
+def test_slot_attention(benchmark, backend, kind, device, synchronized):
     attention_args, _ = make_inputs(SHAPES[kind], device)
     benchmark.group = f"slot_attention-{kind}"
     with qwen_ops.use_backend(backend):
-        benchmark(_synchronized(lambda: torch.ops.qwen.slot_attention(*attention_args), device))
+        benchmark(synchronized(lambda: torch.ops.qwen.slot_attention(*attention_args)))
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
-def test_kv_write(benchmark, backend, kind, device):
+def test_kv_write(benchmark, backend, kind, device, synchronized):
     _, write_args = make_inputs(SHAPES[kind], device)
     benchmark.group = f"kv_write-{kind}"
     with qwen_ops.use_backend(backend):
-        benchmark(_synchronized(lambda: torch.ops.qwen.kv_write(*write_args), device))
+        benchmark(synchronized(lambda: torch.ops.qwen.kv_write(*write_args)))
 
 
 def test_reference_decode_vs_sdpa(benchmark):

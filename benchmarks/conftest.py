@@ -32,3 +32,16 @@ def backend(request, device) -> str:
     if reason is not None:
         pytest.skip(f"backend {name!r} unavailable on {device}: {reason}")
     return name
+
+
+@pytest.fixture(scope="session")
+def synchronized(device):
+    """``synchronized(fn)``: ``fn`` followed by a device sync, so a timer sees the kernel's whole run."""
+    def wrap(fn):
+        def run():
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return out
+        return run
+    return wrap

@@ -164,12 +164,8 @@ def check_kv_write_values(key_cache, slot_ids, positions, block_table) -> None:
                              f"but the cache has {key_cache.shape[0]} blocks")
 
 
-def check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                                max_query_len) -> None:
-    num_tokens = query.shape[0]
-    max_slots = block_table.shape[0]
-    capacity = _slot_capacity(block_table, key_cache)
-    qsl = query_start_loc
+def _check_query_start_loc(qsl, num_tokens: int) -> torch.Tensor:
+    """query_start_loc must be a non-decreasing prefix sum from 0 to num_tokens; returns q_lens."""
     if qsl.numel() and int(qsl[0]) != 0:
         raise ValueError(f"query_start_loc[0] = {int(qsl[0])}, expected 0")
     q_lens = qsl[1:] - qsl[:-1]
@@ -179,11 +175,24 @@ def check_slot_attention_values(query, key_cache, block_table, seq_slots, query_
                          "expected a non-decreasing prefix sum")
     if qsl.numel() and int(qsl[-1]) != num_tokens:
         raise ValueError(f"query_start_loc[-1] = {int(qsl[-1])}, expected num_tokens = {num_tokens} (query rows)")
+    return q_lens
+
+
+def _check_seq_slots(seq_slots, max_slots: int, holder: str) -> None:
     bad = (seq_slots < -1) | (seq_slots >= max_slots)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"seq_slots[{i}] = {int(seq_slots[i])}, but block_table has {max_slots} slots; "
+        raise ValueError(f"seq_slots[{i}] = {int(seq_slots[i])}, but {holder} has {max_slots} slots; "
                          f"expected -1 (padding) or 0 <= slot < {max_slots}")
+
+
+def check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                                max_query_len) -> None:
+    num_tokens = query.shape[0]
+    max_slots = block_table.shape[0]
+    capacity = _slot_capacity(block_table, key_cache)
+    q_lens = _check_query_start_loc(query_start_loc, num_tokens)
+    _check_seq_slots(seq_slots, max_slots, "block_table")
     if q_lens.numel() and int(q_lens.max()) > max_query_len:
         i = int(q_lens.argmax())
         raise ValueError(f"max_query_len = {max_query_len}, but sequence {i} has {int(q_lens[i])} query tokens; "
@@ -287,21 +296,8 @@ def check_slot_state_values(num_tokens: int, max_slots: int, seq_slots, query_st
     a live sequence holds at least its query tokens (seq_len >= q_len) and no live slot appears twice
     (two sequences updating one slot's state in one call would race).
     """
-    qsl = query_start_loc
-    if qsl.numel() and int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc[0] = {int(qsl[0])}, expected 0")
-    q_lens = qsl[1:] - qsl[:-1]
-    if bool((q_lens < 0).any()):
-        i = int((q_lens < 0).nonzero()[0, 0])
-        raise ValueError(f"query_start_loc decreases at index {i + 1} ({int(qsl[i])} -> {int(qsl[i + 1])}); "
-                         "expected a non-decreasing prefix sum")
-    if qsl.numel() and int(qsl[-1]) != num_tokens:
-        raise ValueError(f"query_start_loc[-1] = {int(qsl[-1])}, expected num_tokens = {num_tokens}")
-    bad = (seq_slots < -1) | (seq_slots >= max_slots)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"seq_slots[{i}] = {int(seq_slots[i])}, but the state has {max_slots} slots; "
-                         f"expected -1 (padding) or 0 <= slot < {max_slots}")
+    q_lens = _check_query_start_loc(query_start_loc, num_tokens)
+    _check_seq_slots(seq_slots, max_slots, "the state")
     live = seq_slots >= 0
     bad = live & (seq_lens < q_lens)
     if bool(bad.any()):

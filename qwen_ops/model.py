@@ -26,6 +26,12 @@ from qwen_ops.config import QwenConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, in fp32 (the part every Qwen norm variant shares)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """``weight * (x / rms(x))``, the mean square taken in fp32 as in transformers' Qwen2RMSNorm."""
 
@@ -35,10 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

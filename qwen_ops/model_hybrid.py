@@ -37,7 +37,7 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.attention import AttentionMetadata
 from qwen_ops.config import FULL_ATTENTION, QwenConfig
-from qwen_ops.model import QwenMLP, apply_rope
+from qwen_ops.model import QwenMLP, apply_rope, rms_normalize
 
 Cache = tuple[torch.Tensor, torch.Tensor]
 ATTENTION, LINEAR = "attention", "linear"   # cache kinds, as in ``layer_kinds``
@@ -52,9 +52,7 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,9 +65,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        h = self.weight * rms_normalize(x, self.eps).to(dtype)
         return (h * F.silu(gate.float())).to(dtype)
 
 
