@@ -227,7 +227,9 @@ class QwenEngine:
     def reserve(self, slot_id: int, n_tokens: int) -> bool:
         """Give the slot blocks for ``n_tokens`` tokens in total; False (and no change) if too few are free."""
         with self._lock:
-            s = self._slots[slot_id]
+            s = self._slots[self._check_slot(slot_id)]
+            if n_tokens > self.max_seq_len:
+                raise ValueError(f"n_tokens = {n_tokens}, more than max_seq_len = {self.max_seq_len}")
             need = self._blocks_for(n_tokens) - len(s.blocks)
             if need <= 0:
                 return True
@@ -280,10 +282,21 @@ class QwenEngine:
         Returns fp32 logits [len(chunks), vocab] of each chunk's last token.
         """
         with self._lock:
-            for c in chunks:
-                s = self._slots[c.slot]
+            seen = set()
+            for i, c in enumerate(chunks):
+                s = self._slots[self._check_slot(c.slot, f"chunks[{i}].slot")]
+                if c.slot in seen:
+                    raise ValueError(f"chunks[{i}].slot = {c.slot} appears twice; one chunk per slot and pass")
+                seen.add(c.slot)
+                if not s.active:
+                    raise ValueError(f"chunks[{i}].slot = {c.slot} holds no sequence (prefill or begin_sequence first)")
                 if c.start != s.seq_len:
-                    raise ValueError(f"chunk for slot {c.slot} starts at {c.start}, but the slot holds {s.seq_len} tokens")
+                    raise ValueError(f"chunks[{i}].start = {c.start}, but slot {c.slot} holds {s.seq_len} tokens")
+                if not c.token_ids:
+                    raise ValueError(f"chunks[{i}] has no tokens")
+                if self._blocks_for(c.start + len(c.token_ids)) > len(s.blocks):
+                    raise ValueError(f"chunks[{i}] needs {self._blocks_for(c.start + len(c.token_ids))} blocks in slot "
+                                     f"{c.slot}, which has {len(s.blocks)}; reserve() them first")
             logits = self.runner.execute(chunks)
             for c in chunks:
                 self._slots[c.slot].seq_len += len(c.token_ids)
