@@ -162,7 +162,7 @@ class LLM:
             if sched.has_unfinished() and not sched.running and not moved:
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
-        batch = plan.to_scheduled_batch(next(sched._batch_ids))
+        batch = plan.to_scheduled_batch(sched.next_batch_id())
         chunks = [SeqChunk(r.kv_cache_slot, r.token_ids, r.position_offset) for r in batch.requests]
         logits = self.engine.execute(chunks)
         rows, reqs = [], []

@@ -106,6 +106,9 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def next_batch_id(self) -> int:
+        return next(self._batch_ids)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
