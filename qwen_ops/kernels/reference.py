@@ -27,6 +27,17 @@ def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, 
     value_cache[blocks, rows] = value
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as [S, n_blocks * block_size, kv_heads, head_dim]; blocks: int64 [S, n_blocks].
+
+    ``index_select`` on the flattened ids copies whole blocks: about 2x faster on the CPU than
+    advanced indexing with a 2-D index tensor (measured interleaved, 16 MB of KV).
+    """
+    S, n_blocks = blocks.shape
+    rows = cache.index_select(0, blocks.reshape(-1))
+    return rows.view(S, n_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
 def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_lens, seq_lens, scale, gate):
     """Causal attention for a group of sequences, padded to the longest query and context.
 
@@ -51,7 +62,7 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
     ragged = S > 1 and bool((seq_lens != L).any())   # some sequence has keys past its seq_len
 
     def gather(cache):
-        kv = cache[blocks].reshape(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]
+        kv = _gather_blocks(cache, blocks)[:, :L]
         kv = kv.transpose(1, 2).float()
         return kv.masked_fill(~key_valid, 0.0) if ragged else kv
 
@@ -90,8 +101,8 @@ def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_le
     L = int(lens.max())
     n_blocks = (L + block_size - 1) // block_size
     blocks = block_table.index_select(0, seq_slots.long())[:, :n_blocks].long().clamp_(0, key_cache.shape[0] - 1)
-    k = key_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]   # fresh copies
-    v = value_cache[blocks].view(S, n_blocks * block_size, num_kv_heads, head_dim)[:, :L]
+    k = _gather_blocks(key_cache, blocks)[:, :L]     # fresh copies
+    v = _gather_blocks(value_cache, blocks)[:, :L]
     mask = None
     if S > 1 and bool((lens != L).any()):
         junk = torch.arange(L, device=query.device)[None, :] >= lens[:, None]           # [S, L]
