@@ -1,5 +1,5 @@
-"""Model runner: owns the paged KV caches and the device block table, and turns a list of
-sequence chunks into one forward pass of the model.
+"""Model runner: owns the caches (paged KV of attention layers, per-slot state of linear layers)
+and the device block table, and turns a list of sequence chunks into one forward pass of the model.
 
 The engine decides what to run (which slot, which tokens, from which position); the runner
 only packs it into flat token tensors plus ``AttentionMetadata`` and calls the model once.
@@ -21,6 +21,7 @@ import torch
 
 from qwen_ops.attention import AttentionMetadata
 from qwen_ops.backend import trusted_metadata
+from qwen_ops.torch_library import SCHEMAS
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,11 @@ def _compile_decode(fn, backend: str):
         try:
             import torch_tensorrt  # noqa: F401  (registers the "torch_tensorrt" compile backend)
         except ImportError as e:
-            raise RuntimeError("compile_backend='tensorrt' needs the torch-tensorrt package "
+            raise RuntimeError("backend='tensorrt' needs the torch-tensorrt package "
                                "(pip install 'qwen_ops[tensorrt]') and a CUDA GPU") from e
         # torch.ops.qwen.* are not TensorRT layers: they keep running in PyTorch between engines.
         return torch.compile(fn, fullgraph=False, backend="torch_tensorrt",
-                             options={"torch_executed_ops": {"torch.ops.qwen.kv_write.default",
-                                                             "torch.ops.qwen.slot_attention.default"},
+                             options={"torch_executed_ops": {f"torch.ops.qwen.{op}.default" for op in SCHEMAS},
                                       "min_block_size": 1})
     raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
 
