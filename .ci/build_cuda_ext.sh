@@ -60,7 +60,7 @@ from qwen_ops.kernels import cuda as cuda_kernels
 
 assert "site-packages" in qwen_ops.__file__, qwen_ops.__file__
 print("loaded", ext.__file__)
-for name in ("kv_write", "slot_attention"):
+for name in ("kv_write", "slot_attention", "causal_conv1d", "gated_delta_rule"):
     print(" ", getattr(torch.ops._qwen_C, name).default._schema)
 print("cuda backend:", cuda_kernels.why_unavailable() or "available")
 EOF

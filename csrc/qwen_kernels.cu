@@ -1,13 +1,14 @@
-// nvcc entry point of the CUDA kernels: launches the device code of qwen_kernels.cuh on a stream.
+// nvcc entry point of the CUDA kernels: launches the device code of qwen_kernels.cuh and qwen_linear_kernels.cuh on a stream.
 //
 // Only CUDA headers are included here (no torch), so this file compiles quickly; qwen_ops.cpp
-// turns tensors into the parameter structs of qwen_kernels.h and calls the two launchers below.
+// turns tensors into the parameter structs of qwen_kernels.h and calls the launchers below.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <utility>
 
 #include "qwen_kernels.cuh"
+#include "qwen_linear_kernels.cuh"
 
 namespace qwen_cuda {
 namespace {
@@ -31,6 +32,16 @@ bool launch_kv_write(const KvWriteParams& p, void* stream) {
 bool launch_slot_attention(const AttentionParams& p, void* stream) {
   StreamLaunch launch{static_cast<cudaStream_t>(stream)};
   return dispatch_slot_attention(p, launch);
+}
+
+bool launch_causal_conv1d(const ConvParams& p, void* stream) {
+  StreamLaunch launch{static_cast<cudaStream_t>(stream)};
+  return dispatch_causal_conv1d(p, launch);
+}
+
+bool launch_gated_delta_rule(const DeltaParams& p, void* stream) {
+  StreamLaunch launch{static_cast<cudaStream_t>(stream)};
+  return dispatch_gated_delta_rule(p, launch);
 }
 
 }  // namespace qwen_cuda

@@ -138,10 +138,71 @@ inline bool rows_aligned16(const void* data, const int64_t* sizes, const int64_t
   return true;
 }
 
+// ---- Hybrid-model state ops (qwen_linear_kernels.cuh) ---------------------------------------------
+// causal_conv1d: one thread per channel; a block covers kConvTokens tokens of one sequence x
+// kConvThreads channels. Token blocks are numbered over the batch: block b of sequence s has id
+// query_start_loc[s] / kConvTokens + s + b, so the grid (num_tokens / kConvTokens + num_seqs)
+// comes from static shapes and covers every sequence whatever its length.
+constexpr int kConvThreads = 128;
+constexpr int kConvTokens = 16;
+constexpr int64_t conv_token_blocks(int64_t num_tokens, int64_t num_seqs) { return num_tokens / kConvTokens + num_seqs; }
+
+struct ConvParams {
+  DType dtype;                     // x, weight, bias, conv_state and out
+  const void* x;                   // [num_tokens, dim]
+  const void* weight;              // [dim, kernel]
+  const void* bias;                // [dim] or nullptr
+  void* conv_state;                // [num_slots, dim, kernel - 1]
+  void* out;                       // [num_tokens, dim], zeros on entry
+  const int32_t* seq_slots;        // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  int64_t num_tokens, dim, kernel, num_seqs, num_slots;
+  int64_t x_stride_token, out_stride_token, w_stride_dim, w_stride_tap, bias_stride;
+  int64_t cs_stride_slot, cs_stride_dim, cs_stride_tap;
+  int64_t seq_slots_stride, qsl_stride, seq_lens_stride;
+};
+
+// gated_delta_rule: one block of kDeltaThreads per (sequence, value head, tile of kDeltaTileV
+// value columns). Lane l of every warp owns column l of the tile (coalesced 128-byte state rows);
+// warp w owns key rows w, w + kDeltaWarps, ... of the fp32 state tile, kept in registers. The
+// kernels are templates on k_dim padded to 32, 64, 128 or 256.
+constexpr int kDeltaWarps = 4;
+constexpr int kDeltaThreads = kDeltaWarps * 32;
+constexpr int kDeltaTileV = 32;
+constexpr int64_t kMaxDeltaKeyDim = 256;
+constexpr float kDeltaL2NormEps = 1e-6f;  // transformers' / FLA's l2norm epsilon (reference_linear.L2NORM_EPS)
+constexpr int64_t delta_padded_k_dim(int64_t k) { return k <= 32 ? 32 : k <= 64 ? 64 : k <= 128 ? 128 : 256; }
+constexpr bool supported_delta_k_dim(int64_t k) { return k >= 1 && k <= kMaxDeltaKeyDim; }
+
+struct DeltaParams {
+  DType dtype;                     // q, k, v and out
+  DType g_dtype, beta_dtype;       // any float dtype each
+  const void* q;                   // [num_tokens, num_k_heads, k_dim]
+  const void* k;
+  const void* v;                   // [num_tokens, num_v_heads, v_dim]
+  const void* g;                   // [num_tokens, num_v_heads] log decay
+  const void* beta;                // [num_tokens, num_v_heads]
+  float* state;                    // [num_slots, num_v_heads, k_dim, v_dim] fp32
+  void* out;                       // [num_tokens, num_v_heads, v_dim], zeros on entry
+  const int32_t* seq_slots;        // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  int64_t num_tokens, num_k_heads, num_v_heads, k_dim, v_dim, num_seqs, num_slots;
+  int64_t q_stride_token, q_stride_head, k_stride_token, k_stride_head, v_stride_token, v_stride_head;
+  int64_t out_stride_token, out_stride_head, g_stride_token, g_stride_head, beta_stride_token, beta_stride_head;
+  int64_t st_stride_slot, st_stride_head, st_stride_k;
+  int64_t seq_slots_stride, qsl_stride, seq_lens_stride;
+  float scale;                     // applied to q after its L2 norm
+  float eps;                       // L2 norm epsilon: x * rsqrt(sum x^2 + eps)
+};
+
 // Launchers on a cudaStream_t (passed as void*, so this header needs no CUDA header). They return
 // false for a configuration without a compiled kernel (the caller checks dtype and head_dim
 // first, so this is a second line of defence).
 bool launch_kv_write(const KvWriteParams& p, void* stream);
 bool launch_slot_attention(const AttentionParams& p, void* stream);
+bool launch_causal_conv1d(const ConvParams& p, void* stream);
+bool launch_gated_delta_rule(const DeltaParams& p, void* stream);
 
 }  // namespace qwen_cuda

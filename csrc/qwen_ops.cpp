@@ -1,4 +1,5 @@
-// Registration of the CUDA kernels in the private namespace torch.ops._qwen_C.
+// Registration of the CUDA kernels in the private namespace torch.ops._qwen_C: kv_write,
+// slot_attention and the hybrid state ops causal_conv1d and gated_delta_rule.
 //
 // The public ops torch.ops.qwen.* are defined from Python (qwen_ops/ops.py) with the schemas in
 // torch_library/qwen.schema; their Python kernels validate the arguments (qwen_ops/_validation.py)
@@ -265,6 +266,171 @@ at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_ca
   return out;
 }
 
+// ---- hybrid-model state ops ------------------------------------------------------------------------
+// `t` itself when its last dim is contiguous (what the kernels need; the shared validation already
+// guarantees it for callers of torch.ops.qwen.*), else a contiguous copy.
+at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+void check_state_metadata(const at::Tensor& seq_slots, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          const at::Tensor& like) {
+  check_index(seq_slots, "seq_slots", 1, like);
+  check_index(query_start_loc, "query_start_loc", 1, like);
+  check_index(seq_lens, "seq_lens", 1, like);
+  const int64_t num_seqs = seq_slots.size(0);
+  TORCH_CHECK(seq_lens.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
+              "_qwen_C: seq_lens needs num_seqs = ", num_seqs, " entries and query_start_loc num_seqs + 1");
+}
+
+at::Tensor causal_conv1d_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              at::Tensor& conv_state, const at::Tensor& seq_slots, const at::Tensor& query_start_loc,
+                              const at::Tensor& seq_lens) {
+  TORCH_CHECK(x.is_cuda(), "_qwen_C: x must be a CUDA tensor, got ", x.device());
+  const DType dtype = to_dtype(x);
+  TORCH_CHECK(x.dim() == 2, "_qwen_C: x has shape ", x.sizes(), ", expected [num_tokens, dim]");
+  const int64_t num_tokens = x.size(0), dim = x.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 1, "_qwen_C: weight has shape ",
+              weight.sizes(), ", expected [", dim, ", kernel >= 1]");
+  const int64_t kernel = weight.size(1);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == dim && conv_state.size(2) == kernel - 1,
+              "_qwen_C: conv_state has shape ", conv_state.sizes(), ", expected [max_slots, ", dim, ", ", kernel - 1, "]");
+  for (const at::Tensor* t : {&weight, static_cast<const at::Tensor*>(&conv_state)}) {
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->device() == x.device(),
+                "_qwen_C: weight and conv_state must match x's dtype and device");
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == dim && bias->scalar_type() == x.scalar_type() &&
+                bias->device() == x.device(), "_qwen_C: bias must be [", dim, "] with x's dtype and device");
+  }
+  check_state_metadata(seq_slots, query_start_loc, seq_lens, x);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  // Zeros: rows of padding sequences stay zero; every row of a live sequence is overwritten.
+  at::Tensor out = at::zeros({num_tokens, dim}, x.options());
+  const int64_t num_seqs = seq_slots.size(0);
+  if (num_tokens == 0 || num_seqs == 0 || dim == 0) return out;
+  TORCH_CHECK(conv_token_blocks(num_tokens, num_seqs) <= INT32_MAX && num_seqs <= INT32_MAX,
+              "_qwen_C: causal_conv1d grid too large: ", num_tokens, " tokens, ", num_seqs, " sequences");
+  const at::Tensor xc = last_dim_contiguous(x);
+  const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+
+  ConvParams p{};
+  p.dtype = dtype;
+  p.x = xc.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = b.has_value() ? b->data_ptr() : nullptr;
+  p.conv_state = conv_state.data_ptr();
+  p.out = out.data_ptr();
+  p.seq_slots = seq_slots.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.num_tokens = num_tokens;
+  p.dim = dim;
+  p.kernel = kernel;
+  p.num_seqs = num_seqs;
+  p.num_slots = conv_state.size(0);
+  p.x_stride_token = xc.stride(0);
+  p.out_stride_token = out.stride(0);
+  p.w_stride_dim = weight.stride(0);
+  p.w_stride_tap = weight.stride(1);
+  p.bias_stride = b.has_value() ? b->stride(0) : 0;
+  p.cs_stride_slot = conv_state.stride(0);
+  p.cs_stride_dim = conv_state.stride(1);
+  p.cs_stride_tap = conv_state.stride(2);
+  p.seq_slots_stride = seq_slots.stride(0);
+  p.qsl_stride = query_start_loc.stride(0);
+  p.seq_lens_stride = seq_lens.stride(0);
+  TORCH_CHECK(launch_causal_conv1d(p, c10::cuda::getCurrentCUDAStream().stream()),
+              "_qwen_C: no causal_conv1d kernel for dtype ", x.scalar_type(), " and kernel ", kernel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor gated_delta_rule_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, at::Tensor& state, const at::Tensor& seq_slots,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.is_cuda(), "_qwen_C: q must be a CUDA tensor, got ", q.device());
+  const DType dtype = to_dtype(q);
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes(), "_qwen_C: q and k have shapes ", q.sizes(), " and ", k.sizes(),
+              ", expected one [num_tokens, num_k_heads, k_dim]");
+  const int64_t num_tokens = q.size(0), num_k_heads = q.size(1), k_dim = q.size(2);
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == num_tokens && num_k_heads > 0 && v.size(1) % num_k_heads == 0,
+              "_qwen_C: v has shape ", v.sizes(), ", expected [", num_tokens, ", a multiple of ", num_k_heads, ", v_dim]");
+  const int64_t num_v_heads = v.size(1), v_dim = v.size(2);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(),
+                "_qwen_C: k and v must match q's dtype and device");
+  }
+  for (const at::Tensor* t : {&g, &beta}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == num_tokens && t->size(1) == num_v_heads && t->device() == q.device(),
+                "_qwen_C: g and beta must be [", num_tokens, ", ", num_v_heads, "] on ", q.device(), ", got ", t->sizes());
+  }
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == num_v_heads && state.size(2) == k_dim && state.size(3) == v_dim &&
+              state.scalar_type() == at::kFloat && state.device() == q.device(),
+              "_qwen_C: state has shape ", state.sizes(), " and dtype ", state.scalar_type(), ", expected float32 [max_slots, ",
+              num_v_heads, ", ", k_dim, ", ", v_dim, "]");
+  TORCH_CHECK(v_dim <= 1 || state.stride(3) == 1, "_qwen_C: state is updated in place and must have a contiguous "
+              "last dim, got strides ", state.strides());
+  TORCH_CHECK(supported_delta_k_dim(k_dim), "_qwen_C: k_dim = ", k_dim, " has no CUDA gated_delta_rule kernel; "
+              "expected 1 <= k_dim <= ", kMaxDeltaKeyDim, "; use the triton or reference backend");
+  check_state_metadata(seq_slots, query_start_loc, seq_lens, q);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::zeros({num_tokens, num_v_heads, v_dim}, v.options());
+  const int64_t num_seqs = seq_slots.size(0);
+  if (num_tokens == 0 || num_seqs == 0 || v_dim == 0) return out;
+  TORCH_CHECK(num_seqs <= INT32_MAX && num_v_heads <= 65535, "_qwen_C: gated_delta_rule grid too large: ", num_seqs,
+              " sequences x ", num_v_heads, " value heads");
+  const at::Tensor qc = last_dim_contiguous(q), kc = last_dim_contiguous(k), vc = last_dim_contiguous(v);
+
+  DeltaParams p{};
+  p.dtype = dtype;
+  p.g_dtype = to_dtype(g);
+  p.beta_dtype = to_dtype(beta);
+  p.q = qc.data_ptr();
+  p.k = kc.data_ptr();
+  p.v = vc.data_ptr();
+  p.g = g.data_ptr();
+  p.beta = beta.data_ptr();
+  p.state = state.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.seq_slots = seq_slots.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.num_tokens = num_tokens;
+  p.num_k_heads = num_k_heads;
+  p.num_v_heads = num_v_heads;
+  p.k_dim = k_dim;
+  p.v_dim = v_dim;
+  p.num_seqs = num_seqs;
+  p.num_slots = state.size(0);
+  p.q_stride_token = qc.stride(0);
+  p.q_stride_head = qc.stride(1);
+  p.k_stride_token = kc.stride(0);
+  p.k_stride_head = kc.stride(1);
+  p.v_stride_token = vc.stride(0);
+  p.v_stride_head = vc.stride(1);
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.g_stride_token = g.stride(0);
+  p.g_stride_head = g.stride(1);
+  p.beta_stride_token = beta.stride(0);
+  p.beta_stride_head = beta.stride(1);
+  p.st_stride_slot = state.stride(0);
+  p.st_stride_head = state.stride(1);
+  p.st_stride_k = state.stride(2);
+  p.seq_slots_stride = seq_slots.stride(0);
+  p.qsl_stride = query_start_loc.stride(0);
+  p.seq_lens_stride = seq_lens.stride(0);
+  p.scale = static_cast<float>(scale);
+  p.eps = kDeltaL2NormEps;
+  TORCH_CHECK(launch_gated_delta_rule(p, c10::cuda::getCurrentCUDAStream().stream()),
+              "_qwen_C: no gated_delta_rule kernel for dtype ", q.scalar_type(), " and k_dim ", k_dim);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 // ---- host-side test hooks: the same index helpers the kernels use, for tests/test_cuda_ext.py --
 // block_table is [num_slots, max_blocks_per_slot] flattened row-major. Returns [block, row] per
 // token, [-1, -1] for padding (slot -1).
@@ -312,6 +478,8 @@ std::vector<int64_t> prefill_plan(int64_t elem_size, int64_t head_dim, int64_t m
 TORCH_LIBRARY(_qwen_C, m) {
   m.def(QWEN_SCHEMA_kv_write);
   m.def(QWEN_SCHEMA_slot_attention);
+  m.def(QWEN_SCHEMA_causal_conv1d);
+  m.def(QWEN_SCHEMA_gated_delta_rule);
   // Test hooks (no tensors, so they run without a GPU).
   m.def("_kv_location(int[] slot_ids, int[] positions, int[] block_table, int max_blocks_per_slot, int block_size) -> int[]",
         &qwen_cuda::kv_location);
@@ -325,6 +493,8 @@ TORCH_LIBRARY(_qwen_C, m) {
 TORCH_LIBRARY_IMPL(_qwen_C, CUDA, m) {
   m.impl("kv_write", &qwen_cuda::kv_write_cuda);
   m.impl("slot_attention", &qwen_cuda::slot_attention_cuda);
+  m.impl("causal_conv1d", &qwen_cuda::causal_conv1d_cuda);
+  m.impl("gated_delta_rule", &qwen_cuda::gated_delta_rule_cuda);
 }
 
 // `import qwen_ops._qwen_C` loads this library, which runs the registrations above.

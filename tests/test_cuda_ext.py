@@ -67,7 +67,7 @@ GQA_GROUPS = (1, 2, 3, 4, 7, 16)
 BLOCK_SIZES = (1, 16, "max")  # "max": one block per slot (the seed's contiguous layout)
 SCENARIOS = ("decode", "prefill", "chunk", "mixed", "padding")
 KV_WRITE_LAYOUTS = ("contiguous", "fused_qkv_view", "unaligned")
-CUDA_OPS = ("kv_write", "slot_attention")  # the qwen ops csrc/ implements
+CUDA_OPS = ("kv_write", "slot_attention", "causal_conv1d", "gated_delta_rule")  # the qwen ops csrc/ implements
 
 # Output vs the reference; both round an fp32 result to the dtype (|out| < ~4 for randn values).
 TOLERANCE = {

@@ -7,11 +7,14 @@
 // tensors (pointers, sizes and strides in elements come from Python).
 #include "emulation/simt_shim.h"
 #include "qwen_kernels.cuh"
+#include "qwen_linear_kernels.cuh"
 
 #include <limits>
 #include <vector>
 
 using qwen_cuda::AttentionParams;
+using qwen_cuda::ConvParams;
+using qwen_cuda::DeltaParams;
 using qwen_cuda::DType;
 using qwen_cuda::KvWriteParams;
 
@@ -141,6 +144,95 @@ int qwen_emu_slot_attention(int dtype, const void* query, const void* key_cache,
   }
   simt::HostLaunch launch;
   return qwen_cuda::dispatch_slot_attention(p, launch) ? 0 : -1;
+}
+
+// dtype as above (x, weight, bias, conv_state, out). dims: num_tokens, dim, kernel, num_seqs,
+// num_slots. strides: x token, out token, weight (dim, tap), bias, conv_state (slot, dim, tap),
+// seq_slots, query_start_loc, seq_lens. Returns 0, or -1 without a kernel.
+int qwen_emu_causal_conv1d(int dtype, const void* x, const void* weight, const void* bias, void* conv_state,
+                           void* out, const int32_t* seq_slots, const int32_t* query_start_loc,
+                           const int32_t* seq_lens, const int64_t* dims, const int64_t* strides) {
+  ConvParams p{};
+  p.dtype = static_cast<DType>(dtype);
+  p.x = x;
+  p.weight = weight;
+  p.bias = bias;
+  p.conv_state = conv_state;
+  p.out = out;
+  p.seq_slots = seq_slots;
+  p.query_start_loc = query_start_loc;
+  p.seq_lens = seq_lens;
+  p.num_tokens = dims[0];
+  p.dim = dims[1];
+  p.kernel = dims[2];
+  p.num_seqs = dims[3];
+  p.num_slots = dims[4];
+  p.x_stride_token = strides[0];
+  p.out_stride_token = strides[1];
+  p.w_stride_dim = strides[2];
+  p.w_stride_tap = strides[3];
+  p.bias_stride = strides[4];
+  p.cs_stride_slot = strides[5];
+  p.cs_stride_dim = strides[6];
+  p.cs_stride_tap = strides[7];
+  p.seq_slots_stride = strides[8];
+  p.qsl_stride = strides[9];
+  p.seq_lens_stride = strides[10];
+  simt::HostLaunch launch;
+  return qwen_cuda::dispatch_causal_conv1d(p, launch) ? 0 : -1;
+}
+
+// dtypes: q/k/v/out, g, beta (codes as above). dims: num_tokens, num_k_heads, num_v_heads, k_dim,
+// v_dim, num_seqs, num_slots. strides: q (token, head), k (token, head), v (token, head), out
+// (token, head), g (token, head), beta (token, head), state (slot, head, k row), seq_slots,
+// query_start_loc, seq_lens. Returns 0, or -1 without a kernel.
+int qwen_emu_gated_delta_rule(const int* dtypes, const void* q, const void* k, const void* v, const void* g,
+                              const void* beta, float* state, void* out, const int32_t* seq_slots,
+                              const int32_t* query_start_loc, const int32_t* seq_lens, const int64_t* dims,
+                              const int64_t* strides, double scale, double eps) {
+  DeltaParams p{};
+  p.dtype = static_cast<DType>(dtypes[0]);
+  p.g_dtype = static_cast<DType>(dtypes[1]);
+  p.beta_dtype = static_cast<DType>(dtypes[2]);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.g = g;
+  p.beta = beta;
+  p.state = state;
+  p.out = out;
+  p.seq_slots = seq_slots;
+  p.query_start_loc = query_start_loc;
+  p.seq_lens = seq_lens;
+  p.num_tokens = dims[0];
+  p.num_k_heads = dims[1];
+  p.num_v_heads = dims[2];
+  p.k_dim = dims[3];
+  p.v_dim = dims[4];
+  p.num_seqs = dims[5];
+  p.num_slots = dims[6];
+  p.q_stride_token = strides[0];
+  p.q_stride_head = strides[1];
+  p.k_stride_token = strides[2];
+  p.k_stride_head = strides[3];
+  p.v_stride_token = strides[4];
+  p.v_stride_head = strides[5];
+  p.out_stride_token = strides[6];
+  p.out_stride_head = strides[7];
+  p.g_stride_token = strides[8];
+  p.g_stride_head = strides[9];
+  p.beta_stride_token = strides[10];
+  p.beta_stride_head = strides[11];
+  p.st_stride_slot = strides[12];
+  p.st_stride_head = strides[13];
+  p.st_stride_k = strides[14];
+  p.seq_slots_stride = strides[15];
+  p.qsl_stride = strides[16];
+  p.seq_lens_stride = strides[17];
+  p.scale = static_cast<float>(scale);
+  p.eps = static_cast<float>(eps);
+  simt::HostLaunch launch;
+  return qwen_cuda::dispatch_gated_delta_rule(p, launch) ? 0 : -1;
 }
 
 }  // extern "C"

@@ -51,6 +51,7 @@ inline __half __float2half_rn(float x) {
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 
 namespace simt {

@@ -1,8 +1,8 @@
 """CUDA C++ backend of torch.ops.qwen.*: thin calls into the optional extension ``qwen_ops._qwen_C``.
 
 The extension (csrc/, built by setup.py with ``QWEN_OPS_BUILD_CUDA=1``) registers its kernels as
-``torch.ops._qwen_C.kv_write`` / ``torch.ops._qwen_C.slot_attention``, with the argument lists of
-the ``qwen`` schemas. The public ops validate their arguments (``qwen_ops._validation``) and then
+``torch.ops._qwen_C.kv_write`` / ``slot_attention`` / ``causal_conv1d`` / ``gated_delta_rule``, with
+the argument lists of the ``qwen`` schemas (the C++ side allocates the zeroed outputs). The public ops validate their arguments (``qwen_ops._validation``) and then
 call the functions below, which pass the arguments through unchanged.
 
 Importing this module never fails: the extension is imported only when a kernel runs or when
@@ -53,3 +53,17 @@ def slot_attention_cuda(query, key_cache, value_cache, block_table, seq_slots, q
     _load_extension()
     return torch.ops._qwen_C.slot_attention(query, key_cache, value_cache, block_table, seq_slots,
                                             query_start_loc, seq_lens, float(scale), int(max_query_len), gate)
+
+
+def causal_conv1d_cuda(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
+    """Validated arguments of torch.ops.qwen.causal_conv1d -> the extension's kernels (conv_state in place)."""
+    _load_extension()
+    return torch.ops._qwen_C.causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+
+
+def gated_delta_rule_cuda(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
+                          scale: float) -> torch.Tensor:
+    """Validated arguments of torch.ops.qwen.gated_delta_rule -> the extension's recurrent kernel (state in place)."""
+    _load_extension()
+    return torch.ops._qwen_C.gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
+                                              float(scale))
