@@ -97,7 +97,7 @@ def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 
 def _state_op_kernel(op: str, backend: str):
     """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none
-    (the cuda backend has no csrc/ kernels for the state ops yet)."""
+    (a backend module that lacks a state op, e.g. a cuda build from before csrc/ had them)."""
     module = kernels(backend)
     fn = getattr(module, f"{op}_{backend}", None)
     if fn is None:

@@ -561,7 +561,7 @@ def test_bad_index_values_rejected(backend, op, bad_id, meta_index, make, messag
 
 @pytest.mark.parametrize("op", ["causal_conv1d", "gated_delta_rule"])
 def test_backend_without_kernels_raises_clearly(op, monkeypatch):
-    """A backend module without ``<op>_<backend>`` (the cuda one before csrc/ has these ops): a clear error."""
+    """A backend module without ``<op>_<backend>`` (e.g. an older cuda build): a clear error."""
     import types
 
     empty = types.ModuleType("qwen_ops.kernels.empty")
