@@ -30,12 +30,11 @@ def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``cache[blocks]`` as [S, n_blocks * block_size, kv_heads, head_dim]; blocks: int64 [S, n_blocks].
 
-    ``index_select`` on the flattened ids copies whole blocks: about 2x faster on the CPU than
-    advanced indexing with a 2-D index tensor (measured interleaved, 16 MB of KV).
+    (``index_select`` on flattened ids was faster in isolation but 2-3x slower inside the decode
+    benchmark, where its fresh 16 MB outputs page-faulted; advanced indexing is kept.)
     """
     S, n_blocks = blocks.shape
-    rows = cache.index_select(0, blocks.reshape(-1))
-    return rows.view(S, n_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+    return cache[blocks].view(S, n_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
 def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_lens, seq_lens, scale, gate):
