@@ -56,6 +56,8 @@ class Seq:
 SCENARIOS = {
     # max_query_len == 1: the decode kernel; a padding sequence in the middle (CUDA-graph batch).
     "decode": (Seq(2, 4, 1), Seq(-1, 0, 1), Seq(0, 17, 1), Seq(3, 0, 1)),
+    # every sequence live, ragged lengths: the reference's batched pure-decode path
+    "decode_live": (Seq(2, 4, 1), Seq(0, 17, 1), Seq(3, 0, 1), Seq(1, 40, 1)),
     "decode_split": (Seq(0, LONG_CONTEXT - 1, 1), Seq(-1, 0, 1), Seq(2, LONG_CONTEXT // 2, 1), Seq(1, 3, 1)),
     "prefill": (Seq(1, 0, 7), Seq(0, 0, 12), Seq(3, 0, 1)),
     "chunk": (Seq(2, 9, 6), Seq(0, 20, 11)),                       # chunks continuing filled slots
@@ -222,6 +224,22 @@ def maybe_opcheck(op, args: tuple, cond: bool) -> None:
 def test_reference_matches_loop_oracle(scenario, dtype, device):
     case = make_attention_case(scenario, dtype=dtype, device=device, seed=1)
     out = slot_attention_reference(*case.args())
+    assert_attention_close(out.cpu(), loop_oracle_attention(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("group", GQA_RATIOS)
+def test_reference_per_sequence_decode_matches_loop_oracle(group, dtype, device, monkeypatch):
+    """The long-context decode path (one sequence at a time through a reused buffer), forced on."""
+    from qwen_ops.kernels import reference
+
+    calls = []
+    per_sequence = reference._decode_attend_per_sequence
+    monkeypatch.setattr(reference, "PER_SEQUENCE_KV_BYTES", 0)
+    monkeypatch.setattr(reference, "_decode_attend_per_sequence", lambda *a: calls.append(1) or per_sequence(*a))
+    case = make_attention_case("decode_live", dtype=dtype, device=device, group=group, gate=group != 1, seed=3)
+    out = slot_attention_reference(*case.args())
+    assert calls, "the per-sequence path did not run"
     assert_attention_close(out.cpu(), loop_oracle_attention(case), dtype)
 
 

@@ -88,6 +88,34 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
         out[rows[:, 0]] = o[:, 0].to(out.dtype)
 
 
+# Above this many bytes of keys per sequence, decode attends one sequence at a time through one
+# reused gather buffer (kept hot in cache; no fresh multi-MB allocation per call): measured
+# 1.06x of SDPA on pre-gathered KV at 8 x 1024 tokens, against 1.85x for the batched gather.
+# Below it the batched form wins: a Python loop over many short sequences costs more.
+PER_SEQUENCE_KV_BYTES = 256 * 1024
+
+
+def _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens, scale, gate):
+    """``_decode_attend`` for long contexts: each sequence's keys exactly (no padding, no mask)."""
+    S, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty(S, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    k_buf = key_cache.new_empty((blocks.shape[1],) + tuple(key_cache.shape[1:]))
+    v_buf = torch.empty_like(k_buf)
+    for s, n in enumerate(lens):
+        nb = (n + block_size - 1) // block_size
+        k = torch.index_select(key_cache, 0, blocks[s, :nb], out=k_buf[:nb])
+        v = torch.index_select(value_cache, 0, blocks[s, :nb], out=v_buf[:nb])
+        k = k.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n].transpose(1, 2).float()
+        v = v.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n].transpose(1, 2).float()
+        o = F.scaled_dot_product_attention(query[s:s + 1, :, None, :].float(), k, v, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)[0, :, 0]   # [H, D] fp32
+        if gate is not None:
+            o = o * torch.sigmoid(gate[s].float())
+        out[s] = o.to(query.dtype)
+    return out
+
+
 def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_lens, scale, gate):
     """The pure-decode case (every sequence live, one query row each, rows in sequence order).
 
@@ -100,6 +128,8 @@ def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_le
     L = int(lens.max())
     n_blocks = (L + block_size - 1) // block_size
     blocks = block_table.index_select(0, seq_slots.long())[:, :n_blocks].long().clamp_(0, key_cache.shape[0] - 1)
+    if S > 1 and L * num_kv_heads * head_dim * key_cache.element_size() >= PER_SEQUENCE_KV_BYTES:
+        return _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens.tolist(), scale, gate)
     k = _gather_blocks(key_cache, blocks)[:, :L]     # fresh copies
     v = _gather_blocks(value_cache, blocks)[:, :L]
     mask = None
