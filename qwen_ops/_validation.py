@@ -104,15 +104,7 @@ def check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, 
         if gate.dtype != query.dtype:
             raise ValueError(f"gate has dtype {gate.dtype}, expected the query dtype {query.dtype}")
     _index("block_table", block_table, 2, "[max_slots, max_blocks_per_slot]")
-    _index("seq_slots", seq_slots, 1, "[num_seqs]")
-    _index("seq_lens", seq_lens, 1, "[num_seqs]")
-    _index("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    num_seqs = seq_slots.shape[0]
-    if seq_lens.shape[0] != num_seqs:
-        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, expected num_seqs = {num_seqs} (len of seq_slots)")
-    if query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, expected num_seqs + 1 = "
-                         f"{num_seqs + 1} (seq_slots has {num_seqs})")
+    _check_seq_metadata(seq_slots, query_start_loc, seq_lens)
     if not isinstance(max_query_len, int) or max_query_len < 1:
         raise ValueError(f"max_query_len = {max_query_len!r}, expected an int >= 1")
     if not (scale == scale and abs(scale) != float("inf")):

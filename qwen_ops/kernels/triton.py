@@ -233,6 +233,25 @@ def _merge_kernel(
 
 
 @triton.jit
+def _find_sequence(query_start_loc_ptr, block_id, num_seqs, BLOCK_T: tl.constexpr):
+    """The last sequence s whose first token-block id ``query_start_loc[s] // BLOCK_T + s`` is <= block_id.
+
+    Programs are numbered across the whole batch (a sequence of q tokens owns q // BLOCK_T + 1
+    ids), so grids depend on shapes only; a binary search over the non-decreasing first ids.
+    """
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs   # a tensor even when num_seqs is specialised to 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
+        if first <= block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _slot_attention_prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_slots_ptr, query_start_loc_ptr,
     seq_lens_ptr, gate_ptr,
@@ -247,18 +266,8 @@ def _slot_attention_prefill_kernel(
     # Program (query block id, kv head). Tile rows m = (query token m // GROUP, head m % GROUP).
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
-    # Sequence s owns block ids [query_start_loc[s] // BLOCK_Q + s, query_start_loc[s+1] // BLOCK_Q + s + 1):
-    # find the last s whose first id is <= qb (binary search over the non-decreasing first ids).
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs   # a tensor even when num_seqs is specialised to 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= qb:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
+    # Sequence s owns block ids [query_start_loc[s] // BLOCK_Q + s, query_start_loc[s+1] // BLOCK_Q + s + 1).
+    seq = _find_sequence(query_start_loc_ptr, qb, num_seqs, BLOCK_Q)
     slot = tl.load(seq_slots_ptr + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from qwen_ops.backend import triton_interpret
-from qwen_ops.kernels.triton import Launch
+from qwen_ops.kernels.triton import Launch, _find_sequence
 
 L2NORM_EPS = 1e-6
 
@@ -38,21 +38,6 @@ L2NORM_EPS = 1e-6
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, block_id, num_seqs, BLOCK_T: tl.constexpr):
-    """The last sequence s whose first token-block id ``query_start_loc[s] // BLOCK_T + s`` is <= block_id."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs   # a tensor even when num_seqs is specialised to 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
-        if first <= block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
 
 @triton.jit
 def _causal_conv1d_kernel(
