@@ -812,6 +812,20 @@ def test_rows_no_sequence_covers_are_zero():
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
 
 
+def capture_in_cuda_graph(step):
+    """Warm ``step`` up on a side stream, then capture it on the cuda backend; returns (graph, outputs)."""
+    with qwen_ops.use_backend("cuda"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+    return graph, outputs
+
+
 @needs_gpu
 @pytest.mark.parametrize("seq_len", (40, 3000))
 def test_decode_step_captured_in_cuda_graph(seq_len):
@@ -828,15 +842,7 @@ def test_decode_step_captured_in_cuda_graph(seq_len):
         qwen_ops.kv_write(key, value, case.key_cache, case.value_cache, live_slots, positions, case.block_table)
         return qwen_ops.slot_attention(*case.attention_args(1))
 
-    with qwen_ops.use_backend("cuda"):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+    graph, out = capture_in_cuda_graph(step)
     # New values in the captured buffers; the last sequence becomes padding.
     key.copy_(torch.randn_like(key))
     value.copy_(torch.randn_like(value))

@@ -25,7 +25,8 @@ import torch
 
 import qwen_ops
 from qwen_ops.kernels.reference_linear import L2NORM_EPS, causal_conv1d_reference, gated_delta_rule_reference
-from test_cuda_ext import DTYPE_CODE, GPU_REASON, _i64s, _ptr, emulator  # noqa: F401  (emulator: a fixture)
+from test_cuda_ext import (DTYPE_CODE, GPU_REASON, _i64s, _ptr, capture_in_cuda_graph,  # noqa: F401
+                           emulator)  # emulator: a fixture
 from test_ops_linear import (CHUNKS, LINEAR_TOLERANCE, SCENARIOS, Seq, make_conv_case, make_delta_case,
                              make_metadata)
 
@@ -222,15 +223,7 @@ def test_cuda_state_ops_decode_step_in_cuda_graph():
         return (torch.ops.qwen.causal_conv1d(*conv.args(conv_state)),
                 torch.ops.qwen.gated_delta_rule(*delta.args(state)))
 
-    with qwen_ops.use_backend("cuda"):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+    graph, outs = capture_in_cuda_graph(step)
     for t in (conv.x, delta.q, delta.k, delta.v):
         live = conv.meta.rows("live").to(dev)
         t[live] = torch.randn_like(t[live])
