@@ -22,6 +22,7 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.attention import AttentionMetadata
 from qwen_ops.config import QwenConfig
+from qwen_ops.linear import Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,10 +92,10 @@ class QwenAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
+        self.q_proj = Linear(hidden, q_dim, bias=config.attention_bias)
+        self.k_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = Linear(q_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -120,9 +121,9 @@ class QwenAttention(nn.Module):
 class QwenMLP(nn.Module):
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -165,7 +166,7 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = QwenModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
