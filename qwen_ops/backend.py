@@ -1,7 +1,8 @@
 """Kernel backend selection for torch.ops.qwen.* (DESIGN.md section 4).
 
-Backends: ``reference`` (plain torch, CPU kernel and test oracle), ``triton`` (GPU default;
-runs on CPU tensors under ``TRITON_INTERPRET=1``), ``cuda`` (the csrc/ extension).
+Backends: ``reference`` (plain torch, the specification and test oracle), ``cpu`` (native C
+kernels for CPU tensors, compiled on first use; qwen_ops/kernels/cpu.py), ``triton`` (GPU
+default; runs on CPU tensors under ``TRITON_INTERPRET=1``), ``cuda`` (the csrc/ extension).
 ``auto`` picks the best available one for the tensors' device and falls back quietly;
 an explicit choice that cannot run raises.
 
@@ -24,12 +25,15 @@ from typing import Iterator
 
 import torch
 
-BACKENDS = ("auto", "reference", "triton", "cuda")
+BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
 _KERNEL_MODULES = {
     "reference": "qwen_ops.kernels.reference",
+    "cpu": "qwen_ops.kernels.cpu",
     "triton": "qwen_ops.kernels.triton",
     "cuda": "qwen_ops.kernels.cuda",
 }
+# The ops with a native kernel in the cpu backend.
+CPU_NATIVE_OPS = ("kv_write", "slot_attention")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
 _trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_ops_trusted_metadata", default=False)
 
@@ -80,8 +84,12 @@ def trusted_metadata() -> Iterator[None]:
 
 
 def value_checks_enabled(backend: str) -> bool:
-    """Whether an op call must read and check its index values on ``backend``."""
-    return debug_checks_enabled() or (backend == "reference" and not _trusted.get())
+    """Whether an op call must read and check its index values on ``backend``.
+
+    Host backends (reference, cpu) check them on every untrusted call: reading them is cheap
+    there, and the cpu kernels index memory with them directly.
+    """
+    return debug_checks_enabled() or (backend in ("reference", "cpu") and not _trusted.get())
 
 
 def debug_checks_enabled() -> bool:
@@ -97,6 +105,11 @@ def why_unavailable(name: str, device: torch.device) -> str | None:
     """None when backend ``name`` can run on ``device``, otherwise the reason."""
     if name == "reference":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"the cpu backend needs CPU tensors, got {device}"
+        from qwen_ops.kernels import cpu as cpu_kernels
+        return cpu_kernels.why_unavailable()
     if name == "triton":
         try:
             import triton  # noqa: F401
@@ -130,7 +143,9 @@ def resolve_backend(device: torch.device, op: str = "", phase: str = "") -> str:
     """The concrete backend that runs ``op`` (``phase`` "decode" or "prefill") on ``device``.
 
     ``auto`` on CUDA takes the faster of triton and cuda as measured for that op and phase
-    (``backend_choice.json``), else triton, else cuda; on the CPU the reference.
+    (``backend_choice.json``), else triton, else cuda. On the CPU it takes the native cpu
+    kernels for kv_write and slot_attention when they build here, else (and for the state ops,
+    which have no native kernel) the reference.
     """
     name = get_backend()
     if name == "auto":
@@ -139,6 +154,8 @@ def resolve_backend(device: torch.device, op: str = "", phase: str = "") -> str:
             for candidate in ((measured,) if measured else ()) + ("triton", "cuda"):
                 if why_unavailable(candidate, device) is None:
                     return candidate
+        elif device.type == "cpu" and op in CPU_NATIVE_OPS and why_unavailable("cpu", device) is None:
+            return "cpu"
         return "reference"
     reason = why_unavailable(name, device)
     if reason is not None:

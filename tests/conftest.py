@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from qwen_ops.backend import why_unavailable  # noqa: E402
 
 # Every concrete backend; the fixture below skips those that cannot run here, with the reason.
-BACKENDS = ("reference", "triton", "cuda")
+BACKENDS = ("reference", "cpu", "triton", "cuda")
 
 
 def backend_unavailable_reason(name: str, device: torch.device) -> str | None:

@@ -206,12 +206,13 @@ def test_compile_fullgraph_no_graph_break(checkpoints):
     (e1, e2, ecache), (c1, c2, ccache) = outputs
     torch.testing.assert_close(c1, e1, atol=1e-5, rtol=0)
     torch.testing.assert_close(c2, e2, atol=1e-5, rtol=0)
-    # The compiled graph wrote the caches in place: the same positions hold the same keys.
+    # The compiled graph wrote the caches in place: the same positions hold the same keys (to fp32
+    # rounding: eager prefill projects through oneDNN, the traced graph through F.linear).
     written = torch.tensor(table[0].tolist())[: -(-(len(ids) + 1) // BLOCK_SIZE)]
     for (ek, ev), (ck, cv) in zip(ecache, ccache):
         for e, c in ((ek, ck), (ev, cv)):
             got = c[written].flatten(0, 1)[: len(ids) + 1]
-            torch.testing.assert_close(got, e[written].flatten(0, 1)[: len(ids) + 1], atol=1e-6, rtol=0)
+            torch.testing.assert_close(got, e[written].flatten(0, 1)[: len(ids) + 1], atol=1e-5, rtol=0)
 
 
 def test_model_built_directly_runs_and_is_deterministic():

@@ -499,7 +499,11 @@ BAD_KV_WRITE = [
                                                       dtype=a[0].dtype)[..., ::2], "last dimension"),
     ("key_other_device", 0, lambda a: a[0].to("meta"), "all tensors must be on one device"),
 ]
-# Value checks (they read index tensors): reference always, other backends under QWEN_OPS_DEBUG=1.
+# Value checks (they read index tensors): host backends (reference, cpu) always, others under QWEN_OPS_DEBUG=1.
+# Backends that check index values on every call without QWEN_OPS_DEBUG (they run on the host;
+# the cpu backend's C kernels index memory with them directly).
+HOST_BACKENDS = ("reference", "cpu")
+
 BAD_KV_WRITE_VALUES = [
     ("slot_out_of_range", 4, lambda a: _set(a[4], 2, MAX_SLOTS), "slot_ids\\[2\\] = 4"),
     ("slot_below_padding", 4, lambda a: _set(a[4], 3, -2), "slot_ids\\[3\\] = -2"),
@@ -530,6 +534,7 @@ BAD_ATTENTION_VALUES = [
     ("seq_len_below_query", 6, lambda a: _set(a[6], 1, 3), "seq_lens\\[1\\] = 3"),
     ("max_query_len_too_small", 8, lambda a: 2, "max_query_len = 2"),
     ("query_start_loc_end", 5, lambda a: _set(a[5], -1, 20), "query_start_loc\\[-1\\] = 20"),
+    ("block_id_out_of_range", 3, lambda a: _set(a[3], (int(a[4][0]), 0), a[1].shape[0]), "block_table\\[.*a block the"),
 ]
 
 
@@ -547,8 +552,8 @@ def _on_cpu_device(args: tuple, device) -> tuple:
 @pytest.mark.parametrize("bad_id,index,make,message", BAD_KV_WRITE + BAD_KV_WRITE_VALUES,
                          ids=[c[0] for c in BAD_KV_WRITE + BAD_KV_WRITE_VALUES])
 def test_kv_write_rejects_bad_input(backend, bad_id, index, make, message, device, monkeypatch):
-    if (bad_id, index, make, message) in BAD_KV_WRITE_VALUES:
-        monkeypatch.setenv("QWEN_OPS_DEBUG", "1")   # value checks read the device: opt-in off reference
+    if (bad_id, index, make, message) in BAD_KV_WRITE_VALUES and backend not in HOST_BACKENDS:
+        monkeypatch.setenv("QWEN_OPS_DEBUG", "1")   # value checks read the device: opt-in off the host backends
     args, storages = make_kv_write_args(dtype=torch.float32, device=device, block_size=3, seed=30)
     args, written = _with_fresh_caches(args, storages)
     bad = _on_cpu_device(_replace(args, index, make(args)), device) if "device" not in bad_id else \
@@ -561,7 +566,7 @@ def test_kv_write_rejects_bad_input(backend, bad_id, index, make, message, devic
 @pytest.mark.parametrize("bad_id,index,make,message", BAD_ATTENTION + BAD_ATTENTION_VALUES,
                          ids=[c[0] for c in BAD_ATTENTION + BAD_ATTENTION_VALUES])
 def test_slot_attention_rejects_bad_input(backend, bad_id, index, make, message, device, monkeypatch):
-    if (bad_id, index, make, message) in BAD_ATTENTION_VALUES:
+    if (bad_id, index, make, message) in BAD_ATTENTION_VALUES and backend not in HOST_BACKENDS:
         monkeypatch.setenv("QWEN_OPS_DEBUG", "1")
     case = make_attention_case("chunk", dtype=torch.float32, device=device, seed=31)
     args = case.args()

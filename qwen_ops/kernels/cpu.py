@@ -1,0 +1,152 @@
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors.
+
+``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
+(``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
+(``$QWEN_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by
+the source, the compiler, the flags and the CPU's feature flags (it is built with
+``-march=native``). It is called through ctypes: no torch headers, so the build takes about a
+second instead of the minute a torch C++ extension takes.
+
+Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
+The hybrid models' state ops (causal_conv1d, gated_delta_rule) have no native kernel here:
+this backend runs them with the reference kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from qwen_ops.kernels.reference import causal_conv1d_reference, gated_delta_rule_reference
+
+SOURCE = Path(__file__).with_name("qwen_cpu.c")
+FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
+_ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    if os.environ.get("QWEN_OPS_CACHE_DIR"):
+        return Path(os.environ["QWEN_OPS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qwen_ops"
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent builders never load a half-written file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for arch in (["-march=native"], []):   # some compilers (or CPUs) reject -march=native
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *FLAGS, *arch, str(SOURCE), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, out)
+            return
+        os.unlink(tmp)
+        errors.append(f"{' '.join(cmd)}:\n{proc.stderr.strip()}")
+    raise RuntimeError("compiling the qwen_ops CPU kernels failed:\n" + "\n".join(errors))
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call, then cached on disk and in this process)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, " ".join(FLAGS), _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"qwen_cpu_{key}.so"
+    if not path.exists():
+        _build(cc, path)
+    lib = ctypes.CDLL(str(path))
+    lib.qwen_kv_write.argtypes = _KV_WRITE_ARGS
+    lib.qwen_kv_write.restype = None
+    lib.qwen_slot_attention.argtypes = _ATTENTION_ARGS
+    lib.qwen_slot_attention.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def why_unavailable() -> Optional[str]:
+    """None when the kernels compile and load here, else the reason."""
+    try:
+        library()
+    except (OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def _i32_vector(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+    slot_ids, positions = _i32_vector(slot_ids), _i32_vector(positions)
+    library().qwen_kv_write(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_ids.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
+        key.shape[0], key_cache.shape[2], key_cache.shape[3], key.element_size(),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), block_table.stride(1))
+
+
+def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                       scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    num_seqs = seq_slots.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+    seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
+    status = library().qwen_slot_attention(
+        query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_table.data_ptr(), seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        None if gate is None else gate.data_ptr(),
+        num_seqs, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1],
+        _DTYPE_CODES[query.dtype], float(scale),
+        query.stride(0), query.stride(1), 0 if gate is None else gate.stride(0), 0 if gate is None else gate.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), block_table.stride(1))
+    if status != 0:
+        raise MemoryError("qwen_ops cpu slot_attention could not allocate its scratch memory")
+    return out
+
+
+# No native kernels for the hybrid models' state ops: the reference runs them (see the module doc).
+causal_conv1d_cpu = causal_conv1d_reference
+gated_delta_rule_cpu = gated_delta_rule_reference

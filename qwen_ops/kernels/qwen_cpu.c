@@ -1,0 +1,259 @@
+/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention.
+ *
+ * Plain C, no torch headers: qwen_ops/kernels/cpu.py compiles this file with the system C
+ * compiler on first use (about a second), caches the shared library, and calls it through
+ * ctypes with data pointers and element strides. The point is latency: a CPU decode step calls
+ * these ops once per layer on a few KB of data, where the reference's chain of torch ops (block
+ * gather, mask, SDPA, scatter) costs far more than the arithmetic.
+ *
+ * Semantics are those of the reference (qwen_ops/kernels/reference.py): paged caches
+ * [num_blocks, block_size, num_kv_heads, head_dim] with any strides but a contiguous last dim,
+ * slot -1 = padding (nothing written, output rows zero), keys past seq_len never read, softmax
+ * and accumulation in fp32, output rounded once to the query dtype. Index values are trusted:
+ * the Python side validates them first (or the engine built them from validated state).
+ *
+ * Dtype codes: 0 = float32, 1 = float16, 2 = bfloat16.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t half_bits;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+
+static inline void load_row(const void *base, int64_t offset, int dtype, int64_t n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    } else if (dtype == 1) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; ++d) dst[d] = f16_to_f32(p[d]);
+    } else {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(p[d]);
+    }
+}
+
+static inline void store_row(void *base, int64_t offset, int dtype, int64_t n, const float *src) {
+    if (dtype == 0) {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    } else if (dtype == 1) {
+        uint16_t *p = (uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; ++d) p[d] = f32_to_f16(src[d]);
+    } else {
+        uint16_t *p = (uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; ++d) p[d] = f32_to_bf16(src[d]);
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their max): 2^(x log2 e) split into an integer power and a
+ * degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, written so the loop vectorizes. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504088896341f;
+    float n = floorf(t + 0.5f);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* Token i's key/value rows go to block block_table[slot, pos / block_size], row pos % block_size. */
+void qwen_kv_write(const void *key, const void *value, void *key_cache, void *value_cache,
+                   const int32_t *slot_ids, const int32_t *positions, const int32_t *block_table,
+                   int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t elem_size,
+                   int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
+                   int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
+                   int64_t vc_sb, int64_t vc_sr, int64_t vc_sh,
+                   int64_t bt_s0, int64_t bt_s1) {
+    const size_t row_bytes = (size_t)(head_dim * elem_size);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int32_t slot = slot_ids[i];
+        if (slot < 0) continue;
+        const int64_t pos = positions[i];
+        const int64_t block = block_table[slot * bt_s0 + (pos / block_size) * bt_s1];
+        const int64_t row = pos % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            memcpy((char *)key_cache + (block * c_sb + row * c_sr + h * c_sh) * elem_size,
+                   (const char *)key + (i * k_s0 + h * k_s1) * elem_size, row_bytes);
+            memcpy((char *)value_cache + (block * vc_sb + row * vc_sr + h * vc_sh) * elem_size,
+                   (const char *)value + (i * v_s0 + h * v_s1) * elem_size, row_bytes);
+        }
+    }
+}
+
+/* Prefetch the rows of a key/value block: a block is the unit of contiguity in a paged cache,
+ * and a decode step reads many short sequences' blocks scattered over the cache, which the
+ * hardware prefetcher cannot guess across. */
+static inline void prefetch_block(const void *base, int64_t offset, int64_t rows, int64_t row_stride,
+                                  int64_t row_elems, int64_t elem) {
+    const char *p = (const char *)base + offset * elem;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < row_elems * elem; b += 64) __builtin_prefetch(p + r * row_stride * elem + b, 0, 1);
+}
+
+/* Causal GQA attention of each sequence's query rows over its slot's paged keys and values.
+ * out is contiguous [num_tokens, num_heads, head_dim] in the query dtype. Returns 0, or -1 when
+ * scratch memory could not be allocated (nothing is then written).
+ *
+ * Per query row: one pass over the keys computes the scores of every head (each cache row,
+ * all kv heads, is read once and whole), a softmax per head, then one pass over the values. */
+int qwen_slot_attention(const void *query, void *out, const void *key_cache, const void *value_cache,
+                        const int32_t *block_table, const int32_t *seq_slots, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const void *gate,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int dtype, float scale,
+                        int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1,
+                        int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
+                        int64_t bt_s0, int64_t bt_s1) {
+    const int64_t H = num_heads, G = num_heads / num_kv_heads, D = head_dim;
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    const int64_t row_elems = num_kv_heads * D;   /* one cache row, when its heads are packed */
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        if (seq_slots[i] >= 0 && seq_lens[i] > max_len) max_len = seq_lens[i];
+    /* scores [H][max_len], q [H][D], acc [H][D], one converted row [D] */
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D + D));
+    if (scratch == NULL) return -1;
+    float *scores = scratch;
+    float *q = scores + H * max_len;
+    float *acc = q + H * D;
+    float *row = acc + H * D;
+
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t start = query_start_loc[i], end = query_start_loc[i + 1];
+        const int32_t slot = seq_slots[i];
+        if (slot < 0) {
+            memset((char *)out + start * H * D * elem, 0, (size_t)((end - start) * H * D * elem));
+            continue;
+        }
+        const int64_t seq_len = seq_lens[i];
+        const int64_t q_len = end - start;
+        const int32_t *blocks = block_table + slot * bt_s0;
+        for (int64_t j = 0; j < q_len; ++j) {
+            const int64_t token = start + j;
+            const int64_t n = seq_len - q_len + j + 1;        /* keys 0 .. position of this row */
+            for (int64_t h = 0; h < H; ++h) {
+                load_row(query, token * q_s0 + h * q_s1, dtype, D, q + h * D);
+                for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
+            }
+            /* scores[h][t] = q_h . k_t */
+            for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
+                const int64_t block = blocks[b * bt_s1];
+                const int64_t rows = n - t < block_size ? n - t : block_size;
+                if (t + rows < n)
+                    prefetch_block(key_cache, blocks[(b + 1) * bt_s1] * k_sb,
+                                   n - t - rows < block_size ? n - t - rows : block_size, k_sr, row_elems, elem);
+                for (int64_t r = 0; r < rows; ++r, ++t) {
+                    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+                        const int64_t offset = block * k_sb + r * k_sr + kh * k_sh;
+                        const float *k;
+                        if (dtype == 0) {
+                            k = (const float *)key_cache + offset;
+                        } else {
+                            load_row(key_cache, offset, dtype, D, row);
+                            k = row;
+                        }
+                        for (int64_t g = 0; g < G; ++g) {
+                            const float *qh = q + (kh * G + g) * D;
+                            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                            for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
+                            scores[(kh * G + g) * max_len + t] = s;
+                        }
+                    }
+                }
+            }
+            /* softmax per head, in place */
+            for (int64_t h = 0; h < H; ++h) {
+                float *sh = scores + h * max_len;
+                float m = sh[0];
+#pragma omp simd reduction(max : m)
+                for (int64_t t = 1; t < n; ++t) m = sh[t] > m ? sh[t] : m;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n; ++t) {
+                    const float e = exp_nonpositive(sh[t] - m);
+                    sh[t] = e;
+                    sum += e;
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+            }
+            /* acc[h] = sum_t p[h][t] v_t */
+            memset(acc, 0, sizeof(float) * (size_t)(H * D));
+            for (int64_t t = 0, b = 0; t < n; ++b) {
+                const int64_t block = blocks[b * bt_s1];
+                const int64_t rows = n - t < block_size ? n - t : block_size;
+                if (t + rows < n)
+                    prefetch_block(value_cache, blocks[(b + 1) * bt_s1] * v_sb,
+                                   n - t - rows < block_size ? n - t - rows : block_size, v_sr, row_elems, elem);
+                for (int64_t r = 0; r < rows; ++r, ++t) {
+                    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+                        const int64_t offset = block * v_sb + r * v_sr + kh * v_sh;
+                        const float *v;
+                        if (dtype == 0) {
+                            v = (const float *)value_cache + offset;
+                        } else {
+                            load_row(value_cache, offset, dtype, D, row);
+                            v = row;
+                        }
+                        for (int64_t g = 0; g < G; ++g) {
+                            const float p = scores[(kh * G + g) * max_len + t];
+                            float *a = acc + (kh * G + g) * D;
+#pragma omp simd
+                            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                        }
+                    }
+                }
+            }
+            for (int64_t h = 0; h < H; ++h) {
+                float *a = acc + h * D;
+                if (gate != NULL) {
+                    load_row(gate, token * g_s0 + h * g_s1, dtype, D, row);
+                    for (int64_t d = 0; d < D; ++d) a[d] *= 1.0f / (1.0f + expf(-row[d]));
+                }
+                store_row(out, (token * H + h) * D, dtype, D, a);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
