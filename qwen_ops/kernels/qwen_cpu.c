@@ -94,6 +94,41 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* Dot product and axpy over one head's row. The head dims of Qwen models (64, 128, 256, and
+ * 32 for tiny ones) get copies with the length known at compile time, so the loops unroll and
+ * vectorize without remainder handling; other lengths take the generic loop. */
+static inline float dot_n(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+}
+
+static inline void axpy_n(float *y, float a, const float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    switch (n) {
+        case 32: return dot_n(a, b, 32);
+        case 64: return dot_n(a, b, 64);
+        case 128: return dot_n(a, b, 128);
+        case 256: return dot_n(a, b, 256);
+        default: return dot_n(a, b, n);
+    }
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    switch (n) {
+        case 32: axpy_n(y, a, x, 32); return;
+        case 64: axpy_n(y, a, x, 64); return;
+        case 128: axpy_n(y, a, x, 128); return;
+        case 256: axpy_n(y, a, x, 256); return;
+        default: axpy_n(y, a, x, n);
+    }
+}
+
 /* Token i's key/value rows go to block block_table[slot, pos / block_size], row pos % block_size. */
 void qwen_kv_write(const void *key, const void *value, void *key_cache, void *value_cache,
                    const int32_t *slot_ids, const int32_t *positions, const int32_t *block_table,
@@ -190,13 +225,8 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                             load_row(key_cache, offset, dtype, D, row);
                             k = row;
                         }
-                        for (int64_t g = 0; g < G; ++g) {
-                            const float *qh = q + (kh * G + g) * D;
-                            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                            for (int64_t d = 0; d < D; ++d) s += qh[d] * k[d];
-                            scores[(kh * G + g) * max_len + t] = s;
-                        }
+                        for (int64_t g = 0; g < G; ++g)
+                            scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
                     }
                 }
             }
@@ -235,12 +265,8 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                             load_row(value_cache, offset, dtype, D, row);
                             v = row;
                         }
-                        for (int64_t g = 0; g < G; ++g) {
-                            const float p = scores[(kh * G + g) * max_len + t];
-                            float *a = acc + (kh * G + g) * D;
-#pragma omp simd
-                            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-                        }
+                        for (int64_t g = 0; g < G; ++g)
+                            axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
                     }
                 }
             }
