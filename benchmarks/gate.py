@@ -11,6 +11,7 @@ Ratios (higher is better):
   batched_vs_loop_decode     per-token time of a decode_step loop over 32 requests / one batch_decode_step
   generate_vs_transformers   LLM.generate tokens/s / transformers generate tokens/s (32 requests)
   single_vs_transformers     the same for a single request
+  *_compiled                 the last two with LLM(compile=True) (full mode only)
 Thresholds and the last measured values live in benchmarks/README.md.
 """
 
@@ -34,6 +35,9 @@ THRESHOLDS = {
     "batched_vs_loop_decode": 5.0,
     "generate_vs_transformers": 0.6,
     "single_vs_transformers": 0.6,
+    # full mode only: LLM(compile=True)
+    "generate_vs_transformers_compiled": 0.6,
+    "single_vs_transformers_compiled": 0.6,
 }
 
 
@@ -177,6 +181,11 @@ def main(argv=None) -> int:
                                    compile=False)
     results["generate_vs_transformers"] = gen["batch"]
     results["single_vs_transformers"] = gen["single"]
+    if not short and not args.no_compile:
+        # The same workload with the compiled decode step (compile time excluded: warmed up first).
+        gen = generate_vs_transformers(path, n_requests=32, prompt_len=64, new_tokens=64, compile=True)
+        results["generate_vs_transformers_compiled"] = gen["batch"]
+        results["single_vs_transformers_compiled"] = gen["single"]
 
     failed = []
     print(f"{'ratio':<28} {'measured':>9} {'floor':>7}  details")

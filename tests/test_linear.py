@@ -1,0 +1,76 @@
+"""qwen_ops.linear.Linear: nn.Linear's results and state dict, through oneDNN for fp32 CPU batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen_ops import linear as L
+
+pytestmark = pytest.mark.skipif(not L._onednn_linear_available(), reason="this torch build has no oneDNN")
+
+
+def _layer(bias: bool, seed: int = 0) -> L.Linear:
+    torch.manual_seed(seed)
+    layer = L.Linear(96, 80, bias=bias)
+    with torch.no_grad():            # random, non-zero bias too
+        if bias:
+            layer.bias.normal_()
+    return layer.eval()
+
+
+@pytest.mark.parametrize("rows", [1, L.ONEDNN_MIN_ROWS - 1, L.ONEDNN_MIN_ROWS, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear_and_takes_onednn_from_the_threshold(rows, bias, monkeypatch):
+    layer = _layer(bias)
+    x = torch.randn(rows, 96)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or pointwise(*a))
+    with torch.inference_mode():
+        out = layer(x)
+    expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (1 if rows >= L.ONEDNN_MIN_ROWS else 0)
+
+
+def test_non_contiguous_input_and_other_dtypes_and_training():
+    layer = _layer(True)
+    wide = torch.randn(40, 2 * 96)
+    x = wide[:, ::2]                                   # a strided view
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    # bf16 and autograd keep F.linear (oneDNN's fp32 kernel has no backward here).
+    bf = _layer(False).to(torch.bfloat16)
+    xb = torch.randn(32, 96, dtype=torch.bfloat16)
+    assert torch.equal(bf(xb), F.linear(xb, bf.weight))
+    layer.train()
+    out = layer(torch.randn(32, 96))
+    out.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_state_dict_is_nn_linear():
+    layer = _layer(True)
+    plain = torch.nn.Linear(96, 80)
+    plain.load_state_dict(layer.state_dict())
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 96)
+    assert torch.equal(plain(x), layer(x))
+
+
+def test_compiled_uses_the_opaque_op_with_no_graph_break():
+    from torch._dynamo.utils import counters
+
+    layer = _layer(True, seed=3)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(48, 96)
+    with torch.inference_mode():
+        out = compiled(x)
+        ref = layer(x)
+    assert counters["graph_break"] == {}
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.qwen_ops.onednn_linear.default, (x, layer.weight.detach(), layer.bias.detach()))
