@@ -87,3 +87,19 @@ def test_long_contexts_match_the_reference(monkeypatch):
     out = cpu.slot_attention_cpu(*args)
     monkeypatch.undo()
     torch.testing.assert_close(out, reference.slot_attention_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_long_prefills_go_to_the_reference(monkeypatch):
+    """Above REFERENCE_ABOVE_QUERY_LEN query rows, SDPA (the reference) is the faster kernel."""
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    calls = []
+    monkeypatch.setattr(cpu, "slot_attention_reference", lambda *a: calls.append(a[8]) or reference.slot_attention_reference(*a))
+    case = make_attention_case("chunk", dtype=torch.float32, device="cpu")
+    args = case.args()
+    cpu.slot_attention_cpu(*args)
+    assert calls == []                                     # short queries: the C kernel
+    long_args = args[:8] + (cpu.REFERENCE_ABOVE_QUERY_LEN + 1,) + args[9:]
+    out = cpu.slot_attention_cpu(*long_args)
+    assert calls == [cpu.REFERENCE_ABOVE_QUERY_LEN + 1]
+    torch.testing.assert_close(out, reference.slot_attention_reference(*args), rtol=1e-5, atol=1e-5)
