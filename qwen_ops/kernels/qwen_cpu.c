@@ -78,9 +78,9 @@ static inline void store_row(void *base, int64_t offset, int dtype, int64_t n, c
  * degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, written so the loop vectorizes. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = floorf(t + 0.5f);
-    float f = t - n;
+    const float t = x * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f;   /* round to nearest (|t| < 2^22), vectorizes */
+    const float f = t - n;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
     p = p * f + 9.618437357674640e-3f;
@@ -88,10 +88,8 @@ static inline float exp_nonpositive(float x) {
     p = p * f + 2.402264791363012e-1f;
     p = p * f + 6.931472028550421e-1f;
     p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};   /* 2^n */
+    return p * scale.f;
 }
 
 /* Dot product and axpy over one head's row. The head dims of Qwen models (64, 128, 256, and
