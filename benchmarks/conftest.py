@@ -12,7 +12,7 @@ import torch
 
 from qwen_ops.backend import why_unavailable
 
-BACKENDS = ("reference", "triton", "cuda")
+BACKENDS = ("reference", "cpu", "triton", "cuda")
 
 
 @pytest.fixture(scope="session")
