@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_ops.attention import AttentionMetadata
-from qwen_ops.backend import trusted_metadata
+from qwen_ops.backend import resolve_backend, trusted_metadata
 from qwen_ops.torch_library import SCHEMAS
 
 
@@ -89,6 +89,10 @@ class ModelRunner:
                 raise ValueError(f"backend='tensorrt' needs a CUDA device, got device {device}")
             compile = True
         self.compiled = compile
+        # Resolve the kernels now: the cpu backend compiles its C kernels on first use (about a
+        # second, once per machine), which the first request would otherwise wait for.
+        for op in ("kv_write", "slot_attention"):
+            resolve_backend(device, op, "decode")
         self._alloc_decode_buffers()
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
                              else self._decode_forward)
