@@ -151,6 +151,18 @@ void qwen_kv_write(const void *key, const void *value, void *key_cache, void *va
     }
 }
 
+/* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */
+static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
+    return n - t < block_size ? n - t : block_size;
+}
+
+/* One head's row of a cache as fp32: in place for fp32 caches, converted into buf otherwise. */
+static inline const float *cache_row(const void *cache, int64_t offset, int dtype, int64_t D, float *buf) {
+    if (dtype == 0) return (const float *)cache + offset;
+    load_row(cache, offset, dtype, D, buf);
+    return buf;
+}
+
 /* Prefetch the rows of a key/value block: a block is the unit of contiguity in a paged cache,
  * and a decode step reads many short sequences' blocks scattered over the cache, which the
  * hardware prefetcher cannot guess across. */
@@ -209,20 +221,13 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
             /* scores[h][t] = q_h . k_t */
             for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
                 const int64_t block = blocks[b * bt_s1];
-                const int64_t rows = n - t < block_size ? n - t : block_size;
+                const int64_t rows = rows_in_block(n, t, block_size);
                 if (t + rows < n)
-                    prefetch_block(key_cache, blocks[(b + 1) * bt_s1] * k_sb,
-                                   n - t - rows < block_size ? n - t - rows : block_size, k_sr, row_elems, elem);
+                    prefetch_block(key_cache, blocks[(b + 1) * bt_s1] * k_sb, rows_in_block(n, t + rows, block_size),
+                                   k_sr, row_elems, elem);
                 for (int64_t r = 0; r < rows; ++r, ++t) {
                     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                        const int64_t offset = block * k_sb + r * k_sr + kh * k_sh;
-                        const float *k;
-                        if (dtype == 0) {
-                            k = (const float *)key_cache + offset;
-                        } else {
-                            load_row(key_cache, offset, dtype, D, row);
-                            k = row;
-                        }
+                        const float *k = cache_row(key_cache, block * k_sb + r * k_sr + kh * k_sh, dtype, D, row);
                         for (int64_t g = 0; g < G; ++g)
                             scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
                     }
@@ -249,20 +254,13 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
             memset(acc, 0, sizeof(float) * (size_t)(H * D));
             for (int64_t t = 0, b = 0; t < n; ++b) {
                 const int64_t block = blocks[b * bt_s1];
-                const int64_t rows = n - t < block_size ? n - t : block_size;
+                const int64_t rows = rows_in_block(n, t, block_size);
                 if (t + rows < n)
-                    prefetch_block(value_cache, blocks[(b + 1) * bt_s1] * v_sb,
-                                   n - t - rows < block_size ? n - t - rows : block_size, v_sr, row_elems, elem);
+                    prefetch_block(value_cache, blocks[(b + 1) * bt_s1] * v_sb, rows_in_block(n, t + rows, block_size),
+                                   v_sr, row_elems, elem);
                 for (int64_t r = 0; r < rows; ++r, ++t) {
                     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                        const int64_t offset = block * v_sb + r * v_sr + kh * v_sh;
-                        const float *v;
-                        if (dtype == 0) {
-                            v = (const float *)value_cache + offset;
-                        } else {
-                            load_row(value_cache, offset, dtype, D, row);
-                            v = row;
-                        }
+                        const float *v = cache_row(value_cache, block * v_sb + r * v_sr + kh * v_sh, dtype, D, row);
                         for (int64_t g = 0; g < G; ++g)
                             axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
                     }
