@@ -22,9 +22,23 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.attention import AttentionMetadata
 from qwen_ops.config import QwenConfig
+from qwen_ops.backend import resolve_backend
+from qwen_ops.kernels import cpu as cpu_kernels
 from qwen_ops.linear import Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def use_fused_cpu_kernels(h: torch.Tensor) -> bool:
+    """Whether this eager forward runs its norms and RoPE through the cpu backend's fused C kernels.
+
+    Only for fp32 CPU activations without autograd, when the ops resolve to the cpu backend
+    (``QWEN_OPS_BACKEND=reference`` keeps the whole model in torch), and never while
+    ``torch.compile`` traces (Inductor fuses the torch code itself). Each fused call replaces
+    9-34 torch ops whose dispatch dominates a small eager CPU decode step.
+    """
+    return (not torch.compiler.is_compiling() and h.device.type == "cpu" and h.dtype == torch.float32
+            and not torch.is_grad_enabled() and resolve_backend(h.device, "kv_write") == "cpu")
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,14 +117,21 @@ class QwenAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """``cos_sin`` (the fp32 RoPE table) selects the fused C path; ``cos``/``sin`` are then unused."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # a module attribute, fixed at construction: not data-dependent
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos_sin is not None:
+            norms = self.q_norm is not None
+            q, k = cpu_kernels.qk_norm_rope(q, k, self.q_norm.weight if norms else None,
+                                            self.k_norm.weight if norms else None,
+                                            self.q_norm.eps if norms else 0.0, cos_sin, positions32)
+        else:
+            if self.q_norm is not None:  # a module attribute, fixed at construction: not data-dependent
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         key_cache, value_cache = kv_cache
         torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
         o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
@@ -138,7 +159,13 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        if cos_sin is not None:   # fused C norms and RoPE (see use_fused_cpu_kernels)
+            x, _ = cpu_kernels.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
+            a = self.self_attn(x, cos, sin, positions32, attn, kv_cache, cos_sin)
+            x, h = cpu_kernels.rms_norm(a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                        add=h)   # h = h + a, x = norm(h)
+            return h + self.mlp(x)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions32, attn, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -197,10 +224,22 @@ class QwenForCausalLM(nn.Module):
         # kv_write takes int32 positions; .to is a no-op when the engine already passes int32.
         positions32 = positions.to(torch.int32)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        table = None
+        if use_fused_cpu_kernels(h):
+            table = self.model.rotary_emb.cos_sin     # read by position inside the C kernel: check them
+            if positions32.numel() and (int(positions32.min()) < 0 or int(positions32.max()) >= table.shape[0]):
+                raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
+                                 f"0 <= position < max_position_embeddings = {table.shape[0]}")
+            cos = sin = None
+        else:
+            cos, sin = self.model.rotary_emb(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, positions32, attn, kv_cache)
+            h = layer(h, cos, sin, positions32, attn, kv_cache, table)
         # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
         # skips the lm_head matmul on every other row.
-        h = self.model.norm(torch.index_select(h, 0, logits_indices))
+        h = torch.index_select(h, 0, logits_indices)
+        if table is not None:
+            h, _ = cpu_kernels.rms_norm(h, self.model.norm.weight, self.model.norm.eps)
+        else:
+            h = self.model.norm(h)
         return self.lm_head(h)

@@ -103,3 +103,126 @@ def test_long_prefills_go_to_the_reference(monkeypatch):
     out = cpu.slot_attention_cpu(*long_args)
     assert calls == [cpu.REFERENCE_ABOVE_QUERY_LEN + 1]
     torch.testing.assert_close(out, reference.slot_attention_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The fused norm / RoPE kernels of the dense model's eager CPU forward
+# --------------------------------------------------------------------------------------------
+
+def _needs_cpu_kernels():
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled tensors, so an output element the kernel skips shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_matches_the_torch_norm(residual, poisoned_empty):
+    _needs_cpu_kernels()
+    from qwen_ops.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(96, generator=gen))
+    wide = torch.randn(7, 128, generator=gen) * 3
+    x = wide[:, :96]                                        # rows strided, as a view
+    add = torch.randn(7, 96, generator=gen) if residual else None
+    out, total = cpu.rms_norm(x, norm.weight.detach(), norm.eps, add=add)
+    poisoned_empty.undo()
+    with torch.no_grad():
+        s = x + add if residual else x
+        torch.testing.assert_close(out, norm(s), rtol=2e-6, atol=2e-6)
+        if residual:
+            assert torch.equal(total, s)
+        else:
+            assert total is None
+
+
+@pytest.mark.parametrize("norms", [True, False], ids=["qwen3-qk-norm", "qwen2-no-norm"])
+def test_qk_norm_rope_matches_the_torch_code(norms, poisoned_empty):
+    _needs_cpu_kernels()
+    from qwen_ops.config import QwenConfig
+    from qwen_ops.model import RMSNorm, apply_rope, rope_table
+
+    gen = torch.Generator().manual_seed(12)
+    T, nq, nk, D = 5, 6, 2, 32
+    config = QwenConfig.from_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 64,
+                                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": nq,
+                                   "num_key_value_heads": nk, "head_dim": D, "max_position_embeddings": 300,
+                                   "rope_theta": 10000.0})
+    table = rope_table(config, torch.device("cpu"))
+    qkv = torch.randn(T, (nq + 2 * nk) * D, generator=gen)          # q and k as views of one projection
+    q = qkv[:, :nq * D].view(T, nq, D)
+    k = qkv[:, nq * D:(nq + nk) * D].view(T, nk, D)
+    positions = torch.tensor([0, 3, 299, 17, 128], dtype=torch.int32)
+    q_norm, k_norm = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+        k_norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+    qo, ko = cpu.qk_norm_rope(q, k, q_norm.weight.detach() if norms else None,
+                              k_norm.weight.detach() if norms else None, 1e-6, table, positions)
+    poisoned_empty.undo()
+    with torch.no_grad():
+        rows = table[positions.long()]
+        cos, sin = rows[:, None, :D // 2], rows[:, None, D // 2:]
+        qr, kr = (q_norm(q), k_norm(k)) if norms else (q, k)
+        torch.testing.assert_close(qo, apply_rope(qr, cos, sin), rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(ko, apply_rope(kr, cos, sin), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, monkeypatch):
+    """A prefill and a decode step: fused kernels (auto on CPU) vs the pure-torch forward (reference)."""
+    _needs_cpu_kernels()
+    from qwen_ops.loader import load_checkpoint
+    from qwen_ops import model as model_mod
+    from qwen_tiny import new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
+
+    path = save_tiny_checkpoint(tmp_path / model_type, model_type, vocab_size=96, hidden_size=64,
+                                intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=128, **(
+                                    {"head_dim": 16} if model_type == "qwen3" else {}))
+    model = load_checkpoint(path).model
+    calls = []
+    fused = model_mod.cpu_kernels.rms_norm
+    monkeypatch.setattr(model_mod.cpu_kernels, "rms_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    table = shuffled_block_table(2, 4)
+    logits = {}
+    for backend in ("auto", "reference"):
+        caches = new_kv_caches(model.config, table.numel() + 1, 4, torch.float32)
+        with qwen_ops.use_backend(backend), torch.inference_mode():
+            pos, attn, last = step_metadata([(0, 0, 9), (1, 0, 7)], table)
+            first = model(torch.cat([ids[0], ids[1, :7]]), pos, attn, caches, last)
+            pos, attn, last = step_metadata([(0, 9, 1), (1, 7, 1)], table)
+            second = model(first.argmax(-1), pos, attn, caches, last)
+        logits[backend] = (first, second)
+        if backend == "auto":
+            assert calls, "the fused kernels were not used"
+            calls.clear()
+    assert not calls, "the reference backend must keep the torch forward"
+    for got, want in zip(logits["auto"], logits["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_forward_rejects_positions_outside_the_rope_table(tmp_path):
+    _needs_cpu_kernels()
+    from qwen_ops.loader import load_checkpoint
+    from qwen_tiny import new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
+
+    path = save_tiny_checkpoint(tmp_path / "q3", "qwen3", vocab_size=64, hidden_size=32, intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                max_position_embeddings=16)
+    model = load_checkpoint(path).model
+    table = shuffled_block_table(1, 8)
+    caches = new_kv_caches(model.config, table.numel() + 1, 4, torch.float32)
+    pos, attn, last = step_metadata([(0, 16, 1)], table)       # position 16 of a 16-entry table
+    with torch.inference_mode(), pytest.raises(ValueError, match="max_position_embeddings = 16"):
+        model(torch.tensor([3]), pos, attn, caches, last)

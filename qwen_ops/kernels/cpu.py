@@ -39,6 +39,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
+_RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
+_QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
 
 
 def _compiler() -> Optional[str]:
@@ -98,6 +100,10 @@ def library() -> ctypes.CDLL:
     lib.qwen_kv_write.restype = None
     lib.qwen_slot_attention.argtypes = _ATTENTION_ARGS
     lib.qwen_slot_attention.restype = ctypes.c_int
+    lib.qwen_rms_norm.argtypes = _RMS_NORM_ARGS
+    lib.qwen_rms_norm.restype = None
+    lib.qwen_qk_norm_rope.argtypes = _QK_NORM_ROPE_ARGS
+    lib.qwen_qk_norm_rope.restype = None
     return lib
 
 
@@ -162,3 +168,40 @@ def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, qu
 # No native kernels for the hybrid models' state ops: the reference runs them (see the module doc).
 causal_conv1d_cpu = causal_conv1d_reference
 gated_delta_rule_cpu = gated_delta_rule_reference
+
+
+# --------------------------------------------------------------------------------------------
+# Fused fp32 pieces of the dense model's eager CPU forward (qwen_ops/model.py calls them when the
+# cpu backend is selected; not torch ops: under torch.compile the model keeps its torch code).
+# --------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             add: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``weight * s / rms(s)`` over rows of fp32 ``x [rows, dim]``; ``s = x + add`` when ``add`` is
+    given, returned too (the residual stream). Rows must be contiguous (stride 1 in the last dim)."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=torch.float32)
+    total = None if add is None else torch.empty((rows, dim), dtype=torch.float32)
+    library().qwen_rms_norm(x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
+                            0 if add is None else add.stride(0), None if total is None else total.data_ptr(), dim,
+                            weight.data_ptr(), out.data_ptr(), dim, rows, dim, float(eps))
+    return out, total
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
+                 eps: float, cos_sin: torch.Tensor, positions32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (skipped when the weights are None) and RoPE of fp32 ``q [T, Hq, D]``,
+    ``k [T, Hk, D]`` at int32 ``positions32 [T]`` (each in ``[0, cos_sin.shape[0])``: the caller
+    checks) from the fp32 ``cos_sin [max_pos, D]`` table. Returns contiguous new tensors."""
+    T, nq, D = q.shape
+    nk = k.shape[1]
+    qo = torch.empty((T, nq, D), dtype=torch.float32)
+    ko = torch.empty((T, nk, D), dtype=torch.float32)
+    tmp = torch.empty(D, dtype=torch.float32)
+    positions32 = _i32_vector(positions32)
+    library().qwen_qk_norm_rope(
+        q.data_ptr(), q.stride(0), q.stride(1), nq, k.data_ptr(), k.stride(0), k.stride(1), nk,
+        None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), qo.data_ptr(), ko.data_ptr(),
+        T, D, tmp.data_ptr())
+    return qo, ko

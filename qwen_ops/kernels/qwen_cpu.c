@@ -279,3 +279,82 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
     free(scratch);
     return 0;
 }
+
+/* ----------------------------------------------------------------------------------------------
+ * Fused fp32 pieces of a dense Qwen decoder layer for eager CPU decode, where each torch op
+ * costs microseconds of dispatch: RMSNorm (optionally after a residual add) replaces ~9 ops,
+ * q/k RMSNorm + RoPE replaces ~34 per layer. Same math as qwen_ops/model.py (mean square in
+ * fp32, x * rsqrt(ms + eps) then * weight; RoPE halves: x1 cos - x2 sin, x2 cos + x1 sin);
+ * summation order differs from torch's, so results agree to fp32 rounding.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Each product and sum rounded on its own, as torch's separate mul/sub/add ops round them (GCC
+ * would otherwise contract a * b - c * d into fused multiply-adds). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+static inline float inv_rms(const float *x, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < dim; ++d) ss += x[d] * x[d];
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+
+/* out[r] = w * (s / rms(s)), s = x[r] + add[r] when add is given (s is then written to sum[r]),
+ * else s = x[r]. Rows of dim floats, contiguous within the row. */
+void qwen_rms_norm(const float *x, int64_t x_s0, const float *add, int64_t add_s0, float *sum, int64_t sum_s0,
+                   const float *w, float *out, int64_t out_s0, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *s = x + r * x_s0;
+        if (add != NULL) {
+            float *dst = sum + r * sum_s0;
+            const float *a = add + r * add_s0;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) dst[d] = s[d] + a[d];
+            s = dst;
+        }
+        const float inv = inv_rms(s, dim, eps);
+        float *o = out + r * out_s0;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (s[d] * inv);
+    }
+}
+
+/* One head row: optional RMSNorm (w != NULL), then RoPE with cs = [cos | sin] of the position. */
+static inline void norm_rope_row(const float *x, const float *w, float eps, const float *cs, int64_t D,
+                                 float *tmp, float *out) {
+    const int64_t half = D / 2;
+    if (w != NULL) {
+        const float inv = inv_rms(x, D, eps);
+        for (int64_t d = 0; d < D; ++d) tmp[d] = w[d] * (x[d] * inv);
+        x = tmp;
+    }
+    for (int64_t i = 0; i < half; ++i) {
+        const float c = cs[i], s = cs[half + i];
+        const float x1 = x[i], x2 = x[half + i];
+        const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;   /* rounded products, as torch */
+        out[i] = a - b;
+        out[half + i] = e + f;
+    }
+}
+
+/* q [T, nq, D], k [T, nk, D] (strides in elements, rows contiguous) -> contiguous qo, ko:
+ * per head RMSNorm with q_w / k_w (skipped when NULL), then RoPE at positions[t] from the fp32
+ * table [max_pos, D] (cos in the first half of a row, sin in the second). */
+void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
+                       const float *k, int64_t k_s0, int64_t k_s1, int64_t nk,
+                       const float *q_w, const float *k_w, float eps,
+                       const float *table, int64_t table_s0, const int32_t *positions,
+                       float *qo, float *ko, int64_t T, int64_t D, float *tmp) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *cs = table + (int64_t)positions[t] * table_s0;
+        for (int64_t h = 0; h < nq; ++h) norm_rope_row(q + t * q_s0 + h * q_s1, q_w, eps, cs, D, tmp, qo + (t * nq + h) * D);
+        for (int64_t h = 0; h < nk; ++h) norm_rope_row(k + t * k_s0 + h * k_s1, k_w, eps, cs, D, tmp, ko + (t * nk + h) * D);
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
