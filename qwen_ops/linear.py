@@ -41,12 +41,37 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+# The batch size oneDNN is told to lay the prepacked weight out for (a decode batch; the packed
+# weight serves every row count, measured best around here for 32-row decode and 2048-row prefill).
+PACK_BATCH_HINT = 32
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` with the oneDNN route for fp32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows."""
+    """``nn.Linear`` with the oneDNN route for fp32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows.
+
+    With ``prepack`` (default True) the eager route keeps a copy of the weight in oneDNN's blocked
+    layout, made on the first such call and remade when the weight is replaced or written in place
+    (tracked by its data pointer and version counter): a 32-request decode step of the embedded
+    model measured 3.08 vs 3.58 ms with it. It costs one more copy of the weight in memory; set
+    ``prepack = False`` on the modules to do without.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.onednn = _onednn_linear_available()
+        self.prepack = True
+        self._packed: Optional[tuple[int, int, torch.Tensor]] = None   # (data_ptr, version, packed weight)
+
+    def _packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:   # an inference tensor has no version counter (and stays as made)
+            version = -1
+        key = (w.data_ptr(), version)
+        if self._packed is None or self._packed[:2] != key:
+            self._packed = key + (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT),)
+        return self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.onednn and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32
@@ -54,5 +79,6 @@ class Linear(nn.Linear):
                 and not (self.weight.requires_grad and torch.is_grad_enabled())):   # no oneDNN backward
             if torch.compiler.is_compiling():
                 return onednn_linear(x, self.weight, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            weight = self._packed_weight() if self.prepack else self.weight
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

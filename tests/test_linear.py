@@ -74,3 +74,24 @@ def test_compiled_uses_the_opaque_op_with_no_graph_break():
     assert counters["graph_break"] == {}
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.library.opcheck(torch.ops.qwen_ops.onednn_linear.default, (x, layer.weight.detach(), layer.bias.detach()))
+
+
+def test_prepacked_weight_follows_in_place_writes_and_replacement():
+    layer = _layer(True, seed=5)
+    x = torch.randn(32, 96)
+    with torch.inference_mode():
+        first = layer(x)
+    assert layer._packed is not None, "the batched call did not prepack"
+    torch.testing.assert_close(first, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                          # in place: the version counter moves
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(80, 96))   # replaced: a new data pointer
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.prepack = False
+    layer._packed = None
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert layer._packed is None
