@@ -226,3 +226,19 @@ def test_fused_forward_rejects_positions_outside_the_rope_table(tmp_path):
     pos, attn, last = step_metadata([(0, 16, 1)], table)       # position 16 of a 16-entry table
     with torch.inference_mode(), pytest.raises(ValueError, match="max_position_embeddings = 16"):
         model(torch.tensor([3]), pos, attn, caches, last)
+
+
+def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypatch):
+    """The C file has AVX-512 paths for fp32; a build without AVX-512 runs the portable loops."""
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
+    portable = cpu.library.__wrapped__()
+    monkeypatch.setattr(cpu, "library", lambda: portable)
+    for scenario, dtype in (("decode", torch.float32), ("mixed", torch.float32), ("chunk", torch.bfloat16)):
+        case = make_attention_case(scenario, dtype=dtype, device="cpu", group=4, head_dim=64)
+        got = cpu.slot_attention_cpu(*case.args())
+        want = reference.slot_attention_reference(*case.args())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

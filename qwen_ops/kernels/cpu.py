@@ -67,6 +67,12 @@ def cache_dir() -> Path:
     return Path(base) / "qwen_ops"
 
 
+def _extra_flags() -> list[str]:
+    """``$QWEN_OPS_CPU_CFLAGS``, appended to the compile flags (e.g. ``-mno-avx512f`` to build the
+    portable loops instead of the AVX-512 paths; the tests do)."""
+    return os.environ.get("QWEN_OPS_CPU_CFLAGS", "").split()
+
+
 def _build(cc: str, out: Path) -> None:
     """Compile to a temporary name, then rename: concurrent builders never load a half-written file."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,7 @@ def _build(cc: str, out: Path) -> None:
     for arch in (["-march=native"], []):   # some compilers (or CPUs) reject -march=native
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *FLAGS, *arch, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *FLAGS, *arch, *_extra_flags(), str(SOURCE), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(tmp, out)
@@ -90,7 +96,7 @@ def library() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, " ".join(FLAGS), _cpu_flags(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, " ".join(FLAGS + tuple(_extra_flags())), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"qwen_cpu_{key}.so"
     if not path.exists():

@@ -151,6 +151,73 @@ void qwen_kv_write(const void *key, const void *value, void *key_cache, void *va
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512 paths for fp32 caches with head_dim a multiple of 16 (every Qwen head dim). */
+
+/* The four dot products q4[g*D ..] . k for g < 4 at once: one FMA chain per head, then a
+ * shuffle network that sums the four vectors into [s0, s1, s2, s3] (no scalar reduction chains). */
+static inline __attribute__((always_inline)) __m128 dot4_avx512(const float *q4, const float *k, int64_t D) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 kv = _mm512_loadu_ps(k + d);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + d), kv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + D + d), kv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 2 * D + d), kv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 3 * D + d), kv, a3);
+    }
+    /* per 128-bit lane: t01 = [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3], t23 likewise */
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* per lane: [a0, a1, a2, a3] partial sums */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* out[0:D] = sum_t p[t] v_t over t < n, v_t = the row of head offset off_h at position t, read
+ * through the block table; the accumulator stays in registers (NV = D / 16 of them). */
+static inline __attribute__((always_inline)) void wsum_avx512(float *out, const float *p, const float *cache,
+                                                              const int32_t *blocks, int64_t bt_s1, int64_t block_size,
+                                                              int64_t sb, int64_t sr, int64_t off_h, int64_t n,
+                                                              const int NV) {
+    __m512 acc[16];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = 0, b = 0; t < n; ++b) {
+        const float *base = cache + blocks[b * bt_s1] * sb + off_h;
+        const int64_t rows = n - t < block_size ? n - t : block_size;
+        for (int64_t r = 0; r < rows; ++r, ++t) {
+            const float *v = base + r * sr;
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        }
+    }
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+static void wsum_any_avx512(float *out, const float *p, const float *cache, const int32_t *blocks, int64_t bt_s1,
+                            int64_t block_size, int64_t sb, int64_t sr, int64_t off_h, int64_t n, int64_t D) {
+    switch (D) {   /* constant trip counts: the accumulators are registers */
+        case 32: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 2); return;
+        case 64: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 4); return;
+        case 128: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 8); return;
+        case 256: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 16); return;
+        default: break;
+    }
+    memset(out, 0, sizeof(float) * (size_t)D);
+    for (int64_t t = 0, b = 0; t < n; ++b) {
+        const float *base = cache + blocks[b * bt_s1] * sb + off_h;
+        const int64_t rows = n - t < block_size ? n - t : block_size;
+        for (int64_t r = 0; r < rows; ++r, ++t) axpy_n(out, p[t], base + r * sr, D);
+    }
+}
+#define QWEN_AVX512 1
+#else
+#define QWEN_AVX512 0
+#endif
+
 /* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */
 static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
     return n - t < block_size ? n - t : block_size;
@@ -200,6 +267,9 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
     float *q = scores + H * max_len;
     float *acc = q + H * D;
     float *row = acc + H * D;
+#if QWEN_AVX512
+    const int fast = dtype == 0 && D % 16 == 0;
+#endif
 
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t start = query_start_loc[i], end = query_start_loc[i + 1];
@@ -228,7 +298,16 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                 for (int64_t r = 0; r < rows; ++r, ++t) {
                     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
                         const float *k = cache_row(key_cache, block * k_sb + r * k_sr + kh * k_sh, dtype, D, row);
-                        for (int64_t g = 0; g < G; ++g)
+                        int64_t g = 0;
+#if QWEN_AVX512
+                        if (fast)
+                            for (; g + 4 <= G; g += 4) {
+                                float s4[4];
+                                _mm_storeu_ps(s4, dot4_avx512(q + (kh * G + g) * D, k, D));
+                                for (int64_t e = 0; e < 4; ++e) scores[(kh * G + g + e) * max_len + t] = s4[e];
+                            }
+#endif
+                        for (; g < G; ++g)
                             scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
                     }
                 }
@@ -251,6 +330,14 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                 for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
             }
             /* acc[h] = sum_t p[h][t] v_t */
+#if QWEN_AVX512
+            if (fast) {
+                for (int64_t h = 0; h < H; ++h)
+                    wsum_any_avx512(acc + h * D, scores + h * max_len, (const float *)value_cache, blocks, bt_s1,
+                                    block_size, v_sb, v_sr, (h / G) * v_sh, n, D);
+                goto weighted_sum_done;
+            }
+#endif
             memset(acc, 0, sizeof(float) * (size_t)(H * D));
             for (int64_t t = 0, b = 0; t < n; ++b) {
                 const int64_t block = blocks[b * bt_s1];
@@ -266,6 +353,9 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                     }
                 }
             }
+#if QWEN_AVX512
+        weighted_sum_done:
+#endif
             for (int64_t h = 0; h < H; ++h) {
                 float *a = acc + h * D;
                 if (gate != NULL) {
