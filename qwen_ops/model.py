@@ -22,7 +22,6 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.attention import AttentionMetadata
 from qwen_ops.config import QwenConfig
-from qwen_ops.backend import resolve_backend
 from qwen_ops.kernels import cpu as cpu_kernels
 from qwen_ops.linear import Linear
 
@@ -37,8 +36,7 @@ def use_fused_cpu_kernels(h: torch.Tensor) -> bool:
     ``torch.compile`` traces (Inductor fuses the torch code itself). Each fused call replaces
     9-34 torch ops whose dispatch dominates a small eager CPU decode step.
     """
-    return (not torch.compiler.is_compiling() and h.device.type == "cpu" and h.dtype == torch.float32
-            and not torch.is_grad_enabled() and resolve_backend(h.device, "kv_write") == "cpu")
+    return not torch.is_grad_enabled() and cpu_kernels.usable_for(h)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from qwen_ops.kernels import cpu as cpu_kernels
+
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
@@ -87,7 +89,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
     logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
+    if logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1 and cpu_kernels.usable_for(logits):
+        greedy_tokens = cpu_kernels.argmax_rows(logits)
+    else:
+        greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
     device = logits.device

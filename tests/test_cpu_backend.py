@@ -242,3 +242,33 @@ def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypat
         want = reference.slot_attention_reference(*case.args())
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_argmax_rows_matches_torch_argmax_with_ties_nan_and_inf():
+    _needs_cpu_kernels()
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(9, 1000, generator=gen)
+    x[1, 10] = x[1, 700] = x[1].max() + 1              # a tie: the first index wins
+    x[2, 5] = x[2, 300] = float("nan")                  # NaN wins, the first one
+    x[3] = float("-inf")
+    x[4, 999] = float("inf")
+    x[5] = 0.0                                          # all equal
+    wide = torch.randn(9, 1024, generator=gen)
+    wide[:, :1000] = x
+    for t in (x, wide[:, :1000]):                       # contiguous and strided rows
+        assert torch.equal(cpu.argmax_rows(t), t.argmax(dim=-1))
+
+
+def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
+    _needs_cpu_kernels()
+    from qwen_ops import sampling
+
+    calls = []
+    native = cpu.argmax_rows
+    monkeypatch.setattr(cpu, "argmax_rows", lambda t: calls.append(1) or native(t))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    got = sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4)
+    assert calls == [1] and torch.equal(got, logits.argmax(-1))
+    with qwen_ops.use_backend("reference"):
+        assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
+    assert calls == [1]

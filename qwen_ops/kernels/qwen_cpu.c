@@ -370,6 +370,36 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
     return 0;
 }
 
+/* out[r] = the index of the first maximum of row r (the first NaN if the row has one), as
+ * torch.argmax: a vectorized max, then a vectorized search for its first position. */
+void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * s0;
+        float m = row[0];
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < cols; ++i) {
+            m = row[i] > m ? row[i] : m;
+            nan |= row[i] != row[i];
+        }
+        int64_t idx = cols;
+        if (nan) {
+            for (int64_t i = 0; i < cols; ++i)
+                if (row[i] != row[i]) {
+                    idx = i;
+                    break;
+                }
+        } else {
+#pragma omp simd reduction(min : idx)
+            for (int64_t i = 0; i < cols; ++i) {
+                const int64_t c = row[i] == m ? i : cols;
+                idx = c < idx ? c : idx;
+            }
+        }
+        out[r] = idx;
+    }
+}
+
 /* ----------------------------------------------------------------------------------------------
  * Fused fp32 pieces of a dense Qwen decoder layer for eager CPU decode, where each torch op
  * costs microseconds of dispatch: RMSNorm (optionally after a residual add) replaces ~9 ops,
