@@ -173,7 +173,8 @@ class LLM:
                 reqs.append(req)
         sampled = {}
         if rows:
-            tokens = sample(logits[rows], [q.sampling for q in reqs], [q.generator for q in reqs]).tolist()
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]   # every row: no gather copy
+            tokens = sample(picked, [q.sampling for q in reqs], [q.generator for q in reqs]).tolist()
             sampled = {q.request_id: t for q, t in zip(reqs, tokens)}
         return sched.update(plan, sampled)
 

@@ -272,3 +272,16 @@ def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
     with qwen_ops.use_backend("reference"):
         assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
     assert calls == [1]
+
+
+def test_silu_mul_matches_torch(poisoned_empty):
+    _needs_cpu_kernels()
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(14)
+    gate = torch.randn(33, 200, generator=gen) * 6
+    gate[0, :6] = torch.tensor([-100.0, -87.5, 0.0, 50.0, 88.0, 100.0])   # the exp's clamps
+    up = torch.randn(33, 256, generator=gen)[:, :200]                       # strided rows
+    got = cpu.silu_mul(gate, up)
+    poisoned_empty.undo()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)

@@ -41,6 +41,7 @@ _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
 _RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
 _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
+_SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
 _QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
 
 
@@ -113,6 +114,8 @@ def library() -> ctypes.CDLL:
     lib.qwen_qk_norm_rope.restype = None
     lib.qwen_argmax_rows.argtypes = _ARGMAX_ARGS
     lib.qwen_argmax_rows.restype = None
+    lib.qwen_silu_mul.argtypes = _SILU_MUL_ARGS
+    lib.qwen_silu_mul.restype = None
     return lib
 
 
@@ -214,6 +217,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tens
         float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), qo.data_ptr(), ko.data_ptr(),
         T, D, tmp.data_ptr())
     return qo, ko
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for fp32 ``[rows, dim]`` inputs with contiguous rows, to fp32 rounding
+    for finite inputs (the exp is a polynomial, not libm's; a -inf gate gives -inf, not NaN)."""
+    rows, dim = gate.shape
+    out = torch.empty((rows, dim), dtype=torch.float32)
+    library().qwen_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, dim)
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

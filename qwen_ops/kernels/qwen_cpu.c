@@ -400,6 +400,28 @@ void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, in
     }
 }
 
+/* exp(x) for any float x (clamped to [-87, 88]): exp_nonpositive's reduction, which is valid on
+ * both sides of zero. */
+static inline float exp_any(float x) {
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpositive(x);
+}
+
+/* out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over rows of dim (the gated MLP);
+ * silu rounded before the product, as F.silu(gate) * up rounds it. */
+void qwen_silu_mul(const float *gate, int64_t g_s0, const float *up, int64_t u_s0, float *out, int64_t rows,
+                   int64_t dim) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate + r * g_s0, *u = up + r * u_s0;
+        float *o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+            const float silu = g[i] / (1.0f + exp_any(-g[i]));
+            o[i] = silu * u[i];
+        }
+    }
+}
+
 /* ----------------------------------------------------------------------------------------------
  * Fused fp32 pieces of a dense Qwen decoder layer for eager CPU decode, where each torch op
  * costs microseconds of dispatch: RMSNorm (optionally after a residual add) replaces ~9 ops,
