@@ -1,11 +1,13 @@
-"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors.
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus the
+fused fp32 helpers the dense model's eager CPU forward and greedy sampling use (RMSNorm, q/k-norm
++ RoPE, SiLU * up, row argmax; see :func:`usable_for`).
 
 ``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
 (``$QWEN_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by
 the source, the compiler, the flags and the CPU's feature flags (it is built with
 ``-march=native``). It is called through ctypes: no torch headers, so the build takes about a
-second instead of the minute a torch C++ extension takes.
+second, needs nothing but a C compiler, and ``pip install`` stays pure Python.
 
 Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
 Long prefills (more than ``REFERENCE_ABOVE_QUERY_LEN`` query rows in a sequence) run on the

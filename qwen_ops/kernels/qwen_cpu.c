@@ -1,4 +1,5 @@
-/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention.
+/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and fused
+ * fp32 pieces of the dense model's eager CPU forward (at the end of the file).
  *
  * Plain C, no torch headers: qwen_ops/kernels/cpu.py compiles this file with the system C
  * compiler on first use (about a second), caches the shared library, and calls it through
@@ -19,8 +20,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef uint16_t half_bits;
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
