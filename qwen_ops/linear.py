@@ -62,6 +62,13 @@ class Linear(nn.Linear):
         self.prepack = True
         self._packed: Optional[tuple[int, int, torch.Tensor]] = None   # (data_ptr, version, packed weight)
 
+    def __getstate__(self) -> dict:
+        # The packed copy is an opaque oneDNN tensor that neither pickles nor deep-copies; a copy
+        # of the module repacks on its first batched call.
+        state = dict(super().__getstate__())
+        state["_packed"] = None
+        return state
+
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
         try:

@@ -95,3 +95,21 @@ def test_prepacked_weight_follows_in_place_writes_and_replacement():
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert layer._packed is None
+
+
+def test_a_module_with_a_packed_weight_deep_copies_and_saves(tmp_path):
+    import copy
+
+    layer = _layer(True, seed=6)
+    x = torch.randn(32, 96)
+    with torch.inference_mode():
+        want = layer(x)
+    assert layer._packed is not None
+    clone = copy.deepcopy(layer)
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert layer._packed is not None, "copying must not drop the original's packed weight"
+    for other in (clone, loaded):
+        assert other._packed is None
+        with torch.inference_mode():
+            torch.testing.assert_close(other(x), want, rtol=1e-6, atol=1e-6)
