@@ -11,6 +11,10 @@ is no Python branching on tensor values, so the forward traces with
 Parameter names equal the Hugging Face state-dict keys (``model.layers.0.self_attn.q_proj.weight``
 ...), so checkpoints load by name. Numerics follow transformers: RMSNorm and RoPE tables in
 fp32, cast back to the model dtype at the same points.
+
+Eager fp32 forwards on the CPU without autograd (the engine's case) run RMSNorm, q/k-norm + RoPE
+and SiLU * up through the cpu backend's fused C kernels (:func:`use_fused_cpu_kernels`; that path
+checks the positions against the RoPE table first). Traced forwards always take the torch code.
 """
 
 from __future__ import annotations
