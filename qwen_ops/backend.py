@@ -32,6 +32,8 @@ _KERNEL_MODULES = {
     "triton": "qwen_ops.kernels.triton",
     "cuda": "qwen_ops.kernels.cuda",
 }
+# Backends that run on the host and check index values on every untrusted call.
+HOST_BACKENDS = ("reference", "cpu")
 # The ops with a native kernel in the cpu backend.
 CPU_NATIVE_OPS = ("kv_write", "slot_attention")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
@@ -89,7 +91,7 @@ def value_checks_enabled(backend: str) -> bool:
     Host backends (reference, cpu) check them on every untrusted call: reading them is cheap
     there, and the cpu kernels index memory with them directly.
     """
-    return debug_checks_enabled() or (backend in ("reference", "cpu") and not _trusted.get())
+    return debug_checks_enabled() or (backend in HOST_BACKENDS and not _trusted.get())
 
 
 def debug_checks_enabled() -> bool:

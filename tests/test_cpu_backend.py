@@ -13,6 +13,11 @@ from qwen_ops.kernels import cpu, reference
 from test_ops import make_attention_case  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
+def _needs_cpu_kernels():
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+
+
 @pytest.fixture
 def fresh_library(tmp_path, monkeypatch):
     """cpu.library() uncached, building into an empty cache directory."""
@@ -54,8 +59,7 @@ def test_compile_errors_are_reported(fresh_library, monkeypatch, tmp_path):
 
 
 def test_auto_runs_the_native_kernels_on_cpu_tensors(monkeypatch):
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    _needs_cpu_kernels()
     calls = []
     native = cpu.slot_attention_cpu
     monkeypatch.setattr(cpu, "slot_attention_cpu", lambda *a: calls.append(1) or native(*a))
@@ -68,8 +72,7 @@ def test_auto_runs_the_native_kernels_on_cpu_tensors(monkeypatch):
 
 def test_long_contexts_match_the_reference(monkeypatch):
     """Contexts spanning many blocks (the kernels prefetch the next block) and a long softmax."""
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    _needs_cpu_kernels()
     gen = torch.Generator().manual_seed(7)
     num_seqs, block_size, blocks_per_slot, kv_heads, heads, head_dim = 3, 16, 40, 2, 8, 32
     num_blocks = num_seqs * blocks_per_slot + 5
@@ -91,8 +94,7 @@ def test_long_contexts_match_the_reference(monkeypatch):
 
 def test_long_prefills_go_to_the_reference(monkeypatch):
     """Above REFERENCE_ABOVE_QUERY_LEN query rows, SDPA (the reference) is the faster kernel."""
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    _needs_cpu_kernels()
     calls = []
     monkeypatch.setattr(cpu, "slot_attention_reference", lambda *a: calls.append(a[8]) or reference.slot_attention_reference(*a))
     case = make_attention_case("chunk", dtype=torch.float32, device="cpu")
@@ -108,11 +110,6 @@ def test_long_prefills_go_to_the_reference(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # The fused norm / RoPE kernels of the dense model's eager CPU forward
 # --------------------------------------------------------------------------------------------
-
-def _needs_cpu_kernels():
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
-
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):

@@ -502,7 +502,7 @@ BAD_KV_WRITE = [
 # Value checks (they read index tensors): host backends (reference, cpu) always, others under QWEN_OPS_DEBUG=1.
 # Backends that check index values on every call without QWEN_OPS_DEBUG (they run on the host;
 # the cpu backend's C kernels index memory with them directly).
-HOST_BACKENDS = ("reference", "cpu")
+HOST_BACKENDS = backend_mod.HOST_BACKENDS
 
 BAD_KV_WRITE_VALUES = [
     ("slot_out_of_range", 4, lambda a: _set(a[4], 2, MAX_SLOTS), "slot_ids\\[2\\] = 4"),

@@ -150,6 +150,11 @@ void qwen_kv_write(const void *key, const void *value, void *key_cache, void *va
     }
 }
 
+/* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */
+static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
+    return n - t < block_size ? n - t : block_size;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512 paths for fp32 caches with head_dim a multiple of 16 (every Qwen head dim). */
@@ -186,7 +191,7 @@ static inline __attribute__((always_inline)) void wsum_avx512(float *out, const 
     for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const float *base = cache + blocks[b * bt_s1] * sb + off_h;
-        const int64_t rows = n - t < block_size ? n - t : block_size;
+        const int64_t rows = rows_in_block(n, t, block_size);
         for (int64_t r = 0; r < rows; ++r, ++t) {
             const float *v = base + r * sr;
             const __m512 pt = _mm512_set1_ps(p[t]);
@@ -208,7 +213,7 @@ static void wsum_any_avx512(float *out, const float *p, const float *cache, cons
     memset(out, 0, sizeof(float) * (size_t)D);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const float *base = cache + blocks[b * bt_s1] * sb + off_h;
-        const int64_t rows = n - t < block_size ? n - t : block_size;
+        const int64_t rows = rows_in_block(n, t, block_size);
         for (int64_t r = 0; r < rows; ++r, ++t) axpy_n(out, p[t], base + r * sr, D);
     }
 }
@@ -216,11 +221,6 @@ static void wsum_any_avx512(float *out, const float *p, const float *cache, cons
 #else
 #define QWEN_AVX512 0
 #endif
-
-/* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */
-static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
-    return n - t < block_size ? n - t : block_size;
-}
 
 /* One head's row of a cache as fp32: in place for fp32 caches, converted into buf otherwise. */
 static inline const float *cache_row(const void *cache, int64_t offset, int dtype, int64_t D, float *buf) {
