@@ -19,12 +19,16 @@ checks the positions against the RoPE table first). Traced forwards always take 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_ops import _validation as V
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.attention import AttentionMetadata
+from qwen_ops.backend import value_checks_enabled
 from qwen_ops.config import QwenConfig
 from qwen_ops.kernels import cpu as cpu_kernels
 from qwen_ops.linear import Linear
@@ -232,6 +236,10 @@ class QwenForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         table = None
         if use_fused_cpu_kernels(h):
+            if h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
+                logits = self._native_forward(h, positions32, attn, kv_caches, logits_indices)
+                if logits is not None:
+                    return logits
             table = self.model.rotary_emb.cos_sin     # read by position inside the C kernel: check them
             if positions32.numel() and (int(positions32.min()) < 0 or int(positions32.max()) >= table.shape[0]):
                 raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
@@ -249,3 +257,65 @@ class QwenForCausalLM(nn.Module):
         else:
             h = self.model.norm(h)
         return self.lm_head(h)
+
+    # ---- the eager CPU fast path for small batches: the whole forward in one C call ----
+
+    def _native_layer_weights(self) -> Optional[list[tuple[Optional[torch.Tensor], ...]]]:
+        """Per layer, the tensors of ``cpu_kernels.DENSE_LAYER_WEIGHTS``, or None when a module is
+        not the stock one or a weight is not a contiguous fp32 tensor (the torch path then runs)."""
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (type(layer) is QwenDecoderLayer and type(attn) is QwenAttention and type(mlp) is QwenMLP):
+                return None
+            mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if any(type(m) is not Linear for m in mods) or any(m.bias is not None for m in mods[4:]):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm) + (
+                (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ())
+            if any(type(n) is not RMSNorm or n.eps != layer.input_layernorm.eps for n in norms):
+                return None
+            q_norm = None if attn.q_norm is None else attn.q_norm.weight
+            k_norm = None if attn.k_norm is None else attn.k_norm.weight
+            ws = (layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
+                  attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, q_norm, k_norm, attn.o_proj.weight,
+                  attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                  mlp.down_proj.weight)
+            if any(w is not None and (w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous())
+                   for w in ws):
+                return None
+            layers.append(ws)
+        return layers
+
+    def _native_forward(self, h: torch.Tensor, positions32: torch.Tensor, attn: AttentionMetadata,
+                        kv_caches: list[KVCache], logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits from ``cpu_kernels.dense_forward`` (the same math as the torch path, with the
+        cpu backend's kernels), or None when this model or these caches do not fit it. The
+        attention metadata is checked once for all layers, as each op would check it."""
+        weights = self._native_layer_weights()
+        norm, lm_head = self.model.norm, self.lm_head
+        if (weights is None or type(norm) is not RMSNorm or norm.eps != self.model.layers[0].input_layernorm.eps
+                or type(lm_head) is not Linear or lm_head.bias is not None or len(kv_caches) != len(weights)):
+            return None
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (norm.weight, lm_head.weight)):
+            return None
+        key_cache, value_cache = kv_caches[0]
+        layout = (key_cache.dtype, key_cache.shape, key_cache.stride())
+        if key_cache.dtype != torch.float32 or any((t.dtype, t.shape, t.stride()) != layout
+                                                  for pair in kv_caches for t in pair):
+            return None
+        attn_mod = self.model.layers[0].self_attn
+        T = h.shape[0]
+        q = h.new_empty((T, attn_mod.num_heads, attn_mod.head_dim))
+        k = h.new_empty((T, attn_mod.num_kv_heads, attn_mod.head_dim))
+        V.check_kv_write(k, k, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
+        V.check_slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
+                               attn.seq_lens, attn_mod.scale, attn.max_query_len, None)
+        if value_checks_enabled("cpu"):
+            V.check_kv_write_values(key_cache, attn.slot_ids, positions32, attn.block_table)
+            V.check_slot_attention_values(q, key_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
+                                          attn.seq_lens, attn.max_query_len)
+        return cpu_kernels.dense_forward(
+            h, weights, kv_caches, attn_mod.num_heads, attn_mod.head_dim, self.config.intermediate_size,
+            norm.eps, attn_mod.scale, positions32, self.model.rotary_emb.cos_sin, attn.slot_ids, attn.block_table,
+            attn.seq_slots, attn.query_start_loc, attn.seq_lens, logits_indices, norm.weight, lm_head.weight)

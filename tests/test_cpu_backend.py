@@ -282,3 +282,165 @@ def test_silu_mul_matches_torch(poisoned_empty):
     got = cpu.silu_mul(gate, up)
     poisoned_empty.undo()
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# The small-batch native path: qwen_linear_rows and the whole dense forward in one C call
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 15])
+@pytest.mark.parametrize("shape", [(64, 256), (13, 40), (6, 7)], ids=["n64-k256", "n13-k40", "n6-k7"])
+def test_linear_rows_matches_f_linear(rows, shape, poisoned_empty):
+    """Every row count of the 4-row tiles, output counts off the 4-row blocks, inner dims off the
+    16-lane vectors (masked tails), strided input rows, with and without a bias."""
+    _needs_cpu_kernels()
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(15 + rows)
+    n, k = shape
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 5, generator=gen)[:, :k]
+    got = [cpu.linear_rows(x, weight, None), cpu.linear_rows(x, weight, bias)]
+    poisoned_empty.undo()
+    torch.testing.assert_close(got[0], F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def _tiny_dense(tmp_path, model_type: str, **overrides):
+    from qwen_ops.loader import load_checkpoint
+    from qwen_tiny import save_tiny_checkpoint
+
+    kwargs = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    if model_type == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return load_checkpoint(save_tiny_checkpoint(tmp_path / model_type, model_type, **kwargs)).model
+
+
+def _count_native_calls(monkeypatch) -> list:
+    from qwen_ops import model as model_mod
+
+    calls = []
+    native = model_mod.cpu_kernels.dense_forward
+    monkeypatch.setattr(model_mod.cpu_kernels, "dense_forward", lambda *a, **k: calls.append(1) or native(*a, **k))
+    return calls
+
+
+def _run_steps(model, steps, table, block_size=4):
+    """The logits of each step and the caches after them (a fresh cache, NaN in unwritten rows
+    would show through attention, so the caches start random instead)."""
+    from qwen_tiny import new_kv_caches, step_metadata
+
+    gen = torch.Generator().manual_seed(21)
+    caches = new_kv_caches(model.config, table.numel() + 1, block_size, torch.float32)
+    for kc, vc in caches:
+        kc.copy_(torch.randn(kc.shape, generator=gen))
+        vc.copy_(torch.randn(vc.shape, generator=gen))
+    outs = []
+    with torch.inference_mode():
+        for chunks in steps:
+            pos, attn, last = step_metadata(chunks, table)
+            ids = torch.randint(0, model.config.vocab_size, (int(pos.shape[0]),), generator=gen)
+            outs.append(model(ids, pos, attn, caches, last))
+    return outs, caches
+
+
+# (slot, start position, tokens) per sequence, per step: a 9-token prefill of one slot and 6 of
+# another (15 tokens: the largest native batch), decodes of both, a decode next to a 3-token
+# chunk, and a step with a padding sequence (slot -1).
+NATIVE_STEPS = [[(0, 0, 9), (2, 0, 6)], [(0, 9, 1), (2, 6, 1)], [(2, 7, 1), (0, 10, 3)], [(0, 13, 1), (-1, 0, 1)]]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_native_forward_matches_the_torch_forward(model_type, tmp_path, monkeypatch):
+    """Logits and cache contents of the one-call C forward vs the pure-torch forward (reference
+    backend), over prefills, decodes, a chunk mixed with a decode and padding; Qwen2 has q/k/v
+    biases and no q/k norms, Qwen3 the reverse."""
+    _needs_cpu_kernels()
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, model_type)
+    calls = _count_native_calls(monkeypatch)
+    table = shuffled_block_table(3, 5)
+    got, got_caches = _run_steps(model, NATIVE_STEPS, table)
+    assert len(calls) == len(NATIVE_STEPS), "every step has <= 15 tokens: all should take the native forward"
+    with qwen_ops.use_backend("reference"):
+        want, want_caches = _run_steps(model, NATIVE_STEPS, table)
+    assert len(calls) == len(NATIVE_STEPS)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+
+
+def test_native_forward_portable_build_matches(tmp_path, monkeypatch):
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler here")
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, "qwen3", hidden_size=40, intermediate_size=56, head_dim=16)  # off the vectors
+    table = shuffled_block_table(3, 5)
+    with qwen_ops.use_backend("reference"):
+        want, _ = _run_steps(model, NATIVE_STEPS, table)
+    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
+    portable = cpu.library.__wrapped__()
+    monkeypatch.setattr(cpu, "library", lambda: portable)
+    calls = _count_native_calls(monkeypatch)
+    got, _ = _run_steps(model, NATIVE_STEPS, table)
+    assert len(calls) == len(NATIVE_STEPS)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_native_forward_falls_back_for_models_it_does_not_cover(tmp_path, monkeypatch):
+    """A replaced module or a non-contiguous weight takes the torch path, with the same results;
+    so do batches of 16+ tokens."""
+    _needs_cpu_kernels()
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, "qwen3")
+    table = shuffled_block_table(3, 5)
+    calls = _count_native_calls(monkeypatch)
+    want, _ = _run_steps(model, NATIVE_STEPS[:2], table)
+    assert len(calls) == 2
+    with torch.no_grad():
+        w = model.model.layers[1].mlp.up_proj.weight
+        model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(w.t().contiguous().t())  # same values, strided
+    got, _ = _run_steps(model, NATIVE_STEPS[:2], table)
+    assert len(calls) == 2, "a strided weight must take the torch path"
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-5)
+    _run_steps(model, [[(0, 0, 9), (2, 0, 7)]], table)
+    assert len(calls) == 2, "16 tokens take the torch path"
+
+
+def test_native_forward_checks_metadata_before_writing(tmp_path):
+    """Bad slot ids, block ids or row indices raise the ops' errors, and the caches stay as they were."""
+    _needs_cpu_kernels()
+    import dataclasses
+
+    from qwen_tiny import new_kv_caches, shuffled_block_table, step_metadata
+
+    model = _tiny_dense(tmp_path, "qwen3")
+    table = shuffled_block_table(2, 4)
+    caches = new_kv_caches(model.config, table.numel() + 1, 4, torch.float32)
+    for kc, vc in caches:
+        kc.normal_()
+        vc.normal_()
+    before = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    pos, attn, last = step_metadata([(0, 3, 1), (1, 5, 1)], table)
+    ids = torch.tensor([5, 6])
+    cases = [
+        (dataclasses.replace(attn, slot_ids=torch.tensor([0, 2], dtype=torch.int32)), last, ValueError, "slot_ids"),
+        (dataclasses.replace(attn, block_table=table.clone().fill_(999)), last, ValueError, "block_table"),
+        (attn, torch.tensor([0, 2]), IndexError, "logits_indices"),
+    ]
+    for bad_attn, rows, exc, name in cases:
+        with torch.inference_mode(), pytest.raises(exc, match=name):
+            model(ids, pos, bad_attn, caches, rows)
+        for (kc, vc), (kb, vb) in zip(caches, before):
+            assert torch.equal(kc, kb) and torch.equal(vc, vb), f"caches changed by the call with bad {name}"

@@ -45,6 +45,9 @@ _RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
 _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
 _SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
 _QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
+_LINEAR_ROWS_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
+_DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
+                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
 
 
 def _compiler() -> Optional[str]:
@@ -118,6 +121,14 @@ def library() -> ctypes.CDLL:
     lib.qwen_argmax_rows.restype = None
     lib.qwen_silu_mul.argtypes = _SILU_MUL_ARGS
     lib.qwen_silu_mul.restype = None
+    lib.qwen_linear_rows.argtypes = _LINEAR_ROWS_ARGS
+    lib.qwen_linear_rows.restype = None
+    lib.qwen_dense_forward.argtypes = _DENSE_FORWARD_ARGS
+    lib.qwen_dense_forward.restype = ctypes.c_int
+    lib.qwen_dense_weights_per_layer.argtypes = []
+    lib.qwen_dense_weights_per_layer.restype = ctypes.c_int64
+    if lib.qwen_dense_weights_per_layer() != len(DENSE_LAYER_WEIGHTS):
+        raise RuntimeError(f"{path} does not match {__file__} (DENSE_LAYER_WEIGHTS); delete it to rebuild")
     return lib
 
 
@@ -248,3 +259,70 @@ def usable_for(t: torch.Tensor) -> bool:
 
     return (not torch.compiler.is_compiling() and t.device.type == "cpu" and t.dtype == torch.float32
             and resolve_backend(t.device, "kv_write") == "cpu")
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 ``x [rows, in]`` with contiguous rows and a contiguous
+    fp32 ``weight [out, in]``: streams the weight once for all rows (meant for a few rows; fp32
+    rounding of a different summation order than BLAS)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32)
+    library().qwen_linear_rows(x.data_ptr(), x.stride(0), rows, weight.data_ptr(),
+                               None if bias is None else bias.data_ptr(), n, k, out.data_ptr(), n)
+    return out
+
+
+# Token counts up to this take dense_forward in the dense model's eager CPU forward; from
+# linear.ONEDNN_MIN_ROWS rows on, oneDNN's matrix products beat the C kernel's row tiles.
+DENSE_FORWARD_MAX_TOKENS = 15
+
+# The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
+DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
+                       "post_norm", "gate", "up", "down")
+
+
+def dense_forward(h: torch.Tensor, layer_weights: list, caches: list, num_heads: int, head_dim: int, inter: int,
+                  eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor, slot_ids: torch.Tensor,
+                  block_table: torch.Tensor, seq_slots: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
+                  lm_head: torch.Tensor) -> torch.Tensor:
+    """The whole dense forward of a small fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
+
+    ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream). Each entry of
+    ``layer_weights`` is a sequence of fp32 tensors (or None) in ``DENSE_LAYER_WEIGHTS`` order,
+    matrices contiguous; ``caches`` holds each layer's ``(key_cache, value_cache)``, all fp32 with
+    one shape and one set of strides. The caller checks all of that and the attention metadata
+    (as the ops do); the C code checks ``positions32`` against ``rope`` and ``rows`` against T.
+    """
+    lib = library()
+    T, hidden = h.shape
+    per_layer = len(DENSE_LAYER_WEIGHTS)
+    addresses = [0 if w is None else w.data_ptr() for layer in layer_weights for w in layer]
+    weights = (ctypes.c_int64 * len(addresses))(*addresses)
+    cache_addresses = (ctypes.c_int64 * (2 * len(caches)))(*(t.data_ptr() for pair in caches for t in pair))
+    kc = caches[0][0]
+    positions32, slot_ids = _i32_vector(positions32), _i32_vector(slot_ids)
+    seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    vocab = lm_head.shape[0]
+    logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
+    if len(addresses) != per_layer * len(caches):
+        raise ValueError(f"{len(layer_weights)} layers of weights ({len(addresses)} entries) for {len(caches)} "
+                         f"caches, expected {per_layer} entries per layer, one layer per cache")
+    status = lib.qwen_dense_forward(
+        weights, len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter, float(eps),
+        float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
+        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
+        seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
+        kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
+        lm_head.data_ptr(), vocab, logits.data_ptr())
+    if status == -2:
+        raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
+                         f"0 <= position < max_position_embeddings = {rope.shape[0]}")
+    if status == -3:
+        raise IndexError(f"logits_indices span [{int(rows.min())}, {int(rows.max())}], expected rows of "
+                         f"the batch, 0 <= index < {T}")
+    if status != 0:
+        raise MemoryError("qwen_ops cpu dense_forward could not allocate its scratch memory")
+    return logits

@@ -159,6 +159,19 @@ static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
 #include <immintrin.h>
 /* AVX-512 paths for fp32 caches with head_dim a multiple of 16 (every Qwen head dim). */
 
+/* [sum(a0), sum(a1), sum(a2), sum(a3)] of four 16-lane vectors, by a shuffle network. */
+static inline __attribute__((always_inline)) __m128 sum4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    /* per 128-bit lane: t01 = [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3], t23 likewise */
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* per lane: [a0, a1, a2, a3] partial sums */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 /* The four dot products q4[g*D ..] . k for g < 4 at once: one FMA chain per head, then a
  * shuffle network that sums the four vectors into [s0, s1, s2, s3] (no scalar reduction chains). */
 static inline __attribute__((always_inline)) __m128 dot4_avx512(const float *q4, const float *k, int64_t D) {
@@ -170,15 +183,7 @@ static inline __attribute__((always_inline)) __m128 dot4_avx512(const float *q4,
         a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 2 * D + d), kv, a2);
         a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 3 * D + d), kv, a3);
     }
-    /* per 128-bit lane: t01 = [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3], t23 likewise */
-    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    /* per lane: [a0, a1, a2, a3] partial sums */
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    return sum4_avx512(a0, a1, a2, a3);
 }
 
 /* out[0:D] = sum_t p[t] v_t over t < n, v_t = the row of head offset off_h at position t, read
@@ -499,3 +504,146 @@ void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
+
+/* ----------------------------------------------------------------------------------------------
+ * Linear layers of a few rows, and the whole dense forward of a small fp32 batch.
+ *
+ * A decode step of a small model on one CPU core is a chain of matrix-vector products over
+ * weights that live in the L2/L3 caches, with ~150 torch ops around them whose dispatch costs
+ * more than their arithmetic. qwen_dense_forward runs the complete stack (norms, projections,
+ * q/k-norm + RoPE, kv write, attention, MLP, final norm, lm_head) in one call, with the same
+ * math as qwen_ops/model.py and the kernels above; qwen_linear_rows is its matrix product, which
+ * at 1-15 rows streams the weight at close to cache bandwidth (MKL's sgemv on these AMD CPUs
+ * reaches about a third of it).
+ * ---------------------------------------------------------------------------------------------- */
+
+#if QWEN_AVX512
+/* y[m, j] for m < MR, j < 4: the 4 weight rows w, w + K, .. (contiguous, K floats each) against
+ * MR input rows x + m * xs. Each weight vector is loaded once for all MR rows. */
+static inline __attribute__((always_inline)) void linear_tile_avx512(const float *x, int64_t xs, const float *w,
+                                                                     int64_t K, float *y, int64_t ys, const int MR) {
+    __m512 acc[4][4];
+    for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_loadu_ps(x + m * xs + k);
+            for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[4];
+        for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(tail, w + j * K + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * xs + k);
+            for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * ys, sum4_avx512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+#endif
+
+/* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N: x rows of stride xs, w contiguous
+ * [N, K], y rows of stride ys. Four weight rows at a time, all input rows against them, so the
+ * weight is streamed once whatever M is. */
+void qwen_linear_rows(const float *x, int64_t xs, int64_t M, const float *w, const float *bias, int64_t N, int64_t K,
+                      float *y, int64_t ys) {
+    int64_t n = 0;
+#if QWEN_AVX512
+    for (; n + 4 <= N; n += 4) {
+        const float *wn = w + n * K;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) linear_tile_avx512(x + m * xs, xs, wn, K, y + m * ys + n, ys, 4);
+        switch (M - m) {
+            case 3: linear_tile_avx512(x + m * xs, xs, wn, K, y + m * ys + n, ys, 3); break;
+            case 2: linear_tile_avx512(x + m * xs, xs, wn, K, y + m * ys + n, ys, 2); break;
+            case 1: linear_tile_avx512(x + m * xs, xs, wn, K, y + m * ys + n, ys, 1); break;
+            default: break;
+        }
+    }
+#endif
+    for (; n < N; ++n)
+        for (int64_t m = 0; m < M; ++m) y[m * ys + n] = dot_n(x + m * xs, w + n * K, K);
+    if (bias != NULL)
+        for (int64_t m = 0; m < M; ++m) {
+            float *row = y + m * ys;
+#pragma omp simd
+            for (int64_t j = 0; j < N; ++j) row[j] += bias[j];
+        }
+}
+
+/* Per-layer weight addresses, in this order, NULL where the model has none (biases of Qwen3,
+ * q/k norms of Qwen2). Every matrix is contiguous [out_features, in_features]. */
+enum {
+    W_INPUT_NORM, W_Q, B_Q, W_K, B_K, W_V, B_V, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE, W_UP, W_DOWN,
+    W_PER_LAYER
+};
+
+int64_t qwen_dense_weights_per_layer(void) { return W_PER_LAYER; }
+
+/* The dense Qwen2/Qwen3 forward of T tokens (fp32 weights, activations and caches), in place on
+ * the residual stream h [T, hidden] (the embeddings in; overwritten), ending in the logits
+ * [num_rows, vocab] of the rows h[rows[r]]. weights: [num_layers, W_PER_LAYER] addresses;
+ * caches: [num_layers, 2] addresses of each layer's key and value cache, all of one shape and
+ * these strides (elements): [num_blocks, block_size, num_kv_heads, head_dim]. Attention metadata
+ * as for qwen_kv_write and qwen_slot_attention, trusted (the caller validates it).
+ *
+ * Returns 0; -1 when scratch memory could not be allocated, -2 when a position is outside the
+ * RoPE table [0, max_pos), -3 when a row index is outside [0, T): both checked before anything
+ * is written. */
+int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t *caches,
+                       int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
+                       float eps, float scale, float *h, int64_t T, const int32_t *positions,
+                       const float *rope, int64_t rope_s0, int64_t max_pos,
+                       const int32_t *slot_ids, const int32_t *block_table, int64_t bt_s0, int64_t bt_s1,
+                       const int32_t *seq_slots, const int32_t *query_start_loc, const int32_t *seq_lens,
+                       int64_t num_seqs, int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
+                       const int64_t *rows, int64_t num_rows, const float *final_norm, const float *lm_head,
+                       int64_t vocab, float *logits) {
+    for (int64_t t = 0; t < T; ++t)
+        if (positions[t] < 0 || positions[t] >= max_pos) return -2;
+    for (int64_t r = 0; r < num_rows; ++r)
+        if (rows[r] < 0 || rows[r] >= T) return -3;
+    const int64_t H = hidden, QD = num_heads * head_dim, KD = num_kv_heads * head_dim, I = inter;
+    /* x: normed rows; q, k, v: projections; qr, kr: after norm + RoPE; o: attention out; g, u: MLP */
+    const int64_t need = T * (2 * H + 3 * QD + 3 * KD + 2 * I) + head_dim + num_rows * H;
+    float *buf = malloc(sizeof(float) * (size_t)(need > 0 ? need : 1));
+    if (buf == NULL) return -1;
+    float *x = buf, *q = x + T * H, *k = q + T * QD, *v = k + T * KD, *qr = v + T * KD, *kr = qr + T * QD;
+    float *o = kr + T * KD, *proj = o + T * QD, *g = proj + T * H, *u = g + T * I, *tmp = u + T * I;
+    float *xf = tmp + head_dim;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && status == 0; ++l) {
+        const float *const *W = (const float *const *)(weights + l * W_PER_LAYER);
+        float *kc = (float *)caches[2 * l], *vc = (float *)caches[2 * l + 1];
+        qwen_rms_norm(h, H, NULL, 0, NULL, 0, W[W_INPUT_NORM], x, H, T, H, eps);
+        qwen_linear_rows(x, H, T, W[W_Q], W[B_Q], QD, H, q, QD);
+        qwen_linear_rows(x, H, T, W[W_K], W[B_K], KD, H, k, KD);
+        qwen_linear_rows(x, H, T, W[W_V], W[B_V], KD, H, v, KD);
+        qwen_qk_norm_rope(q, QD, head_dim, num_heads, k, KD, head_dim, num_kv_heads, W[W_Q_NORM], W[W_K_NORM], eps,
+                          rope, rope_s0, positions, qr, kr, T, head_dim, tmp);
+        qwen_kv_write(kr, v, kc, vc, slot_ids, positions, block_table, T, num_kv_heads, head_dim, 4,
+                      KD, head_dim, KD, head_dim, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        status = qwen_slot_attention(qr, o, kc, vc, block_table, seq_slots, query_start_loc, seq_lens, NULL, num_seqs,
+                                     num_heads, num_kv_heads, head_dim, block_size, 0, scale, QD, head_dim, 0, 0,
+                                     c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        qwen_linear_rows(o, QD, T, W[W_O], W[B_O], H, QD, proj, H);
+        qwen_rms_norm(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps);   /* h = h + attn, x = norm(h) */
+        qwen_linear_rows(x, H, T, W[W_GATE], NULL, I, H, g, I);
+        qwen_linear_rows(x, H, T, W[W_UP], NULL, I, H, u, I);
+        qwen_silu_mul(g, I, u, I, g, T, I);
+        qwen_linear_rows(g, I, T, W[W_DOWN], NULL, H, I, proj, H);
+        for (int64_t i = 0; i < T * H; ++i) h[i] += proj[i];
+    }
+    if (status == 0) {
+        for (int64_t r = 0; r < num_rows; ++r)
+            qwen_rms_norm(h + rows[r] * H, H, NULL, 0, NULL, 0, final_norm, xf + r * H, H, 1, H, eps);
+        qwen_linear_rows(xf, H, num_rows, lm_head, NULL, vocab, H, logits, vocab);
+    }
+    free(buf);
+    return status == 0 ? 0 : -1;
+}
