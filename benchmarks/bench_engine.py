@@ -77,7 +77,7 @@ def test_decode_step_loop_32(benchmark, batch_engine):
 
 @pytest.mark.benchmark(group="generate-32x64x64")
 def test_llm_generate(benchmark):
-    llm = LLM(MODEL, max_num_seqs=BATCH, max_model_len=512, max_num_batched_tokens=BATCH * PROMPT_LEN)
+    llm = LLM(MODEL, max_num_seqs=BATCH, max_model_len=512)   # the default token budget
     sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _prompts(BATCH, PROMPT_LEN)
     benchmark.pedantic(lambda: llm.generate(prompts, sp), rounds=2, iterations=1)

@@ -31,14 +31,20 @@ import torch
 # CI machines, NOT the issue targets (which benchmarks/README.md lists, with the measured values
 # and why some are out of reach on the CPU).
 THRESHOLDS = {
-    "compiled_vs_eager_decode": 0.8,
-    "batched_vs_loop_decode": 7.0,
-    "generate_vs_transformers": 0.8,
-    "single_vs_transformers": 0.8,
+    # Eager decode of a small batch is one C call (cpu.dense_forward); the compiled step runs
+    # Inductor's code around BLAS and the qwen ops, about 2x slower at batch 1 (0.43-0.50 measured).
+    "compiled_vs_eager_decode": 0.25,
+    # 4.7-4.8 measured: the per-request loop is as fast as the native batch-1 step makes it.
+    "batched_vs_loop_decode": 3.0,
+    "generate_vs_transformers": 1.4,
+    "single_vs_transformers": 1.8,
     # full mode only: LLM(compile=True)
-    "generate_vs_transformers_compiled": 0.8,
-    "single_vs_transformers_compiled": 0.8,
+    "generate_vs_transformers_compiled": 1.2,
+    "single_vs_transformers_compiled": 1.2,
 }
+# Without a C compiler the cpu backend (and its one-call small-batch forward) is off and the
+# engine runs torch ops: the floors of that build, as measured before the native kernels.
+THRESHOLDS_WITHOUT_CPU_KERNELS = {name: 0.8 for name in THRESHOLDS} | {"batched_vs_loop_decode": 7.0}
 
 
 def _median_interleaved(fns: dict, reps: int) -> dict[str, float]:
@@ -127,8 +133,9 @@ def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_t
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (n_requests, prompt_len), generator=g)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, max_num_seqs=max(n_requests, 1), max_model_len=prompt_len + new_tokens + 8, compile=compile,
-              max_num_batched_tokens=max(512, n_requests * prompt_len))
+    # The default token budget (512 here): the 32 prompts prefill in 4 steps that mix with decodes.
+    # One 2048-token step measured 9% slower end to end (larger temporaries, more cache misses).
+    llm = LLM(path, max_num_seqs=max(n_requests, 1), max_model_len=prompt_len + new_tokens + 8, compile=compile)
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
 
     def run_hf(ids):
@@ -142,8 +149,11 @@ def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_t
 
     result = {}
     for label, ids in (("batch", prompts), ("single", prompts[:1])):
-        run_ours(ids[:, :8])                      # warm-up (and compile) on a short run
-        run_hf(ids[:, :8])
+        # Warm-up on the workload itself: with compile=True the decode step compiles one graph for
+        # batch 1, one for 2-15 sequences and one for 16+ (Linear's oneDNN threshold), and a short
+        # warm-up run would not reach them all.
+        run_ours(ids)
+        run_hf(ids)
         t_ours, t_hf = [], []
         for _ in range(2 if label == "batch" else 3):
             t0 = time.perf_counter()
@@ -187,10 +197,16 @@ def main(argv=None) -> int:
         results["generate_vs_transformers_compiled"] = gen["batch"]
         results["single_vs_transformers_compiled"] = gen["single"]
 
+    from qwen_ops.kernels import cpu
+
+    thresholds = THRESHOLDS
+    if cpu.why_unavailable() is not None:
+        print(f"note: cpu backend unavailable ({cpu.why_unavailable()}): torch-path floors", file=sys.stderr)
+        thresholds = THRESHOLDS_WITHOUT_CPU_KERNELS
     failed = []
     print(f"{'ratio':<28} {'measured':>9} {'floor':>7}  details")
     for name, r in results.items():
-        floor = THRESHOLDS[name]
+        floor = thresholds[name]
         ok = r["ratio"] >= floor
         failed += [] if ok else [name]
         details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ratio")

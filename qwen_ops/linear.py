@@ -46,6 +46,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 PACK_BATCH_HINT = 32
 
 
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, version counter): changes when the tensor is replaced or written in place."""
+    try:
+        version = t._version
+    except RuntimeError:   # an inference tensor has no version counter (and stays as made)
+        version = -1
+    return t.data_ptr(), version
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` with the oneDNN route for fp32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows.
 
@@ -61,31 +70,56 @@ class Linear(nn.Linear):
         self.onednn = _onednn_linear_available()
         self.prepack = True
         self._packed: Optional[tuple[int, int, torch.Tensor]] = None   # (data_ptr, version, packed weight)
+        self._group_packed: Optional[tuple] = None   # see linear_group: (key, packed weights, biases)
 
     def __getstate__(self) -> dict:
         # The packed copy is an opaque oneDNN tensor that neither pickles nor deep-copies; a copy
         # of the module repacks on its first batched call.
         state = dict(super().__getstate__())
-        state["_packed"] = None
+        state["_packed"] = state["_group_packed"] = None
         return state
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
-        try:
-            version = w._version
-        except RuntimeError:   # an inference tensor has no version counter (and stays as made)
-            version = -1
-        key = (w.data_ptr(), version)
+        key = _identity(w)
         if self._packed is None or self._packed[:2] != key:
             self._packed = key + (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT),)
         return self._packed[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.onednn and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32
+    def takes_onednn(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` runs on oneDNN (fp32 CPU, 2-D, at least ONEDNN_MIN_ROWS rows, no autograd)."""
+        return (self.onednn and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu" and self.weight.dtype == torch.float32
-                and not (self.weight.requires_grad and torch.is_grad_enabled())):   # no oneDNN backward
+                and not (self.weight.requires_grad and torch.is_grad_enabled()))   # no oneDNN backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_onednn(x):
             if torch.compiler.is_compiling():
                 return onednn_linear(x, self.weight, self.bias)
             weight = self._packed_weight() if self.prepack else self.weight
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]`` for projections of one input (q/k/v, gate/up).
+
+    On the eager oneDNN route (every member takes it, prepacking on) it runs ONE matrix product
+    against the weights concatenated and prepacked together (kept on ``linears[0]``, remade when
+    any weight or bias changes) and returns column views of its output: fewer, wider products
+    run faster (32 rows, q/k/v of the embedded model: 38 vs 64 us). The modules and the state
+    dict stay separate, as in the checkpoint. Elsewhere (few rows, other dtypes, autograd,
+    ``torch.compile``) it calls the modules one by one.
+    """
+    if (torch.compiler.is_compiling() or not all(lin.prepack and lin.takes_onednn(x) for lin in linears)
+            or len({lin.bias is None for lin in linears}) != 1):
+        return [lin(x) for lin in linears]
+    head = linears[0]
+    key = tuple(_identity(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None)
+    if head._group_packed is None or head._group_packed[0] != key:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if head.bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        head._group_packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT), bias)
+    _, packed, bias = head._group_packed
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return list(y.split([lin.out_features for lin in linears], dim=1))

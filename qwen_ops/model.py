@@ -31,7 +31,7 @@ from qwen_ops.attention import AttentionMetadata
 from qwen_ops.backend import value_checks_enabled
 from qwen_ops.config import QwenConfig
 from qwen_ops.kernels import cpu as cpu_kernels
-from qwen_ops.linear import Linear
+from qwen_ops.linear import Linear, linear_group
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -127,9 +127,10 @@ class QwenAttention(nn.Module):
                 attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         """``cos_sin`` (the fp32 RoPE table) selects the fused C path; ``cos``/``sin`` are then unused."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if cos_sin is not None:
             norms = self.q_norm is not None
             q, k = cpu_kernels.qk_norm_rope(q, k, self.q_norm.weight if norms else None,
@@ -155,9 +156,10 @@ class QwenMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """``fused``: the gate's SiLU and the product in one C kernel (see use_fused_cpu_kernels)."""
+        gate, up = linear_group(x, (self.gate_proj, self.up_proj))
         if fused:
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(cpu_kernels.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class QwenDecoderLayer(nn.Module):

@@ -113,3 +113,46 @@ def test_a_module_with_a_packed_weight_deep_copies_and_saves(tmp_path):
         assert other._packed is None
         with torch.inference_mode():
             torch.testing.assert_close(other(x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, L.ONEDNN_MIN_ROWS, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_group_matches_the_modules_one_by_one(rows, bias, monkeypatch):
+    """One oneDNN product over the concatenated weights from ONEDNN_MIN_ROWS rows (else one call per
+    module), same values as each module; the packed concatenation follows weight writes."""
+    torch.manual_seed(3)
+    layers = tuple(L.Linear(96, n, bias=bias).eval() for n in (64, 16, 16))
+    with torch.no_grad():
+        for layer in layers:
+            if bias:
+                layer.bias.normal_()
+    x = torch.randn(rows, 96)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or pointwise(*a))
+    with torch.inference_mode():
+        outs = L.linear_group(x, layers)
+    assert len(calls) == (1 if rows >= L.ONEDNN_MIN_ROWS else 0)
+    for out, layer in zip(outs, layers):
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layers[1].weight.mul_(-2.0)                  # in place: the packed concatenation must follow
+        if bias:
+            layers[2].bias.add_(1.0)
+    with torch.inference_mode():
+        outs = L.linear_group(x, layers)
+    for out, layer in zip(outs, layers):
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_group_with_autograd_or_mixed_biases_calls_the_modules():
+    torch.manual_seed(4)
+    layers = (L.Linear(32, 24, bias=True), L.Linear(32, 8, bias=False))
+    x = torch.randn(20, 32)
+    outs = L.linear_group(x, layers)                  # mixed biases: one call each
+    for out, layer in zip(outs, layers):
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    same = (layers[0], L.Linear(32, 8, bias=True))
+    outs = L.linear_group(x, same)                    # grad enabled and weights require grad: no oneDNN
+    sum(o.sum() for o in outs).backward()
+    assert same[0].weight.grad is not None and same[1].weight.grad is not None
