@@ -124,10 +124,21 @@ class QwenAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
-        """``cos_sin`` (the fp32 RoPE table) selects the fused C path; ``cos``/``sin`` are then unused."""
+                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None,
+                native: bool = False) -> torch.Tensor:
+        """``cos_sin`` (the fp32 RoPE table) selects the fused C path; ``cos``/``sin`` are then unused.
+        ``native`` (with ``cos_sin``): norms, RoPE, kv write and attention in one C call, the caller
+        having checked the metadata as the ops would (QwenForCausalLM.forward does)."""
         T = x.shape[0]
         q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))
+        if native:
+            norms = self.q_norm is not None
+            o = cpu_kernels.attention_block(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.q_norm.weight if norms else None,
+                                            self.k_norm.weight if norms else None,
+                                            self.q_norm.eps if norms else 0.0, cos_sin, positions32, kv_cache,
+                                            attn, self.scale)
+            return self.o_proj(o)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -171,10 +182,11 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+                attn: AttentionMetadata, kv_cache: KVCache, cos_sin: torch.Tensor | None = None,
+                native: bool = False) -> torch.Tensor:
         if cos_sin is not None:   # fused C norms and RoPE (see use_fused_cpu_kernels)
             x, _ = cpu_kernels.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
-            a = self.self_attn(x, cos, sin, positions32, attn, kv_cache, cos_sin)
+            a = self.self_attn(x, cos, sin, positions32, attn, kv_cache, cos_sin, native)
             x, h = cpu_kernels.rms_norm(a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                                         add=h)   # h = h + a, x = norm(h)
             return h + self.mlp(x, fused=True)
@@ -237,11 +249,15 @@ class QwenForCausalLM(nn.Module):
         positions32 = positions.to(torch.int32)
         h = self.model.embed_tokens(input_ids)
         table = None
+        native = False   # attention blocks in one C call each (metadata checked here, once)
         if use_fused_cpu_kernels(h):
-            if h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
-                logits = self._native_forward(h, positions32, attn, kv_caches, logits_indices)
-                if logits is not None:
-                    return logits
+            if self._native_caches(kv_caches):
+                self._check_attention_metadata(h.shape[0], positions32, attn, kv_caches)
+                if h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
+                    logits = self._native_forward(h, positions32, attn, kv_caches, logits_indices)
+                    if logits is not None:
+                        return logits
+                native = attn.max_query_len <= cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
             table = self.model.rotary_emb.cos_sin     # read by position inside the C kernel: check them
             if positions32.numel() and (int(positions32.min()) < 0 or int(positions32.max()) >= table.shape[0]):
                 raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
@@ -250,7 +266,7 @@ class QwenForCausalLM(nn.Module):
         else:
             cos, sin = self.model.rotary_emb(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, positions32, attn, kv_cache, table)
+            h = layer(h, cos, sin, positions32, attn, kv_cache, table, native)
         # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
         # skips the lm_head matmul on every other row.
         h = torch.index_select(h, 0, logits_indices)
@@ -289,27 +305,24 @@ class QwenForCausalLM(nn.Module):
             layers.append(ws)
         return layers
 
-    def _native_forward(self, h: torch.Tensor, positions32: torch.Tensor, attn: AttentionMetadata,
-                        kv_caches: list[KVCache], logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """Logits from ``cpu_kernels.dense_forward`` (the same math as the torch path, with the
-        cpu backend's kernels), or None when this model or these caches do not fit it. The
-        attention metadata is checked once for all layers, as each op would check it."""
-        weights = self._native_layer_weights()
-        norm, lm_head = self.model.norm, self.lm_head
-        if (weights is None or type(norm) is not RMSNorm or norm.eps != self.model.layers[0].input_layernorm.eps
-                or type(lm_head) is not Linear or lm_head.bias is not None or len(kv_caches) != len(weights)):
-            return None
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (norm.weight, lm_head.weight)):
-            return None
-        key_cache, value_cache = kv_caches[0]
-        layout = (key_cache.dtype, key_cache.shape, key_cache.stride())
-        if key_cache.dtype != torch.float32 or any((t.dtype, t.shape, t.stride()) != layout
-                                                  for pair in kv_caches for t in pair):
-            return None
+    def _native_caches(self, kv_caches: list[KVCache]) -> bool:
+        """Whether the caches suit the C attention blocks: fp32, one shape and one set of strides."""
+        if not kv_caches:
+            return False
+        key_cache = kv_caches[0][0]
+        layout = (key_cache.shape, key_cache.stride())
+        return key_cache.dtype == torch.float32 and all(
+            t.dtype == torch.float32 and (t.shape, t.stride()) == layout for pair in kv_caches for t in pair)
+
+    def _check_attention_metadata(self, T: int, positions32: torch.Tensor, attn: AttentionMetadata,
+                                  kv_caches: list[KVCache]) -> None:
+        """The checks torch.ops.qwen.kv_write and slot_attention make on every call, made once for
+        all layers (the C attention blocks take the metadata as it is): shapes, dtypes and devices
+        always; index values unless the caller is trusted (the engine), as the host backends do."""
         attn_mod = self.model.layers[0].self_attn
-        T = h.shape[0]
-        q = h.new_empty((T, attn_mod.num_heads, attn_mod.head_dim))
-        k = h.new_empty((T, attn_mod.num_kv_heads, attn_mod.head_dim))
+        key_cache, value_cache = kv_caches[0]
+        q = key_cache.new_empty((T, attn_mod.num_heads, attn_mod.head_dim))
+        k = key_cache.new_empty((T, attn_mod.num_kv_heads, attn_mod.head_dim))
         V.check_kv_write(k, k, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
         V.check_slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
                                attn.seq_lens, attn_mod.scale, attn.max_query_len, None)
@@ -317,6 +330,20 @@ class QwenForCausalLM(nn.Module):
             V.check_kv_write_values(key_cache, attn.slot_ids, positions32, attn.block_table)
             V.check_slot_attention_values(q, key_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
                                           attn.seq_lens, attn.max_query_len)
+
+    def _native_forward(self, h: torch.Tensor, positions32: torch.Tensor, attn: AttentionMetadata,
+                        kv_caches: list[KVCache], logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits from ``cpu_kernels.dense_forward`` (the same math as the torch path, with the
+        cpu backend's kernels), or None when this model does not fit it. The caller has checked the
+        caches (``_native_caches``) and the metadata (``_check_attention_metadata``)."""
+        weights = self._native_layer_weights()
+        norm, lm_head = self.model.norm, self.lm_head
+        if (weights is None or type(norm) is not RMSNorm or norm.eps != self.model.layers[0].input_layernorm.eps
+                or type(lm_head) is not Linear or lm_head.bias is not None or len(kv_caches) != len(weights)):
+            return None
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (norm.weight, lm_head.weight)):
+            return None
+        attn_mod = self.model.layers[0].self_attn
         return cpu_kernels.dense_forward(
             h, weights, kv_caches, attn_mod.num_heads, attn_mod.head_dim, self.config.intermediate_size,
             norm.eps, attn_mod.scale, positions32, self.model.rotary_emb.cos_sin, attn.slot_ids, attn.block_table,

@@ -418,29 +418,59 @@ def test_native_forward_falls_back_for_models_it_does_not_cover(tmp_path, monkey
     assert len(calls) == 2, "16 tokens take the torch path"
 
 
-def test_native_forward_checks_metadata_before_writing(tmp_path):
-    """Bad slot ids, block ids or row indices raise the ops' errors, and the caches stay as they were."""
+@pytest.mark.parametrize("tokens", [1, 9], ids=["one-call-forward", "attention-blocks"])
+def test_native_paths_check_metadata_before_writing(tokens, tmp_path):
+    """Bad slot ids, block ids or row indices raise the ops' errors, and the caches stay as they
+    were: for the one-call forward (2 tokens) and for the per-layer C attention blocks (18 tokens)."""
     _needs_cpu_kernels()
     import dataclasses
 
     from qwen_tiny import new_kv_caches, shuffled_block_table, step_metadata
 
     model = _tiny_dense(tmp_path, "qwen3")
-    table = shuffled_block_table(2, 4)
+    table = shuffled_block_table(2, 8)
     caches = new_kv_caches(model.config, table.numel() + 1, 4, torch.float32)
     for kc, vc in caches:
         kc.normal_()
         vc.normal_()
     before = [(kc.clone(), vc.clone()) for kc, vc in caches]
-    pos, attn, last = step_metadata([(0, 3, 1), (1, 5, 1)], table)
-    ids = torch.tensor([5, 6])
+    pos, attn, last = step_metadata([(0, 3, tokens), (1, 5, tokens)], table)
+    ids = torch.arange(2 * tokens) + 5
+    bad_slot_ids = attn.slot_ids.clone()
+    bad_slot_ids[-1] = 2
     cases = [
-        (dataclasses.replace(attn, slot_ids=torch.tensor([0, 2], dtype=torch.int32)), last, ValueError, "slot_ids"),
+        (dataclasses.replace(attn, slot_ids=bad_slot_ids), last, ValueError, "slot_ids"),
         (dataclasses.replace(attn, block_table=table.clone().fill_(999)), last, ValueError, "block_table"),
-        (attn, torch.tensor([0, 2]), IndexError, "logits_indices"),
+        (attn, torch.tensor([0, 2 * tokens]), IndexError, "index"),
     ]
     for bad_attn, rows, exc, name in cases:
         with torch.inference_mode(), pytest.raises(exc, match=name):
             model(ids, pos, bad_attn, caches, rows)
-        for (kc, vc), (kb, vb) in zip(caches, before):
-            assert torch.equal(kc, kb) and torch.equal(vc, vb), f"caches changed by the call with bad {name}"
+        if name != "index":      # an index error on the attention-block path is raised by index_select,
+            for (kc, vc), (kb, vb) in zip(caches, before):   # after the layers ran: caches then hold new rows
+                assert torch.equal(kc, kb) and torch.equal(vc, vb), f"caches changed by the call with bad {name}"
+
+
+def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
+    """Batches of 16+ tokens run each layer's attention as one C call (norms, RoPE, kv write,
+    attention); the same model with the cpu ops called one by one gives the same logits."""
+    _needs_cpu_kernels()
+    from qwen_ops import model as model_mod
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, "qwen2")        # q/k/v biases, no q/k norms
+    steps = [[(0, 0, 9), (2, 0, 8)], [(0, 9, 12), (2, 8, 1), (1, 0, 5)]]
+    table = shuffled_block_table(3, 8)
+    calls = []
+    block = model_mod.cpu_kernels.attention_block
+    monkeypatch.setattr(model_mod.cpu_kernels, "attention_block", lambda *a, **k: calls.append(1) or block(*a, **k))
+    got, got_caches = _run_steps(model, steps, table)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    monkeypatch.setattr(model_mod.QwenForCausalLM, "_native_caches", lambda self, kv: False)
+    want, want_caches = _run_steps(model, steps, table)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)

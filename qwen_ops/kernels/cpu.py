@@ -45,6 +45,8 @@ _RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
 _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
 _SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
 _QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
+_ATTENTION_BLOCK_ARGS = ([_p, _i64] * 3 + [_i64] * 4 + [_p, _p, _f32, _p, _i64, _p, _p, _p] + [_i64] * 4
+                         + [_p, _p, _i64, _i64, _p, _p, _p, _i64, _f32, _p])
 _LINEAR_ROWS_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
                        + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
@@ -121,6 +123,8 @@ def library() -> ctypes.CDLL:
     lib.qwen_argmax_rows.restype = None
     lib.qwen_silu_mul.argtypes = _SILU_MUL_ARGS
     lib.qwen_silu_mul.restype = None
+    lib.qwen_attention_block.argtypes = _ATTENTION_BLOCK_ARGS
+    lib.qwen_attention_block.restype = ctypes.c_int
     lib.qwen_linear_rows.argtypes = _LINEAR_ROWS_ARGS
     lib.qwen_linear_rows.restype = None
     lib.qwen_dense_forward.argtypes = _DENSE_FORWARD_ARGS
@@ -259,6 +263,35 @@ def usable_for(t: torch.Tensor) -> bool:
 
     return (not torch.compiler.is_compiling() and t.device.type == "cpu" and t.dtype == torch.float32
             and resolve_backend(t.device, "kv_write") == "cpu")
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    head_dim: int, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], eps: float,
+                    cos_sin: torch.Tensor, positions32: torch.Tensor, kv_cache: tuple, attn, scale: float) -> torch.Tensor:
+    """One layer's attention after its projections, in one C call: q/k RMSNorm (skipped when the
+    weights are None) + RoPE, ``kv_write`` into ``kv_cache`` and ``slot_attention``, all fp32.
+
+    q ``[T, num_heads * head_dim]``, k, v ``[T, num_kv_heads * head_dim]`` (rows may be strided,
+    e.g. column views of one q/k/v product). Nothing here is checked: the caller has checked the
+    positions against ``cos_sin`` and the metadata as the ops do (``QwenForCausalLM.forward``).
+    Returns the attention output ``[T, num_heads * head_dim]``.
+    """
+    key_cache, value_cache = kv_cache
+    T = q.shape[0]
+    out = torch.empty((T, num_heads * head_dim), dtype=torch.float32)
+    positions32, slot_ids = _i32_vector(positions32), _i32_vector(attn.slot_ids)
+    seq_slots, qsl, seq_lens = _i32_vector(attn.seq_slots), _i32_vector(attn.query_start_loc), _i32_vector(attn.seq_lens)
+    block_table = attn.block_table
+    status = library().qwen_attention_block(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, num_heads, num_kv_heads,
+        head_dim, None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
+        seq_slots.data_ptr(), qsl.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], float(scale), out.data_ptr())
+    if status != 0:
+        raise MemoryError("qwen_ops cpu attention_block could not allocate its scratch memory")
+    return out
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

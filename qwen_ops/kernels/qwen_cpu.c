@@ -576,6 +576,35 @@ void qwen_linear_rows(const float *x, int64_t xs, int64_t M, const float *w, con
         }
 }
 
+/* The attention of one layer after its q/k/v projections, fp32: per-head q/k RMSNorm (q_w / k_w;
+ * none when NULL) and RoPE at positions (checked by the caller against the table), the keys and
+ * values written to the caches (qwen_kv_write), then qwen_slot_attention into out [T, num_heads *
+ * head_dim], contiguous. q, k, v: rows of the projections (strides q_s0, k_s0, v_s0; heads
+ * contiguous within a row). Both caches have the strides (c_sb, c_sr, c_sh). Metadata trusted.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int qwen_attention_block(const float *q, int64_t q_s0, const float *k, int64_t k_s0, const float *v, int64_t v_s0,
+                         int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         const float *q_w, const float *k_w, float eps, const float *rope, int64_t rope_s0,
+                         const int32_t *positions, float *key_cache, float *value_cache, int64_t block_size,
+                         int64_t c_sb, int64_t c_sr, int64_t c_sh, const int32_t *slot_ids,
+                         const int32_t *block_table, int64_t bt_s0, int64_t bt_s1, const int32_t *seq_slots,
+                         const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_seqs, float scale,
+                         float *out) {
+    const int64_t D = head_dim, QD = num_heads * D, KD = num_kv_heads * D;
+    float *buf = malloc(sizeof(float) * (size_t)(T * (QD + KD) + D));
+    if (buf == NULL) return -1;
+    float *qr = buf, *kr = qr + T * QD, *tmp = kr + T * KD;
+    qwen_qk_norm_rope(q, q_s0, D, num_heads, k, k_s0, D, num_kv_heads, q_w, k_w, eps, rope, rope_s0, positions,
+                      qr, kr, T, D, tmp);
+    qwen_kv_write(kr, v, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 4,
+                  KD, D, v_s0, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+    const int status = qwen_slot_attention(qr, out, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                                           seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 0,
+                                           scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+    free(buf);
+    return status;
+}
+
 /* Per-layer weight addresses, in this order, NULL where the model has none (biases of Qwen3,
  * q/k norms of Qwen2). Every matrix is contiguous [out_features, in_features]. */
 enum {
@@ -609,13 +638,12 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
     for (int64_t r = 0; r < num_rows; ++r)
         if (rows[r] < 0 || rows[r] >= T) return -3;
     const int64_t H = hidden, QD = num_heads * head_dim, KD = num_kv_heads * head_dim, I = inter;
-    /* x: normed rows; q, k, v: projections; qr, kr: after norm + RoPE; o: attention out; g, u: MLP */
-    const int64_t need = T * (2 * H + 3 * QD + 3 * KD + 2 * I) + head_dim + num_rows * H;
+    /* x: normed rows; q, k, v: projections; o: attention out; proj: o_proj / down_proj out; g, u: MLP */
+    const int64_t need = T * (2 * H + 2 * QD + 2 * KD + 2 * I) + num_rows * H;
     float *buf = malloc(sizeof(float) * (size_t)(need > 0 ? need : 1));
     if (buf == NULL) return -1;
-    float *x = buf, *q = x + T * H, *k = q + T * QD, *v = k + T * KD, *qr = v + T * KD, *kr = qr + T * QD;
-    float *o = kr + T * KD, *proj = o + T * QD, *g = proj + T * H, *u = g + T * I, *tmp = u + T * I;
-    float *xf = tmp + head_dim;
+    float *x = buf, *q = x + T * H, *k = q + T * QD, *v = k + T * KD, *o = v + T * KD;
+    float *proj = o + T * QD, *g = proj + T * H, *u = g + T * I, *xf = u + T * I;
     int status = 0;
     for (int64_t l = 0; l < num_layers && status == 0; ++l) {
         const float *const *W = (const float *const *)(weights + l * W_PER_LAYER);
@@ -624,13 +652,10 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
         qwen_linear_rows(x, H, T, W[W_Q], W[B_Q], QD, H, q, QD);
         qwen_linear_rows(x, H, T, W[W_K], W[B_K], KD, H, k, KD);
         qwen_linear_rows(x, H, T, W[W_V], W[B_V], KD, H, v, KD);
-        qwen_qk_norm_rope(q, QD, head_dim, num_heads, k, KD, head_dim, num_kv_heads, W[W_Q_NORM], W[W_K_NORM], eps,
-                          rope, rope_s0, positions, qr, kr, T, head_dim, tmp);
-        qwen_kv_write(kr, v, kc, vc, slot_ids, positions, block_table, T, num_kv_heads, head_dim, 4,
-                      KD, head_dim, KD, head_dim, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-        status = qwen_slot_attention(qr, o, kc, vc, block_table, seq_slots, query_start_loc, seq_lens, NULL, num_seqs,
-                                     num_heads, num_kv_heads, head_dim, block_size, 0, scale, QD, head_dim, 0, 0,
-                                     c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        status = qwen_attention_block(q, QD, k, KD, v, KD, T, num_heads, num_kv_heads, head_dim, W[W_Q_NORM],
+                                      W[W_K_NORM], eps, rope, rope_s0, positions, kc, vc, block_size, c_sb, c_sr,
+                                      c_sh, slot_ids, block_table, bt_s0, bt_s1, seq_slots, query_start_loc,
+                                      seq_lens, num_seqs, scale, o);
         qwen_linear_rows(o, QD, T, W[W_O], W[B_O], H, QD, proj, H);
         qwen_rms_norm(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps);   /* h = h + attn, x = norm(h) */
         qwen_linear_rows(x, H, T, W[W_GATE], NULL, I, H, g, I);
