@@ -474,3 +474,36 @@ def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
     for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
         torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+
+
+def test_native_plan_follows_weight_writes_replacements_and_copies(tmp_path, monkeypatch):
+    """The one-call forward caches its weight addresses: in-place writes are seen (same storage),
+    a moved storage (``param.data = ...``) or a deep copy (new storages) gets a new plan."""
+    _needs_cpu_kernels()
+    import copy
+
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, "qwen3")
+    table = shuffled_block_table(3, 5)
+    steps = NATIVE_STEPS[1:2]      # one 2-token decode step (on random caches)
+    calls = _count_native_calls(monkeypatch)
+
+    def check(m):
+        got, _ = _run_steps(m, steps, table)
+        with qwen_ops.use_backend("reference"):
+            want, _ = _run_steps(m, steps, table)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+    check(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)                 # in place
+        model.model.layers[1].self_attn.q_proj.weight.data = torch.randn(64, 64)   # new storage
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()         # tied weight moved, untied now
+    check(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.layers[0].self_attn.o_proj.weight.normal_()                # the copy has its own weights
+    check(twin)
+    check(model)
+    assert len(calls) == 4

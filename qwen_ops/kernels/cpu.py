@@ -315,24 +315,30 @@ DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias"
                        "post_norm", "gate", "up", "down")
 
 
-def dense_forward(h: torch.Tensor, layer_weights: list, caches: list, num_heads: int, head_dim: int, inter: int,
-                  eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor, slot_ids: torch.Tensor,
-                  block_table: torch.Tensor, seq_slots: torch.Tensor, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
+def addresses(tensors) -> torch.Tensor:
+    """int64 tensor of the tensors' data pointers (0 for None), for C code taking address tables."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list, num_heads: int, head_dim: int,
+                  inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
+                  slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
                   lm_head: torch.Tensor) -> torch.Tensor:
     """The whole dense forward of a small fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
 
-    ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream). Each entry of
-    ``layer_weights`` is a sequence of fp32 tensors (or None) in ``DENSE_LAYER_WEIGHTS`` order,
-    matrices contiguous; ``caches`` holds each layer's ``(key_cache, value_cache)``, all fp32 with
-    one shape and one set of strides. The caller checks all of that and the attention metadata
-    (as the ops do); the C code checks ``positions32`` against ``rope`` and ``rows`` against T.
+    ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream).
+    ``weight_addresses`` (``addresses(...)``) lists each layer's fp32 tensors (or None) in
+    ``DENSE_LAYER_WEIGHTS`` order, matrices contiguous, one layer per entry of ``caches``, which
+    holds each layer's ``(key_cache, value_cache)``, all fp32 with one shape and one set of
+    strides. The caller checks all of that and the attention metadata (as the ops do); the C code
+    checks ``positions32`` against ``rope`` and ``rows`` against T.
     """
     lib = library()
     T, hidden = h.shape
-    per_layer = len(DENSE_LAYER_WEIGHTS)
-    addresses = [0 if w is None else w.data_ptr() for layer in layer_weights for w in layer]
-    weights = (ctypes.c_int64 * len(addresses))(*addresses)
+    if weight_addresses.shape != (len(DENSE_LAYER_WEIGHTS) * len(caches),) or weight_addresses.dtype != torch.int64:
+        raise ValueError(f"weight_addresses has shape {tuple(weight_addresses.shape)} and dtype "
+                         f"{weight_addresses.dtype}, expected int64 [{len(DENSE_LAYER_WEIGHTS)} x {len(caches)} layers]")
     cache_addresses = (ctypes.c_int64 * (2 * len(caches)))(*(t.data_ptr() for pair in caches for t in pair))
     kc = caches[0][0]
     positions32, slot_ids = _i32_vector(positions32), _i32_vector(slot_ids)
@@ -340,11 +346,8 @@ def dense_forward(h: torch.Tensor, layer_weights: list, caches: list, num_heads:
     rows = rows if rows.is_contiguous() else rows.contiguous()
     vocab = lm_head.shape[0]
     logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
-    if len(addresses) != per_layer * len(caches):
-        raise ValueError(f"{len(layer_weights)} layers of weights ({len(addresses)} entries) for {len(caches)} "
-                         f"caches, expected {per_layer} entries per layer, one layer per cache")
     status = lib.qwen_dense_forward(
-        weights, len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter, float(eps),
+        weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter, float(eps),
         float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
         slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
         seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
