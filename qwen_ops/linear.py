@@ -46,7 +46,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 PACK_BATCH_HINT = 32
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int]:
+def tensor_identity(t: torch.Tensor) -> tuple[int, int]:
     """(data pointer, version counter): changes when the tensor is replaced or written in place."""
     try:
         version = t._version
@@ -81,7 +81,7 @@ class Linear(nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
-        key = _identity(w)
+        key = tensor_identity(w)
         if self._packed is None or self._packed[:2] != key:
             self._packed = key + (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT),)
         return self._packed[2]
@@ -115,7 +115,7 @@ def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Ten
             or len({lin.bias is None for lin in linears}) != 1):
         return [lin(x) for lin in linears]
     head = linears[0]
-    key = tuple(_identity(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None)
+    key = tuple(tensor_identity(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None)
     if head._group_packed is None or head._group_packed[0] != key:
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if head.bias is None else torch.cat([lin.bias.detach() for lin in linears])

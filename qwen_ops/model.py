@@ -31,7 +31,7 @@ from qwen_ops.attention import AttentionMetadata
 from qwen_ops.backend import value_checks_enabled
 from qwen_ops.config import QwenConfig
 from qwen_ops.kernels import cpu as cpu_kernels
-from qwen_ops.linear import Linear, linear_group
+from qwen_ops.linear import Linear, linear_group, tensor_identity
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -253,11 +253,11 @@ class QwenForCausalLM(nn.Module):
         if use_fused_cpu_kernels(h):
             if self._native_caches(kv_caches):
                 self._check_attention_metadata(h.shape[0], positions32, attn, kv_caches)
-                if h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
+                native = attn.max_query_len <= cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
+                if native and h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
                     logits = self._native_forward(h, positions32, attn, kv_caches, logits_indices)
                     if logits is not None:
                         return logits
-                native = attn.max_query_len <= cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
             table = self.model.rotary_emb.cos_sin     # read by position inside the C kernel: check them
             if positions32.numel() and (int(positions32.min()) < 0 or int(positions32.max()) >= table.shape[0]):
                 raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
@@ -344,13 +344,14 @@ class QwenForCausalLM(nn.Module):
             mods += lm["mlp"]._modules.values()
         return mods + [p for m in mods for p in m._parameters.values() if p is not None]
 
-    def _native_plan(self) -> Optional[tuple[list, torch.Tensor]]:
-        """(per-layer weights, their addresses as an int64 tensor) for ``cpu_kernels.dense_forward``,
-        or None when the model does not fit it. Cached, and rebuilt (with all the checks) when any
-        module or parameter on the path is replaced or a parameter's storage moves (``.to()``,
-        ``param.data = ...``); in-place writes keep the addresses valid."""
+    def _native_plan(self) -> Optional[tuple[list, torch.Tensor, torch.Tensor]]:
+        """(packed weights, the per-layer weight addresses, the packed lm_head) for
+        ``cpu_kernels.dense_forward``, or None when the model does not fit it. Cached, and rebuilt
+        (with all the checks) when any module or parameter on the path is replaced, moved
+        (``.to()``, ``param.data = ...``) or written in place (its version counter; writes through
+        ``param.data`` are not tracked, as for any torch version counter)."""
         objects = self._native_objects()
-        key = tuple(map(id, objects)) + tuple(o.data_ptr() for o in objects if isinstance(o, torch.Tensor))
+        key = tuple(map(id, objects)) + tuple(tensor_identity(o) for o in objects if isinstance(o, torch.Tensor))
         cached = self.__dict__.get("_native_cache")
         if cached is not None and cached[0] == key:
             return cached[2]
@@ -360,7 +361,11 @@ class QwenForCausalLM(nn.Module):
         if (weights is not None and type(norm) is RMSNorm and norm.eps == self.model.layers[0].input_layernorm.eps
                 and type(lm_head) is Linear and lm_head.bias is None
                 and all(w.dtype == torch.float32 and w.is_contiguous() for w in (norm.weight, lm_head.weight))):
-            plan = (weights, cpu_kernels.addresses(w for layer in weights for w in layer))
+            with torch.no_grad():
+                packed = [[cpu_kernels.pack_panels(w) if name in cpu_kernels.DENSE_LAYER_MATRICES else w
+                           for name, w in zip(cpu_kernels.DENSE_LAYER_WEIGHTS, layer)] for layer in weights]
+                plan = (packed, cpu_kernels.addresses(w for layer in packed for w in layer),
+                        cpu_kernels.pack_panels(lm_head.weight))
         self.__dict__["_native_cache"] = (key, objects, plan)   # objects: alive, so no id is reused
         return plan
 
@@ -381,4 +386,5 @@ class QwenForCausalLM(nn.Module):
         return cpu_kernels.dense_forward(
             h, plan[1], kv_caches, attn_mod.num_heads, attn_mod.head_dim, self.config.intermediate_size,
             norm.eps, attn_mod.scale, positions32, self.model.rotary_emb.cos_sin, attn.slot_ids, attn.block_table,
-            attn.seq_slots, attn.query_start_loc, attn.seq_lens, logits_indices, norm.weight, self.lm_head.weight)
+            attn.seq_slots, attn.query_start_loc, attn.seq_lens, logits_indices, norm.weight, plan[2],
+            self.lm_head.out_features)

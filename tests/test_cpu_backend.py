@@ -176,7 +176,8 @@ def test_qk_norm_rope_matches_the_torch_code(norms, poisoned_empty):
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
 def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, monkeypatch):
-    """A prefill and a decode step: fused kernels (auto on CPU) vs the pure-torch forward (reference)."""
+    """A prefill and a decode step walking the modules (as for a model the one-call forward does not
+    cover): fused kernels (auto on CPU) vs the pure-torch forward (reference)."""
     _needs_cpu_kernels()
     from qwen_ops.loader import load_checkpoint
     from qwen_ops import model as model_mod
@@ -187,6 +188,7 @@ def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, mon
                                 num_key_value_heads=2, max_position_embeddings=128, **(
                                     {"head_dim": 16} if model_type == "qwen3" else {}))
     model = load_checkpoint(path).model
+    monkeypatch.setattr(model_mod.QwenForCausalLM, "_native_plan", lambda self: None)   # walk the modules
     calls = []
     fused = model_mod.cpu_kernels.rms_norm
     monkeypatch.setattr(model_mod.cpu_kernels, "rms_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -288,11 +290,11 @@ def test_silu_mul_matches_torch(poisoned_empty):
 # The small-batch native path: qwen_linear_rows and the whole dense forward in one C call
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 15])
-@pytest.mark.parametrize("shape", [(64, 256), (13, 40), (6, 7)], ids=["n64-k256", "n13-k40", "n6-k7"])
-def test_linear_rows_matches_f_linear(rows, shape, poisoned_empty):
-    """Every row count of the 4-row tiles, output counts off the 4-row blocks, inner dims off the
-    16-lane vectors (masked tails), strided input rows, with and without a bias."""
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 40])
+@pytest.mark.parametrize("shape", [(64, 256), (13, 40), (70, 7)], ids=["n64-k256", "n13-k40", "n70-k7"])
+def test_linear_packed_matches_f_linear(rows, shape, poisoned_empty):
+    """Row counts around the 12-row blocks, output counts off the 32-feature panels (masked
+    stores), odd inner dims, strided input rows, with and without a bias."""
     _needs_cpu_kernels()
     import torch.nn.functional as F
 
@@ -301,8 +303,10 @@ def test_linear_rows_matches_f_linear(rows, shape, poisoned_empty):
     weight = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, k + 5, generator=gen)[:, :k]
-    got = [cpu.linear_rows(x, weight, None), cpu.linear_rows(x, weight, bias)]
+    packed = cpu.pack_panels(weight)
+    got = [cpu.linear_packed(x, packed, None, n), cpu.linear_packed(x, packed, bias, n)]
     poisoned_empty.undo()
+    assert packed.shape == ((n + 31) // 32, k, 32)
     torch.testing.assert_close(got[0], F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
@@ -347,10 +351,10 @@ def _run_steps(model, steps, table, block_size=4):
     return outs, caches
 
 
-# (slot, start position, tokens) per sequence, per step: a 9-token prefill of one slot and 6 of
-# another (15 tokens: the largest native batch), decodes of both, a decode next to a 3-token
-# chunk, and a step with a padding sequence (slot -1).
-NATIVE_STEPS = [[(0, 0, 9), (2, 0, 6)], [(0, 9, 1), (2, 6, 1)], [(2, 7, 1), (0, 10, 3)], [(0, 13, 1), (-1, 0, 1)]]
+# (slot, start position, tokens) per sequence, per step: a 9-token prefill of one slot and 14 of
+# another, decodes of both, a decode next to a 3-token chunk, and a step with a padding sequence
+# (slot -1): 23, 2, 4 and 2 tokens, over the 12-row blocks of the packed products.
+NATIVE_STEPS = [[(0, 0, 9), (2, 0, 14)], [(0, 9, 1), (2, 14, 1)], [(2, 15, 1), (0, 10, 3)], [(0, 13, 1), (-1, 0, 1)]]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
@@ -365,7 +369,7 @@ def test_native_forward_matches_the_torch_forward(model_type, tmp_path, monkeypa
     calls = _count_native_calls(monkeypatch)
     table = shuffled_block_table(3, 5)
     got, got_caches = _run_steps(model, NATIVE_STEPS, table)
-    assert len(calls) == len(NATIVE_STEPS), "every step has <= 15 tokens: all should take the native forward"
+    assert len(calls) == len(NATIVE_STEPS), "every step should take the one-call forward"
     with qwen_ops.use_backend("reference"):
         want, want_caches = _run_steps(model, NATIVE_STEPS, table)
     assert len(calls) == len(NATIVE_STEPS)
@@ -398,7 +402,7 @@ def test_native_forward_portable_build_matches(tmp_path, monkeypatch):
 
 def test_native_forward_falls_back_for_models_it_does_not_cover(tmp_path, monkeypatch):
     """A replaced module or a non-contiguous weight takes the torch path, with the same results;
-    so do batches of 16+ tokens."""
+    so does a sequence chunk of more than REFERENCE_ABOVE_QUERY_LEN query rows."""
     _needs_cpu_kernels()
     from qwen_tiny import shuffled_block_table
 
@@ -414,14 +418,15 @@ def test_native_forward_falls_back_for_models_it_does_not_cover(tmp_path, monkey
     assert len(calls) == 2, "a strided weight must take the torch path"
     for g, w_ in zip(got, want):
         torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-5)
-    _run_steps(model, [[(0, 0, 9), (2, 0, 7)]], table)
-    assert len(calls) == 2, "16 tokens take the torch path"
+    long_table = shuffled_block_table(1, 26)
+    _run_steps(model, [[(0, 0, cpu.REFERENCE_ABOVE_QUERY_LEN + 1)]], long_table)
+    assert len(calls) == 2, "a long prefill chunk takes the torch path (SDPA)"
 
 
-@pytest.mark.parametrize("tokens", [1, 9], ids=["one-call-forward", "attention-blocks"])
+@pytest.mark.parametrize("tokens", [1, 9])
 def test_native_paths_check_metadata_before_writing(tokens, tmp_path):
     """Bad slot ids, block ids or row indices raise the ops' errors, and the caches stay as they
-    were: for the one-call forward (2 tokens) and for the per-layer C attention blocks (18 tokens)."""
+    were, for 2 and 18 tokens."""
     _needs_cpu_kernels()
     import dataclasses
 
@@ -446,14 +451,14 @@ def test_native_paths_check_metadata_before_writing(tokens, tmp_path):
     for bad_attn, rows, exc, name in cases:
         with torch.inference_mode(), pytest.raises(exc, match=name):
             model(ids, pos, bad_attn, caches, rows)
-        if name != "index":      # an index error on the attention-block path is raised by index_select,
-            for (kc, vc), (kb, vb) in zip(caches, before):   # after the layers ran: caches then hold new rows
-                assert torch.equal(kc, kb) and torch.equal(vc, vb), f"caches changed by the call with bad {name}"
+        for (kc, vc), (kb, vb) in zip(caches, before):
+            assert torch.equal(kc, kb) and torch.equal(vc, vb), f"caches changed by the call with bad {name}"
 
 
 def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
-    """Batches of 16+ tokens run each layer's attention as one C call (norms, RoPE, kv write,
-    attention); the same model with the cpu ops called one by one gives the same logits."""
+    """Walking the modules (a model the one-call forward does not cover), each layer's attention
+    runs as one C call (norms, RoPE, kv write, attention); the same model with the cpu ops called
+    one by one gives the same logits and caches."""
     _needs_cpu_kernels()
     from qwen_ops import model as model_mod
     from qwen_tiny import shuffled_block_table
@@ -461,6 +466,7 @@ def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
     model = _tiny_dense(tmp_path, "qwen2")        # q/k/v biases, no q/k norms
     steps = [[(0, 0, 9), (2, 0, 8)], [(0, 9, 12), (2, 8, 1), (1, 0, 5)]]
     table = shuffled_block_table(3, 8)
+    monkeypatch.setattr(model_mod.QwenForCausalLM, "_native_plan", lambda self: None)   # walk the modules
     calls = []
     block = model_mod.cpu_kernels.attention_block
     monkeypatch.setattr(model_mod.cpu_kernels, "attention_block", lambda *a, **k: calls.append(1) or block(*a, **k))

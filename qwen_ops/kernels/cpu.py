@@ -47,7 +47,8 @@ _SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
 _QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
 _ATTENTION_BLOCK_ARGS = ([_p, _i64] * 3 + [_i64] * 4 + [_p, _p, _f32, _p, _i64, _p, _p, _p] + [_i64] * 4
                          + [_p, _p, _i64, _i64, _p, _p, _p, _i64, _f32, _p])
-_LINEAR_ROWS_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
+_LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
+_PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
                        + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
 
@@ -125,8 +126,10 @@ def library() -> ctypes.CDLL:
     lib.qwen_silu_mul.restype = None
     lib.qwen_attention_block.argtypes = _ATTENTION_BLOCK_ARGS
     lib.qwen_attention_block.restype = ctypes.c_int
-    lib.qwen_linear_rows.argtypes = _LINEAR_ROWS_ARGS
-    lib.qwen_linear_rows.restype = None
+    lib.qwen_linear_packed.argtypes = _LINEAR_PACKED_ARGS
+    lib.qwen_linear_packed.restype = None
+    lib.qwen_pack_panels.argtypes = _PACK_PANELS_ARGS
+    lib.qwen_pack_panels.restype = None
     lib.qwen_dense_forward.argtypes = _DENSE_FORWARD_ARGS
     lib.qwen_dense_forward.restype = ctypes.c_int
     lib.qwen_dense_weights_per_layer.argtypes = []
@@ -294,21 +297,32 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads
     return out
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for fp32 ``x [rows, in]`` with contiguous rows and a contiguous
-    fp32 ``weight [out, in]``: streams the weight once for all rows (meant for a few rows; fp32
-    rounding of a different summation order than BLAS)."""
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 ``weight [N, K]`` packed for ``linear_packed``: ``[ceil(N / 32), K, 32]``,
+    32 output features per panel, k-major, zero past N."""
+    n, k = weight.shape
+    packed = torch.empty(((n + 31) // 32, k, 32), dtype=torch.float32)
+    library().qwen_pack_panels(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 ``x [rows, K]`` with contiguous rows, from
+    ``packed = pack_panels(weight)`` (fp32 rounding of a different summation order than BLAS)."""
     rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=torch.float32)
-    library().qwen_linear_rows(x.data_ptr(), x.stride(0), rows, weight.data_ptr(),
-                               None if bias is None else bias.data_ptr(), n, k, out.data_ptr(), n)
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    library().qwen_linear_packed(x.data_ptr(), x.stride(0), rows, packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out_features, k, out.data_ptr(),
+                                 out_features)
     return out
 
 
-# Token counts up to this take dense_forward in the dense model's eager CPU forward; from
-# linear.ONEDNN_MIN_ROWS rows on, oneDNN's matrix products beat the C kernel's row tiles.
-DENSE_FORWARD_MAX_TOKENS = 15
+# Batches up to this many tokens take dense_forward in the dense model's eager CPU forward (its
+# scratch holds every activation of a layer for all tokens at once); larger ones walk the modules.
+DENSE_FORWARD_MAX_TOKENS = 1024
+
+# The entries of DENSE_LAYER_WEIGHTS that are matrices, passed packed (pack_panels).
+DENSE_LAYER_MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
 
 # The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
 DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
@@ -324,12 +338,14 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                   inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
                   slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
-                  lm_head: torch.Tensor) -> torch.Tensor:
+                  lm_head: torch.Tensor, vocab: int) -> torch.Tensor:
     """The whole dense forward of a small fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
 
     ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream).
     ``weight_addresses`` (``addresses(...)``) lists each layer's fp32 tensors (or None) in
-    ``DENSE_LAYER_WEIGHTS`` order, matrices contiguous, one layer per entry of ``caches``, which
+    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``; ``lm_head [vocab, hidden]``
+    too), one
+    layer per entry of ``caches``, which
     holds each layer's ``(key_cache, value_cache)``, all fp32 with one shape and one set of
     strides. The caller checks all of that and the attention metadata (as the ops do); the C code
     checks ``positions32`` against ``rope`` and ``rows`` against T.
@@ -344,7 +360,6 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     positions32, slot_ids = _i32_vector(positions32), _i32_vector(slot_ids)
     seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
     rows = rows if rows.is_contiguous() else rows.contiguous()
-    vocab = lm_head.shape[0]
     logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
     status = lib.qwen_dense_forward(
         weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter, float(eps),
