@@ -31,16 +31,15 @@ import torch
 # CI machines, NOT the issue targets (which benchmarks/README.md lists, with the measured values
 # and why some are out of reach on the CPU).
 THRESHOLDS = {
-    # Eager decode of a small batch is one C call (cpu.dense_forward); the compiled step runs
-    # Inductor's code around BLAS and the qwen ops, about 2x slower at batch 1 (0.43-0.50 measured).
-    "compiled_vs_eager_decode": 0.25,
-    # 4.7-4.8 measured: the per-request loop is as fast as the native batch-1 step makes it.
-    "batched_vs_loop_decode": 3.0,
-    "generate_vs_transformers": 1.4,
-    "single_vs_transformers": 1.8,
+    # The eager CPU decode step is one C call (cpu.dense_forward on packed weights); the compiled
+    # step runs Inductor's code around MKL and the qwen ops: 0.30-0.31 measured. A loose guard.
+    "compiled_vs_eager_decode": 0.15,
+    "batched_vs_loop_decode": 4.0,       # 6.1-6.4 measured
+    "generate_vs_transformers": 1.8,     # 2.57-2.67
+    "single_vs_transformers": 2.5,       # 3.8-5.1
     # full mode only: LLM(compile=True)
-    "generate_vs_transformers_compiled": 1.2,
-    "single_vs_transformers_compiled": 1.2,
+    "generate_vs_transformers_compiled": 1.2,   # 1.79
+    "single_vs_transformers_compiled": 1.0,     # 1.48
 }
 # Without a C compiler the cpu backend (and its one-call small-batch forward) is off and the
 # engine runs torch ops: the floors of that build, as measured before the native kernels.

@@ -1,11 +1,14 @@
-"""``nn.Linear`` whose fp32 CPU matmuls of many rows run on oneDNN instead of the BLAS ``mm``.
+"""``nn.Linear`` whose fp32 CPU products skip the BLAS ``mm`` where something faster exists.
 
 ``F.linear`` on fp32 CPU tensors calls the BLAS sgemm that torch was built with (MKL on x86).
-On the AMD EPYC machines this project runs on, oneDNN's JIT kernels are about 2x faster for
-the shapes of a batched decode step or a prefill (measured with ``OMP_NUM_THREADS=1``, Qwen3
-shapes hidden 256 .. vocab 4096, medians: 32 rows 0.54-0.77x of the sgemm time, 2048 rows
-0.43-0.59x; 8 rows and fewer, sgemm wins or ties). Results agree with sgemm to fp32 rounding
-(different summation order, same accumulation precision).
+On the AMD EPYC machines this project runs on, that is slow: at 1 row its sgemv streams a weight
+at about 25 GB/s (the cpu backend's packed-panel product: about 70), and for batched decode and
+prefill shapes oneDNN's JIT kernels are about 2x faster (measured with ``OMP_NUM_THREADS=1``,
+Qwen3 shapes hidden 256 .. vocab 4096, medians: 32 rows 0.54-0.77x of the sgemm time, 2048 rows
+0.43-0.59x). So eager fp32 CPU calls without autograd take the cpu backend's packed product
+when that backend is selected and built, else (and under ``torch.compile``) oneDNN from
+``ONEDNN_MIN_ROWS`` rows. Results agree with sgemm to fp32 rounding (different summation order,
+same accumulation precision).
 
 Parameter names and the state dict are those of ``nn.Linear``, so checkpoints load unchanged.
 Under ``torch.compile`` the oneDNN call goes through the opaque custom op
@@ -20,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwen_ops.kernels import cpu as cpu_kernels
 
 # Row count from which oneDNN beats sgemm for every Qwen3 projection shape measured (below it,
 # for the small square projections, sgemm is as fast or faster).
@@ -56,13 +61,17 @@ def tensor_identity(t: torch.Tensor) -> tuple[int, int]:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with the oneDNN route for fp32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows.
+    """``nn.Linear`` with faster routes for fp32 CPU inputs without autograd.
 
-    With ``prepack`` (default True) the eager route keeps a copy of the weight in oneDNN's blocked
-    layout, made on the first such call and remade when the weight is replaced or written in place
-    (tracked by its data pointer and version counter): a 32-request decode step of the embedded
-    model measured 3.08 vs 3.58 ms with it. It costs one more copy of the weight in memory; set
-    ``prepack = False`` on the modules to do without.
+    Eager, when the ``cpu`` backend is selected and built: the cpu backend's packed-panel product
+    (``cpu.linear_packed``) on a copy of the weight packed on first use (``panels()``), for any
+    row count: 2.7x MKL's sgemv at 1 row on the CPUs measured here, oneDNN's speed from 16 rows.
+    The dense model's one-call forward reads the same packed copy. Otherwise (the cpu backend off,
+    or under ``torch.compile``) inputs of at least ``ONEDNN_MIN_ROWS`` rows go to oneDNN, eager on
+    its own prepacked copy (a 32-request decode step measured 3.08 vs 3.58 ms with it). Packed
+    copies are remade when the weight is replaced or written in place (tracked by its data pointer
+    and version counter; writes through ``.data`` are not seen). Each costs one more copy of the
+    weight in memory; ``prepack = False`` on a module does without (sgemm / unpacked oneDNN).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
@@ -71,12 +80,13 @@ class Linear(nn.Linear):
         self.prepack = True
         self._packed: Optional[tuple[int, int, torch.Tensor]] = None   # (data_ptr, version, packed weight)
         self._group_packed: Optional[tuple] = None   # see linear_group: (key, packed weights, biases)
+        self._panels: Optional[tuple[tuple[int, int], torch.Tensor]] = None   # (weight identity, panels)
 
     def __getstate__(self) -> dict:
-        # The packed copy is an opaque oneDNN tensor that neither pickles nor deep-copies; a copy
-        # of the module repacks on its first batched call.
+        # The oneDNN copy is an opaque tensor that neither pickles nor deep-copies; the copies of a
+        # module repack on first use (their weights live elsewhere anyway).
         state = dict(super().__getstate__())
-        state["_packed"] = state["_group_packed"] = None
+        state["_packed"] = state["_group_packed"] = state["_panels"] = None
         return state
 
     def _packed_weight(self) -> torch.Tensor:
@@ -86,6 +96,21 @@ class Linear(nn.Linear):
             self._packed = key + (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT),)
         return self._packed[2]
 
+    def panels(self) -> torch.Tensor:
+        """The weight packed for ``cpu.linear_packed`` (made on first use, remade when it changes)."""
+        key = tensor_identity(self.weight)
+        if self._panels is None or self._panels[0] != key:
+            self._panels = (key, cpu_kernels.pack_panels(self.weight.detach()))
+        return self._panels[1]
+
+    def takes_packed(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` runs ``cpu.linear_packed``: eager, fp32 CPU, 2-D with contiguous rows,
+        no autograd, a contiguous fp32 weight and bias, prepacking on, the cpu backend selected."""
+        b = self.bias
+        return (self.prepack and x.dim() == 2 and x.stride(-1) == 1 and not torch.is_grad_enabled()
+                and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
+                and (b is None or (b.dtype == torch.float32 and b.is_contiguous())) and cpu_kernels.usable_for(x))
+
     def takes_onednn(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs on oneDNN (fp32 CPU, 2-D, at least ONEDNN_MIN_ROWS rows, no autograd)."""
         return (self.onednn and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32
@@ -93,6 +118,8 @@ class Linear(nn.Linear):
                 and not (self.weight.requires_grad and torch.is_grad_enabled()))   # no oneDNN backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_packed(x):
+            return cpu_kernels.linear_packed(x, self.panels(), self.bias, self.out_features)
         if self.takes_onednn(x):
             if torch.compiler.is_compiling():
                 return onednn_linear(x, self.weight, self.bias)
@@ -104,14 +131,16 @@ class Linear(nn.Linear):
 def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]`` for projections of one input (q/k/v, gate/up).
 
-    On the eager oneDNN route (every member takes it, prepacking on) it runs ONE matrix product
+    On the eager oneDNN route (the cpu backend off; every member takes the route, prepacking on) it
+    runs ONE matrix product
     against the weights concatenated and prepacked together (kept on ``linears[0]``, remade when
     any weight or bias changes) and returns column views of its output: fewer, wider products
     run faster (32 rows, q/k/v of the embedded model: 38 vs 64 us). The modules and the state
     dict stay separate, as in the checkpoint. Elsewhere (few rows, other dtypes, autograd,
     ``torch.compile``) it calls the modules one by one.
     """
-    if (torch.compiler.is_compiling() or not all(lin.prepack and lin.takes_onednn(x) for lin in linears)
+    if (torch.compiler.is_compiling() or linears[0].takes_packed(x)
+            or not all(lin.prepack and lin.takes_onednn(x) for lin in linears)
             or len({lin.bias is None for lin in linears}) != 1):
         return [lin(x) for lin in linears]
     head = linears[0]

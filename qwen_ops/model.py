@@ -279,8 +279,9 @@ class QwenForCausalLM(nn.Module):
     # ---- the eager CPU fast path for small batches: the whole forward in one C call ----
 
     def _native_layer_weights(self) -> Optional[list[tuple[Optional[torch.Tensor], ...]]]:
-        """Per layer, the tensors of ``cpu_kernels.DENSE_LAYER_WEIGHTS``, or None when a module is
-        not the stock one or a weight is not a contiguous fp32 tensor (the torch path then runs)."""
+        """Per layer, the tensors of ``cpu_kernels.DENSE_LAYER_WEIGHTS`` (matrices as the modules'
+        packed copies, ``Linear.panels``), or None when a module is not the stock one, a weight is
+        not a contiguous fp32 tensor or a projection has ``prepack`` off (the modules then run)."""
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -300,9 +301,13 @@ class QwenForCausalLM(nn.Module):
                   attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
                   mlp.down_proj.weight)
             if any(w is not None and (w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous())
-                   for w in ws):
+                   for w in ws) or not all(m.prepack for m in mods):
                 return None
-            layers.append(ws)
+            # the matrices as the modules' packed copies (Linear.panels), shared with their own calls
+            panels = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
+                      "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+            layers.append(tuple(panels[name].panels() if name in panels else w
+                                for name, w in zip(cpu_kernels.DENSE_LAYER_WEIGHTS, ws)))
         return layers
 
     def _native_caches(self, kv_caches: list[KVCache]) -> bool:
@@ -359,13 +364,9 @@ class QwenForCausalLM(nn.Module):
         weights = self._native_layer_weights()
         norm, lm_head = self.model.norm, self.lm_head
         if (weights is not None and type(norm) is RMSNorm and norm.eps == self.model.layers[0].input_layernorm.eps
-                and type(lm_head) is Linear and lm_head.bias is None
+                and type(lm_head) is Linear and lm_head.bias is None and lm_head.prepack
                 and all(w.dtype == torch.float32 and w.is_contiguous() for w in (norm.weight, lm_head.weight))):
-            with torch.no_grad():
-                packed = [[cpu_kernels.pack_panels(w) if name in cpu_kernels.DENSE_LAYER_MATRICES else w
-                           for name, w in zip(cpu_kernels.DENSE_LAYER_WEIGHTS, layer)] for layer in weights]
-                plan = (packed, cpu_kernels.addresses(w for layer in packed for w in layer),
-                        cpu_kernels.pack_panels(lm_head.weight))
+            plan = (weights, cpu_kernels.addresses(w for layer in weights for w in layer), lm_head.panels())
         self.__dict__["_native_cache"] = (key, objects, plan)   # objects: alive, so no id is reused
         return plan
 

@@ -6,9 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import qwen_ops
 from qwen_ops import linear as L
+from qwen_ops.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not L._onednn_linear_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def onednn_route():
+    """The oneDNN route is what Linear takes with the cpu backend off (its packed route is tested
+    at the end of this file, under the cpu backend)."""
+    with qwen_ops.use_backend("reference"):
+        yield
 
 
 def _layer(bias: bool, seed: int = 0) -> L.Linear:
@@ -156,3 +166,49 @@ def test_linear_group_with_autograd_or_mixed_biases_calls_the_modules():
     outs = L.linear_group(x, same)                    # grad enabled and weights require grad: no oneDNN
     sum(o.sum() for o in outs).backward()
     assert same[0].weight.grad is not None and same[1].weight.grad is not None
+
+
+# --------------------------------------------------------------------------------------------
+# The packed route: cpu.linear_packed on Linear.panels(), with the cpu backend selected
+# --------------------------------------------------------------------------------------------
+
+def _cpu_backend():
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    return qwen_ops.use_backend("cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 5, L.ONEDNN_MIN_ROWS, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_route_matches_f_linear_and_follows_the_weight(rows, bias, monkeypatch):
+    layer = _layer(bias, seed=7)
+    x = torch.randn(rows, 96)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or pointwise(*a))
+    with _cpu_backend(), torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        first = layer.panels()
+        assert layer.panels() is first, "the packed copy is made once"
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)                          # in place: repacked
+    with _cpu_backend(), torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert layer.panels() is not first
+    assert calls == [], "the packed route does not call oneDNN"
+
+
+def test_packed_route_leaves_autograd_compile_strided_and_prepack_off_to_the_others():
+    layer = _layer(True, seed=8)
+    with _cpu_backend():
+        out = layer(torch.randn(4, 96))                  # grad enabled: F.linear, differentiable
+        out.sum().backward()
+        assert layer.weight.grad is not None and layer._panels is None
+        with torch.inference_mode():
+            x = torch.randn(6, 2 * 96)[:, ::2]           # strided rows: F.linear
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            assert layer._panels is None
+            layer.prepack = False
+            x = torch.randn(6, 96)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            assert layer._panels is None

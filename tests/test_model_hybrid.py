@@ -55,10 +55,12 @@ MODEL_CASES = {
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                  "partial_rotary_factor": 0.25}),
 }
-# Max |ours - transformers| on fp32 logits (|logits| ~ 3 to 6). Reached: 1.7e-5 to 2.6e-5 per case;
-# transformers' own fp32 run is ~7e-6 from its fp64 run on these weights, which amplify rounding
-# layer by layer. The bound leaves room for summation order, not for a wrong formula.
-FP32_ATOL = 6e-5
+# Max |ours - transformers| on fp32 logits (|logits| ~ 2 to 6). Reached: 1.7e-5 to 2.6e-5 per case
+# with BLAS projections, 8.2e-5 on the 1-token prompt of "LFLF-ratio3-kernel2" with the cpu
+# backend's packed products; there transformers' own fp32 run is 4.3e-5 from its fp64 run and ours
+# 3.8e-5 (BLAS: 2.1e-5): these weights amplify rounding layer by layer, and the two fp32 errors
+# add up. The bound leaves room for summation order, not for a wrong formula.
+FP32_ATOL = 1.2e-4
 PROMPT_LENGTHS = (1, 6, 17)
 LONG_PROMPT = 70            # more than one 64-token chunk of the delta-rule prefill
 NEW_TOKENS = 32
@@ -377,8 +379,9 @@ def test_compile_fullgraph_no_graph_break(checkpoints):
     (e1, e2, (ec, es)), (c1, c2, (cc, cs)) = outputs
     torch.testing.assert_close(c1, e1, atol=1e-5, rtol=0)
     torch.testing.assert_close(c2, e2, atol=1e-5, rtol=0)
-    torch.testing.assert_close(cc[1], ec[1], atol=1e-6, rtol=0)
-    torch.testing.assert_close(cs[1], es[1], atol=1e-6, rtol=0)
+    # eager CPU projections run the cpu backend's packed products, the graph BLAS: rounding differs
+    torch.testing.assert_close(cc[1], ec[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cs[1], es[1], atol=1e-5, rtol=0)
 
 
 

@@ -321,9 +321,6 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
 # scratch holds every activation of a layer for all tokens at once); larger ones walk the modules.
 DENSE_FORWARD_MAX_TOKENS = 1024
 
-# The entries of DENSE_LAYER_WEIGHTS that are matrices, passed packed (pack_panels).
-DENSE_LAYER_MATRICES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
-
 # The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
 DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
                        "post_norm", "gate", "up", "down")
