@@ -12,9 +12,11 @@ Parameter names equal the Hugging Face state-dict keys (``model.layers.0.self_at
 ...), so checkpoints load by name. Numerics follow transformers: RMSNorm and RoPE tables in
 fp32, cast back to the model dtype at the same points.
 
-Eager fp32 forwards on the CPU without autograd (the engine's case) run RMSNorm, q/k-norm + RoPE
-and SiLU * up through the cpu backend's fused C kernels (:func:`use_fused_cpu_kernels`; that path
-checks the positions against the RoPE table first). Traced forwards always take the torch code.
+Eager fp32 forwards on the CPU without autograd (the engine's case), with the cpu backend
+selected (:func:`use_fused_cpu_kernels`), check the attention metadata once as the ops would, then
+run the whole forward in one C call (``cpu.dense_forward``: batches of up to 1024 tokens in chunks
+of at most 96 rows) or walk the modules with fused C kernels (norms, RoPE, per-layer attention
+blocks, SiLU * up). Traced forwards always take the torch code and the ops.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus the
-fused fp32 helpers the dense model's eager CPU forward and greedy sampling use (RMSNorm, q/k-norm
-+ RoPE, SiLU * up, row argmax; see :func:`usable_for`).
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus what
+the eager fp32 CPU forward of the models runs instead of torch ops (see :func:`usable_for`): the
+packed-panel matrix product behind ``Linear``, fused RMSNorm, q/k-norm + RoPE, SiLU * up, each
+layer's attention block, the dense model's whole forward in one call, and the greedy argmax.
 
 ``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache

@@ -1,5 +1,7 @@
-/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and fused
- * fp32 pieces of the dense model's eager CPU forward (at the end of the file).
+/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and the fp32
+ * pieces of the models' eager CPU forward (from the middle of the file on): fused norms, RoPE and
+ * SiLU * up, a packed-panel matrix product, one layer's attention block, and the whole dense
+ * forward in one call.
  *
  * Plain C, no torch headers: qwen_ops/kernels/cpu.py compiles this file with the system C
  * compiler on first use (about a second), caches the shared library, and calls it through
