@@ -314,6 +314,14 @@ class QwenForCausalLM(nn.Module):
                                 for name, w in zip(cpu_kernels.DENSE_LAYER_WEIGHTS, ws)))
         return layers
 
+    def prepare_cpu_forward(self, kv_caches: list[KVCache]) -> None:
+        """Pack the weights for the eager CPU forward now (the first such forward would): the
+        runner calls this at construction, so no request waits for it."""
+        with torch.inference_mode():
+            probe = self.model.embed_tokens.weight[:1]
+            if use_fused_cpu_kernels(probe) and self._native_caches(kv_caches):
+                self._native_plan()
+
     def _native_caches(self, kv_caches: list[KVCache]) -> bool:
         """Whether the caches suit the C attention blocks: fp32, one shape and one set of strides."""
         if not kv_caches:

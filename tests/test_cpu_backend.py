@@ -513,3 +513,23 @@ def test_native_plan_follows_weight_writes_replacements_and_copies(tmp_path, mon
     check(twin)
     check(model)
     assert len(calls) == 4
+
+
+def test_the_engine_packs_the_weights_at_construction(tmp_path, monkeypatch):
+    """The runner builds the one-call forward's plan up front: the first request packs nothing."""
+    _needs_cpu_kernels()
+    from qwen_ops.engine import QwenEngine
+    from qwen_tiny import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "q3", "qwen3", vocab_size=96, hidden_size=64, intermediate_size=96,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                max_position_embeddings=128)
+    eng = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=64)
+    assert eng.model.__dict__["_native_cache"][2] is not None
+    packs = []
+    pack = cpu.pack_panels
+    monkeypatch.setattr(cpu, "pack_panels", lambda w: packs.append(1) or pack(w))
+    calls = _count_native_calls(monkeypatch)
+    r = eng.prefill([5, 6, 7], slot_id=0)
+    eng.decode_step(r.next_token, slot_id=0)
+    assert packs == [] and len(calls) == 2
