@@ -82,3 +82,20 @@ def test_llm_generate_compiled_equals_eager(ckpt):
     eager = LLM(ckpt, compile=False, **kw).generate(PROMPTS, GREEDY)
     compiled = LLM(ckpt, compile=True, **kw).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
+    """Padding to buckets is for compiled / captured steps; eager steps do not pay for it."""
+    eager, compiled = engines
+    seen = []
+    forward = eager.runner.model.forward
+    monkeypatch.setattr(eager.runner.model, "forward", lambda ids, *a, **k: seen.append(ids.shape[0]) or forward(ids, *a, **k))
+    for engine in (eager, compiled):
+        for s in range(3):
+            engine.prefill(PROMPTS[s], slot_id=s)
+            engine.reserve(s, len(PROMPTS[s]) + 1)
+        engine.runner.buf_slots.fill_(5)                 # stale rows from an earlier, larger batch
+        engine.execute([SeqChunk(s, [7], engine.slot_seq_len(s)) for s in range(3)])
+    assert seen[-1] == 3, "eager: the model sees the 3 decode rows, no padding"
+    assert eager.runner.buf_slots[:3].tolist() == [0, 1, 2]
+    assert compiled.runner.buf_slots[:4].tolist() == [0, 1, 2, -1], "compiled: padded to bucket 4"
