@@ -351,6 +351,15 @@ def _run_steps(model, steps, table, block_size=4):
     return outs, caches
 
 
+def _assert_same_steps(got, got_caches, want, want_caches) -> None:
+    """Logits of every step and the final caches of two ``_run_steps`` runs agree to fp32 rounding."""
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+
+
 # (slot, start position, tokens) per sequence, per step: a 9-token prefill of one slot and 14 of
 # another, decodes of both, a decode next to a 3-token chunk, and a step with a padding sequence
 # (slot -1): 23, 2, 4 and 2 tokens, over the 12-row blocks of the packed products.
@@ -373,11 +382,7 @@ def test_native_forward_matches_the_torch_forward(model_type, tmp_path, monkeypa
     with qwen_ops.use_backend("reference"):
         want, want_caches = _run_steps(model, NATIVE_STEPS, table)
     assert len(calls) == len(NATIVE_STEPS)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
-        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+    _assert_same_steps(got, got_caches, want, want_caches)
 
 
 def test_native_forward_portable_build_matches(tmp_path, monkeypatch):
@@ -475,11 +480,7 @@ def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
     monkeypatch.setattr(model_mod.QwenForCausalLM, "_native_caches", lambda self, kv: False)
     want, want_caches = _run_steps(model, steps, table)
     assert len(calls) == 2 * model.config.num_hidden_layers
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
-        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+    _assert_same_steps(got, got_caches, want, want_caches)
 
 
 def test_native_plan_follows_weight_writes_replacements_and_copies(tmp_path, monkeypatch):

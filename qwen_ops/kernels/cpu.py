@@ -52,6 +52,20 @@ _LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
                        + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
+# name -> (argtypes, restype) of every function the library exports
+_SIGNATURES = {
+    "qwen_kv_write": (_KV_WRITE_ARGS, None),
+    "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
+    "qwen_rms_norm": (_RMS_NORM_ARGS, None),
+    "qwen_qk_norm_rope": (_QK_NORM_ROPE_ARGS, None),
+    "qwen_argmax_rows": (_ARGMAX_ARGS, None),
+    "qwen_silu_mul": (_SILU_MUL_ARGS, None),
+    "qwen_attention_block": (_ATTENTION_BLOCK_ARGS, ctypes.c_int),
+    "qwen_linear_packed": (_LINEAR_PACKED_ARGS, None),
+    "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
+    "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
+    "qwen_dense_weights_per_layer": ([], ctypes.c_int64),
+}
 
 
 def _compiler() -> Optional[str]:
@@ -113,28 +127,9 @@ def library() -> ctypes.CDLL:
     if not path.exists():
         _build(cc, path)
     lib = ctypes.CDLL(str(path))
-    lib.qwen_kv_write.argtypes = _KV_WRITE_ARGS
-    lib.qwen_kv_write.restype = None
-    lib.qwen_slot_attention.argtypes = _ATTENTION_ARGS
-    lib.qwen_slot_attention.restype = ctypes.c_int
-    lib.qwen_rms_norm.argtypes = _RMS_NORM_ARGS
-    lib.qwen_rms_norm.restype = None
-    lib.qwen_qk_norm_rope.argtypes = _QK_NORM_ROPE_ARGS
-    lib.qwen_qk_norm_rope.restype = None
-    lib.qwen_argmax_rows.argtypes = _ARGMAX_ARGS
-    lib.qwen_argmax_rows.restype = None
-    lib.qwen_silu_mul.argtypes = _SILU_MUL_ARGS
-    lib.qwen_silu_mul.restype = None
-    lib.qwen_attention_block.argtypes = _ATTENTION_BLOCK_ARGS
-    lib.qwen_attention_block.restype = ctypes.c_int
-    lib.qwen_linear_packed.argtypes = _LINEAR_PACKED_ARGS
-    lib.qwen_linear_packed.restype = None
-    lib.qwen_pack_panels.argtypes = _PACK_PANELS_ARGS
-    lib.qwen_pack_panels.restype = None
-    lib.qwen_dense_forward.argtypes = _DENSE_FORWARD_ARGS
-    lib.qwen_dense_forward.restype = ctypes.c_int
-    lib.qwen_dense_weights_per_layer.argtypes = []
-    lib.qwen_dense_weights_per_layer.restype = ctypes.c_int64
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     if lib.qwen_dense_weights_per_layer() != len(DENSE_LAYER_WEIGHTS):
         raise RuntimeError(f"{path} does not match {__file__} (DENSE_LAYER_WEIGHTS); delete it to rebuild")
     return lib
