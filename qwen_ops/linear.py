@@ -131,13 +131,12 @@ class Linear(nn.Linear):
 def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]`` for projections of one input (q/k/v, gate/up).
 
-    On the eager oneDNN route (the cpu backend off; every member takes the route, prepacking on) it
-    runs ONE matrix product
-    against the weights concatenated and prepacked together (kept on ``linears[0]``, remade when
-    any weight or bias changes) and returns column views of its output: fewer, wider products
-    run faster (32 rows, q/k/v of the embedded model: 38 vs 64 us). The modules and the state
-    dict stay separate, as in the checkpoint. Elsewhere (few rows, other dtypes, autograd,
-    ``torch.compile``) it calls the modules one by one.
+    On the eager oneDNN route (the cpu backend off; every member takes the route, prepacking on)
+    it runs ONE matrix product against the weights concatenated and prepacked together (kept on
+    ``linears[0]``, remade when any weight or bias changes) and returns column views of its
+    output: fewer, wider products run faster (32 rows, q/k/v of the embedded model: 38 vs 64 us).
+    The modules and the state dict stay separate, as in the checkpoint. Elsewhere (the packed
+    route, few rows, other dtypes, autograd, ``torch.compile``) it calls the modules one by one.
     """
     if (torch.compiler.is_compiling() or linears[0].takes_packed(x)
             or not all(lin.prepack and lin.takes_onednn(x) for lin in linears)

@@ -280,7 +280,7 @@ class QwenForCausalLM(nn.Module):
             h = self.model.norm(h)
         return self.lm_head(h)
 
-    # ---- the eager CPU fast path for small batches: the whole forward in one C call ----
+    # ---- the eager CPU path: the whole forward in one C call (see the module docstring) ----
 
     def _native_layer_weights(self) -> Optional[list[tuple[Optional[torch.Tensor], ...]]]:
         """Per layer, the tensors of ``cpu_kernels.DENSE_LAYER_WEIGHTS`` (matrices as the modules'

@@ -332,16 +332,15 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                   slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
                   lm_head: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The whole dense forward of a small fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
+    """The whole dense forward of an fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
 
     ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream).
     ``weight_addresses`` (``addresses(...)``) lists each layer's fp32 tensors (or None) in
-    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``; ``lm_head [vocab, hidden]``
-    too), one
-    layer per entry of ``caches``, which
-    holds each layer's ``(key_cache, value_cache)``, all fp32 with one shape and one set of
-    strides. The caller checks all of that and the attention metadata (as the ops do); the C code
-    checks ``positions32`` against ``rope`` and ``rows`` against T.
+    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``; ``lm_head`` is the packed
+    ``[vocab, hidden]`` weight too), one layer per entry of ``caches``, which holds each layer's
+    ``(key_cache, value_cache)``, all fp32 with one shape and one set of strides. The caller checks
+    all of that and the attention metadata (as the ops do); the C code checks ``positions32``
+    against ``rope`` and ``rows`` against T.
     """
     lib = library()
     T, hidden = h.shape
@@ -355,8 +354,8 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     rows = rows if rows.is_contiguous() else rows.contiguous()
     logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
     status = lib.qwen_dense_forward(
-        weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter, float(eps),
-        float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
+        weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
+        float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
         slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
         seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
         kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),

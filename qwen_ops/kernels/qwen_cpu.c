@@ -528,11 +528,14 @@ void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
 void qwen_pack_panels(const float *w, int64_t N, int64_t K, float *wp) {
     const int64_t P = (N + 31) / 32;
     for (int64_t p = 0; p < P; ++p)
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < 32; ++j) {
-                const int64_t n = p * 32 + j;
-                wp[(p * K + k) * 32 + j] = n < N ? w[n * K + k] : 0.0f;
-            }
+        for (int64_t j = 0; j < 32; ++j) {   /* weight rows read in order; a panel (K x 128 B) stays cached */
+            const int64_t n = p * 32 + j;
+            float *dst = wp + p * K * 32 + j;
+            if (n < N)
+                for (int64_t k = 0; k < K; ++k) dst[k * 32] = w[n * K + k];
+            else
+                for (int64_t k = 0; k < K; ++k) dst[k * 32] = 0.0f;
+        }
 }
 
 #define PANEL_MR 12   /* input rows per block: 24 accumulators + 2 panel vectors + 1 broadcast */
