@@ -63,9 +63,10 @@ def tensor_identity(t: torch.Tensor) -> tuple[int, int]:
 class Linear(nn.Linear):
     """``nn.Linear`` with faster routes for fp32 CPU inputs without autograd.
 
-    Eager, when the ``cpu`` backend is selected and built: the cpu backend's packed-panel product
-    (``cpu.linear_packed``) on a copy of the weight packed on first use (``panels()``), for any
-    row count: 2.7x MKL's sgemv at 1 row on the CPUs measured here, oneDNN's speed from 16 rows.
+    Eager, when the ``cpu`` backend is selected and built and torch runs one intra-op thread (the
+    C code is single-threaded; with more threads, torch's threaded products run): the packed-panel
+    product (``cpu.linear_packed``) on a copy of the weight packed on first use (``panels()``), for
+    any row count: 2.7x MKL's sgemv at 1 row on the CPUs measured here, oneDNN's speed from 16 rows.
     The dense model's one-call forward reads the same packed copy. Otherwise (the cpu backend off,
     or under ``torch.compile``) inputs of at least ``ONEDNN_MIN_ROWS`` rows go to oneDNN, eager on
     its own prepacked copy (a 32-request decode step measured 3.08 vs 3.58 ms with it). Packed
@@ -105,11 +106,13 @@ class Linear(nn.Linear):
 
     def takes_packed(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs ``cpu.linear_packed``: eager, fp32 CPU, 2-D with contiguous rows,
-        no autograd, a contiguous fp32 weight and bias, prepacking on, the cpu backend selected."""
+        no autograd, a contiguous fp32 weight and bias, prepacking on, the cpu backend selected, one
+        intra-op thread (``cpu.packed_products_enabled``)."""
         b = self.bias
         return (self.prepack and x.dim() == 2 and x.stride(-1) == 1 and not torch.is_grad_enabled()
                 and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
-                and (b is None or (b.dtype == torch.float32 and b.is_contiguous())) and cpu_kernels.usable_for(x))
+                and (b is None or (b.dtype == torch.float32 and b.is_contiguous())) and cpu_kernels.usable_for(x)
+                and cpu_kernels.packed_products_enabled())
 
     def takes_onednn(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs on oneDNN (fp32 CPU, 2-D, at least ONEDNN_MIN_ROWS rows, no autograd)."""

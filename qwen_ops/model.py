@@ -258,7 +258,8 @@ class QwenForCausalLM(nn.Module):
             if self._native_caches(kv_caches):
                 self._check_attention_metadata(h.shape[0], positions32, attn, kv_caches)
                 native = attn.max_query_len <= cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
-                if native and h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS:
+                if (native and h.shape[0] <= cpu_kernels.DENSE_FORWARD_MAX_TOKENS
+                        and cpu_kernels.packed_products_enabled()):
                     logits = self._native_forward(h, positions32, attn, kv_caches, logits_indices)
                     if logits is not None:
                         return logits
@@ -319,7 +320,8 @@ class QwenForCausalLM(nn.Module):
         runner calls this at construction, so no request waits for it."""
         with torch.inference_mode():
             probe = self.model.embed_tokens.weight[:1]
-            if use_fused_cpu_kernels(probe) and self._native_caches(kv_caches):
+            if (use_fused_cpu_kernels(probe) and cpu_kernels.packed_products_enabled()
+                    and self._native_caches(kv_caches)):
                 self._native_plan()
 
     def _native_caches(self, kv_caches: list[KVCache]) -> bool:

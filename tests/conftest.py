@@ -1,4 +1,5 @@
-"""Shared pytest setup for qwen_ops: Triton interpreter on CPU-only machines, device and backend fixtures.
+"""Shared pytest setup for qwen_ops: Triton interpreter on CPU-only machines, one intra-op thread,
+device and backend fixtures.
 
 ``TRITON_INTERPRET=1`` must be set before triton (imported lazily by qwen_ops' triton backend)
 builds its kernels, so it is set here, before any test module imports qwen_ops. It is only a
@@ -13,6 +14,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One intra-op thread, as the README's test command sets with OMP_NUM_THREADS=1: the cpu backend's
+# packed products run only then (cpu.packed_products_enabled), and the tests that check they are
+# taken must not depend on how the suite was started. A test wanting more threads sets them itself.
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

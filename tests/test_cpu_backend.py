@@ -534,3 +534,28 @@ def test_the_engine_packs_the_weights_at_construction(tmp_path, monkeypatch):
     r = eng.prefill([5, 6, 7], slot_id=0)
     eng.decode_step(r.next_token, slot_id=0)
     assert packs == [] and len(calls) == 2
+
+
+def test_with_more_threads_the_projections_stay_with_torch(tmp_path, monkeypatch):
+    """The C code is single-threaded: with 2 intra-op threads neither Linear nor the model takes
+    the packed products (torch's threaded ones run), and the logits are the same."""
+    _needs_cpu_kernels()
+    from qwen_tiny import shuffled_block_table
+
+    model = _tiny_dense(tmp_path, "qwen3")
+    table = shuffled_block_table(3, 5)
+    calls = _count_native_calls(monkeypatch)
+    packed = []
+    product = cpu.linear_packed
+    monkeypatch.setattr(cpu, "linear_packed", lambda *a: packed.append(1) or product(*a))
+    want, _ = _run_steps(model, NATIVE_STEPS[:2], table)
+    assert len(calls) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, _ = _run_steps(model, NATIVE_STEPS[:2], table)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 and packed == []
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

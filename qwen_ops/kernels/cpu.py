@@ -254,6 +254,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def packed_products_enabled() -> bool:
+    """Whether eager CPU projections may run this library's packed product (``Linear`` and the
+    one-call forward): with one intra-op thread only (``torch.get_num_threads() == 1``, the setting
+    every number in this repo was measured with). The C code is single-threaded; with more threads
+    torch's threaded oneDNN / BLAS products run instead."""
+    return torch.get_num_threads() == 1
+
+
 def usable_for(t: torch.Tensor) -> bool:
     """Whether eager code may call this module's C helpers on ``t``: an fp32 CPU tensor outside
     torch.compile, with the cpu backend selected for the ops (``QWEN_OPS_BACKEND=reference``
