@@ -198,7 +198,7 @@ def test_packed_route_matches_f_linear_and_follows_the_weight(rows, bias, monkey
     assert calls == [], "the packed route does not call oneDNN"
 
 
-def test_packed_route_leaves_autograd_compile_strided_and_prepack_off_to_the_others():
+def test_packed_route_leaves_autograd_strided_rows_and_prepack_off_to_the_others():
     layer = _layer(True, seed=8)
     with _cpu_backend():
         out = layer(torch.randn(4, 96))                  # grad enabled: F.linear, differentiable
