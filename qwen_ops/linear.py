@@ -90,6 +90,12 @@ class Linear(nn.Linear):
         state["_packed"] = state["_group_packed"] = state["_panels"] = None
         return state
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .cuda() / .half() ...: the packed copies belong to the old tensors; drop them now
+        # rather than keep their memory until the next call notices the new weight.
+        self._packed = self._group_packed = self._panels = None
+        return super()._apply(fn, recurse)
+
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
         key = tensor_identity(w)

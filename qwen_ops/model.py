@@ -394,6 +394,10 @@ class QwenForCausalLM(nn.Module):
         state.pop("_native_cache", None)   # addresses of this instance's tensors
         return state
 
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__.pop("_native_cache", None)   # .to() / .half() ...: the plan's tensors are the old ones
+        return super()._apply(fn, recurse)
+
     def _native_forward(self, h: torch.Tensor, positions32: torch.Tensor, attn: AttentionMetadata,
                         kv_caches: list[KVCache], logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits from ``cpu_kernels.dense_forward`` (the same math as the torch path, with the

@@ -514,6 +514,10 @@ def test_native_plan_follows_weight_writes_replacements_and_copies(tmp_path, mon
     check(twin)
     check(model)
     assert len(calls) == 4
+    model.float()                                   # _apply: the plan and the packed copies go
+    assert "_native_cache" not in model.__dict__ and model.lm_head._panels is None
+    check(model)
+    assert len(calls) == 5
 
 
 def test_the_engine_packs_the_weights_at_construction(tmp_path, monkeypatch):

@@ -212,3 +212,16 @@ def test_packed_route_leaves_autograd_strided_rows_and_prepack_off_to_the_others
             x = torch.randn(6, 96)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
             assert layer._panels is None
+
+
+def test_moving_the_module_drops_its_packed_copies():
+    layer = _layer(True, seed=9)
+    with _cpu_backend(), torch.inference_mode():
+        layer(torch.randn(3, 96))
+    assert layer._panels is not None
+    layer.double()
+    assert layer._panels is None and layer._packed is None
+    x = torch.randn(3, 96, dtype=torch.float64)
+    with _cpu_backend(), torch.inference_mode():       # fp64: F.linear, nothing packed
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._panels is None
