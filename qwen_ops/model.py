@@ -265,8 +265,7 @@ class QwenForCausalLM(nn.Module):
                         return logits
             table = self.model.rotary_emb.cos_sin     # read by position inside the C kernel: check them
             if positions32.numel() and (int(positions32.min()) < 0 or int(positions32.max()) >= table.shape[0]):
-                raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
-                                 f"0 <= position < max_position_embeddings = {table.shape[0]}")
+                raise cpu_kernels.position_error(positions32, table.shape[0])
             cos = sin = None
         else:
             cos, sin = self.model.rotary_emb(positions, h.dtype)

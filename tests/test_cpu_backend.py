@@ -211,8 +211,11 @@ def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, mon
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_forward_rejects_positions_outside_the_rope_table(tmp_path):
+@pytest.mark.parametrize("path_taken", ["one-call", "module-walk"])
+def test_fused_forward_rejects_positions_outside_the_rope_table(path_taken, tmp_path, monkeypatch):
+    """The C code reads the RoPE table by position: both eager CPU paths refuse positions past it."""
     _needs_cpu_kernels()
+    from qwen_ops import model as model_mod
     from qwen_ops.loader import load_checkpoint
     from qwen_tiny import new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
 
@@ -223,8 +226,12 @@ def test_fused_forward_rejects_positions_outside_the_rope_table(tmp_path):
     table = shuffled_block_table(1, 8)
     caches = new_kv_caches(model.config, table.numel() + 1, 4, torch.float32)
     pos, attn, last = step_metadata([(0, 16, 1)], table)       # position 16 of a 16-entry table
+    if path_taken == "module-walk":
+        monkeypatch.setattr(model_mod.QwenForCausalLM, "_native_plan", lambda self: None)
+    calls = _count_native_calls(monkeypatch)
     with torch.inference_mode(), pytest.raises(ValueError, match="max_position_embeddings = 16"):
         model(torch.tensor([3]), pos, attn, caches, last)
+    assert len(calls) == (1 if path_taken == "one-call" else 0)
 
 
 def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypatch):

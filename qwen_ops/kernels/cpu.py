@@ -330,6 +330,12 @@ DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias"
                        "post_norm", "gate", "up", "down")
 
 
+def position_error(positions32: torch.Tensor, table_rows: int) -> ValueError:
+    """The error for positions outside the RoPE table ``[0, table_rows)`` that the C code reads by position."""
+    return ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
+                      f"0 <= position < max_position_embeddings = {table_rows}")
+
+
 def addresses(tensors) -> torch.Tensor:
     """int64 tensor of the tensors' data pointers (0 for None), for C code taking address tables."""
     return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
@@ -369,8 +375,7 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
         kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
         lm_head.data_ptr(), vocab, logits.data_ptr())
     if status == -2:
-        raise ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
-                         f"0 <= position < max_position_embeddings = {rope.shape[0]}")
+        raise position_error(positions32, rope.shape[0])
     if status == -3:
         raise IndexError(f"logits_indices span [{int(rows.min())}, {int(rows.max())}], expected rows of "
                          f"the batch, 0 <= index < {T}")
