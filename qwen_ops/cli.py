@@ -3,11 +3,15 @@
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
     qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
+
+An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
+``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -45,17 +49,15 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    updates = llm.stream([args.prompt], params)    # a bad prompt raises here, before any output
     out = sys.stdout
     out.write(args.prompt)
     out.flush()
-    start = time.perf_counter()
     first: Optional[float] = None
     shown = ""
     n_tokens = 0
-    for update in llm.stream([args.prompt], params):
-        if update.error:
-            print(f"\nerror: {update.error}", file=sys.stderr)
-            return 2
+    for update in updates:
         first = first or time.perf_counter()
         text = update.outputs[0].text
         out.write(text[len(shown):])
@@ -82,9 +84,17 @@ def _percentiles(values: Sequence[float]) -> str:
     return f"{1000 * qs[49]:.1f} / {1000 * qs[89]:.1f} / {1000 * qs[98]:.1f}"
 
 
+def _check_at_least_one(args: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value < 1:
+            raise ValueError(f"{flag} = {value}, expected >= 1")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from qwen_ops.sampling import SamplingParams
 
+    _check_at_least_one(args, "--num-requests", "--prompt-len", "--output-len")
     llm = _llm(args)
     rng = random.Random(args.seed)
     vocab = llm.engine.vocab_size
@@ -94,8 +104,11 @@ def _bench(args: argparse.Namespace) -> int:
     first_token: dict[str, float] = {}
     token_times: dict[str, list[float]] = {}
     done = 0
+    # LLM.stream validates every prompt (e.g. one too long for --max-model-len) here and raises
+    # ValueError, which main() reports before any other output.
+    updates = llm.stream(prompts, params)
     _progress(0, args.num_requests)
-    for update in llm.stream(prompts, params):
+    for update in updates:
         now = time.perf_counter()
         rid = update.request_id
         if update.new_token_ids:
@@ -106,8 +119,11 @@ def _bench(args: argparse.Namespace) -> int:
             _progress(done, args.num_requests)
     elapsed = time.perf_counter() - start
     sys.stderr.write("\n")
-    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
     total_out = sum(len(t) for t in token_times.values())
+    if total_out == 0:
+        raise RuntimeError(f"no tokens were generated for {args.num_requests} requests, "
+                           "so there is no throughput to report")
+    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
     stats = llm.stats()
     rows = [
         ("requests", f"{args.num_requests} x ({args.prompt_len} prompt + {args.output_len} output tokens)"),
@@ -127,8 +143,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEBUG_HELP = "on an error, raise it with its traceback instead of printing one line (also: QWEN_OPS_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-ops", description="Slot-indexed Qwen inference on torch.ops.qwen.*")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion of a prompt",
                        description="Stream a completion of PROMPT, then print tokens/s.")
@@ -140,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help="serve synthetic requests and print latency/throughput",
                        description="Run N synthetic greedy requests through the scheduler and print a table.")
@@ -148,17 +169,36 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--output-len", type=int, default=64)
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     b.set_defaults(func=_bench)
     return parser
+
+
+def _debug_env() -> bool:
+    # The same switch as qwen_ops.backend.debug_checks_enabled, read without importing torch.
+    return os.environ.get("QWEN_OPS_DEBUG", "0") not in ("", "0")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    if isinstance(e, (ValueError, FileNotFoundError, RuntimeError)) and text:
+        return text
+    # Anything else is unexpected here: name the type and point at --debug.
+    return f"{type(e).__name__}{': ' + text if text else ''} (--debug shows the traceback)"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or _debug_env():
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, (ValueError, FileNotFoundError)) else 1
 
 
 if __name__ == "__main__":

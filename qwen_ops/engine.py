@@ -70,6 +70,11 @@ class SwappedSlot:
     seq_len: int
     blocks: list[tuple[torch.Tensor, torch.Tensor]]   # per layer, as ModelRunner.copy_out returns
 
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the copy."""
+        return sum(a.nbytes + b.nbytes for a, b in self.blocks)
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -258,20 +263,28 @@ class QwenEngine:
         """Copy the slot's KV to host memory and free its blocks (the slot keeps no sequence)."""
         with self._lock:
             s = self._slots[slot_id]
-            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks))
+            # Only the blocks that hold tokens: a slot may have reserved room for a step it never ran.
+            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks[:self._blocks_for(s.seq_len)]))
             self._release_blocks(slot_id)
             s.active, s.seq_len = False, 0
             return saved
 
-    def swap_in(self, slot_id: int, saved: SwappedSlot) -> bool:
-        """Restore a swapped sequence into ``slot_id``; False (and no change) if blocks are short."""
+    def swap_out_nbytes(self, slot_id: int) -> int:
+        """Host bytes that ``swap_out(slot_id)`` would take, without copying anything."""
+        return self.runner.host_copy_nbytes(self._blocks_for(self._slots[self._check_slot(slot_id)].seq_len))
+
+    def swap_in(self, slot_id: int, saved: SwappedSlot, n_tokens: int = 0) -> bool:
+        """Restore a swapped sequence into ``slot_id`` with blocks for ``max(saved.seq_len, n_tokens)``
+        tokens (room for its next step); False (and no change) if blocks are short."""
         with self._lock:
-            s = self._slots[slot_id]
+            s = self._slots[self._check_slot(slot_id)]
             if s.active or s.blocks:
                 raise ValueError(f"slot_id = {slot_id} holds a sequence; swap_in needs an empty slot")
-            if not self.reserve(slot_id, saved.seq_len):
+            if self._blocks_for(max(saved.seq_len, n_tokens)) > self.allocator.num_free:
                 return False
+            self.reserve(slot_id, saved.seq_len)
             self.runner.copy_in(slot_id, s.blocks, saved.blocks)
+            self.reserve(slot_id, max(saved.seq_len, n_tokens))
             s.active, s.seq_len = True, saved.seq_len
             return True
 

@@ -249,6 +249,15 @@ class ModelRunner:
                 else (a[slot].to("cpu"), b[slot].to("cpu"))
                 for kind, (a, b) in zip(self.layer_kinds, self.kv_caches)]
 
+    def host_copy_nbytes(self, num_blocks: int) -> int:
+        """Bytes that ``copy_out`` of a slot holding ``num_blocks`` blocks puts in host memory."""
+        total = 0
+        for kind, (a, b) in zip(self.layer_kinds, self.kv_caches):
+            for t in (a, b):
+                row = t[0].numel() * t.element_size()      # one block (attention) or one slot's state
+                total += row * (num_blocks if kind == "attention" else 1)
+        return total
+
     def copy_in(self, slot: int, blocks: Sequence[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Inverse of ``copy_out``, into (possibly different) ``blocks`` and ``slot``."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)

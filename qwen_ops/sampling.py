@@ -17,12 +17,19 @@ import torch
 from qwen_ops.kernels import cpu as cpu_kernels
 
 
+# The seeds torch.Generator.manual_seed accepts (an int64 or a uint64): [SEED_MIN, SEED_END).
+SEED_MIN = -2 ** 63
+SEED_END = 2 ** 64
+
+
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     """How to pick tokens. Defaults follow vLLM (temperature 1.0, 16 new tokens).
 
     ``max_new_tokens`` is also accepted as vLLM's ``max_tokens``. ``temperature == 0`` is greedy.
-    ``top_k`` <= 0 and ``top_p == 1`` disable those filters.
+    ``top_k`` of -1 or 0 (stored as -1) and ``top_p == 1`` disable those filters; as in vLLM, a
+    ``top_k`` below -1 is an error. ``seed`` must fit ``torch.Generator.manual_seed``: an int in
+    [-2**63, 2**64).
     """
 
     max_new_tokens: int = 16
@@ -45,12 +52,13 @@ class SamplingParams:
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature = {temperature!r}, expected a finite number >= 0 (0 = greedy)")
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise ValueError(f"top_k = {top_k!r}, expected an int (<= 0 disables it)")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise ValueError(f"top_k = {top_k!r}, expected -1 or 0 (off) or an int >= 1")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p = {top_p!r}, expected a number in (0, 1]")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed = {seed!r}, expected an int or None")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not SEED_MIN <= seed < SEED_END):
+            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**64) or None")
         stops = tuple(stop_token_ids)
         for i, t in enumerate(stops):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:

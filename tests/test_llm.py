@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 
 import pytest
+import torch
 
 from qwen_ops.engine import QwenEngine
 from qwen_ops.llm import LLM
@@ -141,17 +144,166 @@ def test_generate_rejects_bad_sampling_lists(ckpt):
         llm.generate([[1], [2]], [GREEDY, "greedy"])
 
 
-def test_stream_reports_a_bad_request_alone(ckpt, prompts, expected):
+@pytest.mark.parametrize("method", ["generate", "stream"])
+@pytest.mark.parametrize("prompts, params, match", [
+    ([[1], [2], [3]], [GREEDY], r"sampling_params has 1 entries, expected one per prompt \(3\)"),
+    ([[5], []], GREEDY, r"prompts\[1\] is empty"),
+    ([[5], None], GREEDY, r"prompts\[1\] = None"),
+    (None, GREEDY, r"prompts = None"),
+    ([[5], [6]], [GREEDY, "greedy"], r"sampling_params\[1\]"),
+    ([[5]], "greedy", r"sampling_params = 'greedy'"),
+    (torch.ones(2, 2, 2, dtype=torch.long), GREEDY, r"shape \(2, 2, 2\)"),
+    ([torch.tensor([1.0, 2.0])], GREEDY, r"prompts\[0\] is a torch.float32 tensor"),
+])
+def test_generate_and_stream_validate_identically(ckpt, method, prompts, params, match):
+    """One validation for both: a bad request raises before anything is queued (stream: at the call)."""
     llm = make_llm(ckpt, max_num_seqs=4)
-    updates = list(llm.stream([prompts[0], [], prompts[1]], GREEDY))
-    errors = [u for u in updates if u.error]
-    assert len(errors) == 1 and "prompts[1]" in errors[0].error and errors[0].outputs[0].finish_reason == "error"
-    final = {u.request_id: u for u in updates if u.finished and not u.error}
-    assert sorted(o.outputs[0].token_ids for o in final.values()) == sorted([expected[0], expected[1]])
-    streamed: dict[str, list[int]] = {}
-    for u in updates:
-        streamed.setdefault(u.request_id, []).extend(u.new_token_ids)
-    assert all(streamed[rid] == u.outputs[0].token_ids for rid, u in final.items())
+    with pytest.raises(ValueError, match=match):
+        getattr(llm, method)(prompts, params)
+    s = llm.stats()
+    assert s["num_waiting"] == s["num_running"] == 0 and s["free_blocks"] == s["total_blocks"]
+
+
+def test_adding_a_batch_is_all_or_nothing(ckpt, prompts, expected, monkeypatch):
+    """A failure while queueing request 3 of 4 leaves none of them queued; later calls are clean."""
+    llm = make_llm(ckpt, max_num_seqs=4)
+    real_add = llm.scheduler.add_request
+    calls = []
+
+    def failing_add(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_add(*args, **kw)
+
+    monkeypatch.setattr(llm.scheduler, "add_request", failing_add)
+    for method in ("generate", "stream"):
+        calls.clear()
+        with pytest.raises(RuntimeError, match="injected"):
+            list(getattr(llm, method)(prompts[:4], GREEDY))
+        s = llm.stats()
+        assert s["num_waiting"] == s["num_running"] == 0 and s["free_blocks"] == s["total_blocks"]
+    monkeypatch.undo()
+    outs = llm.generate(prompts[4:6], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[4:6]
+    assert llm.stats()["num_waiting"] == 0
+
+
+def test_tensor_prompts(ckpt, prompts, expected):
+    """A 1-D tensor is one prompt; a list of tensors, or a 2-D tensor's rows, are several."""
+    llm = make_llm(ckpt, max_num_seqs=4)
+    one = llm.generate(torch.tensor(prompts[0]), GREEDY)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == expected[0]
+    many = llm.generate([torch.tensor(p) for p in prompts[:2]], GREEDY)
+    assert [o.outputs[0].token_ids for o in many] == expected[:2]
+    same_len = [p for p in prompts if len(p) == len(prompts[0])][:2]
+    rows = llm.generate(torch.tensor(same_len), GREEDY)
+    assert [o.prompt_token_ids for o in rows] == same_len
+
+
+def test_stream_with_a_bad_request_runs_nothing(ckpt, prompts):
+    llm = make_llm(ckpt, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        llm.stream([prompts[0], [], prompts[1]], GREEDY)
+    assert llm.stats()["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=0), r"block_size = 0, expected an int >= 1"),
+    (dict(max_num_seqs=0), r"max_num_seqs = 0, expected an int >= 1"),
+    (dict(max_num_seqs=2.5), r"max_num_seqs = 2.5"),
+    (dict(max_model_len=1), r"max_model_len = 1, expected an int >= 2"),
+    (dict(num_kv_blocks=0), r"num_kv_blocks = 0"),
+    (dict(max_num_batched_tokens=0), r"max_num_batched_tokens = 0"),
+    (dict(kv_cache_bytes=-1), r"kv_cache_bytes = -1"),
+    (dict(swap_space=-5), r"swap_space = -5, expected an int >= 0"),
+    (dict(preemption_mode="evict"), r"preemption_mode = 'evict'"),
+    (dict(check_invariants="yes"), r"check_invariants = 'yes'"),
+    (dict(compile="no"), r"compile = 'no'"),
+    (dict(decode_buckets=[1, 0]), r"decode_buckets\[1\] = 0"),
+    (dict(backend="xla"), r"backend = 'xla'"),
+    (dict(device="tpu"), r"device = 'tpu'"),
+    (dict(device="cuda"), r"device = 'cuda', but"),
+    (dict(dtype="float64"), r"dtype = 'float64'"),
+    (dict(model=3), r"model = 3"),
+])
+def test_constructor_arguments_are_validated_by_name(ckpt, kwargs, match):
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is available here")
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", ckpt)
+    with pytest.raises(ValueError, match=match):
+        LLM(model, max_model_len=kwargs.pop("max_model_len", 64), **kwargs)
+
+
+def test_swap_space_full_falls_back_to_recompute(ckpt, prompts, expected):
+    llm = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32, preemption_mode="swap",
+                   swap_space=0)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and s["num_swaps_out"] == 0
+    assert s["num_swap_full_recomputes"] == s["num_preemptions"] and s["swap_space_bytes"] == 0
+
+
+def test_swap_space_is_bounded(ckpt, prompts, expected):
+    """Room for one swapped request's copy at a time: some swaps, some recomputes, same tokens."""
+    probe = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32)
+    one_block = probe.engine.runner.host_copy_nbytes(1)
+    llm = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32, preemption_mode="swap",
+                   swap_space=4 * one_block)
+    peak = 0
+    reqs = [llm.add_request(p, GREEDY) for p in prompts]
+    while llm.has_unfinished_requests():
+        llm.step()
+        peak = max(peak, llm.stats()["swap_bytes_used"])
+    assert 0 < peak <= 4 * one_block
+    s = llm.stats()
+    assert s["num_swaps_out"] > 0 and s["num_swap_full_recomputes"] > 0 and s["swap_bytes_used"] == 0
+    got = {str(r): req.output_token_ids for r, req in llm.scheduler.requests.items()}
+    assert [got[r] for r in reqs] == expected
+
+
+def test_default_swap_space_is_a_share_of_host_memory(ckpt):
+    from qwen_ops.llm import default_swap_space_bytes
+
+    llm = make_llm(ckpt, preemption_mode="swap")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert llm.stats()["swap_space_bytes"] == default_swap_space_bytes() == min(4 << 30, host // 4)
+
+
+def test_threads_share_one_llm(ckpt, prompts, expected):
+    """4 threads calling one LLM at once (generate and stream) each get their own, correct outputs."""
+    llm = make_llm(ckpt, max_num_seqs=4, num_kv_blocks=24, max_num_batched_tokens=16)
+    jobs = [prompts[0:3], prompts[3:5], prompts[5:8], prompts[8:10]]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            if k % 2:
+                final = {}
+                for u in llm.stream(jobs[k], GREEDY):
+                    final[u.request_id] = u.outputs[0].token_ids
+                results[k] = list(final.values())
+            else:
+                results[k] = [o.outputs[0].token_ids for o in llm.generate(jobs[k], GREEDY)]
+        except BaseException as e:          # reported below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    sequential = [expected[0:3], expected[3:5], expected[5:8], expected[8:10]]
+    assert [sorted(results[k]) for k in range(len(jobs))] == [sorted(x) for x in sequential]
+    assert [results[k] for k in (0, 2)] == [sequential[0], sequential[2]]     # generate keeps prompt order
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["num_running"] == s["num_waiting"] == 0
 
 
 def test_kv_budget_too_small_for_one_sequence(ckpt):
