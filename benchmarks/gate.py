@@ -27,23 +27,68 @@ from pathlib import Path
 
 import torch
 
-# Floors the CI gate enforces: regression guards set below what this code measures on the 2-core
-# CI machines, NOT the issue targets (which benchmarks/README.md lists, with the measured values
-# and why some are out of reach on the CPU).
-THRESHOLDS = {
-    # The eager CPU decode step is one C call (cpu.dense_forward on packed weights); the compiled
-    # step runs Inductor's code around MKL and the qwen ops: 0.29-0.50 measured. A loose guard.
-    "compiled_vs_eager_decode": 0.15,
-    "batched_vs_loop_decode": 4.0,       # 6.5-7.2 measured (full and --short)
-    "generate_vs_transformers": 1.8,     # 2.3-2.7
-    "single_vs_transformers": 2.5,       # 3.6-4.8
-    # full mode only: LLM(compile=True)
-    "generate_vs_transformers_compiled": 1.2,   # 1.7-1.9
-    "single_vs_transformers_compiled": 1.0,     # 1.4-1.8
+# Floors the CI gate enforces, per CPU vendor: regression guards set below what this code
+# measures on each kind of 2-core machine here, NOT the issue targets (benchmarks/README.md lists
+# those, with the measured values). The vendors differ most where the weights stream: the AMD
+# EPYC VMs keep the embedded model's 16.5 MB of packed weights in a large L3, the Intel Xeon VMs
+# read them from DRAM, so the batch-1 step is 0.40-0.51 ms there against about 1.0 ms here.
+# Each floor still fails the regressions that matter: with the native CPU forward off (the torch
+# path), the generate ratios measure about 1x on both (benchmarks/README.md).
+THRESHOLDS_BY_VENDOR = {
+    "AuthenticAMD": {
+        # The eager CPU decode step is one C call (cpu.dense_forward on packed weights); the
+        # compiled step runs Inductor's code around MKL and the qwen ops: 0.29-0.50. A loose guard.
+        "compiled_vs_eager_decode": 0.15,
+        "batched_vs_loop_decode": 4.0,       # 6.5-7.2 measured (full and --short)
+        "generate_vs_transformers": 1.8,     # 2.3-2.7
+        "single_vs_transformers": 2.5,       # 3.6-4.8
+        # full mode only: LLM(compile=True)
+        "generate_vs_transformers_compiled": 1.2,   # 1.7-1.9
+        "single_vs_transformers_compiled": 1.0,     # 1.4-1.8
+    },
+    "GenuineIntel": {                        # two Xeon VMs (AVX-512, no AMX), 2026-11-30
+        "compiled_vs_eager_decode": 0.15,    # 0.47-0.52
+        "batched_vs_loop_decode": 4.0,       # 7.6-8.6
+        "generate_vs_transformers": 1.25,    # 1.46-1.92; 0.80 with the native forward off
+        "single_vs_transformers": 1.8,       # 2.41-4.10; 0.79 with the native forward off
+        "generate_vs_transformers_compiled": 0.9,   # 1.25-1.31
+        "single_vs_transformers_compiled": 1.0,     # 1.88-1.92
+    },
 }
 # Without a C compiler the cpu backend (its packed products, its one-call forward) is off and the
-# engine runs torch ops: the floors of that build, as measured before the native kernels.
-THRESHOLDS_WITHOUT_CPU_KERNELS = {name: 0.8 for name in THRESHOLDS} | {"batched_vs_loop_decode": 7.0}
+# engine runs torch ops: the floors of that build (AMD measured ~1x before the native kernels,
+# Intel 0.79-0.80).
+THRESHOLDS_WITHOUT_CPU_KERNELS = {name: 0.6 for name in THRESHOLDS_BY_VENDOR["AuthenticAMD"]} | {
+    "batched_vs_loop_decode": 7.0}
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (AuthenticAMD, GenuineIntel, ...), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown model"
+
+
+def thresholds_for(vendor: str) -> dict[str, float]:
+    """The vendor's floors; a CPU not measured here gets the lowest floor of any vendor."""
+    if vendor in THRESHOLDS_BY_VENDOR:
+        return THRESHOLDS_BY_VENDOR[vendor]
+    names = THRESHOLDS_BY_VENDOR["AuthenticAMD"]
+    return {n: min(t[n] for t in THRESHOLDS_BY_VENDOR.values()) for n in names}
 
 
 def _median_interleaved(fns: dict, reps: int) -> dict[str, float]:
@@ -198,7 +243,9 @@ def main(argv=None) -> int:
 
     from qwen_ops.kernels import cpu
 
-    thresholds = THRESHOLDS
+    vendor = cpu_vendor()
+    thresholds = thresholds_for(vendor)
+    print(f"CPU: {vendor} ({_cpu_model()}); floors for {vendor if vendor in THRESHOLDS_BY_VENDOR else 'an unmeasured CPU'}")
     if cpu.why_unavailable() is not None:
         print(f"note: cpu backend unavailable ({cpu.why_unavailable()}): torch-path floors", file=sys.stderr)
         thresholds = THRESHOLDS_WITHOUT_CPU_KERNELS

@@ -30,6 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--swap-space", type=int, default=None,
+                   help="bytes of host memory for swapped KV (default: a quarter of RAM, at most 4 GiB)")
 
 
 def _llm(args: argparse.Namespace):
@@ -37,7 +39,7 @@ def _llm(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               preemption_mode=args.preemption_mode)
+               preemption_mode=args.preemption_mode, swap_space=args.swap_space)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -134,6 +136,7 @@ def _bench(args: argparse.Namespace) -> int:
         ("ITL p50/p90/p99", _percentiles(itl) + " ms"),
         ("preemptions", str(stats["num_preemptions"])),
         ("swaps out / in", f"{stats['num_swaps_out']} / {stats['num_swaps_in']}"),
+        ("recomputes: swap full", str(stats["num_swap_full_recomputes"])),
         ("mean batch size", f"{stats['mean_batch_size']:.1f}"),
         ("iterations", str(stats["num_iterations"])),
     ]

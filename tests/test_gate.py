@@ -1,0 +1,47 @@
+"""benchmarks/gate.py: per-vendor floors, and the lowest floors for a CPU not measured here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+GATE = Path(__file__).resolve().parent.parent / "benchmarks" / "gate.py"
+
+
+@pytest.fixture(scope="module")
+def gate():
+    spec = importlib.util.spec_from_file_location("qwen_ops_gate", GATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_vendor_has_every_floor(gate):
+    names = {frozenset(t) for t in gate.THRESHOLDS_BY_VENDOR.values()}
+    assert len(names) == 1 and set(gate.THRESHOLDS_WITHOUT_CPU_KERNELS) == set(next(iter(names)))
+    assert {"AuthenticAMD", "GenuineIntel"} <= set(gate.THRESHOLDS_BY_VENDOR)
+
+
+def test_unmeasured_cpu_gets_the_lowest_floor_of_each_ratio(gate):
+    low = gate.thresholds_for("SomeOtherVendor")
+    amd, intel = gate.thresholds_for("AuthenticAMD"), gate.thresholds_for("GenuineIntel")
+    assert low == {k: min(amd[k], intel[k]) for k in amd}
+    assert low["generate_vs_transformers"] == intel["generate_vs_transformers"] < amd["generate_vs_transformers"]
+
+
+def test_floors_stay_above_the_torch_path(gate):
+    """A floor below what the engine gets without its native CPU forward would not catch that regression."""
+    for vendor, floors in gate.THRESHOLDS_BY_VENDOR.items():
+        for name in ("generate_vs_transformers", "single_vs_transformers"):
+            assert floors[name] > 1.0, (vendor, name)
+
+
+def test_cpu_vendor_reads_proc_cpuinfo(gate):
+    vendor = gate.cpu_vendor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        assert f"vendor_id\t: {vendor}" in cpuinfo.read_text() or vendor == "unknown"
+    else:
+        assert vendor == "unknown"
