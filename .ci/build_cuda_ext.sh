@@ -56,7 +56,7 @@ cd "$WORK"  # outside the source tree: import the installed package, not the cop
 import torch
 import qwen_ops
 import qwen_ops._qwen_C as ext
-from qwen_ops.kernels import cuda as cuda_kernels
+from qwen_ops.ops.kernels import cuda as cuda_kernels
 
 assert "site-packages" in qwen_ops.__file__, qwen_ops.__file__
 print("loaded", ext.__file__)

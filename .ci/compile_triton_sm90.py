@@ -1,4 +1,4 @@
-"""CI check: every Triton kernel of qwen_ops/kernels/triton.py and triton_linear.py compiles for sm_90
+"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py and triton_gated_delta.py compiles for sm_90
 without a GPU.
 
 The kernel configurations come from the launchers' own launch plans
@@ -27,8 +27,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qwen_ops.kernels import triton as qt  # noqa: E402
-from qwen_ops.kernels import triton_linear as ql  # noqa: E402
+from qwen_ops.ops.kernels import triton as qt  # noqa: E402
+from qwen_ops.ops.kernels import triton_gated_delta as ql  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_ops.defaults import default_model_path
-from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-from qwen_ops.llm import LLM
-from qwen_ops.sampling import SamplingParams
+from qwen_ops.models.defaults import default_model_path
+from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+from qwen_ops.serving.llm import LLM
+from qwen_ops.engine.sampling import SamplingParams
 
 MODEL = default_model_path()
 BATCH = 32

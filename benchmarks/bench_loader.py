@@ -43,7 +43,7 @@ def status_kib(key):  # VmRSS: resident now; VmHWM: peak resident since exec
             return int(line.split()[1])
 
 import torch
-import qwen_ops.loader as loader
+import qwen_ops.models.loader as loader
 base = status_kib("VmRSS")
 t0 = time.perf_counter()
 model = loader.load_model(sys.argv[1], sys.argv[2], "cpu")
@@ -72,8 +72,8 @@ def synthetic_config(size_mb: int, dtype: torch.dtype) -> dict:
 def write_synthetic_checkpoint(path: Path, size_mb: int = 1024, dtype: torch.dtype = torch.float32,
                                shards: int = 1) -> int:
     """Write config.json and random safetensors weights (``shards`` files); returns the weight bytes."""
-    from qwen_ops.config import QwenConfig
-    from qwen_ops.model import QwenForCausalLM
+    from qwen_ops.models.config import QwenConfig
+    from qwen_ops.models.dense import QwenForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     config_dict = synthetic_config(size_mb, dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_ops.backend import why_unavailable
+from qwen_ops.ops.backend import why_unavailable
 
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 

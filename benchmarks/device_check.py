@@ -65,7 +65,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
 
 def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     import qwen_ops
-    from qwen_ops.backend import why_unavailable
+    from qwen_ops.ops.backend import why_unavailable
 
     if smoke:
         batch, ctx, heads, kv_heads, head_dim, block = 2, 64, 4, 2, 32, 16
@@ -116,7 +116,7 @@ def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -
             bw = nbytes / t
             say(f"| {name} | {backend} | {shape} | {t * 1e6:.1f} | {bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
     # The faster GPU backend per op and phase: what QWEN_OPS_BACKEND=auto should use
-    # (copy into qwen_ops/backend_choice.json after review).
+    # (copy into qwen_ops/ops/backend_choice.json after review).
     gpu = {b: t for b, t in times.items() if b in ("triton", "cuda")}
     if len(gpu) == 2:
         import json
@@ -131,7 +131,7 @@ def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -
 def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     """gated_delta_rule / causal_conv1d decode at Qwen3.5 shapes: bandwidth on the state bytes."""
     import qwen_ops
-    from qwen_ops.backend import why_unavailable
+    from qwen_ops.ops.backend import why_unavailable
 
     seqs, kh, vh, dk, dv, conv_dim = (2, 2, 4, 16, 16, 64) if smoke else (64, 16, 32, 128, 128, 8192)
     dtype = torch.bfloat16
@@ -171,9 +171,9 @@ def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) 
     import json
     import tempfile
 
-    from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-    from qwen_ops.llm import LLM
-    from qwen_ops.sampling import SamplingParams
+    from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+    from qwen_ops.serving.llm import LLM
+    from qwen_ops.engine.sampling import SamplingParams
     from safetensors.torch import save_file
 
     # Qwen3-0.6B shape (random weights): 28 layers, hidden 1024, 16/8 heads of 128, MLP 3072, vocab 151936.
@@ -188,8 +188,8 @@ def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) 
     vocab = shape["vocab_size"]
     tmp = Path(tempfile.mkdtemp(prefix="qwen3_06b_shape_"))
     (tmp / "config.json").write_text(json.dumps(cfg))
-    from qwen_ops.config import QwenConfig
-    from qwen_ops.model import QwenForCausalLM
+    from qwen_ops.models.config import QwenConfig
+    from qwen_ops.models.dense import QwenForCausalLM
 
     with torch.device("meta"):
         skeleton = QwenForCausalLM(QwenConfig.from_pretrained(tmp))
@@ -262,7 +262,7 @@ def main() -> int:
         if proc.returncode:
             say("```\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]) + "\n```")
     if not args.skip_tests and not args.smoke:
-        tests = ["tests/test_ops.py", "tests/test_ops_linear.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py",
+        tests = ["tests/test_ops.py", "tests/test_ops_gated_delta.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py",
                  "tests/test_engine.py", "-k", "not emulated"]
         say(f"\n## GPU tests: pytest {' '.join(tests)}")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests], cwd=ROOT,

@@ -117,8 +117,8 @@ def _median_blocked(fns: dict, reps: int, block: int = 10) -> dict[str, float]:
 
 
 def compiled_vs_eager(path: Path, steps: int) -> dict:
-    from qwen_ops.engine import QwenEngine
-    from qwen_ops.loader import load_checkpoint
+    from qwen_ops.engine.engine import QwenEngine
+    from qwen_ops.models.loader import load_checkpoint
 
     # One model (one copy of the weights) under both engines: steps of the two are interleaved,
     # and two weight copies would evict each other from the cache, measuring the cache, not the step.
@@ -144,8 +144,8 @@ def compiled_vs_eager(path: Path, steps: int) -> dict:
 
 
 def batched_vs_loop(path: Path, n_requests: int, steps: int) -> dict:
-    from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-    from qwen_ops.sampling import SamplingParams
+    from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+    from qwen_ops.engine.sampling import SamplingParams
 
     eng = QwenEngine.from_pretrained(path, max_slots=2 * n_requests, max_seq_len=512, compile=False)
     sp = SamplingParams(temperature=0.0, max_new_tokens=10_000, ignore_eos=True)
@@ -170,8 +170,8 @@ def batched_vs_loop(path: Path, n_requests: int, steps: int) -> dict:
 def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_tokens: int, compile: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from qwen_ops.llm import LLM
-    from qwen_ops.sampling import SamplingParams
+    from qwen_ops.serving.llm import LLM
+    from qwen_ops.engine.sampling import SamplingParams
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("warning: set OMP_NUM_THREADS=1; timings with more threads are erratic here", file=sys.stderr)
-    from qwen_ops.defaults import default_model_path
+    from qwen_ops.models.defaults import default_model_path
 
     path = args.model or default_model_path()
     short = args.short
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
         results["generate_vs_transformers_compiled"] = gen["batch"]
         results["single_vs_transformers_compiled"] = gen["single"]
 
-    from qwen_ops.kernels import cpu
+    from qwen_ops.ops.kernels import cpu
 
     vendor = cpu_vendor()
     thresholds = thresholds_for(vendor)

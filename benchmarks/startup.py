@@ -21,8 +21,8 @@ def main() -> int:
     args = parser.parse_args()
     import torch._dynamo
 
-    from qwen_ops.defaults import default_model_path
-    from qwen_ops.engine import QwenEngine
+    from qwen_ops.models.defaults import default_model_path
+    from qwen_ops.engine.engine import QwenEngine
 
     eng = QwenEngine.from_pretrained(args.model or default_model_path(), max_slots=4, max_seq_len=256,
                                      compile=True, decode_buckets=[1, 4])
@@ -30,7 +30,7 @@ def main() -> int:
     tok = eng.prefill([3, 4, 5, 6], slot_id=0).next_token
     eng.decode_step(tok, slot_id=0)                    # compiles the batch-1 graph
     eng.prefill([7, 8], slot_id=1)
-    from qwen_ops.runner import SeqChunk
+    from qwen_ops.engine.runner import SeqChunk
     eng.reserve(0, eng.slot_seq_len(0) + 1)
     eng.reserve(1, eng.slot_seq_len(1) + 1)
     eng.execute([SeqChunk(0, [tok], eng.slot_seq_len(0)), SeqChunk(1, [tok], eng.slot_seq_len(1))])  # bucket 4

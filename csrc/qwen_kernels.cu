@@ -1,4 +1,4 @@
-// nvcc entry point of the CUDA kernels: launches the device code of qwen_kernels.cuh and qwen_linear_kernels.cuh on a stream.
+// nvcc entry point of the CUDA kernels: launches the device code of qwen_kernels.cuh and qwen_gated_delta_kernels.cuh on a stream.
 //
 // Only CUDA headers are included here (no torch), so this file compiles quickly; qwen_ops.cpp
 // turns tensors into the parameter structs of qwen_kernels.h and calls the launchers below.
@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "qwen_kernels.cuh"
-#include "qwen_linear_kernels.cuh"
+#include "qwen_gated_delta_kernels.cuh"
 
 namespace qwen_cuda {
 namespace {

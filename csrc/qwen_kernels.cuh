@@ -1,7 +1,7 @@
 // Device code of torch.ops._qwen_C (DESIGN.md section 3), shared by two includers:
 //
 //   qwen_kernels.cu              compiles it with nvcc and launches with <<<>>> on a CUDA stream;
-//   emulation/simt_emulator.cpp  compiles the same source with g++ over a small SIMT shim (one
+//   tests/emulation/simt_emulator.cpp  compiles the same source with g++ over a small SIMT shim (one
 //                                std::thread per CUDA thread, barriers for __syncthreads and warp
 //                                shuffles), so tests/test_cuda_ext.py can run these kernels on a
 //                                machine without a GPU.

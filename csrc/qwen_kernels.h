@@ -1,7 +1,7 @@
 // Launch parameters, tiling constants and launch plans of the CUDA kernels (qwen_kernels.cuh).
 //
 // Plain C++ with neither torch nor CUDA headers: qwen_kernels.cu (nvcc), qwen_ops.cpp (torch)
-// and the host emulator in emulation/ all include it. Strides are in elements. Index tensors are
+// and the host emulator in tests/emulation/ all include it. Strides are in elements. Index tensors are
 // int32, as DESIGN.md section 3 states.
 #pragma once
 
@@ -138,7 +138,7 @@ inline bool rows_aligned16(const void* data, const int64_t* sizes, const int64_t
   return true;
 }
 
-// ---- Hybrid-model state ops (qwen_linear_kernels.cuh) ---------------------------------------------
+// ---- Hybrid-model state ops (qwen_gated_delta_kernels.cuh) ---------------------------------------------
 // causal_conv1d: one thread per channel; a block covers kConvTokens tokens of one sequence x
 // kConvThreads channels. Token blocks are numbered over the batch: block b of sequence s has id
 // query_start_loc[s] / kConvTokens + s + b, so the grid (num_tokens / kConvTokens + num_seqs)

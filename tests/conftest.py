@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from qwen_ops.backend import why_unavailable  # noqa: E402
+from qwen_ops.ops.backend import why_unavailable  # noqa: E402
 
 # Every concrete backend; the fixture below skips those that cannot run here, with the reason.
 BACKENDS = ("reference", "cpu", "triton", "cuda")

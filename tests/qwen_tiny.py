@@ -3,7 +3,7 @@
 ``save_tiny_checkpoint`` builds a transformers Qwen2/Qwen3 model (transformers is test-only),
 gives every weight random values (norm weights and biases too, so a swapped or dropped one
 shows), and saves it with ``save_pretrained``. ``greedy_generate`` drives a
-:class:`~qwen_ops.model.QwenForCausalLM` the way an engine would: paged caches with a small
+:class:`~qwen_ops.models.dense.QwenForCausalLM` the way an engine would: paged caches with a small
 block size and a shuffled block table, one (optionally chunked) prefill, then one-token decode
 steps for the whole batch at once.
 """
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from qwen_ops.attention import AttentionMetadata
+from qwen_ops.ops.metadata import AttentionMetadata
 
 
 def save_tiny_checkpoint(path: Path, model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qwen_ops import backend as B
+from qwen_ops.ops import backend as B
 
 
 def test_packaged_choice_file_parses():

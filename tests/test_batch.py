@@ -2,7 +2,7 @@
 
 import pytest
 
-from qwen_ops.batch import (BatchedRequest, DecodeTask, IterationPlan, PrefillTask, RequestId, ScheduledBatch,
+from qwen_ops.serving.batch import (BatchedRequest, DecodeTask, IterationPlan, PrefillTask, RequestId, ScheduledBatch,
                             TokenBudget)
 
 

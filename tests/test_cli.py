@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from qwen_ops.cli import build_parser, main
+from qwen_ops.serving.cli import build_parser, main
 
 from checkpoints import make_qwen3_checkpoint
 
@@ -22,7 +22,7 @@ def test_help(argv, capsys):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "qwen_ops.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "qwen_ops.serving.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout and "bench" in out.stdout
 
 
@@ -107,12 +107,12 @@ def test_triton_backend_without_a_gpu_is_one_line(ckpt, capsys, monkeypatch, no_
 
 
 def test_unexpected_exception_is_one_line_and_names_its_type(ckpt, capsys, monkeypatch, no_debug_env):
-    import qwen_ops.llm
+    import qwen_ops.serving.llm
 
     def broken(*args, **kwargs):
         raise KeyError("boom\nsecond line")
 
-    monkeypatch.setattr(qwen_ops.llm.LLM, "__init__", broken)
+    monkeypatch.setattr(qwen_ops.serving.llm.LLM, "__init__", broken)
     assert main(["generate", "--model", str(ckpt), "hi"]) == 1
     captured = capsys.readouterr()
     line = _one_error_line(captured)
@@ -122,12 +122,12 @@ def test_unexpected_exception_is_one_line_and_names_its_type(ckpt, capsys, monke
 
 
 def test_keyboard_interrupt_prints_interrupted_and_returns_130(ckpt, capsys, monkeypatch):
-    import qwen_ops.llm
+    import qwen_ops.serving.llm
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(qwen_ops.llm.LLM, "__init__", interrupted)
+    monkeypatch.setattr(qwen_ops.serving.llm.LLM, "__init__", interrupted)
     assert main(["generate", "--model", str(ckpt), "hi"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
 
@@ -157,9 +157,9 @@ def test_bench_with_prompts_too_long_for_max_model_len_fails(prompt_len, ckpt, c
 
 
 def test_bench_without_generated_tokens_prints_no_throughput(ckpt, capsys, monkeypatch, no_debug_env):
-    import qwen_ops.llm
+    import qwen_ops.serving.llm
 
-    monkeypatch.setattr(qwen_ops.llm.LLM, "stream", lambda self, prompts, params: iter(()))
+    monkeypatch.setattr(qwen_ops.serving.llm.LLM, "stream", lambda self, prompts, params: iter(()))
     argv = ["bench", "--model", str(ckpt), "--num-requests", "2", "--prompt-len", "3", "--output-len", "2",
             "--max-model-len", "16"] + BENCH_TINY
     assert main(argv) != 0

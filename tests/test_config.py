@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qwen_ops.config import ARCHITECTURES, QwenConfig, RopeConfig
+from qwen_ops.models.config import ARCHITECTURES, QwenConfig, RopeConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference for defaults and RoPE")
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops import backend as B
-from qwen_ops.kernels import cpu, reference
+from qwen_ops.ops import backend as B
+from qwen_ops.ops.kernels import cpu, reference
 
 from test_ops import make_attention_case  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -122,7 +122,7 @@ def poisoned_empty(monkeypatch):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_matches_the_torch_norm(residual, poisoned_empty):
     _needs_cpu_kernels()
-    from qwen_ops.model import RMSNorm
+    from qwen_ops.models.dense import RMSNorm
 
     gen = torch.Generator().manual_seed(11)
     norm = RMSNorm(96, 1e-6)
@@ -145,8 +145,8 @@ def test_rms_norm_matches_the_torch_norm(residual, poisoned_empty):
 @pytest.mark.parametrize("norms", [True, False], ids=["qwen3-qk-norm", "qwen2-no-norm"])
 def test_qk_norm_rope_matches_the_torch_code(norms, poisoned_empty):
     _needs_cpu_kernels()
-    from qwen_ops.config import QwenConfig
-    from qwen_ops.model import RMSNorm, apply_rope, rope_table
+    from qwen_ops.models.config import QwenConfig
+    from qwen_ops.models.dense import RMSNorm, apply_rope, rope_table
 
     gen = torch.Generator().manual_seed(12)
     T, nq, nk, D = 5, 6, 2, 32
@@ -179,8 +179,8 @@ def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, mon
     """A prefill and a decode step walking the modules (as for a model the one-call forward does not
     cover): fused kernels (auto on CPU) vs the pure-torch forward (reference)."""
     _needs_cpu_kernels()
-    from qwen_ops.loader import load_checkpoint
-    from qwen_ops import model as model_mod
+    from qwen_ops.models.loader import load_checkpoint
+    from qwen_ops.models import dense as model_mod
     from qwen_tiny import new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
 
     path = save_tiny_checkpoint(tmp_path / model_type, model_type, vocab_size=96, hidden_size=64,
@@ -215,8 +215,8 @@ def test_fused_model_forward_matches_the_torch_forward(model_type, tmp_path, mon
 def test_fused_forward_rejects_positions_outside_the_rope_table(path_taken, tmp_path, monkeypatch):
     """The C code reads the RoPE table by position: both eager CPU paths refuse positions past it."""
     _needs_cpu_kernels()
-    from qwen_ops import model as model_mod
-    from qwen_ops.loader import load_checkpoint
+    from qwen_ops.models import dense as model_mod
+    from qwen_ops.models.loader import load_checkpoint
     from qwen_tiny import new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
 
     path = save_tiny_checkpoint(tmp_path / "q3", "qwen3", vocab_size=64, hidden_size=32, intermediate_size=32,
@@ -267,7 +267,7 @@ def test_argmax_rows_matches_torch_argmax_with_ties_nan_and_inf():
 
 def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
     _needs_cpu_kernels()
-    from qwen_ops import sampling
+    from qwen_ops.engine import sampling
 
     calls = []
     native = cpu.argmax_rows
@@ -319,7 +319,7 @@ def test_linear_packed_matches_f_linear(rows, shape, poisoned_empty):
 
 
 def _tiny_dense(tmp_path, model_type: str, **overrides):
-    from qwen_ops.loader import load_checkpoint
+    from qwen_ops.models.loader import load_checkpoint
     from qwen_tiny import save_tiny_checkpoint
 
     kwargs = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -331,7 +331,7 @@ def _tiny_dense(tmp_path, model_type: str, **overrides):
 
 
 def _count_native_calls(monkeypatch) -> list:
-    from qwen_ops import model as model_mod
+    from qwen_ops.models import dense as model_mod
 
     calls = []
     native = model_mod.cpu_kernels.dense_forward
@@ -472,7 +472,7 @@ def test_attention_blocks_match_the_ops_path(tmp_path, monkeypatch):
     runs as one C call (norms, RoPE, kv write, attention); the same model with the cpu ops called
     one by one gives the same logits and caches."""
     _needs_cpu_kernels()
-    from qwen_ops import model as model_mod
+    from qwen_ops.models import dense as model_mod
     from qwen_tiny import shuffled_block_table
 
     model = _tiny_dense(tmp_path, "qwen2")        # q/k/v biases, no q/k norms
@@ -530,7 +530,7 @@ def test_native_plan_follows_weight_writes_replacements_and_copies(tmp_path, mon
 def test_the_engine_packs_the_weights_at_construction(tmp_path, monkeypatch):
     """The runner builds the one-call forward's plan up front: the first request packs nothing."""
     _needs_cpu_kernels()
-    from qwen_ops.engine import QwenEngine
+    from qwen_ops.engine.engine import QwenEngine
     from qwen_tiny import save_tiny_checkpoint
 
     path = save_tiny_checkpoint(tmp_path / "q3", "qwen3", vocab_size=96, hidden_size=64, intermediate_size=96,

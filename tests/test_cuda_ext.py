@@ -5,7 +5,7 @@ Four layers, each skipping with its reason where it cannot run:
 * everywhere with g++: csrc/qwen_index.h (the kernels' index arithmetic) compiled on the host and
   compared with the reference arithmetic;
 * everywhere with g++: the kernels themselves (csrc/qwen_kernels.cuh, with their dispatch and
-  launch plan) compiled over a SIMT shim (csrc/emulation/: a std::thread per CUDA thread,
+  launch plan) compiled over a SIMT shim (tests/emulation/: a std::thread per CUDA thread,
   barriers for __syncthreads and shuffles) and run on CPU tensors against the reference, so the
   kernel logic is exercised on machines without a GPU (not the CUDA compiler or the hardware);
 * with the extension built (a CUDA build of torch; no GPU needed): the private schemas equal
@@ -37,14 +37,14 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops.kernels import cuda as cuda_kernels
-from qwen_ops.kernels.reference import kv_write_reference, slot_attention_reference
+from qwen_ops.ops.kernels import cuda as cuda_kernels
+from qwen_ops.ops.kernels.reference import kv_write_reference, slot_attention_reference
 from qwen_ops.torch_library import SCHEMAS
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "csrc"
 INDEX_HEADER = CSRC / "qwen_index.h"
-EMULATOR_SOURCE = CSRC / "emulation" / "simt_emulator.cpp"
+EMULATOR_SOURCE = REPO / "tests" / "emulation" / "simt_emulator.cpp"
 
 
 def _extension_reason() -> str | None:
@@ -434,7 +434,7 @@ DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # qwen_cud
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    """csrc/emulation/simt_emulator.cpp built with g++ and loaded with ctypes."""
+    """tests/emulation/simt_emulator.cpp built with g++ and loaded with ctypes."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed")

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-from qwen_ops.sampling import SamplingParams
+from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
 
@@ -95,9 +95,9 @@ def test_tensorrt_backend_errors_clearly_without_gpu_or_package(ckpt):
     if torch.cuda.is_available() and importlib.util.find_spec("torch_tensorrt") is not None:
         pytest.skip("torch_tensorrt and a GPU are present: covered by test_tensorrt_decode")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    match = "torch-tensorrt" if device == "cuda" else "backend='tensorrt' needs a CUDA device"
+    match = "torch-tensorrt" if device == "cuda" else "compile_backend='tensorrt' needs a CUDA device"
     with pytest.raises((ValueError, RuntimeError), match=match):
-        QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=64, device=device, backend="tensorrt")
+        QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=64, device=device, compile_backend="tensorrt")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("torch_tensorrt") is None,
@@ -105,5 +105,5 @@ def test_tensorrt_backend_errors_clearly_without_gpu_or_package(ckpt):
 def test_tensorrt_decode(ckpt):
     kw = dict(max_slots=4, max_seq_len=64, block_size=4, device="cuda", cuda_graphs=False)
     eager = QwenEngine.from_pretrained(ckpt, compile=False, **kw)
-    trt = QwenEngine.from_pretrained(ckpt, backend="tensorrt", **kw)
+    trt = QwenEngine.from_pretrained(ckpt, compile_backend="tensorrt", **kw)
     assert run(trt, prompts(3)) == run(eager, prompts(3))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops.defaults import default_model_path
+from qwen_ops.models.defaults import default_model_path
 
 transformers = pytest.importorskip("transformers", reason="transformers is the parity reference")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-from qwen_ops.sampling import SamplingParams
+from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
 
@@ -240,7 +240,7 @@ def test_exports():
 
 
 def test_execute_rejects_unreserved_or_stale_chunks(engine):
-    from qwen_ops.runner import SeqChunk
+    from qwen_ops.engine.runner import SeqChunk
 
     expected = run_single(engine, PROMPTS[0], 5, slot=3)
     first = run_single(engine, PROMPTS[0], 3, slot=0)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from qwen_ops.engine import QwenBatchedRequest, QwenEngine
-from qwen_ops.llm import LLM
-from qwen_ops.sampling import SamplingParams
+from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+from qwen_ops.serving.llm import LLM
+from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_5_checkpoint
 

@@ -1,4 +1,4 @@
-"""qwen_ops.linear.Linear: nn.Linear's results and state dict, through oneDNN for fp32 CPU batches."""
+"""qwen_ops.models.linear.Linear: nn.Linear's results and state dict, through oneDNN for fp32 CPU batches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import qwen_ops
-from qwen_ops import linear as L
-from qwen_ops.kernels import cpu
+from qwen_ops.models import linear as L
+from qwen_ops.ops.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not L._onednn_linear_available(), reason="this torch build has no oneDNN")
 

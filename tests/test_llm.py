@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from qwen_ops.engine import QwenEngine
-from qwen_ops.llm import LLM
-from qwen_ops.sampling import SamplingParams
+from qwen_ops.engine.engine import QwenEngine
+from qwen_ops.serving.llm import LLM
+from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
 
@@ -221,7 +221,8 @@ def test_stream_with_a_bad_request_runs_nothing(ckpt, prompts):
     (dict(check_invariants="yes"), r"check_invariants = 'yes'"),
     (dict(compile="no"), r"compile = 'no'"),
     (dict(decode_buckets=[1, 0]), r"decode_buckets\[1\] = 0"),
-    (dict(backend="xla"), r"backend = 'xla'"),
+    (dict(compile_backend="xla"), r"compile_backend = 'xla'"),
+    (dict(backend="xla"), r"compile_backend = 'xla'"),
     (dict(device="tpu"), r"device = 'tpu'"),
     (dict(device="cuda"), r"device = 'cuda', but"),
     (dict(dtype="float64"), r"dtype = 'float64'"),
@@ -265,7 +266,7 @@ def test_swap_space_is_bounded(ckpt, prompts, expected):
 
 
 def test_default_swap_space_is_a_share_of_host_memory(ckpt):
-    from qwen_ops.llm import default_swap_space_bytes
+    from qwen_ops.serving.llm import default_swap_space_bytes
 
     llm = make_llm(ckpt, preemption_mode="swap")
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

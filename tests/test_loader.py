@@ -1,4 +1,4 @@
-"""qwen_ops.loader: sharded and single-file weights, dtypes, tied embeddings, tokenizer, EOS ids,
+"""qwen_ops.models.loader: sharded and single-file weights, dtypes, tied embeddings, tokenizer, EOS ids,
 and every bad-input error naming the file or tensor at fault."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen_ops.loader import (CheckpointError, load_checkpoint, load_eos_token_ids, load_model, resolve_dtype)
-from qwen_ops.config import QwenConfig
-from qwen_ops.tokenizer import load_tokenizer
+from qwen_ops.models.loader import (CheckpointError, load_checkpoint, load_eos_token_ids, load_model, resolve_dtype)
+from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.tokenizer import load_tokenizer
 
 pytest.importorskip("transformers", reason="transformers writes the test checkpoints")
 
@@ -64,7 +64,7 @@ def test_sharded_checkpoint_loads_same_weights(tiny, sharded):
 
 
 def test_mapping_window_reopens_without_changing_values(tiny, monkeypatch):
-    import qwen_ops.loader as loader
+    import qwen_ops.models.loader as loader
 
     want = load_model(tiny, "bf16").state_dict()
     monkeypatch.setattr(loader, "MAP_WINDOW_BYTES", 1)  # unmap after every tensor

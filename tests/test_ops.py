@@ -1,4 +1,4 @@
-"""Tests of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention (qwen_ops/ops.py) on every backend.
+"""Tests of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention (qwen_ops/ops/registry.py) on every backend.
 
 * The reference kernel is checked against a per-token loop oracle written here (plain matmul on
   KV gathered position by position into contiguous tensors, in fp64).
@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops import backend as backend_mod
-from qwen_ops.kernels import reference as reference_kernels
-from qwen_ops.kernels.reference import kv_write_reference, slot_attention_reference
+from qwen_ops.ops import backend as backend_mod
+from qwen_ops.ops.kernels import reference as reference_kernels
+from qwen_ops.ops.kernels.reference import kv_write_reference, slot_attention_reference
 from tolerances import assert_attention_close, assert_within_flash_bound
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -231,7 +231,7 @@ def test_reference_matches_loop_oracle(scenario, dtype, device):
 @pytest.mark.parametrize("group", GQA_RATIOS)
 def test_reference_per_sequence_decode_matches_loop_oracle(group, dtype, device, monkeypatch):
     """The long-context decode path (one sequence at a time through a reused buffer), forced on."""
-    from qwen_ops.kernels import reference
+    from qwen_ops.ops.kernels import reference
 
     calls = []
     per_sequence = reference._decode_attend_per_sequence
@@ -327,7 +327,7 @@ def test_slot_attention_flash_bound(backend, scenario, dtype, device):
 def test_decode_split_scenario_splits(device):
     """The decode_split cases really exercise several splits and the merge kernel."""
     pytest.importorskip("triton", reason="the split count belongs to the triton backend")
-    from qwen_ops.kernels import triton as triton_kernels
+    from qwen_ops.ops.kernels import triton as triton_kernels
     for head_dim in (64, 256):
         case = make_attention_case("decode_split", dtype=torch.float32, device=device, head_dim=head_dim)
         out = torch.zeros_like(case.query)
@@ -340,7 +340,7 @@ def test_decode_split_scenario_splits(device):
 def test_triton_launch_plan_reads_no_device_values(device):
     """Grids and constexprs depend on shapes only (CUDA-graph capture): same shapes, other values."""
     pytest.importorskip("triton", reason="checks the triton backend's launch plans")
-    from qwen_ops.kernels import triton as triton_kernels
+    from qwen_ops.ops.kernels import triton as triton_kernels
     plans = []
     for scenario, seed in (("decode", 0), ("decode", 5), ("mixed", 0), ("mixed", 5)):
         case = make_attention_case(scenario, dtype=torch.float16, device=device, seed=seed)
@@ -357,7 +357,7 @@ def test_triton_rows_no_sequence_covers_are_zero(scenario, device):
     checks reject, and those are off on the triton path) come back zero, not uninitialised."""
     if backend_mod.why_unavailable("triton", device) is not None:
         pytest.skip(f"triton unavailable on {device}: {backend_mod.why_unavailable('triton', device)}")
-    from qwen_ops.kernels.triton import slot_attention_triton
+    from qwen_ops.ops.kernels.triton import slot_attention_triton
     case = make_attention_case(scenario, dtype=torch.float16, device=device, seed=15)
     extra = torch.randn(3, *case.query.shape[1:], device=device).to(torch.float16)
     query = torch.cat([case.query, extra])

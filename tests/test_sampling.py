@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qwen_ops.sampling import SamplingParams, sample
+from qwen_ops.engine.sampling import SamplingParams, sample
 
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1      # torch.Generator.manual_seed's range, inclusive
 

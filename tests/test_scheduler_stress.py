@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from qwen_ops.batch import IterationPlan
-from qwen_ops.llm import LLM
-from qwen_ops.sampling import SamplingParams
-from qwen_ops.scheduler import SchedulerStuckError, iteration_bound
+from qwen_ops.serving.batch import IterationPlan
+from qwen_ops.serving.llm import LLM
+from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.serving.scheduler import SchedulerStuckError, iteration_bound
 
 from checkpoints import make_qwen3_checkpoint, make_qwen3_5_checkpoint
 
@@ -195,7 +195,7 @@ def test_bench_with_swap_finishes(ckpt):
     argv = ["bench", "--model", str(ckpt), "--num-kv-blocks", "8", "--max-model-len", "128",
             "--preemption-mode", "swap", "--prompt-len", "48", "--output-len", "40", "--num-requests", "8"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "qwen_ops.cli", *argv], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "qwen_ops.serving.cli", *argv], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     rows = dict(line.split("  ", 1) for line in out.stdout.splitlines() if "  " in line)

@@ -1,0 +1,272 @@
+"""Qwen3.5 hybrid causal LM (``qwen3_5_text``, and the language model of ``qwen3_5``) on torch.ops.qwen.*.
+
+Layers follow ``config.layer_types``: ``linear_attention`` layers are Gated DeltaNet, whose state is
+indexed by the same slots as the KV cache; ``full_attention`` layers are gated softmax attention
+over the paged KV cache. Numerics follow transformers 5.x's ``modeling_qwen3_5.py``:
+
+* RMSNorm is ``x / rms(x) * (1 + weight)`` in fp32, cast back at the end (``Qwen3_5RMSNorm``), for
+  the layer norms, the final norm and the per-head q/k norms;
+* full attention: ``q_proj`` gives ``[query | gate]`` per head (2 x head_dim), q/k norms, RoPE on the
+  first ``int(head_dim * partial_rotary_factor)`` channels of each head (text-only mRoPE: its three
+  position rows are equal, so the interleaved sections collapse to plain partial RoPE), then
+  ``kv_write`` + ``slot_attention(..., gate=gate)``, i.e. output times ``sigmoid(gate)``, and o_proj;
+* Gated DeltaNet: ``in_proj_qkv`` -> ``causal_conv1d`` (+ SiLU, conv state per slot) -> q, k, v;
+  ``beta = sigmoid(in_proj_b x)``, ``g = -exp(A_log) * softplus(in_proj_a x + dt_bias)``;
+  ``gated_delta_rule`` (q/k L2-normalised inside the op, scale k_dim^-0.5, recurrent state per
+  slot in fp32); a gated RMSNorm ``(x / rms(x)) * weight * silu(z)`` with ``z = in_proj_z x``;
+  ``out_proj``;
+* a dense SwiGLU MLP in every layer.
+
+The forward contract is that of :class:`qwen_ops.models.dense.QwenForCausalLM`, with one cache pair per
+layer: ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` for
+full-attention layers and ``(conv_state, recurrent_state)`` ``[max_slots, conv_dim, kernel - 1]``
+(model dtype) and ``[max_slots, num_v_heads, k_dim, v_dim]`` (fp32) for linear layers;
+:meth:`Qwen3_5ForCausalLM.allocate_caches` builds them. The linear layers use ``seq_slots``,
+``query_start_loc`` and ``seq_lens`` of the same :class:`~qwen_ops.ops.metadata.AttentionMetadata`:
+a sequence whose query covers its whole length starts from zero state, a chunk continues its slot.
+
+Parameter names equal transformers' state-dict keys (``model.layers.0.linear_attn.A_log`` ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
+from qwen_ops.ops.metadata import AttentionMetadata
+from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
+from qwen_ops.models.linear import Linear
+from qwen_ops.models.dense import QwenMLP, apply_rope, rms_normalize
+
+Cache = tuple[torch.Tensor, torch.Tensor]
+ATTENTION, LINEAR = "attention", "linear"   # cache kinds, as in ``layer_kinds``
+
+
+class OffsetRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)`` in fp32, cast to x's dtype at the end (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * (x / rms(x)) * silu(gate)`` with transformers' casts (Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = self.weight * rms_normalize(x, self.eps).to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+def partial_rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
+    """fp32 ``[max_position_embeddings, rotary_dim]``: cos | sin of every position for the rotated channels."""
+    rotary_dim = config.rope.rotary_dim(config.head_dim)
+    inv_freq, scaling = config.rope.inv_freq_and_scaling(rotary_dim, config.max_position_embeddings)
+    positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, rotary_dim // 2]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """RoPE table for the first ``rotary_dim`` channels of a head (as model.RotaryEmbedding, partial)."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        self.rotary_dim = config.rope.rotary_dim(config.head_dim)
+        # Under the loader's torch.device("meta") an empty meta tensor; the loader fills it.
+        table = torch.empty(config.max_position_embeddings, self.rotary_dim)
+        self.register_buffer("cos_sin", table if table.is_meta else partial_rope_table(config, table.device),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, rotary_dim // 2]`` in ``dtype``."""
+        table = torch.index_select(self.cos_sin, 0, positions).to(dtype)
+        half = self.rotary_dim // 2
+        return table[:, None, :half], table[:, None, half:]
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x [T, heads, head_dim]``; pass the rest."""
+    rotary_dim = 2 * cos.shape[-1]
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose q_proj also yields a per-channel output gate (transformers' Qwen3_5Attention)."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(hidden, 2 * q_dim, bias=config.attention_bias)   # [query | gate] per head
+        self.k_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = Linear(q_dim, hidden, bias=config.o_proj_bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: Cache) -> torch.Tensor:
+        T = x.shape[0]
+        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]   # gate: a strided view, last dim contiguous
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
+        o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
+                                          attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len,
+                                          gate)
+        return self.o_proj(o.view(T, self.num_heads * self.head_dim))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with a gated delta rule (transformers' Qwen3_5GatedDeltaNet) on slot state ops."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        lin = config.linear
+        self.num_k_heads, self.num_v_heads = lin.num_key_heads, lin.num_value_heads
+        self.head_k_dim, self.head_v_dim = lin.key_head_dim, lin.value_head_dim
+        self.key_dim, self.value_dim = lin.key_dim, lin.value_dim
+        self.scale = lin.key_head_dim ** -0.5
+        hidden = config.hidden_size
+        # Depthwise causal conv over q | k | v channels; the op takes its weight as [conv_dim, kernel].
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, kernel_size=lin.conv_kernel_dim, groups=lin.conv_dim,
+                                bias=False, padding=lin.conv_kernel_dim - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        self.in_proj_qkv = Linear(hidden, lin.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, self.num_v_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata, state: Cache) -> torch.Tensor:
+        T = x.shape[0]
+        conv_state, recurrent_state = state
+        meta = (attn.seq_slots, attn.query_start_loc, attn.seq_lens)
+        mixed = torch.ops.qwen.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                             conv_state, *meta)                          # [T, conv_dim]
+        q = mixed[:, :self.key_dim].view(T, self.num_k_heads, self.head_k_dim)
+        k = mixed[:, self.key_dim:2 * self.key_dim].view(T, self.num_k_heads, self.head_k_dim)
+        v = mixed[:, 2 * self.key_dim:].view(T, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()                                                # [T, num_v_heads]
+        # fp32, as transformers: in fp16 exp(A_log) could overflow.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o = torch.ops.qwen.gated_delta_rule(q, k, v, g, beta, recurrent_state, *meta, self.scale)
+        z = self.in_proj_z(x).view(T * self.num_v_heads, self.head_v_dim)
+        o = self.norm(o.view(T * self.num_v_heads, self.head_v_dim), z)
+        return self.out_proj(o.view(T, self.value_dim))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: QwenConfig, layer_type: str) -> None:
+        super().__init__()
+        self.is_linear = layer_type != FULL_ATTENTION   # fixed at construction: no data-dependent branch
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = QwenMLP(config)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
+                attn: AttentionMetadata, cache: Cache) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.is_linear:
+            h = h + self.linear_attn(x, attn, cache)
+        else:
+            h = h + self.self_attn(x, cos, sin, positions32, attn, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridModel(nn.Module):
+    """The decoder stack (``model.*`` in transformers' Qwen3_5ForCausalLM names)."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:   # under the loader's meta device the checkpoint fills it
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, kind) for kind in config.layer_types)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = PartialRotaryEmbedding(config)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 hybrid causal LM; the forward contract is QwenForCausalLM's (see the module docstring)."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        if not config.is_hybrid:
+            raise ValueError(f"model_type = {config.model_type!r} is not a hybrid model; use "
+                             "qwen_ops.models.dense.QwenForCausalLM")
+        self.config = config
+        self.model = HybridModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per layer, the kind of cache it takes: "attention" (paged KV) or "linear" (slot state)."""
+        return [LINEAR if layer.is_linear else ATTENTION for layer in self.model.layers]
+
+    def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int, dtype: torch.dtype,
+                        device: torch.device) -> list[Cache]:
+        """Zero-filled caches, one pair per layer in ``layer_kinds`` order.
+
+        attention: key_cache, value_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``dtype``;
+        linear: conv_state ``[max_slots, conv_dim, kernel - 1]`` in ``dtype`` and recurrent_state
+        ``[max_slots, num_v_heads, k_dim, v_dim]`` in fp32 (indexed by slot, like block_table rows).
+        """
+        c = self.config
+        lin = c.linear
+        caches: list[Cache] = []
+        for kind in self.layer_kinds:
+            if kind == ATTENTION:
+                shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+                caches.append((torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device)))
+            else:
+                caches.append((torch.zeros((max_slots, lin.conv_dim, lin.conv_kernel_dim - 1), dtype=dtype,
+                                           device=device),
+                               torch.zeros((max_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim),
+                                           dtype=torch.float32, device=device)))
+        return caches
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                caches: list[Cache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab_size]`` (model dtype) of the rows ``logits_indices [N]``.
+
+        input_ids int64 ``[T]``; positions int32/int64 ``[T]``; attn: slot metadata (int32); caches: one
+        pair per layer (see :meth:`allocate_caches`), updated in place; logits_indices int64 ``[N]``.
+        """
+        positions32 = positions.to(torch.int32)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            h = layer(h, cos, sin, positions32, attn, cache)
+        h = self.model.norm(torch.index_select(h, 0, logits_indices))
+        return self.lm_head(h)

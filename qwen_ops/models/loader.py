@@ -1,0 +1,272 @@
+"""Load a Hugging Face Qwen checkpoint directory: config, safetensors weights, tokenizer, EOS ids.
+
+Layout read: ``config.json``; ``model.safetensors`` or ``model.safetensors.index.json`` plus
+its shards; optional ``tokenizer.json`` and ``generation_config.json``.
+
+Memory: the module is built on the ``meta`` device (no storage), every header is checked
+against the config before any data is read, then tensors are copied one by one from the
+memory-mapped file into freshly allocated parameters of the target dtype and device. A
+mapping is closed after every ``MAP_WINDOW_BYTES`` of tensors read, because pages of a
+mapping that stays open count as resident memory: so peak host memory is about the model's
+size plus one window (plus the largest single tensor).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from qwen_ops.models.config import QwenConfig, token_ids
+from qwen_ops.models.dense import QwenForCausalLM, rope_table
+from qwen_ops.models.hybrid import Qwen3_5ForCausalLM, partial_rope_table
+from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MAP_WINDOW_BYTES = 64 << 20
+
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# safetensors dtype codes a floating-point weight may be stored in.
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Names a checkpoint may hold that carry nothing the model needs (old exports saved RoPE buffers).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Qwen3.5 checkpoints: the multi-token-prediction head and (qwen3_5) the vision tower are not loaded.
+HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
+# qwen3_5 (multimodal) checkpoints hold the language model under this prefix instead of "model.".
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+MAX_LISTED_PROBLEMS = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable or disagrees with its config; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: what the engine needs to run it."""
+    path: Path
+    config: QwenConfig
+    model: QwenForCausalLM
+    tokenizer: Optional[QwenTokenizer]
+    eos_token_ids: tuple[int, ...]
+
+    def require_tokenizer(self) -> QwenTokenizer:
+        """The tokenizer, or a clear error for callers that need text in or out."""
+        if self.tokenizer is None:
+            raise ValueError(f"checkpoint {self.path} has no tokenizer.json, so it cannot encode or decode "
+                             "text; pass token ids instead, or add a tokenizer.json to the directory")
+        return self.tokenizer
+
+
+def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu") -> Checkpoint:
+    """Config, weights (as ``dtype`` on ``device``), optional tokenizer and EOS ids of ``path``."""
+    path = Path(path)
+    config = QwenConfig.from_pretrained(path)
+    model = load_model(path, dtype, device, config=config)
+    return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
+                      eos_token_ids=load_eos_token_ids(path, config))
+
+
+def resolve_dtype(dtype: Any, config: QwenConfig) -> torch.dtype:
+    """A torch dtype from a dtype or a name; ``'auto'`` is config.json's dtype (float32 if none, as transformers)."""
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name == "auto":
+            resolved = config.dtype or torch.float32
+        elif name in DTYPE_NAMES:
+            resolved = DTYPE_NAMES[name]
+        else:
+            raise ValueError(f"dtype = {dtype!r}; expected a torch dtype or one of "
+                             f"{', '.join(DTYPE_NAMES)}, auto")
+    elif isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        raise TypeError(f"dtype = {dtype!r} has type {type(dtype).__name__}, expected a torch.dtype or a str")
+    if resolved not in MODEL_DTYPES:
+        raise ValueError(f"dtype = {dtype!r} resolves to {resolved}; expected one of float32, bfloat16, float16")
+    return resolved
+
+
+def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
+    """EOS ids of generation_config.json, then config.json's, without repeats, in that order."""
+    file = Path(path) / GENERATION_CONFIG_FILE
+    ids: list[int] = []
+    if file.is_file():
+        data = _read_json(file)
+        ids += token_ids(data.get("eos_token_id"), f"{file}: eos_token_id")
+    ids += config.eos_token_ids
+    return tuple(dict.fromkeys(ids))
+
+
+def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
+               config: Optional[QwenConfig] = None) -> QwenForCausalLM:
+    """Build the model of ``path`` (:class:`QwenForCausalLM`; :class:`Qwen3_5ForCausalLM` for qwen3_5_text /
+    qwen3_5, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors weights."""
+    path = Path(path)
+    config = config or QwenConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
+    # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
+    params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
+    files = weight_files(path)
+    _check_tensors(path, files, params, config)
+
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in params:
+        by_file[files[name]].append(name)
+    renamed = {checkpoint_name(name, config): name for name, _ in model.named_parameters()}
+    for file, names in by_file.items():
+        _copy_tensors(file, names, model, dtype, device, renamed)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.cos_sin = (partial_rope_table if config.is_hybrid else rope_table)(config, device)
+    return model.eval()
+
+
+def checkpoint_name(param_name: str, config: QwenConfig) -> str:
+    """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in qwen3_5."""
+    if config.model_type == "qwen3_5" and param_name.startswith("model."):
+        return LANGUAGE_MODEL_PREFIX + param_name.removeprefix("model.")
+    return param_name
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (from the index, or the single file's header)."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a checkpoint directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: expected a non-empty 'weight_map' object of tensor name -> file")
+        files = {name: path / file for name, file in weight_map.items()}
+        for name, file in files.items():
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: weight file is missing (named in {index} for tensor {name!r})")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with _open(single) as f:
+            return {name: single for name in f.keys()}
+    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.safetensors"))
+    found = f"; found only {', '.join(others)} (only safetensors are supported)" if others else ""
+    raise FileNotFoundError(f"{path}: no weight file: expected {SINGLE_FILE} or {INDEX_FILE}{found}")
+
+
+def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Parameter],
+                   config: QwenConfig) -> None:
+    """Every name, shape and dtype in the headers against the model, before any data is read."""
+    problems: list[str] = []
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in files.items():
+        by_file[file].append(name)
+    for file, names in by_file.items():
+        with _open(file) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    problems.append(f"tensor {name!r} is missing from {file} (the index places it there)")
+                    continue
+                if name not in params:
+                    if not _ignorable(name, config):
+                        problems.append(f"unexpected tensor {name!r} in {file}")
+                    continue
+                view = f.get_slice(name)
+                shape, code = tuple(view.get_shape()), view.get_dtype()
+                want = tuple(params[name].shape)
+                if shape != want:
+                    problems.append(f"tensor {name!r} in {file} has shape {list(shape)}, expected {list(want)} "
+                                    f"from {path / 'config.json'}")
+                if code not in FILE_DTYPES:
+                    problems.append(f"tensor {name!r} in {file} has dtype {code}, expected one of "
+                                    f"{', '.join(FILE_DTYPES)} (quantized weights are not supported)")
+    where = path / INDEX_FILE if (path / INDEX_FILE).is_file() else path / SINGLE_FILE
+    problems += [f"missing tensor {name!r} (not in {where})" for name in params if name not in files]
+    if problems:
+        shown = problems[:MAX_LISTED_PROBLEMS]
+        more = len(problems) - len(shown)
+        raise CheckpointError(f"checkpoint {path} does not match its config ({config.model_type}, "
+                              f"{config.num_hidden_layers} layers):\n  " + "\n  ".join(shown)
+                              + (f"\n  ... and {more} more" if more else ""))
+
+
+def _ignorable(name: str, config: QwenConfig) -> bool:
+    # A tied checkpoint may still hold lm_head.weight (transformers 4.x often saved it); it is unused.
+    return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+            or (config.is_hybrid and name.startswith(HYBRID_IGNORED_PREFIXES)))
+
+
+def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: torch.dtype,
+                  device: torch.device, renamed: Optional[dict[str, str]] = None) -> None:
+    """Copy ``names`` from ``file`` into new parameters, unmapping the file every window of bytes.
+
+    A tensor larger than the window (an embedding) is copied in row blocks of about one window,
+    so its source pages are never all mapped at once either. ``renamed`` maps a checkpoint name to
+    the parameter name where the two differ (``model.language_model.*`` of qwen3_5 checkpoints).
+    """
+    handle, mapped = None, 0
+    try:
+        for name in names:
+            module_name, _, leaf = (renamed or {}).get(name, name).rpartition(".")  # checkpoint -> param name
+            module = model.get_submodule(module_name)
+            shape = module._parameters[leaf].shape  # a meta tensor: shape only
+            dst = torch.empty(shape, dtype=dtype, device=device)
+            rows = shape[0] if len(shape) else 1
+            if handle is None:
+                handle = _open(file).__enter__()
+            row_bytes = FILE_DTYPES[handle.get_slice(name).get_dtype()].itemsize * (dst.numel() // max(rows, 1))
+            step = rows if row_bytes * rows <= MAP_WINDOW_BYTES else max(1, MAP_WINDOW_BYTES // row_bytes)
+            for start in range(0, rows, step):
+                if handle is None:
+                    handle = _open(file).__enter__()
+                if step == rows:
+                    src = handle.get_tensor(name)  # a view of the mapped file: no copy yet
+                    dst.copy_(src)  # converts and copies; touches the mapped pages once
+                else:
+                    src = handle.get_slice(name)[start:start + step]
+                    dst[start:start + step].copy_(src)
+                mapped += src.numel() * src.element_size()
+                del src
+                if mapped >= MAP_WINDOW_BYTES:  # unmap, so touched file pages stop counting as ours
+                    handle.__exit__(None, None, None)
+                    handle, mapped = None, 0
+            module._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
+    finally:
+        if handle is not None:
+            handle.__exit__(None, None, None)
+
+
+def _open(file: Path):
+    """``safe_open`` of ``file`` (memory-mapped), its errors rewritten to name the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot open ({e})") from e
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,384 @@
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus what
+the eager fp32 CPU forward of the models runs instead of torch ops (see :func:`usable_for`): the
+packed-panel matrix product behind ``Linear``, fused RMSNorm, q/k-norm + RoPE, SiLU * up, each
+layer's attention block, the dense model's whole forward in one call, and the greedy argmax.
+
+``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
+(``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
+(``$QWEN_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by
+the source, the compiler, the flags and the CPU's feature flags (it is built with
+``-march=native``). It is called through ctypes: no torch headers, so the build takes about a
+second, needs nothing but a C compiler, and ``pip install`` stays pure Python.
+
+Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
+Long prefills (more than ``REFERENCE_ABOVE_QUERY_LEN`` query rows in a sequence) run on the
+reference too, whose SDPA is faster there than the C kernel's row-by-row attention.
+The hybrid models' state ops (causal_conv1d, gated_delta_rule) have no native kernel here:
+this backend runs them with the reference kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta_rule_reference,
+                                        slot_attention_reference)
+
+SOURCE = Path(__file__).with_name("qwen_cpu.c")
+FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
+_ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
+_RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
+_ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
+_SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
+_QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
+_ATTENTION_BLOCK_ARGS = ([_p, _i64] * 3 + [_i64] * 4 + [_p, _p, _f32, _p, _i64, _p, _p, _p] + [_i64] * 4
+                         + [_p, _p, _i64, _i64, _p, _p, _p, _i64, _f32, _p])
+_LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
+_PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
+_DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
+                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
+# name -> (argtypes, restype) of every function the library exports
+_SIGNATURES = {
+    "qwen_kv_write": (_KV_WRITE_ARGS, None),
+    "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
+    "qwen_rms_norm": (_RMS_NORM_ARGS, None),
+    "qwen_qk_norm_rope": (_QK_NORM_ROPE_ARGS, None),
+    "qwen_argmax_rows": (_ARGMAX_ARGS, None),
+    "qwen_silu_mul": (_SILU_MUL_ARGS, None),
+    "qwen_attention_block": (_ATTENTION_BLOCK_ARGS, ctypes.c_int),
+    "qwen_linear_packed": (_LINEAR_PACKED_ARGS, None),
+    "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
+    "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
+    "qwen_dense_weights_per_layer": ([], ctypes.c_int64),
+}
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    if os.environ.get("QWEN_OPS_CACHE_DIR"):
+        return Path(os.environ["QWEN_OPS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qwen_ops"
+
+
+def _extra_flags() -> list[str]:
+    """``$QWEN_OPS_CPU_CFLAGS``, appended to the compile flags (e.g. ``-mno-avx512f`` to build the
+    portable loops instead of the AVX-512 paths; the tests do)."""
+    return os.environ.get("QWEN_OPS_CPU_CFLAGS", "").split()
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent builders never load a half-written file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for arch in (["-march=native"], []):   # some compilers (or CPUs) reject -march=native
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *FLAGS, *arch, *_extra_flags(), str(SOURCE), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, out)
+            return
+        os.unlink(tmp)
+        errors.append(f"{' '.join(cmd)}:\n{proc.stderr.strip()}")
+    raise RuntimeError("compiling the qwen_ops CPU kernels failed:\n" + "\n".join(errors))
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call, then cached on disk and in this process)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, " ".join(FLAGS + tuple(_extra_flags())), _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"qwen_cpu_{key}.so"
+    if not path.exists():
+        _build(cc, path)
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    if lib.qwen_dense_weights_per_layer() != len(DENSE_LAYER_WEIGHTS):
+        raise RuntimeError(f"{path} does not match {__file__} (DENSE_LAYER_WEIGHTS); delete it to rebuild")
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def why_unavailable() -> Optional[str]:
+    """None when the kernels compile and load here, else the reason."""
+    try:
+        library()
+    except (OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def _i32_vector(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+    slot_ids, positions = _i32_vector(slot_ids), _i32_vector(positions)
+    library().qwen_kv_write(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_ids.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
+        key.shape[0], key_cache.shape[2], key_cache.shape[3], key.element_size(),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), block_table.stride(1))
+
+
+# Above this many query rows per sequence, the reference (SDPA's flash attention over gathered
+# keys) is faster than the C kernel, which attends row by row: measured C / reference time 0.81 at
+# 32 x 64-token prompts, 1.25 at 16 x 128, 1.54 at 8 x 256, 1.78 at 1 x 2048 (8/2 heads, d 32).
+REFERENCE_ABOVE_QUERY_LEN = 96
+
+
+def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                       scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if max_query_len > REFERENCE_ABOVE_QUERY_LEN:
+        return slot_attention_reference(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                                        seq_lens, scale, max_query_len, gate)
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    num_seqs = seq_slots.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+    seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
+    status = library().qwen_slot_attention(
+        query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_table.data_ptr(), seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        None if gate is None else gate.data_ptr(),
+        num_seqs, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1],
+        _DTYPE_CODES[query.dtype], float(scale),
+        query.stride(0), query.stride(1), 0 if gate is None else gate.stride(0), 0 if gate is None else gate.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), block_table.stride(1))
+    if status != 0:
+        raise MemoryError("qwen_ops cpu slot_attention could not allocate its scratch memory")
+    return out
+
+
+# No native kernels for the hybrid models' state ops: the reference runs them (see the module doc).
+causal_conv1d_cpu = causal_conv1d_reference
+gated_delta_rule_cpu = gated_delta_rule_reference
+
+
+# --------------------------------------------------------------------------------------------
+# Fused fp32 pieces of the dense model's eager CPU forward (qwen_ops/models/dense.py calls them when the
+# cpu backend is selected; not torch ops: under torch.compile the model keeps its torch code).
+# --------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             add: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``weight * s / rms(s)`` over rows of fp32 ``x [rows, dim]``; ``s = x + add`` when ``add`` is
+    given, returned too (the residual stream). Rows must be contiguous (stride 1 in the last dim)."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=torch.float32)
+    total = None if add is None else torch.empty((rows, dim), dtype=torch.float32)
+    library().qwen_rms_norm(x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
+                            0 if add is None else add.stride(0), None if total is None else total.data_ptr(), dim,
+                            weight.data_ptr(), out.data_ptr(), dim, rows, dim, float(eps))
+    return out, total
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
+                 eps: float, cos_sin: torch.Tensor, positions32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (skipped when the weights are None) and RoPE of fp32 ``q [T, Hq, D]``,
+    ``k [T, Hk, D]`` at int32 ``positions32 [T]`` (each in ``[0, cos_sin.shape[0])``: the caller
+    checks) from the fp32 ``cos_sin [max_pos, D]`` table. Returns contiguous new tensors."""
+    T, nq, D = q.shape
+    nk = k.shape[1]
+    qo = torch.empty((T, nq, D), dtype=torch.float32)
+    ko = torch.empty((T, nk, D), dtype=torch.float32)
+    tmp = torch.empty(D, dtype=torch.float32)
+    positions32 = _i32_vector(positions32)
+    library().qwen_qk_norm_rope(
+        q.data_ptr(), q.stride(0), q.stride(1), nq, k.data_ptr(), k.stride(0), k.stride(1), nk,
+        None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), qo.data_ptr(), ko.data_ptr(),
+        T, D, tmp.data_ptr())
+    return qo, ko
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for fp32 ``[rows, dim]`` inputs with contiguous rows, to fp32 rounding
+    for finite inputs (the exp is a polynomial, not libm's; a -inf gate gives -inf, not NaN)."""
+    rows, dim = gate.shape
+    out = torch.empty((rows, dim), dtype=torch.float32)
+    library().qwen_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, dim)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64) of fp32 ``x [rows, cols]`` with contiguous rows and cols >= 1:
+    the first maximum, or the first NaN, as torch. torch's CPU argmax takes ~80 us on a
+    [32, 4096] batch of logits; this a few."""
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    library().qwen_argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())
+    return out
+
+
+def packed_products_enabled() -> bool:
+    """Whether eager CPU projections may run this library's packed product (``Linear`` and the
+    one-call forward): with one intra-op thread only (``torch.get_num_threads() == 1``, the setting
+    every number in this repo was measured with). The C code is single-threaded; with more threads
+    torch's threaded oneDNN / BLAS products run instead."""
+    return torch.get_num_threads() == 1
+
+
+def usable_for(t: torch.Tensor) -> bool:
+    """Whether eager code may call this module's C helpers on ``t``: an fp32 CPU tensor outside
+    torch.compile, with the cpu backend selected for the ops (``QWEN_OPS_BACKEND=reference``
+    keeps everything in torch) and built."""
+    from qwen_ops.ops.backend import resolve_backend
+
+    return (not torch.compiler.is_compiling() and t.device.type == "cpu" and t.dtype == torch.float32
+            and resolve_backend(t.device, "kv_write") == "cpu")
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    head_dim: int, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], eps: float,
+                    cos_sin: torch.Tensor, positions32: torch.Tensor, kv_cache: tuple, attn, scale: float) -> torch.Tensor:
+    """One layer's attention after its projections, in one C call: q/k RMSNorm (skipped when the
+    weights are None) + RoPE, ``kv_write`` into ``kv_cache`` and ``slot_attention``, all fp32.
+
+    q ``[T, num_heads * head_dim]``, k, v ``[T, num_kv_heads * head_dim]`` (rows may be strided,
+    e.g. column views of one q/k/v product). Nothing here is checked: the caller has checked the
+    positions against ``cos_sin`` and the metadata as the ops do (``QwenForCausalLM.forward``).
+    Returns the attention output ``[T, num_heads * head_dim]``.
+    """
+    key_cache, value_cache = kv_cache
+    T = q.shape[0]
+    out = torch.empty((T, num_heads * head_dim), dtype=torch.float32)
+    positions32, slot_ids = _i32_vector(positions32), _i32_vector(attn.slot_ids)
+    seq_slots, qsl, seq_lens = _i32_vector(attn.seq_slots), _i32_vector(attn.query_start_loc), _i32_vector(attn.seq_lens)
+    block_table = attn.block_table
+    status = library().qwen_attention_block(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, num_heads, num_kv_heads,
+        head_dim, None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
+        seq_slots.data_ptr(), qsl.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], float(scale), out.data_ptr())
+    if status != 0:
+        raise MemoryError("qwen_ops cpu attention_block could not allocate its scratch memory")
+    return out
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 ``weight [N, K]`` packed for ``linear_packed``: ``[ceil(N / 32), K, 32]``,
+    32 output features per panel, k-major, zero past N."""
+    n, k = weight.shape
+    packed = torch.empty(((n + 31) // 32, k, 32), dtype=torch.float32)
+    library().qwen_pack_panels(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 ``x [rows, K]`` with contiguous rows, from
+    ``packed = pack_panels(weight)`` (fp32 rounding of a different summation order than BLAS)."""
+    rows, k = x.shape
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    library().qwen_linear_packed(x.data_ptr(), x.stride(0), rows, packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out_features, k, out.data_ptr(),
+                                 out_features)
+    return out
+
+
+# Batches up to this many tokens take dense_forward in the dense model's eager CPU forward (its
+# scratch holds every activation of a layer for all tokens at once); larger ones walk the modules.
+DENSE_FORWARD_MAX_TOKENS = 1024
+
+# The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
+DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
+                       "post_norm", "gate", "up", "down")
+
+
+def position_error(positions32: torch.Tensor, table_rows: int) -> ValueError:
+    """The error for positions outside the RoPE table ``[0, table_rows)`` that the C code reads by position."""
+    return ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
+                      f"0 <= position < max_position_embeddings = {table_rows}")
+
+
+def addresses(tensors) -> torch.Tensor:
+    """int64 tensor of the tensors' data pointers (0 for None), for C code taking address tables."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list, num_heads: int, head_dim: int,
+                  inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
+                  slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
+                  lm_head: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The whole dense forward of an fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
+
+    ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream).
+    ``weight_addresses`` (``addresses(...)``) lists each layer's fp32 tensors (or None) in
+    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``; ``lm_head`` is the packed
+    ``[vocab, hidden]`` weight too), one layer per entry of ``caches``, which holds each layer's
+    ``(key_cache, value_cache)``, all fp32 with one shape and one set of strides. The caller checks
+    all of that and the attention metadata (as the ops do); the C code checks ``positions32``
+    against ``rope`` and ``rows`` against T.
+    """
+    lib = library()
+    T, hidden = h.shape
+    if weight_addresses.shape != (len(DENSE_LAYER_WEIGHTS) * len(caches),) or weight_addresses.dtype != torch.int64:
+        raise ValueError(f"weight_addresses has shape {tuple(weight_addresses.shape)} and dtype "
+                         f"{weight_addresses.dtype}, expected int64 [{len(DENSE_LAYER_WEIGHTS)} x {len(caches)} layers]")
+    cache_addresses = (ctypes.c_int64 * (2 * len(caches)))(*(t.data_ptr() for pair in caches for t in pair))
+    kc = caches[0][0]
+    positions32, slot_ids = _i32_vector(positions32), _i32_vector(slot_ids)
+    seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
+    status = lib.qwen_dense_forward(
+        weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
+        float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
+        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
+        seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
+        kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
+        lm_head.data_ptr(), vocab, logits.data_ptr())
+    if status == -2:
+        raise position_error(positions32, rope.shape[0])
+    if status == -3:
+        raise IndexError(f"logits_indices span [{int(rows.min())}, {int(rows.max())}], expected rows of "
+                         f"the batch, 0 <= index < {T}")
+    if status != 0:
+        raise MemoryError("qwen_ops cpu dense_forward could not allocate its scratch memory")
+    return logits

@@ -1,0 +1,173 @@
+"""torch.ops.qwen.*: the one public entry to the kernels.
+
+The schemas come from ``torch_library/qwen.schema`` (installed as ``qwen_ops.torch_library``).
+This module defines them, registers one CPU and one CUDA implementation per op that
+validate the arguments and dispatch to the selected backend (``qwen_ops.ops.backend``), and
+registers the fake kernels that ``torch.compile`` traces with. The C++ extension, when
+built, only adds kernels in its own private namespace, which the ``cuda`` backend calls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qwen_ops.ops import validation as V
+from qwen_ops.ops.backend import kernels, resolve_backend, value_checks_enabled
+from qwen_ops.torch_library import NAMESPACE, SCHEMAS
+
+# Holds the op definitions alive for the life of the process; never mutated after import.
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+for _name, _schema in SCHEMAS.items():
+    _LIB.define(_name + _schema)
+
+
+def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+    backend = resolve_backend(key.device, "kv_write")
+    if value_checks_enabled(backend):
+        V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
+    getattr(kernels(backend), f"kv_write_{backend}")(key, value, key_cache, value_cache, slot_ids,
+                                                      positions, block_table)
+
+
+def _slot_attention_impl(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                         scale, max_query_len, gate=None) -> torch.Tensor:
+    V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                           scale, max_query_len, gate)
+    backend = resolve_backend(query.device, "slot_attention", "decode" if max_query_len == 1 else "prefill")
+    if value_checks_enabled(backend):
+        V.check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                                      max_query_len)
+    return getattr(kernels(backend), f"slot_attention_{backend}")(
+        query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale,
+        max_query_len, gate)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("kv_write", _kv_write_impl, _key)
+    _LIB.impl("slot_attention", _slot_attention_impl, _key)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::kv_write", lib=_LIB)
+def _kv_write_fake(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::slot_attention", lib=_LIB)
+def _slot_attention_fake(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                         scale, max_query_len, gate=None) -> torch.Tensor:
+    V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
+                           scale, max_query_len, gate)
+    return torch.empty_like(query)
+
+
+def kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches.
+
+    Token i goes to slot ``slot_ids[i]`` (int32, -1 = padding, nothing written) at position
+    ``positions[i]`` (int32), i.e. block ``block_table[slot, pos // block_size]``, row
+    ``pos % block_size`` of ``key_cache``/``value_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``.
+    """
+    torch.ops.qwen.kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+
+
+def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_table: torch.Tensor, seq_slots: torch.Tensor, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal GQA attention over slot-indexed paged KV, for prefill, chunks, decode and mixes.
+
+    query ``[num_tokens, num_heads, head_dim]``; sequence i owns rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` and reads slot ``seq_slots[i]`` (-1 = padding,
+    rows zero) holding ``seq_lens[i]`` tokens after this step's write. Row j of a sequence with
+    q rows sits at position ``seq_len - q + j``. ``max_query_len`` is a static upper bound on q
+    (1 selects the decode kernel). ``gate`` multiplies the output by ``sigmoid(gate)``.
+    Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    return torch.ops.qwen.slot_attention(query, key_cache, value_cache, block_table, seq_slots,
+                                         query_start_loc, seq_lens, scale, max_query_len, gate)
+
+
+# --------------------------------------------------------------------------------------------
+# Slot-state ops of hybrid models (Qwen3.5 / Qwen3-Next): causal_conv1d, gated_delta_rule
+# --------------------------------------------------------------------------------------------
+
+def _state_op_kernel(op: str, backend: str):
+    """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none
+    (a backend module that lacks a state op, e.g. a cuda build from before csrc/ had them)."""
+    module = kernels(backend)
+    fn = getattr(module, f"{op}_{backend}", None)
+    if fn is None:
+        raise RuntimeError(f"qwen_ops backend {backend!r} has no kernel for qwen::{op} ({module.__name__}."
+                           f"{op}_{backend} does not exist); select the triton or reference backend "
+                           "(QWEN_OPS_BACKEND=triton|reference) for models with linear-attention layers")
+    return fn
+
+
+def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
+    V.check_causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+    backend = resolve_backend(x.device, "causal_conv1d")
+    kernel = _state_op_kernel("causal_conv1d", backend)
+    if value_checks_enabled(backend):
+        V.check_slot_state_values(x.shape[0], conv_state.shape[0], seq_slots, query_start_loc, seq_lens)
+    return kernel(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+
+
+def _gated_delta_rule_impl(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale) -> torch.Tensor:
+    V.check_gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
+    backend = resolve_backend(q.device, "gated_delta_rule")
+    kernel = _state_op_kernel("gated_delta_rule", backend)
+    if value_checks_enabled(backend):
+        V.check_slot_state_values(q.shape[0], state.shape[0], seq_slots, query_start_loc, seq_lens)
+    return kernel(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("causal_conv1d", _causal_conv1d_impl, _key)
+    _LIB.impl("gated_delta_rule", _gated_delta_rule_impl, _key)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::causal_conv1d", lib=_LIB)
+def _causal_conv1d_fake(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
+    V.check_causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gated_delta_rule", lib=_LIB)
+def _gated_delta_rule_fake(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale) -> torch.Tensor:
+    V.check_gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
+    return v.new_empty(v.shape)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv_state: torch.Tensor,
+                  seq_slots: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over varlen tokens, continuing each slot's conv state.
+
+    x ``[num_tokens, dim]``; weight ``[dim, kernel]``; bias ``[dim]`` or None; conv_state
+    ``[max_slots, dim, kernel - 1]`` (x.dtype) holds each slot's last kernel - 1 inputs, oldest
+    first. Sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of slot ``seq_slots[i]``
+    (int32; -1 = padding: rows zero, nothing written) and has ``seq_lens[i]`` tokens after this call:
+    q_len == seq_len starts from zero inputs, q_len < seq_len continues the stored ones. Every live
+    slot with rows gets its last kernel - 1 inputs written back. Returns ``[num_tokens, dim]`` in
+    x.dtype: ``silu(bias + sum_t weight[:, t] * in[j + t])`` accumulated in fp32.
+    """
+    return torch.ops.qwen.causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, seq_slots: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gated delta rule (Gated DeltaNet) over varlen tokens with a slot-indexed fp32 recurrent state.
+
+    q, k ``[num_tokens, num_k_heads, k_dim]`` are L2-normalised inside the op (fp32,
+    ``x * rsqrt(sum x^2 + 1e-6)``, as transformers' ``use_qk_l2norm_in_kernel=True``), then q is
+    multiplied by ``scale``; v ``[num_tokens, num_v_heads, v_dim]`` (q's dtype); g (log decay) and
+    beta ``[num_tokens, num_v_heads]`` any float dtype. Value head h reads q/k head
+    ``h // (num_v_heads // num_k_heads)``. Per head: ``S = exp(g) S + k (beta (v - exp(g) S^T k))^T``,
+    ``o = S^T q``. state ``[max_slots, num_v_heads, k_dim, v_dim]`` fp32, updated in place; sequence
+    metadata as in :func:`causal_conv1d`. Returns ``[num_tokens, num_v_heads, v_dim]`` in v.dtype.
+    """
+    return torch.ops.qwen.gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)

@@ -1,0 +1,2 @@
+"""The serving layer: the continuous-batching scheduler, the vLLM-shaped ``LLM`` and the
+``qwen-ops`` command."""

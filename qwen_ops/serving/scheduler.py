@@ -1,0 +1,411 @@
+"""Continuous-batching scheduler: plans each serving iteration under a token budget.
+
+A request's tokens are ``prompt + output``; ``num_computed`` of them are in its slot's cache.
+It needs ``num_tokens - num_computed`` more rows: one is a decode, more is a prefill chunk.
+A token is sampled when a request's chunk reaches the end of its tokens.
+
+Scheduling policy (one ``schedule()`` call is one iteration; vLLM's V0 policy, made total):
+
+1. **Running** requests, in admission order, each get their decode token or next prefill chunk
+   (chunked to what is left of the token budget; prefill chunks and decodes share one forward).
+   When KV blocks run out, the most recently admitted running request is preempted, repeatedly,
+   until the request being scheduled fits; a request that is itself the newest preempts itself.
+   The first running request (the *head*) is therefore never preempted: once the others are gone
+   it fits alone, because ``num_kv_blocks`` holds one sequence of ``max_model_len``.
+2. **Swapped** requests come back first come first served, but never in an iteration that
+   preempted. A swapped request comes back only with blocks for its whole cache *and* its next
+   step, and only if the budget has room for that step, so it is never a victim in the iteration
+   that brought it back. When it cannot come back it waits while the running requests drain; if
+   nothing is running (nothing will ever drain) and it still does not fit, it falls back to
+   recompute: its host copy is dropped and it goes to the waiting queue.
+3. **Waiting** requests are admitted first come first served, only when nothing is swapped and
+   nothing was preempted in this iteration. The head of the queue blocks everyone behind it,
+   so order holds among equals.
+
+Preemption is by recompute (blocks freed; prompt + generated tokens prefilled again later) or by
+swap (blocks copied to host memory and back). Swap is bounded by ``swap_space_bytes``: a victim
+whose copy would not fit is recomputed instead, and counted in ``num_swap_full_recomputes``.
+
+**Progress guarantee.** Every iteration that has unfinished requests schedules at least one
+token of the head, or raises ``SchedulerStuckError`` naming why nothing can run (only a cache
+too small for one request's next step). So a run of requests with prompt ``P_r`` and at most
+``M_r`` new tokens, under a budget of ``B`` tokens, ends within
+``sum_r(ceil((P_r + M_r) / B) + M_r)`` iterations (``iteration_bound``): each request is the
+head once, for at most that many iterations of its own, whatever it lost to preemption before.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from qwen_ops.serving.batch import DecodeTask, IterationPlan, PrefillTask, RequestId, TokenBudget
+from qwen_ops.engine.engine import QwenEngine, SwappedSlot
+from qwen_ops.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)          # identity comparison: requests are looked up in queues often
+class Request:
+    request_id: RequestId
+    arrival: int                                # arrival order (FCFS key)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    generator: Optional[torch.Generator] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: Optional[int] = None
+    num_computed: int = 0
+    swapped: Optional[SwappedSlot] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        return (self.prompt_token_ids[start:stop] if stop <= n
+                else (self.prompt_token_ids + self.output_token_ids)[start:stop])
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+class SchedulerStuckError(RuntimeError):
+    """No request can run this iteration, and none ever will: the configuration cannot serve them."""
+
+
+def iteration_bound(requests: Iterable[tuple[int, int]], max_num_batched_tokens: int) -> int:
+    """Most iterations that requests of ``(prompt_len, max_new_tokens)`` can take (module docstring)."""
+    b = max_num_batched_tokens
+    return sum(-(-(p + m) // b) + m for p, m in requests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: str = "recompute"      # or "swap"
+    swap_space_bytes: int = 4 << 30          # host memory for swapped KV; beyond it, recompute
+    check_invariants: bool = False           # assert the invariants every iteration (tests)
+
+
+class Scheduler:
+    def __init__(self, engine: QwenEngine, config: SchedulerConfig):
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
+        if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes = {config.swap_space_bytes!r}, expected an int >= 0")
+        self.engine = engine
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # admission order
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[RequestId, Request] = {}
+        self._arrivals = itertools.count()
+        self._batch_ids = itertools.count()
+        self.num_preemptions = 0
+        self.num_swaps_out = 0
+        self.num_swaps_in = 0
+        self.num_iterations = 0
+        self.num_scheduled_seqs = 0
+        self.swap_bytes_used = 0                  # host bytes held by swapped requests
+        self.num_swap_full_recomputes = 0         # swap preemptions recomputed: swap space full
+        self.num_swap_in_recomputes = 0           # swapped requests that could never come back
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
+                    stop_ids: frozenset[int]) -> Request:
+        req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
+                      generator=sampling.make_generator(self.engine.device))
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def next_batch_id(self) -> int:
+        return next(self._batch_ids)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _drop_host_copy(self, req: Request) -> None:
+        if req.swapped is not None:
+            self.swap_bytes_used -= req.swapped.nbytes
+            req.swapped = None
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.engine.free_slot(req.slot)
+            req.slot = None
+        self._drop_host_copy(req)
+
+    def abort(self, request_id: RequestId) -> None:
+        """Stop the request and free its slot, blocks and host copies."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        for queue in (self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.ABORTED
+        req.finish_reason = "abort"
+
+    def finish(self, req: Request, reason: str, stop_reason: Optional[int] = None) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, victim: Request, plan: IterationPlan) -> None:
+        self.running.remove(victim)
+        self.num_preemptions += 1
+        swap = self.config.preemption_mode == "swap" and victim.num_computed > 0
+        if swap and self.swap_bytes_used + self.engine.swap_out_nbytes(victim.slot) > self.config.swap_space_bytes:
+            swap = False
+            self.num_swap_full_recomputes += 1
+        if swap:
+            victim.swapped = self.engine.swap_out(victim.slot)
+            self.swap_bytes_used += victim.swapped.nbytes
+            self.engine.free_slot(victim.slot)
+            victim.slot = None
+            victim.status = RequestStatus.SWAPPED
+            self.num_swaps_out += 1
+            plan.swap_out_requests.append(victim.request_id)
+            _insert_by_arrival(self.swapped, victim)
+        else:
+            self._release(victim)
+            self._requeue_for_recompute(victim)
+            plan.evicted_requests.append(victim.request_id)
+
+    def _requeue_for_recompute(self, req: Request) -> None:
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        _insert_by_arrival(self.waiting, req)
+
+    def _reserve_or_preempt(self, req: Request, n_tokens: int, plan: IterationPlan) -> bool:
+        """Reserve blocks for ``n_tokens`` in ``req``'s slot, preempting the newest running requests.
+
+        Returns False if ``req`` itself had to be preempted.
+        """
+        while not self.engine.reserve(req.slot, n_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ planning
+    @staticmethod
+    def _next_step(req: Request, budget: TokenBudget) -> tuple[bool, int]:
+        """``(is_decode, tokens)`` of the request's next step under ``budget`` (0 tokens: no room)."""
+        remaining = req.num_tokens - req.num_computed
+        if remaining == 1 and req.output_token_ids:
+            return True, min(1, budget.remaining_decode())
+        return False, min(remaining, budget.remaining_prefill())
+
+    def _add_step(self, req: Request, is_decode: bool, n: int, budget: TokenBudget, plan: IterationPlan) -> None:
+        if is_decode:
+            budget.try_allocate_decode()
+            plan.decode_tasks.append(self._decode_task(req))
+        else:
+            budget.try_allocate_prefill(n)
+            plan.prefill_tasks.append(self._prefill_task(req, n))
+
+    def _schedule_running(self, req: Request, budget: TokenBudget, plan: IterationPlan) -> None:
+        """Give a running request its decode token or next prefill chunk, if budget and blocks allow."""
+        is_decode, n = self._next_step(req, budget)
+        if n and self._reserve_or_preempt(req, req.num_computed + n, plan):
+            self._add_step(req, is_decode, n, budget, plan)
+
+    def _schedule_swapped(self, budget: TokenBudget, plan: IterationPlan) -> None:
+        """Bring swapped requests back, first come first served, each with room for its next step."""
+        cfg = self.config
+        while self.swapped and len(self.running) < cfg.max_num_seqs:
+            req = self.swapped[0]
+            is_decode, n = self._next_step(req, budget)
+            if n == 0:
+                return                                   # no budget left: it would only hold blocks
+            slot = self.engine.allocate_slot(req.request_id)
+            if not self.engine.swap_in(slot, req.swapped, req.num_computed + n):
+                self.engine.free_slot(slot)
+                if self.running:
+                    return                               # wait while the running requests drain
+                # Nothing runs, so nothing will ever free blocks for it: recompute instead.
+                self.swapped.popleft()
+                self._drop_host_copy(req)
+                self._requeue_for_recompute(req)
+                self.num_swap_in_recomputes += 1
+                plan.evicted_requests.append(req.request_id)
+                continue
+            self.swapped.popleft()
+            self._drop_host_copy(req)
+            req.slot, req.status = slot, RequestStatus.RUNNING
+            self.running.append(req)
+            self.num_swaps_in += 1
+            plan.swap_in_requests.append(req.request_id)
+            self._add_step(req, is_decode, n, budget, plan)
+
+    def schedule(self) -> IterationPlan:
+        cfg = self.config
+        plan = IterationPlan.empty()
+        budget = TokenBudget(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+
+        # 1. Running requests, oldest admission first; preemption takes the newest.
+        for req in list(self.running):
+            if req in self.running:              # not preempted while making room for an older one
+                self._schedule_running(req, budget, plan)
+        preempted_now = bool(plan.evicted_requests or plan.swap_out_requests)
+
+        # 2. Swapped requests come back first come first served (not in an iteration that preempts).
+        if not preempted_now:
+            self._schedule_swapped(budget, plan)
+
+        # 3. Waiting requests, first come first served: the head blocks everyone behind it.
+        admitted = []
+        while self.waiting and not self.swapped and not preempted_now and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
+            if chunk == 0:
+                break
+            slot = self.engine.allocate_slot(req.request_id)
+            self.engine.begin_sequence(slot)
+            if not self.engine.reserve(slot, chunk):
+                self.engine.free_slot(slot)
+                if not self.running:
+                    need = -(-chunk // self.engine.block_size)
+                    raise SchedulerStuckError(
+                        f"request {req.request_id} needs {need} KV blocks of {self.engine.block_size} tokens for its "
+                        f"next {chunk} tokens, but the cache has only {self.engine.num_total_blocks} "
+                        "(num_kv_blocks) and nothing else is running; raise num_kv_blocks")
+                break
+            self.waiting.popleft()
+            req.slot, req.status = slot, RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            budget.try_allocate_prefill(chunk)
+            plan.prefill_tasks.append(self._prefill_task(req, chunk))
+
+        if cfg.check_invariants:
+            self._check_invariants(plan, budget, admitted)
+        if not plan.has_work() and self.has_unfinished():
+            raise SchedulerStuckError(
+                f"no request can run: {len(self.running)} running, {len(self.swapped)} swapped, "
+                f"{len(self.waiting)} waiting, {self.engine.num_free_blocks} of {self.engine.num_total_blocks} "
+                f"KV blocks free, token budget {cfg.max_num_batched_tokens}")
+        self.num_iterations += plan.has_work()
+        self.num_scheduled_seqs += plan.total_requests()
+        return plan
+
+    def _slot_blocks(self, req: Request) -> list[int]:
+        return self.engine.slot_blocks(req.slot)
+
+    def _prefill_task(self, req: Request, chunk: int) -> PrefillTask:
+        return PrefillTask(req.request_id, req.token_slice(req.num_computed, req.num_computed + chunk),
+                           req.num_computed, req.slot, self._slot_blocks(req))
+
+    def _decode_task(self, req: Request) -> DecodeTask:
+        return DecodeTask(req.request_id, req.token_slice(req.num_computed, req.num_computed + 1)[0],
+                          req.num_computed, req.slot, self._slot_blocks(req), req.num_computed)
+
+    def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
+        cfg = self.config
+        if plan.total_tokens() > cfg.max_num_batched_tokens:
+            raise AssertionError(f"token budget exceeded: {plan.total_tokens()} > {cfg.max_num_batched_tokens}")
+        if budget.total_tokens() != plan.total_tokens() or len(plan.decode_tasks) > cfg.max_num_seqs:
+            raise AssertionError("plan and budget disagree")
+        owned: dict[int, int] = {}
+        for slot_id in range(self.engine.num_slots):
+            for b in self.engine.slot_blocks(slot_id):
+                if b in owned:
+                    raise AssertionError(f"block {b} is owned by slots {owned[b]} and {slot_id}")
+                owned[b] = slot_id
+        if len(owned) + self.engine.num_free_blocks != self.engine.num_total_blocks:
+            raise AssertionError(f"blocks leaked: {len(owned)} owned + {self.engine.num_free_blocks} free "
+                                 f"!= {self.engine.num_total_blocks}")
+        for name, queue in (("waiting", self.waiting), ("swapped", self.swapped)):
+            arrivals = [r.arrival for r in queue]
+            if arrivals != sorted(arrivals):
+                raise AssertionError(f"{name} queue out of arrival order: {arrivals}")
+        if len(self.running) > cfg.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running requests > max_num_seqs = {cfg.max_num_seqs}")
+        running_slots = [r.slot for r in self.running]
+        if None in running_slots or len(set(running_slots)) != len(running_slots) or \
+                set(running_slots) != set(owned.values()):
+            raise AssertionError(f"running requests' slots {running_slots} do not match the slots holding blocks")
+        if any(r.slot is not None or r.swapped is not None for r in self.waiting):
+            raise AssertionError("a waiting request holds a slot or a host copy")
+        if any(r.slot is not None or r.swapped is None for r in self.swapped):
+            raise AssertionError("a swapped request holds a slot or has no host copy")
+        held = sum(r.swapped.nbytes for r in self.swapped)
+        if held != self.swap_bytes_used or held > cfg.swap_space_bytes:
+            raise AssertionError(f"swap accounting: {held} bytes held, {self.swap_bytes_used} counted, "
+                                 f"swap_space_bytes = {cfg.swap_space_bytes}")
+        swapped_in = set(plan.swap_in_requests)
+        for rid in plan.evicted_requests + plan.swap_out_requests:
+            if rid in swapped_in:
+                raise AssertionError(f"request {rid} was swapped in and preempted in the same iteration")
+        scheduled = {t.request_id for t in plan.prefill_tasks + plan.decode_tasks}
+        if self.running and self.running[0].request_id not in scheduled:
+            raise AssertionError(f"the head request {self.running[0].request_id} was not scheduled: no progress")
+        for a in admitted:
+            for w in self.waiting:
+                if w.arrival < a.arrival:
+                    raise AssertionError(f"FCFS broken: request {a.arrival} admitted before waiting {w.arrival}")
+
+    # ------------------------------------------------------------------ results
+    def update(self, plan: IterationPlan, sampled: dict[RequestId, int]) -> list[Request]:
+        """Advance computed lengths, append sampled tokens, finish requests; returns touched requests."""
+        now = time.perf_counter()
+        touched = []
+        for task in plan.prefill_tasks:
+            req = self.requests[task.request_id]
+            req.num_computed += len(task.tokens)
+            touched.append(req)
+        for task in plan.decode_tasks:
+            req = self.requests[task.request_id]
+            req.num_computed += 1
+            touched.append(req)
+        for req in touched:
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if token in req.stop_ids:
+                self.finish(req, "stop", token)
+            elif len(req.output_token_ids) >= req.sampling.max_new_tokens or req.num_tokens >= self.config.max_model_len:
+                self.finish(req, "length")
+        return touched
+
+
+def _insert_by_arrival(queue: deque, req: Request) -> None:
+    """Put a preempted request back in arrival order (it is usually older than the rest)."""
+    for i, other in enumerate(queue):
+        if other.arrival > req.arrival:
+            queue.insert(i, req)
+            return
+    queue.append(req)
