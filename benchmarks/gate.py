@@ -194,7 +194,7 @@ def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_t
     result = {}
     for label, ids in (("batch", prompts), ("single", prompts[:1])):
         # Warm-up on the workload itself: with compile=True the decode step compiles one graph for
-        # batch 1, one for 2-15 sequences and one for 16+ (Linear's oneDNN threshold), and a short
+        # batch 1 and one for the other buckets, and a short
         # warm-up run would not reach them all.
         run_ours(ids)
         run_hf(ids)

@@ -298,6 +298,13 @@ class QwenEngine:
             s.active, s.seq_len = True, saved.seq_len
             return True
 
+    def refresh_weights(self) -> None:
+        """Call after changing the model's weights in a way torch does not track
+        (``param.data.copy_(...)``): the native CPU executor repacks its copy. (Replaced or
+        in-place-written parameters are noticed without it.)"""
+        with self._lock:
+            self.runner.refresh_weights()
+
     # ----------------------------------------------------------------- forward
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.

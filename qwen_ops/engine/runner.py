@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from qwen_ops.engine.executors import NativeCPUExecutor
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import resolve_backend, trusted_metadata
 from qwen_ops.torch_library import SCHEMAS
@@ -94,13 +95,13 @@ class ModelRunner:
         # second, once per machine), which the first request would otherwise wait for.
         for op in ("kv_write", "slot_attention"):
             resolve_backend(device, op, "decode")
-        # Likewise the packed weights of the eager CPU forward (~10 ms for the embedded model).
-        prepare = getattr(model, "prepare_cpu_forward", None)
-        if prepare is not None:
-            prepare(self.kv_caches)
+        # The native CPU executor packs its weights now (~10 ms for the embedded model), not on
+        # the first request.
+        self.native = (NativeCPUExecutor(model) if device.type == "cpu" and NativeCPUExecutor.why_not(model) is None
+                       else None)
         self._alloc_decode_buffers()
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
-                             else self._decode_forward)
+                             else self._decode_eager)
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
@@ -121,13 +122,54 @@ class ModelRunner:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
+    def executor_for(self, chunks: Sequence[SeqChunk]) -> str:
+        """Which executor runs a step of ``chunks``, decided here and only here:
+
+        - "cuda_graph": a decode batch within the largest bucket, with CUDA graphs on;
+        - "compiled": the same without CUDA graphs, with ``compile=True``;
+        - "native": other steps on the CPU that the native executor covers (fp32 dense model,
+          one intra-op thread, the cpu op backend, small enough chunks);
+        - "eager": the model's forward as written.
+        """
+        decode = all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]
+        if decode and self.cuda_graphs:
+            return "cuda_graph"
+        if decode and self.compiled:
+            return "compiled"
+        if self.native is not None and self.native.supports(
+                sum(len(c.token_ids) for c in chunks), max(len(c.token_ids) for c in chunks), self.kv_caches):
+            return "native"
+        return "eager"
+
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """An uncompiled step: the native CPU executor when it covers it, else the model's forward."""
+        if self.native is not None and self.native.supports(input_ids.shape[0], attn.max_query_len, self.kv_caches):
+            return self.native.run(input_ids, positions, attn, self.kv_caches, logits_indices)
+        return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
+
+    def _decode_attn(self, slots: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(slot_ids=slots, seq_slots=slots, block_table=self.block_table,
+                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=1)
+
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         logits_indices: torch.Tensor) -> torch.Tensor:
-        """The decode step: one token per sequence; all shapes are the bucket size."""
-        attn = AttentionMetadata(slot_ids=slots, seq_slots=slots, block_table=self.block_table,
-                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=1)
-        return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
+        """The decode step that is compiled and captured: one token per sequence, bucket-sized shapes."""
+        return self.model(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
+                          self.kv_caches, logits_indices)
+
+    def _decode_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        return self._eager_forward(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
+                                   logits_indices)
+
+    def refresh_weights(self) -> None:
+        """Repack the native executor's weights from the model (after the weights changed)."""
+        if self.native is not None:
+            self.native.refresh()
 
     def fill_decode_buffers(self, chunks: Sequence[SeqChunk], bucket: int) -> None:
         """Copy a decode batch into the static buffers; rows n..bucket-1 become slot -1 padding."""
@@ -305,5 +347,5 @@ class ModelRunner:
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
         with trusted_metadata():   # built from the engine's validated slot state
-            logits = self.model(input_ids, pos, attn, self.kv_caches, logits_indices)
+            logits = self._eager_forward(input_ids, pos, attn, logits_indices)
         return logits.float()

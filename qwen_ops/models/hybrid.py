@@ -37,7 +37,6 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
-from qwen_ops.models.linear import Linear
 from qwen_ops.models.dense import QwenMLP, apply_rope, rms_normalize
 
 Cache = tuple[torch.Tensor, torch.Tensor]
@@ -113,10 +112,10 @@ class GatedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, 2 * q_dim, bias=config.attention_bias)   # [query | gate] per head
-        self.k_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = Linear(q_dim, hidden, bias=config.o_proj_bias)
+        self.q_proj = nn.Linear(hidden, 2 * q_dim, bias=config.attention_bias)   # [query | gate] per head
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -154,11 +153,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, hidden, bias=False)
-        self.in_proj_qkv = Linear(hidden, lin.conv_dim, bias=False)
-        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = Linear(hidden, self.num_v_heads, bias=False)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden, lin.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, state: Cache) -> torch.Tensor:
         T = x.shape[0]
@@ -224,7 +223,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                              "qwen_ops.models.dense.QwenForCausalLM")
         self.config = config
         self.model = HybridModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,7 +1,7 @@
-"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus what
-the eager fp32 CPU forward of the models runs instead of torch ops (see :func:`usable_for`): the
-packed-panel matrix product behind ``Linear``, fused RMSNorm, q/k-norm + RoPE, SiLU * up, each
-layer's attention block, the dense model's whole forward in one call, and the greedy argmax.
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus the
+pieces of the engine's native CPU executor (``qwen_ops/engine/executors.py``): the packed-panel
+matrix product, the dense model's whole forward in one call (``dense_forward``), and the greedy
+argmax that sampling uses.
 
 ``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
@@ -42,12 +42,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
-_RMS_NORM_ARGS = [_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32]
 _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
-_SILU_MUL_ARGS = [_p, _i64, _p, _i64, _p, _i64, _i64]
-_QK_NORM_ROPE_ARGS = [_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64, _i64, _p]
-_ATTENTION_BLOCK_ARGS = ([_p, _i64] * 3 + [_i64] * 4 + [_p, _p, _f32, _p, _i64, _p, _p, _p] + [_i64] * 4
-                         + [_p, _p, _i64, _i64, _p, _p, _p, _i64, _f32, _p])
 _LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
@@ -56,11 +51,7 @@ _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, 
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
-    "qwen_rms_norm": (_RMS_NORM_ARGS, None),
-    "qwen_qk_norm_rope": (_QK_NORM_ROPE_ARGS, None),
     "qwen_argmax_rows": (_ARGMAX_ARGS, None),
-    "qwen_silu_mul": (_SILU_MUL_ARGS, None),
-    "qwen_attention_block": (_ATTENTION_BLOCK_ARGS, ctypes.c_int),
     "qwen_linear_packed": (_LINEAR_PACKED_ARGS, None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
@@ -203,45 +194,7 @@ gated_delta_rule_cpu = gated_delta_rule_reference
 # cpu backend is selected; not torch ops: under torch.compile the model keeps its torch code).
 # --------------------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             add: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``weight * s / rms(s)`` over rows of fp32 ``x [rows, dim]``; ``s = x + add`` when ``add`` is
-    given, returned too (the residual stream). Rows must be contiguous (stride 1 in the last dim)."""
-    rows, dim = x.shape
-    out = torch.empty((rows, dim), dtype=torch.float32)
-    total = None if add is None else torch.empty((rows, dim), dtype=torch.float32)
-    library().qwen_rms_norm(x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
-                            0 if add is None else add.stride(0), None if total is None else total.data_ptr(), dim,
-                            weight.data_ptr(), out.data_ptr(), dim, rows, dim, float(eps))
-    return out, total
 
-
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
-                 eps: float, cos_sin: torch.Tensor, positions32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (skipped when the weights are None) and RoPE of fp32 ``q [T, Hq, D]``,
-    ``k [T, Hk, D]`` at int32 ``positions32 [T]`` (each in ``[0, cos_sin.shape[0])``: the caller
-    checks) from the fp32 ``cos_sin [max_pos, D]`` table. Returns contiguous new tensors."""
-    T, nq, D = q.shape
-    nk = k.shape[1]
-    qo = torch.empty((T, nq, D), dtype=torch.float32)
-    ko = torch.empty((T, nk, D), dtype=torch.float32)
-    tmp = torch.empty(D, dtype=torch.float32)
-    positions32 = _i32_vector(positions32)
-    library().qwen_qk_norm_rope(
-        q.data_ptr(), q.stride(0), q.stride(1), nq, k.data_ptr(), k.stride(0), k.stride(1), nk,
-        None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), qo.data_ptr(), ko.data_ptr(),
-        T, D, tmp.data_ptr())
-    return qo, ko
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` for fp32 ``[rows, dim]`` inputs with contiguous rows, to fp32 rounding
-    for finite inputs (the exp is a polynomial, not libm's; a -inf gate gives -inf, not NaN)."""
-    rows, dim = gate.shape
-    out = torch.empty((rows, dim), dtype=torch.float32)
-    library().qwen_silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, dim)
-    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -271,34 +224,6 @@ def usable_for(t: torch.Tensor) -> bool:
     return (not torch.compiler.is_compiling() and t.device.type == "cpu" and t.dtype == torch.float32
             and resolve_backend(t.device, "kv_write") == "cpu")
 
-
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
-                    head_dim: int, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], eps: float,
-                    cos_sin: torch.Tensor, positions32: torch.Tensor, kv_cache: tuple, attn, scale: float) -> torch.Tensor:
-    """One layer's attention after its projections, in one C call: q/k RMSNorm (skipped when the
-    weights are None) + RoPE, ``kv_write`` into ``kv_cache`` and ``slot_attention``, all fp32.
-
-    q ``[T, num_heads * head_dim]``, k, v ``[T, num_kv_heads * head_dim]`` (rows may be strided,
-    e.g. column views of one q/k/v product). Nothing here is checked: the caller has checked the
-    positions against ``cos_sin`` and the metadata as the ops do (``QwenForCausalLM.forward``).
-    Returns the attention output ``[T, num_heads * head_dim]``.
-    """
-    key_cache, value_cache = kv_cache
-    T = q.shape[0]
-    out = torch.empty((T, num_heads * head_dim), dtype=torch.float32)
-    positions32, slot_ids = _i32_vector(positions32), _i32_vector(attn.slot_ids)
-    seq_slots, qsl, seq_lens = _i32_vector(attn.seq_slots), _i32_vector(attn.query_start_loc), _i32_vector(attn.seq_lens)
-    block_table = attn.block_table
-    status = library().qwen_attention_block(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, num_heads, num_kv_heads,
-        head_dim, None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions32.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
-        seq_slots.data_ptr(), qsl.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], float(scale), out.data_ptr())
-    if status != 0:
-        raise MemoryError("qwen_ops cpu attention_block could not allocate its scratch memory")
-    return out
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

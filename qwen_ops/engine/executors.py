@@ -1,0 +1,188 @@
+"""Ways to run one step of the model's forward, which the runner picks between per step.
+
+The model has ONE forward (plain torch plus ``torch.ops.qwen.*``). An executor runs that forward
+or the same math by another route:
+
+- eager: ``model(...)`` as written;
+- compiled: the runner's ``torch.compile``d decode step (Inductor or Torch-TensorRT), and its
+  CUDA-graph replay (both in ``runner.py``, over static buffers);
+- native CPU (``NativeCPUExecutor``, here): the dense model's whole forward in one C call
+  (``cpu.dense_forward``) on weights packed once at construction.
+
+The native executor is an optimisation of the same math, tested against the eager op path
+(``tests/test_executors.py``). It never serves stale weights: it packs at construction,
+``refresh()`` repacks (the engine calls it after loading weights), and before every step it
+compares each parameter's storage and version counter with what it packed from, repacking when
+one changed (``.to()``, ``param.data = ...``, an in-place write). A write that bypasses the
+version counter (``param.data.copy_(...)``) is invisible to any torch tensor; call ``refresh()``
+(or ``QwenEngine.refresh_weights()``) after one.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+
+from qwen_ops.models.dense import QwenAttention, QwenDecoderLayer, QwenForCausalLM, QwenMLP, RMSNorm
+from qwen_ops.ops import validation as V
+from qwen_ops.ops.backend import resolve_backend, value_checks_enabled
+from qwen_ops.ops.kernels import cpu as cpu_kernels
+from qwen_ops.ops.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+_VERSION = operator.attrgetter("_version")
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:     # an inference tensor has no version counter (and stays as made)
+        return -1
+
+
+class NativeCPUExecutor:
+    """``cpu.dense_forward`` for a dense Qwen2/Qwen3 model in fp32 on the CPU.
+
+    Covers batches of up to ``cpu.DENSE_FORWARD_MAX_TOKENS`` tokens whose sequence chunks have at
+    most ``cpu.REFERENCE_ABOVE_QUERY_LEN`` query rows, with one intra-op thread (the C code is
+    single-threaded). ``supports`` says whether a step fits; the runner runs the others eagerly.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        reason = self.why_not(model)
+        if reason is not None:
+            raise ValueError(f"the native CPU executor cannot run this model: {reason}")
+        self.model = model
+        self._key: Optional[tuple] = None
+        self.refresh()
+
+    # ------------------------------------------------------------------ eligibility
+    @staticmethod
+    def why_not(model: torch.nn.Module) -> Optional[str]:
+        """None when the executor can hold ``model``, else the reason (the runner logs nothing:
+        an ineligible model simply runs eagerly)."""
+        if type(model) is not QwenForCausalLM:
+            return f"{type(model).__name__} is not the dense QwenForCausalLM"
+        if cpu_kernels.why_unavailable() is not None:
+            return f"the cpu backend's C kernels are unavailable ({cpu_kernels.why_unavailable()})"
+        for layer in model.model.layers:
+            if not (type(layer) is QwenDecoderLayer and type(layer.self_attn) is QwenAttention
+                    and type(layer.mlp) is QwenMLP):
+                return "a decoder layer was replaced"
+            mlp = layer.mlp
+            if any(type(m) is not torch.nn.Linear or m.bias is not None
+                   for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                return "the MLP has biases or non-Linear projections"
+            attn = layer.self_attn
+            if any(type(m) is not torch.nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
+                return "an attention projection is not an nn.Linear"
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+            if any(type(n) is not RMSNorm or n.eps != model.model.norm.eps for n in norms):
+                return "the norms differ from one RMSNorm eps"
+        lm_head = model.lm_head
+        if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+            return "lm_head is not a bias-free nn.Linear"
+        for p in model.parameters():
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                return f"weights are {p.dtype} on {p.device}, expected float32 on the CPU"
+        return None
+
+    def supports(self, num_tokens: int, max_query_len: int, kv_caches: list[KVCache]) -> bool:
+        """Whether a step of ``num_tokens`` tokens in chunks of at most ``max_query_len`` runs here:
+        fp32 CPU caches of one layout, the cpu backend selected for the ops
+        (``QWEN_OPS_BACKEND=reference`` keeps everything in torch), one intra-op thread, and a
+        batch the C code's scratch and its attention kernel cover."""
+        if (num_tokens > cpu_kernels.DENSE_FORWARD_MAX_TOKENS or max_query_len > cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
+                or not cpu_kernels.packed_products_enabled()
+                or len(kv_caches) != len(self.model.model.layers)):
+            return False
+        key_cache = kv_caches[0][0]
+        if key_cache.device.type != "cpu" or resolve_backend(key_cache.device, "kv_write") != "cpu":
+            return False
+        layout = (key_cache.shape, key_cache.stride())
+        return all(t.dtype == torch.float32 and (t.shape, t.stride()) == layout for pair in kv_caches for t in pair)
+
+    # ------------------------------------------------------------------ packing
+    def _identity(self) -> tuple:
+        params = self._params
+        try:   # C-level maps: this runs before every step
+            versions = tuple(map(_VERSION, params))
+        except RuntimeError:
+            versions = tuple(map(_version, params))
+        return tuple(map(torch.Tensor.data_ptr, params)), versions, self._module_ids()
+
+    def _module_ids(self) -> tuple:
+        m = self.model
+        return (id(m.lm_head), id(m.model.norm)) + tuple(
+            id(x) for layer in m.model.layers for x in (layer, layer.self_attn, layer.mlp))
+
+    def refresh(self) -> None:
+        """Repack every weight from the model as it is now (after a load, ``.to()`` or an update)."""
+        reason = self.why_not(self.model)
+        if reason is not None:
+            raise ValueError(f"the native CPU executor cannot run this model any more: {reason}")
+        m = self.model
+        with torch.no_grad():
+            layers = []
+            for layer in m.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                weights = {
+                    "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                    "q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
+                    "q_bias": a.q_proj.bias, "k_bias": a.k_proj.bias, "v_bias": a.v_proj.bias, "o_bias": a.o_proj.bias,
+                    "q_norm": None if a.q_norm is None else a.q_norm.weight,
+                    "k_norm": None if a.k_norm is None else a.k_norm.weight,
+                    "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj,
+                }
+                if set(weights) != set(cpu_kernels.DENSE_LAYER_WEIGHTS):
+                    raise AssertionError("NativeCPUExecutor and cpu.DENSE_LAYER_WEIGHTS disagree")
+                # Matrices as packed panels; vectors as contiguous copies (the C code reads them flat).
+                layers.append([cpu_kernels.pack_panels(w.weight.detach().contiguous())
+                               if isinstance(w, torch.nn.Linear)
+                               else None if w is None else w.detach().contiguous().clone()
+                               for w in (weights[name] for name in cpu_kernels.DENSE_LAYER_WEIGHTS)])
+            self._layers = layers
+            self._addresses = cpu_kernels.addresses(w for layer in layers for w in layer)
+            self._lm_head = cpu_kernels.pack_panels(m.lm_head.weight.detach().contiguous())
+            self._final_norm = m.model.norm.weight.detach().contiguous().clone()
+            self._rope = m.model.rotary_emb.cos_sin.detach().contiguous()
+        self._params = list(m.parameters()) + [m.model.rotary_emb.cos_sin]
+        self._key = self._identity()
+
+    # ------------------------------------------------------------------ one step
+    def _check_metadata(self, num_tokens: int, positions32: torch.Tensor, attn: AttentionMetadata,
+                        kv_caches: list[KVCache]) -> None:
+        """The checks torch.ops.qwen.kv_write and slot_attention make on every call, made once for
+        all layers (the C code takes the metadata as it is)."""
+        a = self.model.model.layers[0].self_attn
+        key_cache, value_cache = kv_caches[0]
+        q = key_cache.new_empty((num_tokens, a.num_heads, a.head_dim))
+        k = key_cache.new_empty((num_tokens, a.num_kv_heads, a.head_dim))
+        V.check_kv_write(k, k, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
+        V.check_slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
+                               attn.seq_lens, a.scale, attn.max_query_len, None)
+        if value_checks_enabled("cpu"):
+            V.check_kv_write_values(key_cache, attn.slot_ids, positions32, attn.block_table)
+            V.check_slot_attention_values(q, key_cache, attn.block_table, attn.seq_slots, attn.query_start_loc,
+                                          attn.seq_lens, attn.max_query_len)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+            kv_caches: list[KVCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]``: the model's forward (same arguments) in one C call."""
+        if not self.supports(input_ids.shape[0], attn.max_query_len, kv_caches):
+            raise ValueError("this step does not fit the native CPU executor (see NativeCPUExecutor.supports)")
+        if self._identity() != self._key:        # a weight was replaced, moved or written: repack
+            self.refresh()
+        m = self.model
+        positions32 = positions.to(torch.int32)
+        self._check_metadata(input_ids.shape[0], positions32, attn, kv_caches)
+        h = m.model.embed_tokens(input_ids).contiguous()
+        a = m.model.layers[0].self_attn
+        return cpu_kernels.dense_forward(
+            h, self._addresses, kv_caches, a.num_heads, a.head_dim, m.config.intermediate_size, m.model.norm.eps,
+            a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots, attn.query_start_loc,
+            attn.seq_lens, logits_indices, self._final_norm, self._lm_head, m.lm_head.out_features)
