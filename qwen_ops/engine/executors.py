@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from qwen_ops.models.dense import QwenAttention, QwenDecoderLayer, QwenForCausalLM, QwenMLP, RMSNorm
+from qwen_ops.models.dense import QwenAttention, QwenDecoderLayer, QwenForCausalLM
+from qwen_ops.models.layers import QwenMLP, RMSNorm
 from qwen_ops.ops import validation as V
 from qwen_ops.ops.backend import resolve_backend, value_checks_enabled
 from qwen_ops.ops.kernels import cpu as cpu_kernels

@@ -20,71 +20,14 @@ Faster ways to run the same math live outside the model, in the engine's executo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.layers import QwenMLP, RMSNorm, RotaryEmbedding, apply_rope
 from qwen_ops.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x)`` over the last dim, in fp32 (the part every Qwen norm variant shares)."""
-    h = x.float()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-
-
-class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))``, the mean square taken in fp32 as in transformers' Qwen2RMSNorm."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE as a precomputed fp32 table ``cos_sin [max_position_embeddings, head_dim]``.
-
-    Row p holds ``cos(p * inv_freq) * s`` in its first half and ``sin(p * inv_freq) * s`` in its
-    second (``s`` is yarn's attention factor, 1 otherwise), by the same fp32 operations that
-    transformers runs at every step, so gathering rows by position reproduces its values.
-    """
-
-    def __init__(self, config: QwenConfig) -> None:
-        super().__init__()
-        self.half = config.head_dim // 2
-        # On torch's default device. Under the loader's torch.device("meta") it stays an empty
-        # meta tensor (meta arange would import torch's Python meta kernels, ~180 MB) and the
-        # loader computes it on the target device: being non-persistent, it is not in checkpoints.
-        table = torch.empty(config.max_position_embeddings, config.head_dim)
-        self.register_buffer("cos_sin", table if table.is_meta else rope_table(config, table.device),
-                             persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim // 2]`` in ``dtype`` for int32 or int64 ``positions [T]``."""
-        table = torch.index_select(self.cos_sin, 0, positions).to(dtype)
-        return table[:, None, :self.half], table[:, None, self.half:]
-
-
-def rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
-    """fp32 ``[max_position_embeddings, head_dim]``: cos | sin of every position, times the scaling."""
-    inv_freq, scaling = config.rope.inv_freq_and_scaling(config.head_dim, config.max_position_embeddings)
-    positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, head_dim // 2]
-    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` (halves convention); same roundings as ``q*cos + rotate_half(q)*sin``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class QwenAttention(nn.Module):
@@ -119,17 +62,6 @@ class QwenAttention(nn.Module):
         o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
                                           attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len)
         return self.o_proj(o.view(T, self.num_heads * self.head_dim))
-
-
-class QwenMLP(nn.Module):
-    def __init__(self, config: QwenConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class QwenDecoderLayer(nn.Module):

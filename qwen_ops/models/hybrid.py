@@ -37,69 +37,10 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
-from qwen_ops.models.dense import QwenMLP, apply_rope, rms_normalize
+from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, QwenMLP, RotaryEmbedding, apply_rope
 
 Cache = tuple[torch.Tensor, torch.Tensor]
 ATTENTION, LINEAR = "attention", "linear"   # cache kinds, as in ``layer_kinds``
-
-
-class OffsetRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + weight)`` in fp32, cast to x's dtype at the end (transformers' Qwen3_5RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
-
-
-class GatedRMSNorm(nn.Module):
-    """``weight * (x / rms(x)) * silu(gate)`` with transformers' casts (Qwen3_5RMSNormGated)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = self.weight * rms_normalize(x, self.eps).to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
-
-
-def partial_rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
-    """fp32 ``[max_position_embeddings, rotary_dim]``: cos | sin of every position for the rotated channels."""
-    rotary_dim = config.rope.rotary_dim(config.head_dim)
-    inv_freq, scaling = config.rope.inv_freq_and_scaling(rotary_dim, config.max_position_embeddings)
-    positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, rotary_dim // 2]
-    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-
-
-class PartialRotaryEmbedding(nn.Module):
-    """RoPE table for the first ``rotary_dim`` channels of a head (as model.RotaryEmbedding, partial)."""
-
-    def __init__(self, config: QwenConfig) -> None:
-        super().__init__()
-        self.rotary_dim = config.rope.rotary_dim(config.head_dim)
-        # Under the loader's torch.device("meta") an empty meta tensor; the loader fills it.
-        table = torch.empty(config.max_position_embeddings, self.rotary_dim)
-        self.register_buffer("cos_sin", table if table.is_meta else partial_rope_table(config, table.device),
-                             persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, rotary_dim // 2]`` in ``dtype``."""
-        table = torch.index_select(self.cos_sin, 0, positions).to(dtype)
-        half = self.rotary_dim // 2
-        return table[:, None, :half], table[:, None, half:]
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x [T, heads, head_dim]``; pass the rest."""
-    rotary_dim = 2 * cos.shape[-1]
-    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -127,7 +68,7 @@ class GatedAttention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         key_cache, value_cache = kv_cache
         torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
         o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
@@ -210,7 +151,7 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(HybridDecoderLayer(config, kind) for kind in config.layer_types)
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = PartialRotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config)
 
 
 class Qwen3_5ForCausalLM(nn.Module):

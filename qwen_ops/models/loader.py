@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from qwen_ops.models.config import QwenConfig, token_ids
-from qwen_ops.models.dense import QwenForCausalLM, rope_table
-from qwen_ops.models.hybrid import Qwen3_5ForCausalLM, partial_rope_table
+from qwen_ops.models.dense import QwenForCausalLM
+from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
+from qwen_ops.models.layers import rope_table
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -133,7 +134,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_tensors(file, names, model, dtype, device, renamed)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.cos_sin = (partial_rope_table if config.is_hybrid else rope_table)(config, device)
+    model.model.rotary_emb.cos_sin = rope_table(config, device)
     return model.eval()
 
 

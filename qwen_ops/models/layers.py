@@ -1,0 +1,118 @@
+"""The layers that the dense and hybrid Qwen models share: RMSNorm (and the Qwen3.5 offset and
+gated variants), rotary embeddings (full or partial), and the SwiGLU MLP.
+
+Numerics follow transformers: norms take the mean square in fp32, RoPE tables are fp32 and built
+by the same operations transformers runs, and values are cast back at the same points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen_ops.models.config import QwenConfig
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, in fp32 (the part every Qwen norm variant shares)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))``, the mean square taken in fp32 as in transformers' Qwen2RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)`` in fp32, cast to x's dtype at the end (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * (x / rms(x)) * silu(gate)`` with transformers' casts (Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = self.weight * rms_normalize(x, self.eps).to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+def rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
+    """fp32 ``[max_position_embeddings, rotary_dim]``: cos | sin of every position, times the scaling,
+    for the ``rotary_dim = config.rope.rotary_dim(head_dim)`` rotated channels of a head (all of
+    them, except for Qwen3.5's partial rotary)."""
+    rotary_dim = config.rope.rotary_dim(config.head_dim)
+    inv_freq, scaling = config.rope.inv_freq_and_scaling(rotary_dim, config.max_position_embeddings)
+    positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, rotary_dim // 2]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE as a precomputed fp32 table ``cos_sin [max_position_embeddings, rotary_dim]``.
+
+    Row p holds ``cos(p * inv_freq) * s`` in its first half and ``sin(p * inv_freq) * s`` in its
+    second (``s`` is yarn's attention factor, 1 otherwise), by the same fp32 operations that
+    transformers runs at every step, so gathering rows by position reproduces its values.
+    """
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        self.rotary_dim = config.rope.rotary_dim(config.head_dim)
+        # On torch's default device. Under the loader's torch.device("meta") it stays an empty
+        # meta tensor (meta arange would import torch's Python meta kernels, ~180 MB) and the
+        # loader computes it on the target device: being non-persistent, it is not in checkpoints.
+        table = torch.empty(config.max_position_embeddings, self.rotary_dim)
+        self.register_buffer("cos_sin", table if table.is_meta else rope_table(config, table.device),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, rotary_dim // 2]`` in ``dtype`` for int32 or int64 ``positions [T]``."""
+        table = torch.index_select(self.cos_sin, 0, positions).to(dtype)
+        half = self.rotary_dim // 2
+        return table[:, None, :half], table[:, None, half:]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` channels of ``x [T, heads, head_dim]`` (halves
+    convention; same roundings as ``q*cos + rotate_half(q)*sin``) and pass the rest through."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if 2 * half == x.shape[-1]:      # static shapes: no data-dependent branch under torch.compile
+        return rotated
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+
+
+class QwenMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
