@@ -66,11 +66,43 @@ def _compile_decode(fn, backend: str, device: torch.device):
     raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
 
 
+class CudaGraphAPI:
+    """What the runner needs of CUDA graphs: warm up a step, capture it into a graph in a shared
+    memory pool, and measure memory. Tests on the CPU pass a stand-in with the same methods
+    (``tests/test_graph_executor.py``), so the runner's own capture and replay logic (buckets,
+    padding, output slicing, static buffers) is exercised where no GPU exists."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def warm_up(self, step) -> None:
+        """Run ``step`` on a side stream (compiling it) before capture, as torch requires."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def capture(self, step, pool):
+        """``(graph, output, pool)``: ``step`` captured; its output tensor is rewritten by each replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+        return graph, out, graph.pool() if pool is None else pool
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_slots: int,
                  max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
                  buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", graph_api=None):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -84,7 +116,7 @@ class ModelRunner:
         self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
         if self.buckets[0] < 1:
             raise ValueError(f"buckets = {list(buckets)}, expected sizes >= 1")
-        if cuda_graphs and device.type != "cuda":
+        if cuda_graphs and device.type != "cuda" and graph_api is None:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {device}")
         if compile_backend == "tensorrt":
             if device.type != "cuda":
@@ -103,7 +135,8 @@ class ModelRunner:
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
                              else self._decode_eager)
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_api = graph_api if graph_api is not None else (CudaGraphAPI(device) if cuda_graphs else None)
+        self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -197,10 +230,10 @@ class ModelRunner:
         # Buckets exist for compiled graphs and CUDA graphs (a few fixed shapes); an eager step runs
         # at its exact size, where padding rows would only add work (up to a third more at 17-of-24).
         bucket = self.bucket_for(len(chunks)) if self.compiled or self.cuda_graphs else len(chunks)
+        if self.cuda_graphs and not self._graphs:
+            self.capture()              # before filling: capture runs on (and leaves) all-padding buffers
         self.fill_decode_buffers(chunks, bucket)
         if self.cuda_graphs:
-            if not self._graphs:
-                self.capture()
             graph, out = self._graphs[bucket]
             graph.replay()
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
@@ -219,28 +252,25 @@ class ModelRunner:
         """
         import time
 
+        api = self.graph_api
         self._graphs.clear()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        api.synchronize()
+        free_before = api.free_bytes()
         t0 = time.perf_counter()
         pool = None
         for bucket in reversed(self.buckets):
             self.fill_decode_buffers([], bucket)
             inputs = self.decode_inputs(bucket)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):        # warm-up (and compile) outside the capture
-                for _ in range(2):
-                    self._decode_step(*inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._decode_step(*inputs)
-            pool = graph.pool() if pool is None else pool
+
+            def step(inputs=inputs):
+                return self._decode_step(*inputs)
+
+            api.warm_up(step)                      # (and compile) outside the capture
+            graph, out, pool = api.capture(step, pool)
             self._graphs[bucket] = (graph, out)
-        torch.cuda.synchronize(self.device)
+        api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.capture_bytes = max(0, free_before - api.free_bytes())
 
     def _tensors_replaced(self) -> None:
         """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""
