@@ -24,8 +24,24 @@ import pytest  # noqa: E402
 
 from qwen_ops.ops.backend import why_unavailable  # noqa: E402
 
-# Every concrete backend; the fixture below skips those that cannot run here, with the reason.
+# Every concrete backend. The cuda backend needs CUDA tensors: its cases carry the ``gpu`` marker,
+# and a machine without a CUDA GPU deselects them (pytest_collection_modifyitems) instead of
+# listing hundreds of skips for combinations that can never run there.
 BACKENDS = ("reference", "cpu", "triton", "cuda")
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.gpu) if b == "cuda" else b for b in BACKENDS]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without a CUDA GPU, tests marked ``gpu`` (and those taking the ``cuda_device`` fixture) are
+    deselected: they are GPU work, run by ``benchmarks/device_check.py`` on a GPU machine."""
+    if torch.cuda.is_available():
+        return
+    keep, dropped = [], []
+    for item in items:
+        (dropped if item.get_closest_marker("gpu") or "cuda_device" in item.fixturenames else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def backend_unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -42,7 +58,7 @@ def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKEND_PARAMS)
 def backend(request, device) -> str:
     """A concrete backend name that can run on ``device``; skips (with the reason) otherwise."""
     reason = backend_unavailable_reason(request.param, device)

@@ -58,7 +58,9 @@ def _extension_reason() -> str | None:
 EXT_REASON = _extension_reason()
 GPU_REASON = EXT_REASON or (None if torch.cuda.is_available() else "no CUDA device on this machine")
 needs_ext = pytest.mark.skipif(EXT_REASON is not None, reason=str(EXT_REASON))
-needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))
+# GPU work: deselected without a CUDA GPU (conftest.py); skipped when the extension is not built.
+def needs_gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))(test))
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)   # the kernel templates

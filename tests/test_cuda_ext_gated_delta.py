@@ -33,7 +33,9 @@ from test_ops_gated_delta import (CHUNKS, LINEAR_TOLERANCE, SCENARIOS, Seq, make
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCENARIO_NAMES = tuple(SCENARIOS)
 GQA_RATIOS = (1, 2)
-needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))
+# GPU work: deselected without a CUDA GPU (conftest.py); skipped when the extension is not built.
+def needs_gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))(test))
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor, dtype, what: str) -> None:

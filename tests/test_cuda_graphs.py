@@ -12,7 +12,7 @@ from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+needs_gpu = pytest.mark.gpu      # deselected without a CUDA GPU (conftest.py)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 BUCKETS = [1, 2, 4, 8]
 
@@ -100,6 +100,7 @@ def test_tensorrt_backend_errors_clearly_without_gpu_or_package(ckpt):
         QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=64, device=device, compile_backend="tensorrt")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("torch_tensorrt") is None,
                     reason="needs a CUDA GPU and the torch-tensorrt package (extra [tensorrt])")
 def test_tensorrt_decode(ckpt):

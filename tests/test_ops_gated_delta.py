@@ -29,16 +29,19 @@ import qwen_ops
 from qwen_ops.ops import registry as ops
 from qwen_ops.ops.kernels.reference_gated_delta import (causal_conv1d_reference, delta_rule_chunked, delta_rule_recurrent,
                                                gated_delta_rule_recurrent, gated_delta_rule_reference, l2norm)
+from conftest import BACKEND_PARAMS, backend_unavailable_reason
 from tolerances import Tolerance
 
 
-@pytest.fixture
-def backend(backend):
-    """conftest's backend fixture, less the cpu backend: it has no native state-op kernels (it runs
-    these ops with the reference kernels), so comparing it with the reference would test nothing."""
-    if backend == "cpu":
-        pytest.skip("the cpu backend runs causal_conv1d and gated_delta_rule with the reference kernels")
-    return backend
+@pytest.fixture(params=[p for p in BACKEND_PARAMS if p != "cpu"])
+def backend(request, device):
+    """conftest's backend fixture less the cpu backend, which has no native state-op kernels (it
+    runs these ops with the reference kernels): comparing it with the reference would test nothing."""
+    reason = backend_unavailable_reason(request.param, device)
+    if reason is not None:
+        pytest.skip(f"backend {request.param!r} unavailable on {device}: {reason}")
+    return request.param
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_RATIOS = [1, 2, 3]          # num_v_heads // num_k_heads
@@ -580,3 +583,4 @@ def test_backend_without_kernels_raises_clearly(op, monkeypatch):
     monkeypatch.undo()
     from qwen_ops.ops.kernels import reference_gated_delta
     assert ops._state_op_kernel(op, "reference") is getattr(reference_gated_delta, f"{op}_reference")
+
