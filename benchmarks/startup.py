@@ -30,10 +30,10 @@ def main() -> int:
     tok = eng.prefill([3, 4, 5, 6], slot_id=0).next_token
     eng.decode_step(tok, slot_id=0)                    # compiles the batch-1 graph
     eng.prefill([7, 8], slot_id=1)
-    from qwen_ops.engine.runner import SeqChunk
+    from qwen_ops.engine.batch import BatchedRequest
     eng.reserve(0, eng.slot_seq_len(0) + 1)
     eng.reserve(1, eng.slot_seq_len(1) + 1)
-    eng.execute([SeqChunk(0, [tok], eng.slot_seq_len(0)), SeqChunk(1, [tok], eng.slot_seq_len(1))])  # bucket 4
+    eng.execute([BatchedRequest(0, [tok], eng.slot_seq_len(0)), BatchedRequest(1, [tok], eng.slot_seq_len(1))])  # bucket 4
     done = time.perf_counter()
     inductor = torch._dynamo.utils.counters["inductor"]
     print(json.dumps({"total_s": done - t0, "load_s": loaded - t0, "first_steps_s": done - loaded,

@@ -240,19 +240,19 @@ def test_exports():
 
 
 def test_execute_rejects_unreserved_or_stale_chunks(engine):
-    from qwen_ops.engine.runner import SeqChunk
+    from qwen_ops.engine.batch import BatchedRequest
 
     expected = run_single(engine, PROMPTS[0], 5, slot=3)
     first = run_single(engine, PROMPTS[0], 3, slot=0)
     engine.begin_sequence(1)
     with pytest.raises(ValueError, match=r"reserve\(\) them first"):
-        engine.execute([SeqChunk(1, [5, 6, 7], 0)])              # no blocks reserved for slot 1
-    with pytest.raises(ValueError, match=r"chunks\[0\].start = 2"):
-        engine.execute([SeqChunk(0, [5], 2)])
+        engine.execute([BatchedRequest(1, [5, 6, 7], 0)])              # no blocks reserved for slot 1
+    with pytest.raises(ValueError, match=r"chunks\[0\].position_offset = 2"):
+        engine.execute([BatchedRequest(0, [5], 2)])
     with pytest.raises(ValueError, match="holds no sequence"):
-        engine.execute([SeqChunk(2, [5], 0)])
+        engine.execute([BatchedRequest(2, [5], 0)])
     with pytest.raises(ValueError, match="appears twice"):
-        engine.execute([SeqChunk(0, [5], 7), SeqChunk(0, [6], 7)])
+        engine.execute([BatchedRequest(0, [5], 7), BatchedRequest(0, [6], 7)])
     rest = first[-1:]
     for _ in range(2):
         rest.append(engine.decode_step(rest[-1], slot_id=0).next_token)

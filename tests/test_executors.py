@@ -218,7 +218,7 @@ def test_the_runner_picks_one_executor_per_step(tmp_path, monkeypatch):
     """Native for what it covers on the CPU, eager for the rest (a long chunk, the reference op
     backend, several threads); the compiled step for decodes with compile=True."""
     from qwen_ops.engine.engine import QwenEngine
-    from qwen_ops.engine.runner import SeqChunk
+    from qwen_ops.engine.batch import BatchedRequest
 
     path = save_tiny_checkpoint(tmp_path / "q3", "qwen3", vocab_size=96, hidden_size=64, intermediate_size=96,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -226,9 +226,9 @@ def test_the_runner_picks_one_executor_per_step(tmp_path, monkeypatch):
     eng = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=256)
     runner = eng.runner
     assert runner.native is not None
-    short, long = [SeqChunk(0, [5] * 9, 0)], [SeqChunk(0, [5] * (cpu.REFERENCE_ABOVE_QUERY_LEN + 1), 0)]
+    short, long = [BatchedRequest(0, [5] * 9, 0)], [BatchedRequest(0, [5] * (cpu.REFERENCE_ABOVE_QUERY_LEN + 1), 0)]
     assert runner.executor_for(short) == "native" and runner.executor_for(long) == "eager"
-    assert runner.executor_for([SeqChunk(0, [5], 9), SeqChunk(1, [6], 3)]) == "native"
+    assert runner.executor_for([BatchedRequest(0, [5], 9), BatchedRequest(1, [6], 3)]) == "native"
     with qwen_ops.use_backend("reference"):
         assert runner.executor_for(short) == "eager"
     calls = _count_native_calls(monkeypatch)
@@ -242,7 +242,7 @@ def test_the_runner_picks_one_executor_per_step(tmp_path, monkeypatch):
         want = eng.prefill(long_prompt, slot_id=1)
     torch.testing.assert_close(eager_out.logits, want.logits, rtol=1e-5, atol=1e-5)
     compiled = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=256, compile=True)
-    assert compiled.runner.executor_for([SeqChunk(0, [5], 9)]) == "compiled"
+    assert compiled.runner.executor_for([BatchedRequest(0, [5], 9)]) == "compiled"
     assert compiled.runner.executor_for(short) == "native"
 
 

@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from qwen_ops.engine.runner import ModelRunner, SeqChunk
+from qwen_ops.engine.batch import BatchedRequest
+from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.models.loader import load_checkpoint
 
 from checkpoints import make_qwen3_checkpoint
@@ -84,11 +85,11 @@ class Pair:
     def prefill(self, slot: int, n: int) -> None:
         tokens = [self.rng.randrange(2, 128) for _ in range(n)]
         for runner in (self.graphs, self.eager):
-            runner.execute([SeqChunk(slot, tokens, 0)])
+            runner.execute([BatchedRequest(slot, tokens, 0)])
         self.lens[slot] = n
 
     def decode(self, slots: list[int]) -> torch.Tensor:
-        chunks = [SeqChunk(s, [self.rng.randrange(2, 128)], self.lens[s]) for s in slots]
+        chunks = [BatchedRequest(s, [self.rng.randrange(2, 128)], self.lens[s]) for s in slots]
         got = self.graphs.execute(chunks)
         want = self.eager.execute(chunks)
         assert got.shape == (len(slots), want.shape[1])
@@ -159,7 +160,7 @@ def test_above_the_largest_bucket_runs_eager(model):
     runner = ModelRunner(model, num_blocks=16 * MAX_BLOCKS, block_size=BLOCK_SIZE, max_slots=16,
                          max_blocks_per_slot=MAX_BLOCKS, dtype=torch.float32, device=torch.device("cpu"),
                          buckets=BUCKETS, cuda_graphs=True, graph_api=api)
-    chunks = [SeqChunk(s, [5], 0) for s in range(9)]
+    chunks = [BatchedRequest(s, [5], 0) for s in range(9)]
     for s in range(9):
         runner.set_block_row(s, [s])
     assert runner.executor_for(chunks) != "cuda_graph"

@@ -8,7 +8,8 @@ import torch._dynamo
 
 from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
 from qwen_ops.serving.llm import LLM
-from qwen_ops.engine.runner import SeqChunk, decode_buckets
+from qwen_ops.engine.batch import BatchedRequest
+from qwen_ops.engine.runner import decode_buckets
 from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
@@ -71,7 +72,7 @@ def test_padding_rows_write_nothing(engines):
     compiled.reserve(2, len(PROMPTS[2]) + 1)
     before = [(k.clone(), v.clone()) for k, v in compiled.runner.kv_caches]
     free = set(range(compiled.num_total_blocks)) - {b for s in range(3) for b in compiled.slot_blocks(s)}
-    compiled.execute([SeqChunk(s, [7], compiled.slot_seq_len(s)) for s in range(3)])
+    compiled.execute([BatchedRequest(s, [7], compiled.slot_seq_len(s)) for s in range(3)])
     idx = torch.tensor(sorted(free))
     for (k0, v0), (k1, v1) in zip(before, compiled.runner.kv_caches):
         assert torch.equal(k0[idx], k1[idx]) and torch.equal(v0[idx], v1[idx])
@@ -95,7 +96,7 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
             engine.prefill(PROMPTS[s], slot_id=s)
             engine.reserve(s, len(PROMPTS[s]) + 1)
         engine.runner.buf_slots.fill_(5)                 # stale rows from an earlier, larger batch
-        engine.execute([SeqChunk(s, [7], engine.slot_seq_len(s)) for s in range(3)])
+        engine.execute([BatchedRequest(s, [7], engine.slot_seq_len(s)) for s in range(3)])
     assert seen[-1] == 3, "eager: the model sees the 3 decode rows, no padding"
     assert eager.runner.buf_slots[:3].tolist() == [0, 1, 2]
     assert compiled.runner.buf_slots[:4].tolist() == [0, 1, 2, -1], "compiled: padded to bucket 4"

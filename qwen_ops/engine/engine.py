@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from qwen_ops.engine.block_manager import BlockAllocator
-from qwen_ops.engine.runner import ModelRunner, SeqChunk
+from qwen_ops.engine.batch import BatchedRequest
+from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.engine.sampling import GREEDY, SamplingParams, sample
 
 
@@ -95,7 +96,7 @@ class QwenEngine:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, chunk_size: int = 512,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (), compile: Optional[bool] = None,
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
-                 compile_backend: str = "inductor", backend: Optional[str] = None):
+                 compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True):
         for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
                                  ("block_size", block_size, 1), ("chunk_size", chunk_size, 1)):
             if not _is_int(value) or value < low:
@@ -126,7 +127,7 @@ class QwenEngine:
             max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
             compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
-            compile_backend=_compile_backend(compile_backend, backend))
+            compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu)
         self.allocator = BlockAllocator(num_kv_blocks)
         self._slots = [_SlotState() for _ in range(max_slots)]
         self._lock = threading.RLock()
@@ -306,7 +307,7 @@ class QwenEngine:
             self.runner.refresh_weights()
 
     # ----------------------------------------------------------------- forward
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.
 
         Returns fp32 logits [len(chunks), vocab] of each chunk's last token.
@@ -314,22 +315,25 @@ class QwenEngine:
         with self._lock:
             seen = set()
             for i, c in enumerate(chunks):
-                s = self._slots[self._check_slot(c.slot, f"chunks[{i}].slot")]
-                if c.slot in seen:
-                    raise ValueError(f"chunks[{i}].slot = {c.slot} appears twice; one chunk per slot and pass")
-                seen.add(c.slot)
+                s = self._slots[self._check_slot(c.kv_cache_slot, f"chunks[{i}].kv_cache_slot")]
+                if c.kv_cache_slot in seen:
+                    raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} appears twice; "
+                                     "one chunk per slot and pass")
+                seen.add(c.kv_cache_slot)
                 if not s.active:
-                    raise ValueError(f"chunks[{i}].slot = {c.slot} holds no sequence (prefill or begin_sequence first)")
-                if c.start != s.seq_len:
-                    raise ValueError(f"chunks[{i}].start = {c.start}, but slot {c.slot} holds {s.seq_len} tokens")
+                    raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} holds no sequence "
+                                     "(prefill or begin_sequence first)")
+                if c.position_offset != s.seq_len:
+                    raise ValueError(f"chunks[{i}].position_offset = {c.position_offset}, but slot {c.kv_cache_slot} "
+                                     f"holds {s.seq_len} tokens")
                 if not c.token_ids:
                     raise ValueError(f"chunks[{i}] has no tokens")
-                if self._blocks_for(c.start + len(c.token_ids)) > len(s.blocks):
-                    raise ValueError(f"chunks[{i}] needs {self._blocks_for(c.start + len(c.token_ids))} blocks in slot "
-                                     f"{c.slot}, which has {len(s.blocks)}; reserve() them first")
+                if self._blocks_for(c.position_offset + len(c.token_ids)) > len(s.blocks):
+                    raise ValueError(f"chunks[{i}] needs {self._blocks_for(c.position_offset + len(c.token_ids))} blocks in slot "
+                                     f"{c.kv_cache_slot}, which has {len(s.blocks)}; reserve() them first")
             logits = self.runner.execute(chunks)
             for c in chunks:
-                self._slots[c.slot].seq_len += len(c.token_ids)
+                self._slots[c.kv_cache_slot].seq_len += len(c.token_ids)
             return logits
 
     def _prefill_rounds(self, prompts: Sequence[tuple[int, list[int]]]) -> torch.Tensor:
@@ -343,7 +347,7 @@ class QwenEngine:
             live = [(i, slot, toks) for i, (slot, toks) in enumerate(prompts) if start < len(toks)]
             if not live:
                 break
-            logits = self.execute([SeqChunk(slot, toks[start:start + self.chunk_size], start)
+            logits = self.execute([BatchedRequest(slot, toks[start:start + self.chunk_size], start)
                                    for _, slot, toks in live])
             for row, (i, _, toks) in enumerate(live):
                 if start + self.chunk_size >= len(toks):
@@ -358,11 +362,10 @@ class QwenEngine:
                 gens[i] = self._slots[s].generator = p.make_generator(self.device)
         return sample(logits, params, gens).tolist()
 
-    def _stop_ids(self, sampling: SamplingParams) -> set[int]:
-        stops = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stops.update(self.eos_token_ids)
-        return stops
+    def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
+        ``ignore_eos`` (the one place this is decided, for the engine API and ``LLM`` alike)."""
+        return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
 
     # ----------------------------------------------------------------- single-session API
     def prefill(self, tokens: Sequence[int], slot_id: int = 0,
@@ -401,7 +404,7 @@ class QwenEngine:
         self._check_blocks({s: self._slots[s].seq_len + 1 for s in slot_ids})
         for s in slot_ids:
             self.reserve(s, self._slots[s].seq_len + 1)
-        return self.execute([SeqChunk(s, [t], self._slots[s].seq_len) for s, t in zip(slot_ids, tokens)])
+        return self.execute([BatchedRequest(s, [t], self._slots[s].seq_len) for s, t in zip(slot_ids, tokens)])
 
     # ----------------------------------------------------------------- batch API
     def _check_requests(self, requests: Any) -> list[QwenBatchedRequest]:
@@ -419,7 +422,7 @@ class QwenEngine:
         return requests
 
     def _finish_check(self, r: QwenBatchedRequest, token: int) -> bool:
-        return len(r.generated_tokens) >= r.sampling.max_new_tokens or token in self._stop_ids(r.sampling)
+        return len(r.generated_tokens) >= r.sampling.max_new_tokens or token in self.stop_ids(r.sampling)
 
     def batch_prefill(self, requests: Sequence[QwenBatchedRequest]) -> QwenBatchPrefillResult:
         """Prefill every request into its slot in one forward pass (per chunk round)."""

@@ -15,24 +15,15 @@ buckets. The same buffers and buckets are what CUDA-graph capture replays into.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.executors import NativeCPUExecutor
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import resolve_backend, trusted_metadata
 from qwen_ops.torch_library import SCHEMAS
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """``token_ids`` of slot ``slot`` at positions ``start, start + 1, ...``."""
-
-    slot: int
-    token_ids: Sequence[int]
-    start: int
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -102,7 +93,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_slots: int,
                  max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
                  buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
-                 compile_backend: str = "inductor", graph_api=None):
+                 compile_backend: str = "inductor", graph_api=None, native_cpu: bool = True):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -129,8 +120,9 @@ class ModelRunner:
             resolve_backend(device, op, "decode")
         # The native CPU executor packs its weights now (~10 ms for the embedded model), not on
         # the first request.
-        self.native = (NativeCPUExecutor(model) if device.type == "cpu" and NativeCPUExecutor.why_not(model) is None
-                       else None)
+        # ``native_cpu=False`` keeps every eager step on the model's forward (the op path).
+        self.native = (NativeCPUExecutor(model)
+                       if native_cpu and device.type == "cpu" and NativeCPUExecutor.why_not(model) is None else None)
         self._alloc_decode_buffers()
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
                              else self._decode_eager)
@@ -155,7 +147,7 @@ class ModelRunner:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def executor_for(self, chunks: Sequence[SeqChunk]) -> str:
+    def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
         """Which executor runs a step of ``chunks``, decided here and only here:
 
         - "cuda_graph": a decode batch within the largest bucket, with CUDA graphs on;
@@ -204,10 +196,10 @@ class ModelRunner:
         if self.native is not None:
             self.native.refresh()
 
-    def fill_decode_buffers(self, chunks: Sequence[SeqChunk], bucket: int) -> None:
+    def fill_decode_buffers(self, chunks: Sequence[BatchedRequest], bucket: int) -> None:
         """Copy a decode batch into the static buffers; rows n..bucket-1 become slot -1 padding."""
         n = len(chunks)
-        host = torch.tensor([[c.token_ids[0], c.start, c.slot, c.start + 1] for c in chunks]
+        host = torch.tensor([[c.token_ids[0], c.position_offset, c.kv_cache_slot, c.position_offset + 1] for c in chunks]
                             + [[0, 0, -1, 1]] * (bucket - n), dtype=torch.long)
         host = host.to(self.device, non_blocking=True)
         self.buf_input_ids[:bucket].copy_(host[:, 0])
@@ -226,7 +218,7 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute_decode(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def execute_decode(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         # Buckets exist for compiled graphs and CUDA graphs (a few fixed shapes); an eager step runs
         # at its exact size, where padding rows would only add work (up to a third more at 17-of-24).
         bucket = self.bucket_for(len(chunks)) if self.compiled or self.cuda_graphs else len(chunks)
@@ -342,7 +334,7 @@ class ModelRunner:
                 b[slot] = hb.to(self.device)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward over all chunks; returns fp32 logits [len(chunks), vocab] of each chunk's last token.
 
         Decode batches within the largest bucket take the static (compiled) path; prefill,
@@ -359,10 +351,10 @@ class ModelRunner:
         for c in chunks:
             n = len(c.token_ids)
             token_ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + n))
-            slot_ids.extend([c.slot] * n)
-            seq_slots.append(c.slot)
-            seq_lens.append(c.start + n)
+            positions.extend(range(c.position_offset, c.position_offset + n))
+            slot_ids.extend([c.kv_cache_slot] * n)
+            seq_slots.append(c.kv_cache_slot)
+            seq_lens.append(c.position_offset + n)
             query_start_loc.append(query_start_loc[-1] + n)
         dev = self.device
 

@@ -22,9 +22,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from qwen_ops.serving.batch import RequestId
+from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
-from qwen_ops.engine.runner import SeqChunk
 from qwen_ops.engine.sampling import SamplingParams, sample
 from qwen_ops.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
@@ -253,12 +252,9 @@ class LLM:
         with self._lock:
             try:
                 for _, ids, sp in prepared:
-                    stops = set(sp.stop_token_ids)
-                    if not sp.ignore_eos:
-                        stops.update(self.engine.eos_token_ids)
                     rid = RequestId(self._next_id)
                     self._next_id += 1
-                    reqs.append(self.scheduler.add_request(rid, ids, sp, frozenset(stops)))
+                    reqs.append(self.scheduler.add_request(rid, ids, sp, self.engine.stop_ids(sp)))
             except BaseException:
                 for r in reqs:
                     self.scheduler.abort(r.request_id)
@@ -288,8 +284,7 @@ class LLM:
         if not plan.has_work():
             return []
         batch = plan.to_scheduled_batch(sched.next_batch_id())
-        chunks = [SeqChunk(r.kv_cache_slot, r.token_ids, r.position_offset) for r in batch.requests]
-        logits = self.engine.execute(chunks)
+        logits = self.engine.execute(batch.requests)
         rows, reqs = [], []
         for row, r in enumerate(batch.requests):
             req = sched.requests[r.request_id]

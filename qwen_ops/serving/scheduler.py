@@ -45,7 +45,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from qwen_ops.serving.batch import DecodeTask, IterationPlan, PrefillTask, RequestId, TokenBudget
+from qwen_ops.engine.batch import BatchedRequest, RequestId
+from qwen_ops.serving.batch import IterationPlan, TokenBudget
 from qwen_ops.engine.engine import QwenEngine, SwappedSlot
 from qwen_ops.engine.sampling import SamplingParams
 
@@ -320,16 +321,15 @@ class Scheduler:
         self.num_scheduled_seqs += plan.total_requests()
         return plan
 
-    def _slot_blocks(self, req: Request) -> list[int]:
-        return self.engine.slot_blocks(req.slot)
+    @staticmethod
+    def _prefill_task(req: Request, chunk: int) -> BatchedRequest:
+        return BatchedRequest(req.slot, req.token_slice(req.num_computed, req.num_computed + chunk), req.num_computed,
+                              req.request_id, is_prefill=True)
 
-    def _prefill_task(self, req: Request, chunk: int) -> PrefillTask:
-        return PrefillTask(req.request_id, req.token_slice(req.num_computed, req.num_computed + chunk),
-                           req.num_computed, req.slot, self._slot_blocks(req))
-
-    def _decode_task(self, req: Request) -> DecodeTask:
-        return DecodeTask(req.request_id, req.token_slice(req.num_computed, req.num_computed + 1)[0],
-                          req.num_computed, req.slot, self._slot_blocks(req), req.num_computed)
+    @staticmethod
+    def _decode_task(req: Request) -> BatchedRequest:
+        return BatchedRequest(req.slot, req.token_slice(req.num_computed, req.num_computed + 1), req.num_computed,
+                              req.request_id, is_prefill=False)
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config
@@ -383,7 +383,7 @@ class Scheduler:
         touched = []
         for task in plan.prefill_tasks:
             req = self.requests[task.request_id]
-            req.num_computed += len(task.tokens)
+            req.num_computed += len(task.token_ids)
             touched.append(req)
         for task in plan.decode_tasks:
             req = self.requests[task.request_id]
