@@ -36,10 +36,9 @@ def decode_buckets(max_batch: int) -> list[int]:
 def _compile_decode(fn, backend: str, device: torch.device):
     """``torch.compile`` the decode step: Inductor, or Torch-TensorRT (``compile_backend="tensorrt"``).
 
-    On the CPU, Inductor emits a C++ wrapper (``cpp_wrapper``) instead of a Python one: the
-    batch-1 step of the embedded model measured 0.71 ms against 0.86 ms (medians of 5 x 100
-    steps, OMP_NUM_THREADS=1), for about 4 s more of cold compile. On CUDA the step is replayed
-    from a CUDA graph, where the wrapper's cost does not recur.
+    On the CPU, Inductor emits a C++ wrapper (``cpp_wrapper``) instead of a Python one (faster
+    per step, for a few seconds more of cold compile: benchmarks/README.md). On CUDA the step is
+    replayed from a CUDA graph, where the wrapper's cost does not recur.
     """
     if backend == "inductor":
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
@@ -118,8 +117,7 @@ class ModelRunner:
         # second, once per machine), which the first request would otherwise wait for.
         for op in ("kv_write", "slot_attention"):
             resolve_backend(device, op, "decode")
-        # The native CPU executor packs its weights now (~10 ms for the embedded model), not on
-        # the first request.
+        # The native CPU executor packs its weights now, not on the first request.
         # ``native_cpu=False`` keeps every eager step on the model's forward (the op path).
         self.native = (NativeCPUExecutor(model)
                        if native_cpu and device.type == "cpu" and NativeCPUExecutor.why_not(model) is None else None)

@@ -153,8 +153,8 @@ def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_
 
 
 # Above this many query rows per sequence, the reference (SDPA's flash attention over gathered
-# keys) is faster than the C kernel, which attends row by row: measured C / reference time 0.81 at
-# 32 x 64-token prompts, 1.25 at 16 x 128, 1.54 at 8 x 256, 1.78 at 1 x 2048 (8/2 heads, d 32).
+# keys) is faster than the C kernel, which attends row by row (the crossover measured:
+# benchmarks/README.md, "Measured design choices").
 REFERENCE_ABOVE_QUERY_LEN = 96
 
 
@@ -199,8 +199,8 @@ gated_delta_rule_cpu = gated_delta_rule_reference
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64) of fp32 ``x [rows, cols]`` with contiguous rows and cols >= 1:
-    the first maximum, or the first NaN, as torch. torch's CPU argmax takes ~80 us on a
-    [32, 4096] batch of logits; this a few."""
+    the first maximum, or the first NaN, as torch (several times faster than torch's CPU argmax on
+    a batch of logits: benchmarks/README.md)."""
     rows, cols = x.shape
     out = torch.empty(rows, dtype=torch.int64)
     library().qwen_argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())

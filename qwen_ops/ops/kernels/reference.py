@@ -30,8 +30,8 @@ def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``cache[blocks]`` as [S, n_blocks * block_size, kv_heads, head_dim]; blocks: int64 [S, n_blocks].
 
-    (``index_select`` on flattened ids was faster in isolation but 2-3x slower inside the decode
-    benchmark, where its fresh 16 MB outputs page-faulted; advanced indexing is kept.)
+    (Advanced indexing rather than ``index_select`` on flattened ids: benchmarks/README.md,
+    "Measured design choices".)
     """
     S, n_blocks = blocks.shape
     return cache[blocks].view(S, n_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
@@ -89,9 +89,9 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
 
 
 # Above this many bytes of keys per sequence, decode attends one sequence at a time through one
-# reused gather buffer (kept hot in cache; no fresh multi-MB allocation per call): measured
-# 1.06x of SDPA on pre-gathered KV at 8 x 1024 tokens, against 1.85x for the batched gather.
-# Below it the batched form wins: a Python loop over many short sequences costs more.
+# reused gather buffer (kept hot in cache; no fresh multi-MB allocation per call); below it the
+# batched form wins, as a Python loop over many short sequences costs more (figures:
+# benchmarks/README.md, "Measured design choices").
 PER_SEQUENCE_KV_BYTES = 256 * 1024
 
 
