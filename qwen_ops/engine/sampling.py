@@ -97,7 +97,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
     logits = logits.float()
-    if logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1 and cpu_kernels.usable_for(logits):
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+            and not torch.compiler.is_compiling() and cpu_kernels.why_unavailable() is None):
         greedy_tokens = cpu_kernels.argmax_rows(logits)
     else:
         greedy_tokens = logits.argmax(dim=-1)

@@ -208,21 +208,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def packed_products_enabled() -> bool:
-    """Whether eager CPU projections may run this library's packed product (``Linear`` and the
-    one-call forward): with one intra-op thread only (``torch.get_num_threads() == 1``, the setting
-    every number in this repo was measured with). The C code is single-threaded; with more threads
-    torch's threaded oneDNN / BLAS products run instead."""
+    """Whether the native CPU executor may run this library's packed products: with one intra-op
+    thread only (``torch.get_num_threads() == 1``, the setting every number in this repo was
+    measured with). The C code is single-threaded; with more threads the model's forward runs."""
     return torch.get_num_threads() == 1
-
-
-def usable_for(t: torch.Tensor) -> bool:
-    """Whether eager code may call this module's C helpers on ``t``: an fp32 CPU tensor outside
-    torch.compile, with the cpu backend selected for the ops (``QWEN_OPS_BACKEND=reference``
-    keeps everything in torch) and built."""
-    from qwen_ops.ops.backend import resolve_backend
-
-    return (not torch.compiler.is_compiling() and t.device.type == "cpu" and t.dtype == torch.float32
-            and resolve_backend(t.device, "kv_write") == "cpu")
 
 
 
