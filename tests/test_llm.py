@@ -84,6 +84,7 @@ def test_thousand_short_requests_free_everything(ckpt):
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
     s = llm.stats()
     assert s["free_blocks"] == s["total_blocks"] and s["num_running"] == s["num_waiting"] == 0
+    assert not llm.scheduler.requests          # finished requests are not kept (a server would grow forever)
 
 
 def test_abort_mid_generation_frees_everything(ckpt, prompts):
@@ -254,15 +255,18 @@ def test_swap_space_is_bounded(ckpt, prompts, expected):
     llm = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32, preemption_mode="swap",
                    swap_space=4 * one_block)
     peak = 0
+    from qwen_ops.engine.batch import RequestId
+
     reqs = [llm.add_request(p, GREEDY) for p in prompts]
+    held = {r: llm.scheduler.requests[RequestId(int(r))] for r in reqs}
     while llm.has_unfinished_requests():
         llm.step()
         peak = max(peak, llm.stats()["swap_bytes_used"])
     assert 0 < peak <= 4 * one_block
     s = llm.stats()
     assert s["num_swaps_out"] > 0 and s["num_swap_full_recomputes"] > 0 and s["swap_bytes_used"] == 0
-    got = {str(r): req.output_token_ids for r, req in llm.scheduler.requests.items()}
-    assert [got[r] for r in reqs] == expected
+    assert [held[r].output_token_ids for r in reqs] == expected
+    assert not llm.scheduler.requests
 
 
 def test_default_swap_space_is_a_share_of_host_memory(ckpt):

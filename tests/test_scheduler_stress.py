@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from qwen_ops.engine.batch import RequestId
 from qwen_ops.serving.batch import IterationPlan
 from qwen_ops.serving.llm import LLM
 from qwen_ops.engine.sampling import SamplingParams
@@ -93,6 +94,7 @@ def run_workload(llm: LLM, w: Workload) -> tuple[dict[int, object], set[int]]:
         for i, t in enumerate(w.arrive_at):
             if i not in ids and (t <= it or not llm.has_unfinished_requests()):
                 ids[i] = llm.add_request(w.prompts[i], w.params[i])
+                outputs[i] = llm.scheduler.requests[RequestId(int(ids[i]))]   # kept: finished ones are dropped
         for i, t in enumerate(w.abort_at):
             if i in ids and t is not None and t <= it and i not in aborted:
                 llm.abort(ids[i])
@@ -100,10 +102,7 @@ def run_workload(llm: LLM, w: Workload) -> tuple[dict[int, object], set[int]]:
         if llm.has_unfinished_requests():
             llm.step()
         it += 1
-    by_id = {rid: i for i, rid in ids.items()}
-    for rid, req in llm.scheduler.requests.items():
-        if str(rid) in by_id:
-            outputs[by_id[str(rid)]] = req
+    assert not llm.scheduler.requests, "finished and aborted requests must leave the scheduler"
     return outputs, aborted
 
 

@@ -122,7 +122,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order
         self.swapped: deque[Request] = deque()
-        self.requests: dict[RequestId, Request] = {}
+        self.requests: dict[RequestId, Request] = {}   # unfinished requests only (finished ones are dropped)
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count()
         self.num_preemptions = 0
@@ -173,12 +173,14 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.ABORTED
         req.finish_reason = "abort"
+        del self.requests[request_id]
 
     def finish(self, req: Request, reason: str, stop_reason: Optional[int] = None) -> None:
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        del self.requests[req.request_id]     # a long-running server must not keep every request
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, victim: Request, plan: IterationPlan) -> None:
