@@ -100,3 +100,25 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
     assert seen[-1] == 3, "eager: the model sees the 3 decode rows, no padding"
     assert eager.runner.buf_slots[:3].tolist() == [0, 1, 2]
     assert compiled.runner.buf_slots[:4].tolist() == [0, 1, 2, -1], "compiled: padded to bucket 4"
+
+
+def test_compiled_step_reads_current_weights(engines):
+    """The compiled step skips Dynamo's module guards; parameter values are graph inputs, so a
+    weight written after compilation is used by the next compiled step (never a stale copy)."""
+    eager, compiled = engines
+    for engine in (eager, compiled):
+        engine.prefill(PROMPTS[0], slot_id=0)
+    before = [e.decode_step(7, slot_id=0).logits for e in (eager, compiled)]
+    torch.testing.assert_close(before[1], before[0], rtol=1e-4, atol=1e-4)
+    for engine in (eager, compiled):                  # separate models: scale both lm_heads
+        with torch.no_grad():
+            engine.model.lm_head.weight.mul_(-2.0)
+    after = [e.decode_step(9, slot_id=0).logits for e in (eager, compiled)]
+    try:
+        torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
+        plain = [e.decode_step(11, slot_id=0).logits for e in (eager, compiled)]
+        torch.testing.assert_close(plain[1], plain[0], rtol=1e-4, atol=1e-4)
+    finally:
+        for engine in (eager, compiled):
+            with torch.no_grad():
+                engine.model.lm_head.weight.div_(-2.0)

@@ -39,10 +39,19 @@ def _compile_decode(fn, backend: str, device: torch.device):
     On the CPU, Inductor emits a C++ wrapper (``cpp_wrapper``) instead of a Python one (faster
     per step, for a few seconds more of cold compile: benchmarks/README.md). On CUDA the step is
     replayed from a CUDA graph, where the wrapper's cost does not recur.
+
+    Dynamo's guards on the model's modules are dropped (``guard_filter_fn``), as vLLM drops
+    guards after its first compile: the engine owns the model, whose structure, shapes and dtypes
+    do not change under it, and re-checking every module and parameter cost about a tenth of a
+    CPU decode step. Parameter *values* are still read at every call (they are graph inputs), so
+    weight updates take effect; ``tests/test_runner.py`` checks it.
     """
     if backend == "inductor":
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
-        return torch.compile(fn, fullgraph=True, options=options)
+        options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        if skip_module_guards is not None:
+            options["guard_filter_fn"] = skip_module_guards
+        return torch.compile(fn, fullgraph=True, options=options or None)
     if backend == "tensorrt":
         try:
             import torch_tensorrt  # noqa: F401  (registers the "torch_tensorrt" compile backend)
