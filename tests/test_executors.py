@@ -177,8 +177,8 @@ def test_bad_metadata_raises_before_anything_is_written(tokens, tmp_path):
 
 
 def test_never_serves_stale_weights(tmp_path, monkeypatch):
-    """In-place writes, replaced storages (``param.data = ...``) and ``.to()`` repack before the
-    next step; writes that bypass the version counter are picked up by ``refresh()``."""
+    """In-place writes, replaced storages (``param.data = ...``), ``.to()`` and replaced submodules
+    repack before the next step; writes that bypass the version counter are picked up by ``refresh()``."""
     model = _tiny_dense(tmp_path, "qwen3")
     executor = NativeCPUExecutor(model)
     table = shuffled_block_table(3, 5)
@@ -206,6 +206,11 @@ def test_never_serves_stale_weights(tmp_path, monkeypatch):
     assert packs
     model.float()                                                         # .to(): a no-op for fp32, still right
     check()
+    packs.clear()
+    replacement = torch.nn.Linear(64, 96, bias=False)                     # a replaced submodule, same shape
+    model.model.layers[0].mlp.up_proj = replacement
+    check()
+    assert packs, "a replaced submodule must repack"
     packs.clear()
     with torch.no_grad():
         model.lm_head.weight.data.copy_(torch.randn_like(model.lm_head.weight))   # invisible to version counters

@@ -12,8 +12,9 @@ or the same math by another route:
 The native executor is an optimisation of the same math, tested against the eager op path
 (``tests/test_executors.py``). It never serves stale weights: it packs at construction,
 ``refresh()`` repacks (the engine calls it after loading weights), and before every step it
-compares each parameter's storage and version counter with what it packed from, repacking when
-one changed (``.to()``, ``param.data = ...``, an in-place write). A write that bypasses the
+compares every module and tensor on the path, with its storage and version counter, with what it
+packed from, repacking when one changed (a replaced submodule, ``.to()``, ``param.data = ...``, an
+in-place write). A write that bypasses the
 version counter (``param.data.copy_(...)``) is invisible to any torch tensor; call ``refresh()``
 (or ``QwenEngine.refresh_weights()``) after one.
 """
@@ -107,18 +108,32 @@ class NativeCPUExecutor:
         return all(t.dtype == torch.float32 and (t.shape, t.stride()) == layout for pair in kv_caches for t in pair)
 
     # ------------------------------------------------------------------ packing
-    def _identity(self) -> tuple:
-        params = self._params
-        try:   # C-level maps: this runs before every step
-            versions = tuple(map(_VERSION, params))
-        except RuntimeError:
-            versions = tuple(map(_version, params))
-        return tuple(map(torch.Tensor.data_ptr, params)), versions, self._module_ids()
+    def _path_tensors(self) -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
+        """The modules the C forward reads, found now through the modules' own dicts (a replaced
+        child module shows up here; nn.Module attribute access would cost ~0.3 us a name), and
+        their parameters and buffers."""
+        top = self.model._modules
+        inner = top["model"]._modules
+        mods = [top["lm_head"], inner["norm"], inner["rotary_emb"]]
+        for layer in inner["layers"]._modules.values():
+            lm = layer._modules
+            mods += (layer, lm["self_attn"], lm["mlp"], lm["input_layernorm"], lm["post_attention_layernorm"])
+            mods += lm["self_attn"]._modules.values()
+            mods += lm["mlp"]._modules.values()
+        mods = [m for m in mods if m is not None]          # q_norm / k_norm are None in Qwen2
+        tensors = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+        return mods, tensors
 
-    def _module_ids(self) -> tuple:
-        m = self.model
-        return (id(m.lm_head), id(m.model.norm)) + tuple(
-            id(x) for layer in m.model.layers for x in (layer, layer.self_attn, layer.mlp))
+    def _identity(self) -> tuple[tuple, tuple]:
+        """(key, objects): every module and tensor on the path, with its storage and version
+        counter, and the objects themselves. Runs before every step."""
+        mods, tensors = self._path_tensors()
+        try:   # C-level maps
+            versions = tuple(map(_VERSION, tensors))
+        except RuntimeError:
+            versions = tuple(map(_version, tensors))
+        key = (tuple(map(id, mods)), tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)), versions)
+        return key, (mods, tensors)
 
     def refresh(self) -> None:
         """Repack every weight from the model as it is now (after a load, ``.to()`` or an update)."""
@@ -150,8 +165,8 @@ class NativeCPUExecutor:
             self._lm_head = cpu_kernels.pack_panels(m.lm_head.weight.detach().contiguous())
             self._final_norm = m.model.norm.weight.detach().contiguous().clone()
             self._rope = m.model.rotary_emb.cos_sin.detach().contiguous()
-        self._params = list(m.parameters()) + [m.model.rotary_emb.cos_sin]
-        self._key = self._identity()
+        # The objects stay referenced, so no id in the key can be reused by a new object.
+        self._key, self._packed_from = self._identity()
 
     # ------------------------------------------------------------------ one step
     def _check_metadata(self, num_tokens: int, positions32: torch.Tensor, attn: AttentionMetadata,
@@ -176,7 +191,7 @@ class NativeCPUExecutor:
         """fp32 logits ``[N, vocab]``: the model's forward (same arguments) in one C call."""
         if not self.supports(input_ids.shape[0], attn.max_query_len, kv_caches):
             raise ValueError("this step does not fit the native CPU executor (see NativeCPUExecutor.supports)")
-        if self._identity() != self._key:        # a weight was replaced, moved or written: repack
+        if self._identity()[0] != self._key:     # a module or weight was replaced, moved or written: repack
             self.refresh()
         m = self.model
         positions32 = positions.to(torch.int32)
