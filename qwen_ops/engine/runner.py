@@ -131,8 +131,9 @@ class ModelRunner:
         self.native = (NativeCPUExecutor(model)
                        if native_cpu and device.type == "cpu" and NativeCPUExecutor.why_not(model) is None else None)
         self._alloc_decode_buffers()
+        # The step that CUDA graphs capture: compiled, or the model's forward as written.
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
-                             else self._decode_eager)
+                             else self._decode_forward)
         self.cuda_graphs = cuda_graphs
         self.graph_api = graph_api if graph_api is not None else (CudaGraphAPI(device) if cuda_graphs else None)
         self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
@@ -154,29 +155,34 @@ class ModelRunner:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
+    def is_static_decode(self, chunks: Sequence[BatchedRequest]) -> bool:
+        """One token per sequence and no more sequences than the largest bucket: a step that the
+        static decode buffers (and so the compiled step and the CUDA graphs) can take."""
+        return all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]
+
     def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
         """Which executor runs a step of ``chunks``, decided here and only here:
 
-        - "cuda_graph": a decode batch within the largest bucket, with CUDA graphs on;
+        - "cuda_graph": a static decode batch, with CUDA graphs on;
         - "compiled": the same without CUDA graphs, with ``compile=True``;
         - "native": other steps on the CPU that the native executor covers (fp32 dense model,
           one intra-op thread, the cpu op backend, small enough chunks);
         - "eager": the model's forward as written.
         """
-        decode = all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]
-        if decode and self.cuda_graphs:
-            return "cuda_graph"
-        if decode and self.compiled:
-            return "compiled"
+        if self.is_static_decode(chunks):
+            if self.cuda_graphs:
+                return "cuda_graph"
+            if self.compiled:
+                return "compiled"
         if self.native is not None and self.native.supports(
                 sum(len(c.token_ids) for c in chunks), max(len(c.token_ids) for c in chunks), self.kv_caches):
             return "native"
         return "eager"
 
-    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                       logits_indices: torch.Tensor) -> torch.Tensor:
-        """An uncompiled step: the native CPU executor when it covers it, else the model's forward."""
-        if self.native is not None and self.native.supports(input_ids.shape[0], attn.max_query_len, self.kv_caches):
+    def _run_uncompiled(self, executor: str, input_ids: torch.Tensor, positions: torch.Tensor,
+                        attn: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """A step on the executor ``executor_for`` chose: the native CPU one, or the model's forward."""
+        if executor == "native":
             return self.native.run(input_ids, positions, attn, self.kv_caches, logits_indices)
         return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
 
@@ -191,12 +197,6 @@ class ModelRunner:
         """The decode step that is compiled and captured: one token per sequence, bucket-sized shapes."""
         return self.model(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
                           self.kv_caches, logits_indices)
-
-    def _decode_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      logits_indices: torch.Tensor) -> torch.Tensor:
-        return self._eager_forward(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
-                                   logits_indices)
 
     def refresh_weights(self) -> None:
         """Repack the native executor's weights from the model (after the weights changed)."""
@@ -225,20 +225,29 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute_decode(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
-        # Buckets exist for compiled graphs and CUDA graphs (a few fixed shapes); an eager step runs
-        # at its exact size, where padding rows would only add work (up to a third more at 17-of-24).
-        bucket = self.bucket_for(len(chunks)) if self.compiled or self.cuda_graphs else len(chunks)
-        if self.cuda_graphs and not self._graphs:
+    def execute_decode(self, chunks: Sequence[BatchedRequest], executor: Optional[str] = None) -> torch.Tensor:
+        """A static decode step (``is_static_decode``) on ``executor`` (default: ``executor_for``)."""
+        executor = executor or self.executor_for(chunks)
+        # Buckets exist for compiled graphs and CUDA graphs (a few fixed shapes); an uncompiled step
+        # runs at its exact size, where padding rows would only add work (up to a third more at 17-of-24).
+        static = executor in ("cuda_graph", "compiled")
+        bucket = self.bucket_for(len(chunks)) if static else len(chunks)
+        if executor == "cuda_graph" and not self._graphs:
             self.capture()              # before filling: capture runs on (and leaves) all-padding buffers
         self.fill_decode_buffers(chunks, bucket)
-        if self.cuda_graphs:
+        if executor == "cuda_graph":
             graph, out = self._graphs[bucket]
             graph.replay()
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
             return out[:len(chunks)].to(torch.float32, copy=True)
+        inputs = self.decode_inputs(bucket)
         with trusted_metadata():   # built from the engine's validated slot state
-            logits = self._decode_step(*self.decode_inputs(bucket))
+            if static:
+                logits = self._decode_step(*inputs)
+            else:
+                ids, pos, slots, qsl, seq_lens, logits_indices = inputs
+                logits = self._run_uncompiled(executor, ids, pos, self._decode_attn(slots, qsl, seq_lens),
+                                              logits_indices)
         return logits[:len(chunks)].float()
 
     @torch.inference_mode()
@@ -347,8 +356,9 @@ class ModelRunner:
         Decode batches within the largest bucket take the static (compiled) path; prefill,
         mixed and oversized batches run eager with exact shapes.
         """
-        if all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]:
-            return self.execute_decode(chunks)
+        executor = self.executor_for(chunks)
+        if self.is_static_decode(chunks):
+            return self.execute_decode(chunks, executor)
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []
@@ -376,5 +386,5 @@ class ModelRunner:
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
         with trusted_metadata():   # built from the engine's validated slot state
-            logits = self._eager_forward(input_ids, pos, attn, logits_indices)
+            logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)
         return logits.float()

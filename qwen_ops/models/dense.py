@@ -24,44 +24,17 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import QwenMLP, RMSNorm, RotaryEmbedding, apply_rope
+from qwen_ops.models.layers import QwenMLP, RMSNorm, RotaryEmbedding, SlotAttention
 from qwen_ops.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class QwenAttention(nn.Module):
-    def __init__(self, config: QwenConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
-        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+class QwenAttention(SlotAttention):
+    """Qwen2 / Qwen3 attention: no output gate; Qwen3 adds per-head RMSNorm on q and k."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # a module attribute, fixed at construction: not data-dependent
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        key_cache, value_cache = kv_cache
-        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
-        o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
-                                          attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len)
-        return self.o_proj(o.view(T, self.num_heads * self.head_dim))
+    def __init__(self, config: QwenConfig) -> None:
+        super().__init__(config, qk_norm=RMSNorm if config.qk_norm else None)
 
 
 class QwenDecoderLayer(nn.Module):

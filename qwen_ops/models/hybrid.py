@@ -37,44 +37,18 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
-from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, QwenMLP, RotaryEmbedding, apply_rope
+from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, QwenMLP, RotaryEmbedding, SlotAttention
 
 Cache = tuple[torch.Tensor, torch.Tensor]
 ATTENTION, LINEAR = "attention", "linear"   # cache kinds, as in ``layer_kinds``
 
 
-class GatedAttention(nn.Module):
-    """Full attention whose q_proj also yields a per-channel output gate (transformers' Qwen3_5Attention)."""
+class GatedAttention(SlotAttention):
+    """Full attention whose q_proj also yields a per-channel output gate, with offset q/k norms
+    (transformers' Qwen3_5Attention)."""
 
     def __init__(self, config: QwenConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
-        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, 2 * q_dim, bias=config.attention_bias)   # [query | gate] per head
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
-        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: Cache) -> torch.Tensor:
-        T = x.shape[0]
-        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]   # gate: a strided view, last dim contiguous
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        key_cache, value_cache = kv_cache
-        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
-        o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
-                                          attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len,
-                                          gate)
-        return self.o_proj(o.view(T, self.num_heads * self.head_dim))
+        super().__init__(config, qk_norm=OffsetRMSNorm, output_gate=True)
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,5 +1,6 @@
 """The layers that the dense and hybrid Qwen models share: RMSNorm (and the Qwen3.5 offset and
-gated variants), rotary embeddings (full or partial), and the SwiGLU MLP.
+gated variants), rotary embeddings (full or partial), the SwiGLU MLP, and attention over the
+paged KV cache (the two slot ops), with or without an output gate.
 
 Numerics follow transformers: norms take the mean square in fp32, RoPE tables are fp32 and built
 by the same operations transformers runs, and values are cast back at the same points.
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops.metadata import AttentionMetadata
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,3 +119,52 @@ class QwenMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SlotAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k norm, RoPE, then ``torch.ops.qwen.kv_write`` and
+    ``torch.ops.qwen.slot_attention`` over the paged cache, then o_proj.
+
+    ``output_gate``: q_proj also yields a per-channel gate, ``[query | gate]`` per head, that the
+    attention op applies as ``sigmoid(gate)`` (Qwen3.5 / Qwen3-Next full-attention layers).
+    ``qk_norm``: the norm class for q and k (RMSNorm in Qwen3, OffsetRMSNorm in Qwen3.5), or None.
+    """
+
+    def __init__(self, config: QwenConfig, *, qk_norm: type[nn.Module] | None, output_gate: bool = False) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.output_gate = output_gate
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, 2 * q_dim if output_gate else q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        gate = None
+        if self.output_gate:   # module attributes, fixed at construction: not data-dependent
+            qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+            q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]   # gate: a strided view, last dim contiguous
+        else:
+            q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
+        o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
+                                          attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len,
+                                          gate)
+        return self.o_proj(o.view(T, self.num_heads * self.head_dim))

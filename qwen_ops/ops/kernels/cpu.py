@@ -142,14 +142,16 @@ def _i32_vector(t: torch.Tensor) -> torch.Tensor:
 
 def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
     slot_ids, positions = _i32_vector(slot_ids), _i32_vector(positions)
+    ks, vs, kcs, vcs, bts = key.stride(), value.stride(), key_cache.stride(), value_cache.stride(), block_table.stride()
+    _, block_size, kv_heads, head_dim = key_cache.shape
     library().qwen_kv_write(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         slot_ids.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
-        key.shape[0], key_cache.shape[2], key_cache.shape[3], key.element_size(),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), block_table.stride(1))
+        key.shape[0], kv_heads, head_dim, key.element_size(),
+        ks[0], ks[1], vs[0], vs[1],
+        block_size, kcs[0], kcs[1], kcs[2],
+        vcs[0], vcs[1], vcs[2],
+        bts[0], bts[1])
 
 
 # Above this many query rows per sequence, the reference (SDPA's flash attention over gathered
@@ -169,16 +171,18 @@ def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, qu
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
+    qs, kcs, vcs, bts = query.stride(), key_cache.stride(), value_cache.stride(), block_table.stride()
+    gs = (0, 0) if gate is None else gate.stride()
     status = library().qwen_slot_attention(
         query.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_table.data_ptr(), seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
         None if gate is None else gate.data_ptr(),
         num_seqs, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1],
         _DTYPE_CODES[query.dtype], float(scale),
-        query.stride(0), query.stride(1), 0 if gate is None else gate.stride(0), 0 if gate is None else gate.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), block_table.stride(1))
+        qs[0], qs[1], gs[0], gs[1],
+        kcs[0], kcs[1], kcs[2],
+        vcs[0], vcs[1], vcs[2],
+        bts[0], bts[1])
     if status != 0:
         raise MemoryError("qwen_ops cpu slot_attention could not allocate its scratch memory")
     return out
