@@ -221,6 +221,9 @@ class QwenEngine:
             return GREEDY
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"{name} = {sampling!r}, expected a qwen_ops.SamplingParams")
+        if sampling.n != 1:
+            raise ValueError(f"{name}.n = {sampling.n}: a slot holds one sequence, expected n = 1 "
+                             "(LLM.generate runs n completions per prompt)")
         sampling.check_vocab(self.vocab_size)
         return sampling
 

@@ -8,9 +8,10 @@ on which other requests share the batch.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -30,6 +31,20 @@ class SamplingParams:
     ``top_k`` of -1 or 0 (stored as -1) and ``top_p == 1`` disable those filters; as in vLLM, a
     ``top_k`` below -1 is an error. ``seed`` must fit ``torch.Generator.manual_seed``: an int in
     [-2**63, 2**64).
+
+    What the ``LLM`` layer adds on top of picking tokens (the engine's slot API ignores these and
+    rejects ``n > 1``):
+
+    - ``n``: completions per prompt; completion i draws with seed ``seed + i`` (wrapped into the
+      seed range) when ``seed`` is set, so each is reproducible on its own.
+    - ``stop``: strings that end a completion when they appear in its text; the text stops
+      before the string unless ``include_stop_str_in_output``.
+    - ``logprobs``: per generated token, the sampled token's log-probability and the ``logprobs``
+      most likely ones (0: only the sampled token's), from the model's logits of that step
+      (before temperature, top-k and top-p, as vLLM's default ``raw_logprobs``).
+    - ``skip_special_tokens``: leave special tokens (EOS) out of the text, as vLLM does.
+    - ``min_tokens``: stop tokens (``stop_token_ids`` and EOS) cannot be sampled, and stop strings
+      do not match, before this many tokens are generated.
     """
 
     max_new_tokens: int = 16
@@ -39,13 +54,22 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    n: int = 1
+    stop: tuple[str, ...] = field(default=())
+    logprobs: Optional[int] = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 1.0, top_k: int = -1,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, *, max_tokens: Optional[int] = None):
+                 ignore_eos: bool = False, *, max_tokens: Optional[int] = None, n: int = 1,
+                 stop: Union[str, Sequence[str], None] = None, logprobs: Optional[int] = None,
+                 min_tokens: int = 0, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
+        num = n
         n = max_new_tokens if max_new_tokens is not None else (max_tokens if max_tokens is not None else 16)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens = {n!r}, expected an int >= 1")
@@ -63,9 +87,29 @@ class SamplingParams:
         for i, t in enumerate(stops):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}] = {t!r}, expected an int >= 0")
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise ValueError(f"n = {num!r}, expected an int >= 1")
+        if stop is None:
+            stop_strs: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stop_strs = (stop,)
+        elif isinstance(stop, Sequence):
+            stop_strs = tuple(stop)
+        else:
+            raise ValueError(f"stop = {stop!r}, expected a str, a list of str, or None")
+        for i, st in enumerate(stop_strs):
+            if not isinstance(st, str) or not st:
+                raise ValueError(f"stop[{i}] = {st!r}, expected a non-empty str")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs = {logprobs!r}, expected an int >= 0 or None")
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= n:
+            raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {n}]")
         for name, value in (("max_new_tokens", n), ("temperature", float(temperature)),
                             ("top_k", top_k if top_k > 0 else -1), ("top_p", float(top_p)), ("seed", seed),
-                            ("stop_token_ids", stops), ("ignore_eos", bool(ignore_eos))):
+                            ("stop_token_ids", stops), ("ignore_eos", bool(ignore_eos)), ("n", num),
+                            ("stop", stop_strs), ("logprobs", logprobs), ("min_tokens", min_tokens),
+                            ("include_stop_str_in_output", bool(include_stop_str_in_output)),
+                            ("skip_special_tokens", bool(skip_special_tokens))):
             object.__setattr__(self, name, value)
 
     @property
@@ -75,6 +119,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The parameters of completion ``index`` of ``n``: ``n = 1``, and seed ``seed + index``."""
+        if self.n == 1 and index == 0:
+            return self
+        child = copy.copy(self)
+        object.__setattr__(child, "n", 1)
+        if self.seed is not None:
+            object.__setattr__(child, "seed", (self.seed + index - SEED_MIN) % (SEED_END - SEED_MIN) + SEED_MIN)
+        return child
 
     def check_vocab(self, vocab_size: int) -> None:
         for i, t in enumerate(self.stop_token_ids):
@@ -131,3 +185,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
     return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+    """Log-probabilities of the sampled ``tokens`` [N] under ``logits`` [N, vocab] (fp32
+    log-softmax), their ranks (1 = the most likely), and the ``k`` most likely ids and their
+    log-probabilities per row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1).long()).view(-1)
+    ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+    if k > 0:
+        top = lp.topk(min(k, lp.shape[1]), dim=-1)
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids, top_lps = [[] for _ in range(lp.shape[0])], [[] for _ in range(lp.shape[0])]
+    return chosen.tolist(), ranks.tolist(), top_ids, top_lps

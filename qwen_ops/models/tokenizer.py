@@ -44,6 +44,18 @@ class QwenTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool = False):
+        """A ``tokenizers.decoders.DecodeStream``: ``step(self.backend, id)`` returns the text that
+        id completes (or None while a multi-byte character is still partial)."""
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tokenizer
+
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tokenizer.token_to_id(token)
 

@@ -24,7 +24,8 @@ import torch
 
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
-from qwen_ops.engine.sampling import SamplingParams, sample
+from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
+from qwen_ops.serving.outputs import CompletionOutput, CompletionState, Logprob, RequestOutput  # noqa: F401
 from qwen_ops.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
@@ -98,26 +99,46 @@ def _default_kv_budget(device: torch.device) -> int:
     return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
 
 
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: Optional[str] = None     # "stop", "length", "abort" or "error"
-    stop_reason: Optional[int] = None
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[list] = None
+@dataclass(eq=False)
+class _Completion:
+    """One of a prompt's ``n`` completions: its scheduler request and its output state."""
+    request: Request
+    state: CompletionState
 
 
-@dataclass
-class RequestOutput:
+@dataclass(eq=False)
+class _Group:
+    """One prompt's request as the caller sees it: ``n`` completions under one id."""
     request_id: str
-    prompt: Optional[str]
+    prompt: Optional[Prompt]
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    new_token_ids: list[int] = field(default_factory=list)   # tokens added since the last update (stream)
-    error: Optional[str] = None
+    completions: list[_Completion]
+    num_reported: list[int] = field(default_factory=list)    # output tokens already streamed, per completion
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.finished for c in self.completions)
+
+    def output(self, new_token_ids: Sequence[int] = ()) -> RequestOutput:
+        outs = []
+        for c in self.completions:
+            req, st = c.request, c.state
+            outs.append(CompletionOutput(st.index, st.visible_text(req.finished), list(req.output_token_ids),
+                                         req.finish_reason, req.stop_reason, st.cumulative_logprob,
+                                         None if st.logprobs is None else list(st.logprobs)))
+        return RequestOutput(self.request_id, self.prompt if isinstance(self.prompt, str) else None,
+                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids))
+
+    def take_new_tokens(self) -> list[int]:
+        """Output tokens not reported yet, over all completions in index order; marks them reported."""
+        if not self.num_reported:
+            self.num_reported = [0] * len(self.completions)
+        new: list[int] = []
+        for i, c in enumerate(self.completions):
+            ids = c.request.output_token_ids
+            new.extend(ids[self.num_reported[i]:])
+            self.num_reported[i] = len(ids)
+        return new
 
 
 class LLM:
@@ -191,8 +212,13 @@ class LLM:
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=default_swap_space_bytes() if swap_space is None else swap_space,
             check_invariants=check_invariants))
+        self.model_path = Path(default_model_path() if model is None else model)
         self._next_id = 0
+        self._next_group = 0
         self._lock = threading.RLock()        # serializes every use of the scheduler (module docstring)
+        # Unfinished requests as callers see them (one per prompt), and each scheduler request's completion.
+        self._groups: dict[str, _Group] = {}
+        self._completions: dict[RequestId, tuple[_Group, _Completion]] = {}
 
     # ------------------------------------------------------------------ inputs
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
@@ -234,6 +260,9 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] = {sp!r}, expected a qwen_ops.SamplingParams")
             sp.check_vocab(self.engine.vocab_size)
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(f"sampling_params[{i}].stop = {list(sp.stop)!r}, but the checkpoint has no "
+                                 "tokenizer.json to decode text with; use stop_token_ids")
             ids = self._encode(prompt, i)
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty; expected at least one token")
@@ -246,39 +275,58 @@ class LLM:
             out.append((prompt, ids, sp))
         return out
 
-    def _add_all(self, prepared: Sequence[tuple[Prompt, list[int], SamplingParams]]) -> list[Request]:
-        """Queue every prepared request, or none: a failure part-way aborts the ones already queued."""
-        reqs: list[Request] = []
+    def _add_all(self, prepared: Sequence[tuple[Prompt, list[int], SamplingParams]],
+                 request_ids: Optional[Sequence[Optional[str]]] = None) -> list[_Group]:
+        """Queue every prepared request (``n`` scheduler requests each), or none: a failure part-way
+        aborts the ones already queued. ``request_ids``: the callers' ids (default: counters)."""
+        groups: list[_Group] = []
         with self._lock:
             try:
-                for _, ids, sp in prepared:
-                    rid = RequestId(self._next_id)
-                    self._next_id += 1
-                    reqs.append(self.scheduler.add_request(rid, ids, sp, self.engine.stop_ids(sp)))
+                for k, (prompt, ids, sp) in enumerate(prepared):
+                    gid = request_ids[k] if request_ids is not None and request_ids[k] is not None else None
+                    if gid is None:
+                        gid = str(self._next_group)
+                        self._next_group += 1
+                    if gid in self._groups:
+                        raise ValueError(f"request_id = {gid!r} is already running; expected a new id")
+                    group = _Group(gid, prompt, ids, [])
+                    self._groups[gid] = group
+                    groups.append(group)
+                    for i in range(sp.n):
+                        child = sp.for_completion(i)
+                        rid = RequestId(self._next_id)
+                        self._next_id += 1
+                        req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child))
+                        comp = _Completion(req, CompletionState(i, child, self.tokenizer))
+                        group.completions.append(comp)
+                        self._completions[rid] = (group, comp)
             except BaseException:
-                for r in reqs:
-                    self.scheduler.abort(r.request_id)
+                for g in groups:
+                    self._abort_group(g)
                 raise
-        return reqs
+        return groups
 
-    def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> str:
+    def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
         """Queue one request (validated like ``generate``); ``step()`` runs it. Returns its id."""
-        (req,) = self._add_all(self._prepare([prompt], [sampling_params or SamplingParams()]))
-        return str(req.request_id)
+        (group,) = self._add_all(self._prepare([prompt], [sampling_params or SamplingParams()]), [request_id])
+        return group.request_id
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[Request]:
-        """One iteration: plan, one forward pass, sample, update. Returns the requests it touched.
+    def step(self) -> list[RequestOutput]:
+        """One iteration: plan, one forward pass, sample, update. Returns an output for every
+        request that gained tokens or finished in it (cumulative; ``new_token_ids`` holds what is new).
 
         Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
         with self._lock:
-            return self._step()
+            return [g.output(g.take_new_tokens()) for g in self._step()]
 
-    def _step(self) -> list[Request]:
+    def _step(self) -> list[_Group]:
+        """One iteration; returns the groups that gained tokens or finished, in first-touched order."""
         sched = self.scheduler
         plan = sched.schedule()
         if not plan.has_work():
@@ -291,37 +339,76 @@ class LLM:
             if r.seq_len == req.num_tokens:          # the chunk reaches the end: sample the next token
                 rows.append(row)
                 reqs.append(req)
-        sampled = {}
+        sampled: dict[RequestId, int] = {}
+        logprobs: dict[RequestId, tuple] = {}
         if rows:
             picked = logits if len(rows) == logits.shape[0] else logits[rows]   # every row: no gather copy
-            tokens = sample(picked, [q.sampling for q in reqs], [q.generator for q in reqs]).tolist()
+            # min_tokens: a request's stop tokens cannot be sampled before it has that many.
+            masked = [(i, q) for i, q in enumerate(reqs)
+                      if q.stop_ids and len(q.output_token_ids) < q.sampling.min_tokens]
+            if masked:
+                picked = picked.clone()
+                for i, q in masked:
+                    picked[i, list(q.stop_ids)] = float("-inf")
+            tokens_t = sample(picked, [q.sampling for q in reqs], [q.generator for q in reqs])
+            tokens = tokens_t.tolist()
             sampled = {q.request_id: t for q, t in zip(reqs, tokens)}
-        return sched.update(plan, sampled)
+            want = [i for i, q in enumerate(reqs) if q.sampling.logprobs is not None]
+            if want:
+                k = max(reqs[i].sampling.logprobs for i in want)
+                lp, rank, top_ids, top_lps = token_logprobs(picked[want], tokens_t[want], k)
+                for j, i in enumerate(want):
+                    n = reqs[i].sampling.logprobs
+                    logprobs[reqs[i].request_id] = (lp[j], rank[j], top_ids[j][:n], top_lps[j][:n])
+        touched = sched.update(plan, sampled)
+        groups: dict[str, _Group] = {}
+        for req in touched:
+            token = sampled.get(req.request_id)
+            entry = self._completions.get(req.request_id)
+            if token is None or entry is None:
+                continue
+            group, comp = entry
+            stop = comp.state.add_token(token, logprobs.get(req.request_id))
+            if stop is not None:
+                if req.finished:      # also ended by a stop token or length in this step: the string wins
+                    req.finish_reason, req.stop_reason = "stop", stop
+                else:
+                    sched.finish(req, "stop", stop)
+            groups[group.request_id] = group
+        for group in groups.values():
+            if group.finished:
+                self._forget(group)
+        return list(groups.values())
 
-    def _output(self, req: Request, prompt: Optional[Prompt], new: list[int]) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
-        completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason)
-        return RequestOutput(str(req.request_id), prompt if isinstance(prompt, str) else None,
-                             list(req.prompt_token_ids), [completion], req.finished, new)
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for c in group.completions:
+            self._completions.pop(c.request.request_id, None)
+
+    def _abort_group(self, group: _Group) -> None:
+        for c in group.completions:
+            if not c.request.finished:
+                self.scheduler.abort(c.request.request_id)
+        self._forget(group)
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order."""
-        prepared = self._prepare(prompts, sampling_params)
-        reqs = self._add_all(prepared)
+        groups = self._add_all(self._prepare(prompts, sampling_params))
         try:
-            while any(not r.finished for r in reqs):
-                self.step()
+            while not all(g.finished for g in groups):
+                with self._lock:
+                    self._step()
         finally:
-            self._abort_unfinished(reqs)
-        return [self._output(r, p, []) for r, (p, _, _) in zip(reqs, prepared)]
+            self._abort_unfinished(groups)
+        return [g.output() for g in groups]
 
-    def _abort_unfinished(self, reqs: Sequence[Request]) -> None:
+    def _abort_unfinished(self, groups: Sequence[_Group]) -> None:
         with self._lock:
-            for r in reqs:
-                if not r.finished:
-                    self.scheduler.abort(r.request_id)
+            for g in groups:
+                if not g.finished:
+                    self._abort_group(g)
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
                sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -336,33 +423,39 @@ class LLM:
         return self._stream(prepared)
 
     def _stream(self, prepared: list[tuple[Prompt, list[int], SamplingParams]]) -> Iterator[RequestOutput]:
-        reqs = self._add_all(prepared)
-        seen = [0] * len(reqs)
-        done = [False] * len(reqs)
+        groups = self._add_all(prepared)
+        done = [False] * len(groups)
         try:
             while True:
                 # Report what any iteration (ours or another thread's) produced, then run one more.
-                for i, req in enumerate(reqs):
+                for i, g in enumerate(groups):
                     if done[i]:
                         continue
-                    if req.status is RequestStatus.ABORTED:      # aborted by the caller: no more updates
-                        done[i] = True
+                    if any(c.request.status is RequestStatus.ABORTED for c in g.completions):
+                        done[i] = True            # aborted by the caller: no more updates
                         continue
-                    new = req.output_token_ids[seen[i]:]
-                    if new or req.finished:
-                        seen[i] += len(new)
-                        done[i] = req.finished
-                        yield self._output(req, prepared[i][0], list(new))
+                    with self._lock:
+                        new = g.take_new_tokens()
+                        finished = g.finished
+                        out = g.output(new) if new or finished else None
+                    if out is not None:
+                        done[i] = finished
+                        yield out
                 if all(done):
                     return
-                self.step()
+                with self._lock:
+                    self._step()
         finally:
-            self._abort_unfinished(reqs)
+            self._abort_unfinished(groups)
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:
-        rid = request_id if isinstance(request_id, RequestId) else RequestId(int(request_id))
+        """Abort a request by the id ``add_request`` returned (all its completions)."""
         with self._lock:
-            self.scheduler.abort(rid)
+            group = self._groups.get(str(request_id))
+            if group is not None:
+                self._abort_group(group)
+            elif isinstance(request_id, RequestId):
+                self.scheduler.abort(request_id)
 
     def stats(self) -> dict:
         with self._lock:

@@ -1,0 +1,116 @@
+"""What ``LLM`` and ``AsyncLLM`` hand back, and the per-completion state that builds it.
+
+``RequestOutput`` is vLLM's: one per prompt, with ``n`` ``CompletionOutput``s whose text,
+token ids and logprobs are cumulative (the whole completion so far). ``CompletionState`` turns
+a completion's tokens into text one token at a time (``tokenizers``' ``DecodeStream``), finds
+stop strings in it, and collects logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.models.tokenizer import QwenTokenizer
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank among all tokens (1 = the most likely) and its text."""
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None     # "stop", "length", "abort" or "error"
+    stop_reason: Union[int, str, None] = None   # the stop token id or stop string that ended it
+    cumulative_logprob: Optional[float] = None  # with SamplingParams.logprobs set
+    logprobs: Optional[list[dict[int, Logprob]]] = None   # per generated token: sampled + top-k
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Tokens added since the previous update of this request (``LLM.stream``), over all its
+    # completions in index order.
+    new_token_ids: list[int] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+class CompletionState:
+    """The text and logprobs of one completion, fed its tokens as they are sampled.
+
+    Text comes from a ``DecodeStream`` (one step per token, a multi-byte character appears when
+    complete), so a long completion costs O(1) per token, not a full decode. A stop string ends
+    the completion where it first appears (searching only the newly decoded tail); the text is
+    cut before it (after it with ``include_stop_str_in_output``). While a completion runs, the
+    last ``len(longest stop) - 1`` characters are held back from ``visible_text`` so that a
+    stream never shows the start of a stop string that then completes (vLLM does the same).
+    """
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Optional[QwenTokenizer]):
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._stream = tokenizer.decode_stream(params.skip_special_tokens) if tokenizer is not None else None
+        self._longest_stop = max((len(s) for s in params.stop), default=0)
+        self._hold = 0 if params.include_stop_str_in_output else max(0, self._longest_stop - 1)
+        self.num_tokens = 0
+        self.stop_string: Optional[str] = None
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+
+    def add_token(self, token: int, logprob: Optional[tuple[float, int, list[int], list[float]]]) -> Optional[str]:
+        """Fold in the next sampled token (with its ``(logprob, rank, top ids, top logprobs)`` when
+        logprobs were asked for). Returns the stop string it completed, if any."""
+        self.num_tokens += 1
+        if self.logprobs is not None and logprob is not None:
+            lp, rank, top_ids, top_lps = logprob
+            entry = {token: Logprob(lp, rank, self._token_text(token))}
+            for i, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
+                if tid not in entry:
+                    entry[tid] = Logprob(tlp, i + 1, self._token_text(tid))
+            self.logprobs.append(entry)
+            self.cumulative_logprob += lp
+        if self._stream is None or self.stop_string is not None:
+            return None
+        piece = self._stream.step(self.tokenizer.backend, token)
+        if not piece:
+            return None
+        start = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += piece
+        if not self.params.stop or self.num_tokens < self.params.min_tokens:
+            return None
+        best = None
+        for stop in self.params.stop:
+            at = self.text.find(stop, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        self.text = self.text[:at + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.stop_string = stop
+        return stop
+
+    def _token_text(self, token: int) -> Optional[str]:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or not self._hold:
+            return self.text
+        return self.text[:max(0, len(self.text) - self._hold)]

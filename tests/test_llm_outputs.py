@@ -1,0 +1,304 @@
+"""What LLM hands back beyond token ids: stop strings, logprobs, n > 1, min_tokens, streamed text;
+and the AsyncLLM that the server runs on. The embedded model (it has a tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from qwen_ops import LLM, RequestOutput, SamplingParams
+from qwen_ops.serving.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:", "    return"]
+
+
+def greedy(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 24)
+    return SamplingParams(temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=8, max_model_len=256, check_invariants=True)
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    """Greedy outputs with no stop strings: what the stop-string tests cut."""
+    return llm.generate(PROMPTS, greedy())
+
+
+def _assert_no_leak(llm):
+    s = llm.stats()
+    assert s["free_blocks"] == s["total_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0
+    assert not llm._groups and not llm._completions
+
+
+def test_text_is_the_decoded_tokens(llm, plain):
+    for o in plain:
+        c = o.outputs[0]
+        assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def _a_stop_string(text: str) -> str:
+    """A substring of the completion that starts past its first few characters."""
+    for start in range(3, len(text) - 2):
+        piece = text[start:start + 2]
+        if piece.strip():
+            return piece
+    pytest.skip("completion too short to pick a stop string from")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_the_text(llm, plain, include):
+    for o in plain[:3]:
+        full = o.outputs[0].text
+        stop = _a_stop_string(full)
+        at = full.find(stop)
+        out = llm.generate(o.prompt, greedy(stop=["\x00never", stop], include_stop_str_in_output=include))[0]
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == full[:at + (len(stop) if include else 0)]
+        # Generation stopped at the token that completed the string, not later.
+        assert len(c.token_ids) < len(o.outputs[0].token_ids)
+        assert c.token_ids == o.outputs[0].token_ids[:len(c.token_ids)]
+        assert stop in llm.tokenizer.decode(c.token_ids)
+        assert stop not in llm.tokenizer.decode(c.token_ids[:-1])
+    _assert_no_leak(llm)
+
+
+def test_min_tokens_delays_stop_strings(llm, plain):
+    full = plain[0].outputs[0]
+    stop = _a_stop_string(full.text)
+    first = llm.generate(PROMPTS[0], greedy(stop=stop))[0].outputs[0]
+    later = llm.generate(PROMPTS[0], greedy(stop=stop, min_tokens=len(first.token_ids) + 1))[0].outputs[0]
+    assert len(later.token_ids) > len(first.token_ids)
+
+
+def test_min_tokens_masks_stop_tokens(llm, plain):
+    """A stop token that greedy picks first cannot be picked before min_tokens tokens."""
+    tokens = plain[1].outputs[0].token_ids
+    stop_token = tokens[0]
+    early = llm.generate(PROMPTS[1], greedy(stop_token_ids=[stop_token]))[0].outputs[0]
+    assert early.token_ids == [stop_token] and early.finish_reason == "stop" and early.stop_reason == stop_token
+    held = llm.generate(PROMPTS[1], greedy(stop_token_ids=[stop_token], min_tokens=5))[0].outputs[0]
+    assert len(held.token_ids) >= 5 and stop_token not in held.token_ids[:5]
+
+
+def test_streamed_text_is_the_final_text_and_never_shows_a_partial_stop(llm, plain):
+    full = plain[0].outputs[0].text
+    stop = _a_stop_string(full)
+    longer = stop + "\x01\x02"            # never completes: only its first characters could ever show
+    seen = []
+    for out in llm.stream(PROMPTS[0], greedy(stop=[longer, stop])):
+        seen.append(out.outputs[0].text)
+    final = seen[-1]
+    assert final == full[:full.find(stop)]
+    for text in seen:
+        assert final.startswith(text) or text.startswith(final)
+        assert stop not in text
+
+
+def _reference_logprobs(llm, prompt_ids, token_ids):
+    """log_softmax of the model's logits for each generated position, recomputed by one prefill
+    of prompt + completion through a fresh engine slot."""
+    from qwen_ops.engine.engine import QwenEngine
+
+    eng = QwenEngine(llm.engine.model, llm.engine.config, max_slots=1, max_seq_len=256)
+    ids = list(prompt_ids) + list(token_ids)
+    lps = []
+    for cut in range(len(prompt_ids), len(ids)):
+        logits = eng.prefill(ids[:cut]).logits
+        lps.append(torch.log_softmax(logits.float(), dim=-1))
+    return lps
+
+
+def test_logprobs_match_the_model(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=3))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 6
+    ref = _reference_logprobs(llm, out.prompt_token_ids, c.token_ids)
+    total = 0.0
+    for tok, entry, lp in zip(c.token_ids, c.logprobs, ref):
+        assert tok in entry and len(entry) in (3, 4)          # the sampled token, plus the top 3
+        assert math.isclose(entry[tok].logprob, float(lp[tok]), abs_tol=1e-4)
+        assert entry[tok].rank == int((lp > lp[tok]).sum()) + 1
+        top = lp.topk(3)
+        for rank, (tid, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert math.isclose(entry[tid].logprob, v, abs_tol=1e-4)
+            if tid != tok:
+                assert entry[tid].rank == rank
+        assert entry[tok].decoded_token == llm.tokenizer.decode([tok])
+        total += entry[tok].logprob
+    assert math.isclose(c.cumulative_logprob, total, rel_tol=1e-6)
+    zero = llm.generate(PROMPTS[0], greedy(max_tokens=3, logprobs=0))[0].outputs[0]
+    assert all(list(e) == [t] for e, t in zip(zero.logprobs, zero.token_ids))
+    assert all(e[t].rank == 1 for e, t in zip(zero.logprobs, zero.token_ids))   # greedy: the top token
+    assert llm.generate(PROMPTS[0], greedy(max_tokens=3))[0].outputs[0].logprobs is None
+
+
+def test_n_completions_use_derived_seeds(llm):
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    out = llm.generate(PROMPTS[2], sp)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for i, c in enumerate(out.outputs):
+        alone = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i,
+                                                        ignore_eos=True))[0].outputs[0]
+        assert c.token_ids == alone.token_ids and c.text == alone.text
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three seeds, three different samples"
+    streamed = list(llm.stream(PROMPTS[2], sp))
+    assert [c.token_ids for c in streamed[-1].outputs] == [c.token_ids for c in out.outputs]
+    assert sum(len(o.new_token_ids) for o in streamed) == 30
+    _assert_no_leak(llm)
+
+
+def test_abort_by_id_aborts_every_completion(llm):
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=50, n=2, seed=1, ignore_eos=True))
+    llm.step()
+    llm.abort(rid)
+    _assert_no_leak(llm)
+
+
+def test_bad_new_fields_name_themselves():
+    for kw, msg in ((dict(n=0), "n = 0"), (dict(stop=[""]), r"stop\[0\]"), (dict(logprobs=-2), "logprobs = -2"),
+                    (dict(min_tokens=-1), "min_tokens = -1"), (dict(stop=3), "stop = 3")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+
+
+def test_engine_slot_api_rejects_n():
+    from qwen_ops.engine.engine import QwenEngine
+    from qwen_ops.models.defaults import default_model_path
+
+    eng = QwenEngine.from_pretrained(default_model_path(), max_slots=1, max_seq_len=64)
+    with pytest.raises(ValueError, match="n = 2"):
+        eng.prefill([1, 2, 3], sampling=SamplingParams(n=2))
+    assert eng.prefill([1, 2, 3]).next_token >= 0
+
+
+# ---------------------------------------------------------------------------------- AsyncLLM
+@pytest.fixture(scope="module")
+def engine(llm):
+    eng = AsyncLLM(llm, max_waiting_requests=40)
+    yield eng
+    eng.shutdown()
+    assert not eng._thread.is_alive()
+
+
+async def _final(engine, prompt, sp, **kw):
+    last = None
+    async for out in engine.generate(prompt, sp, **kw):
+        assert last is None or not last.finished
+        last = out
+    return last
+
+
+def test_async_outputs_equal_offline(engine, llm, plain):
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*[_final(engine, p, greedy()) for p in PROMPTS * 4]), 60)
+
+    outs = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain] * 4
+    assert all(o.finished for o in outs)
+    _assert_no_leak(llm)
+
+
+def test_async_consumer_leaving_aborts_and_frees(engine, llm):
+    async def main():
+        agen = engine.generate(PROMPTS[0], greedy(max_tokens=200))
+        first = await asyncio.wait_for(agen.__anext__(), 30)
+        assert not first.finished
+        await agen.aclose()
+
+        async def consume():
+            async for _ in engine.generate(PROMPTS[1], greedy(max_tokens=200)):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):                        # bounded: 2 s
+            s = engine.stats()
+            if s["free_blocks"] == s["total_blocks"] and s["num_running"] == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main()), engine.stats()
+    _assert_no_leak(llm)
+
+
+def test_async_errors(engine, llm):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _final(engine, list(range(3, 400)), greedy())
+        with pytest.raises(ValueError, match="top_p"):
+            await _final(engine, "x", {"top_p": 2})          # not a SamplingParams
+        agen = engine.generate("a", greedy(max_tokens=100), request_id="dup")
+        await agen.__anext__()
+        with pytest.raises(ValueError, match="'dup' is already in flight"):
+            await _final(engine, "b", greedy(), request_id="dup")
+        await agen.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_queue_is_bounded(llm):
+    eng = AsyncLLM(llm, max_waiting_requests=1)
+    try:
+        async def main():
+            gens = [eng.generate(PROMPTS[0], greedy(max_tokens=200)) for _ in range(50)]
+            firsts = await asyncio.wait_for(asyncio.gather(*[g.__anext__() for g in gens], return_exceptions=True), 60)
+            for g in gens:
+                await g.aclose()
+            full = [f for f in firsts if isinstance(f, QueueFullError)]
+            assert full and "max_waiting_requests = 1" in str(full[0])
+            assert all(isinstance(f, (QueueFullError, RequestOutput)) for f in firsts)
+            assert any(isinstance(f, RequestOutput) for f in firsts)
+
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+    for _ in range(100):
+        if llm.stats()["num_running"] == 0:
+            break
+        llm.step()
+    _assert_no_leak(llm)
+
+
+def test_async_failure_fails_only_that_iteration(engine, llm, plain, monkeypatch):
+    real = llm.engine.execute
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected kernel failure")
+        return real(chunks)
+
+    monkeypatch.setattr(llm.engine, "execute", flaky)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="injected kernel failure"):
+            await _final(engine, PROMPTS[0], greedy())
+        return await _final(engine, PROMPTS[0], greedy())        # the loop still serves
+
+    out = asyncio.run(main())
+    assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids
+    _assert_no_leak(llm)
+
+
+def test_async_after_shutdown(llm):
+    eng = AsyncLLM(llm)
+    eng.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await _final(eng, "x", greedy())
+
+    asyncio.run(main())
