@@ -264,11 +264,7 @@ def test_async_queue_is_bounded(llm):
         asyncio.run(main())
     finally:
         eng.shutdown()
-    for _ in range(100):
-        if llm.stats()["num_running"] == 0:
-            break
-        llm.step()
-    _assert_no_leak(llm)
+    _assert_no_leak(llm)          # shutdown aborts whatever the loop had admitted
 
 
 def test_async_failure_fails_only_that_iteration(engine, llm, plain, monkeypatch):

@@ -67,15 +67,21 @@ def draw_config(rng: random.Random) -> dict:
     swap_space = rng.choice([None, 0, block_bytes * rng.randint(1, 3 * per_seq)])
     return dict(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                 num_kv_blocks=num_kv_blocks, preemption_mode=mode, swap_space=swap_space,
-                max_num_batched_tokens=rng.choice([1, 2, rng.randint(3, 16), rng.randint(16, 128)]))
+                max_num_batched_tokens=rng.choice([1, 2, rng.randint(3, 16), rng.randint(16, 128)]),
+                enable_prefix_caching=rng.random() < 0.8)
 
 
 def draw_workload(rng: random.Random, max_model_len: int) -> Workload:
     n = rng.randint(1, 10)
     prompts, params, arrive, abort = [], [], [], []
+    # Half the workloads share a prefix (a system prompt) among some requests, for prefix caching.
+    shared = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, max_model_len - 2))] if rng.random() < 0.5 else []
     for _ in range(n):
         plen = min(max_model_len - 1, rng.choice([rng.randint(1, 6), rng.randint(1, max_model_len - 1)]))
-        prompts.append([rng.randrange(2, VOCAB) for _ in range(plen)])
+        prompt = [rng.randrange(2, VOCAB) for _ in range(plen)]
+        if shared and rng.random() < 0.7:
+            prompt = (shared + prompt)[:max(len(shared) + 1, plen)][:max_model_len - 1]
+        prompts.append(prompt)
         stops = rng.sample(range(2, VOCAB), rng.choice([0, 0, 1, 3]))
         params.append(SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), stop_token_ids=stops,
                                      ignore_eos=rng.random() < 0.7))
@@ -115,7 +121,8 @@ class Reference:
 
     def outputs(self, w: Workload, max_model_len: int) -> list[list[int]]:
         if max_model_len not in self.llms:
-            self.llms[max_model_len] = LLM(self.ckpt, max_model_len=max_model_len, max_num_seqs=16, block_size=16)
+            self.llms[max_model_len] = LLM(self.ckpt, max_model_len=max_model_len, max_num_seqs=16, block_size=16,
+                                           enable_prefix_caching=False)
         outs = self.llms[max_model_len].generate(w.prompts, w.params)
         return [o.outputs[0].token_ids for o in outs]
 
@@ -143,12 +150,14 @@ def check_draw(ckpt, ref: Reference, seed: int, summary: dict) -> None:
     summary["preemptions"] += s["num_preemptions"]
     summary["swaps"] += s["num_swaps_out"]
     summary["swap_full"] += s["num_swap_full_recomputes"]
+    summary["prefix_hits"] += s["prefix_cache_hits"]
+    llm.engine.check_block_accounting()
     if s["num_iterations"] / bound > summary["worst"][0]:
         summary["worst"] = (s["num_iterations"] / bound, s["num_iterations"], bound, seed)
 
 
 def _summary() -> dict:
-    return {"draws": 0, "preemptions": 0, "swaps": 0, "swap_full": 0, "worst": (0.0, 0, 0, None)}
+    return {"draws": 0, "preemptions": 0, "swaps": 0, "swap_full": 0, "prefix_hits": 0, "worst": (0.0, 0, 0, None)}
 
 
 def test_randomized_configs_and_workloads(ckpt):
@@ -159,6 +168,7 @@ def test_randomized_configs_and_workloads(ckpt):
     print(f"\nstress: {summary}")
     # The draws must really exercise preemption, swap and the full-swap fallback, or they prove little.
     assert summary["preemptions"] > 0 and summary["swaps"] > 0 and summary["swap_full"] > 0, summary
+    assert summary["prefix_hits"] > 0, summary
 
 
 def test_randomized_hybrid_model(hybrid_ckpt):
@@ -208,7 +218,8 @@ def test_swapped_request_that_can_never_return_is_recomputed(ckpt):
     prompt = list(range(2, 30))
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     expected = LLM(ckpt, max_model_len=32).generate([prompt], sp)[0].outputs[0].token_ids
-    llm = LLM(ckpt, max_model_len=32, max_num_seqs=2, block_size=4, num_kv_blocks=8, preemption_mode="swap")
+    llm = LLM(ckpt, max_model_len=32, max_num_seqs=2, block_size=4, num_kv_blocks=8, preemption_mode="swap",
+              enable_prefix_caching=False)   # a cached prefix would let the recompute fit
     sched, engine = llm.scheduler, llm.engine
     llm.add_request(prompt, sp)
     llm.step()                                     # the 28-token prompt: 7 of 8 blocks, first token

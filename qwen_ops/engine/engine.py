@@ -7,10 +7,20 @@ are serialized by a lock, so calls on different slots from several threads are s
 
 Slot ``s`` owns a list of physical KV blocks; ``block_table[s]`` names them. A slot holds a
 sequence after ``prefill`` and until ``free_slot`` (or the next ``prefill`` restarts it).
+
+With ``enable_prefix_caching=True`` full blocks are content-addressed and shared
+(``PrefixCachingAllocator``): ``prefill``/``batch_prefill`` (and the scheduler, through
+``begin_sequence(..., tokens=)``) map the longest cached run of full blocks of a prompt into the
+slot and compute only the rest. The last prompt token is always computed, so its logits exist.
+A slot writes only past its full blocks, so a shared block is never written; ``free_slot``
+drops references and keeps the content cached until allocation evicts it (LRU). Models with
+linear-attention layers keep per-slot recurrent state that a block does not capture, so for
+them prefix caching stays off (a warning says so, and ``prefix_caching`` reads False).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -19,7 +29,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qwen_ops.engine.block_manager import BlockAllocator
+from qwen_ops.engine.block_manager import BlockAllocator, PrefixCachingAllocator
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.engine.sampling import GREEDY, SamplingParams, sample
@@ -56,10 +66,16 @@ class QwenBatchDecodeResult:
     finished: list[bool]
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class _SlotState:
     blocks: list[int] = field(default_factory=list)
     seq_len: int = 0
+    # With prefix caching: the tokens whose KV the slot holds, and the keys of its full blocks.
+    token_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
     active: bool = False                     # holds a sequence
     owner: Any = None                        # request id from allocate_slot, if any
     generator: Optional[torch.Generator] = None
@@ -71,6 +87,7 @@ class SwappedSlot:
 
     seq_len: int
     blocks: list[tuple[torch.Tensor, torch.Tensor]]   # per layer, as ModelRunner.copy_out returns
+    token_ids: list[int] = field(default_factory=list)   # with prefix caching: what the KV is of
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +113,8 @@ class QwenEngine:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, chunk_size: int = 512,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (), compile: Optional[bool] = None,
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
-                 compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True):
+                 compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
+                 enable_prefix_caching: bool = False):
         for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
                                  ("block_size", block_size, 1), ("chunk_size", chunk_size, 1)):
             if not _is_int(value) or value < low:
@@ -128,7 +146,22 @@ class QwenEngine:
             compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
             compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu)
-        self.allocator = BlockAllocator(num_kv_blocks)
+        self.prefix_caching = bool(enable_prefix_caching)
+        self.prefix_caching_disabled_reason: Optional[str] = None
+        if self.prefix_caching and "linear" in self.runner.layer_kinds:
+            self.prefix_caching = False
+            self.prefix_caching_disabled_reason = (
+                "the model has linear-attention (Gated DeltaNet) layers, whose per-slot recurrent state a "
+                "cached KV block does not capture")
+            logger.warning("prefix caching is off: %s", self.prefix_caching_disabled_reason)
+        if self.prefix_caching:
+            # Anything that changes the KV of a token run: model, cache dtype, block size.
+            salt = f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{block_size}".encode()
+            self.allocator = PrefixCachingAllocator(num_kv_blocks, salt)
+        else:
+            self.allocator = BlockAllocator(num_kv_blocks)
+        self.prefix_cache_queries = 0     # prompt tokens looked up (full blocks that could have hit)
+        self.prefix_cache_hits = 0        # of those, tokens served from the cache
         self._slots = [_SlotState() for _ in range(max_slots)]
         self._lock = threading.RLock()
 
@@ -230,9 +263,18 @@ class QwenEngine:
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def _check_blocks(self, needs: dict[int, int]) -> None:
-        """``needs``: slot -> tokens it must hold. Raise before anything changes if blocks run short."""
-        extra = sum(max(0, self._blocks_for(n) - len(self._slots[s].blocks)) for s, n in needs.items())
+    def _check_blocks(self, needs: dict[int, int], restart: bool = False) -> None:
+        """``needs``: slot -> tokens it must hold. Raise before anything changes if blocks run short.
+
+        ``restart``: the slots start afresh, so only the blocks that no other slot shares come
+        back (and a cached prefix may save some, which this bound does not count on)."""
+        def kept(slot: int) -> int:
+            blocks = self._slots[slot].blocks
+            if restart and self.prefix_caching:
+                return sum(1 for b in blocks if self.allocator.ref_count(b) == 1)
+            return len(blocks)
+
+        extra = sum(max(0, self._blocks_for(n) - kept(s)) for s, n in needs.items())
         if extra > self.allocator.num_free:
             raise RuntimeError(f"out of KV blocks: this call needs {extra} more, {self.allocator.num_free} "
                                f"are free of {self.allocator.num_total} (num_kv_blocks)")
@@ -242,6 +284,75 @@ class QwenEngine:
         s = self._slots[slot_id]
         self.allocator.free(s.blocks)
         s.blocks = []
+        s.token_ids, s.block_keys = [], []
+
+    def _map_cached_prefix(self, slot_id: int, tokens: Sequence[int]) -> int:
+        """Map the longest cached run of ``tokens``' full blocks into the (empty) slot, leaving at
+        least the last token to compute; returns the tokens mapped (0 without prefix caching)."""
+        if not self.prefix_caching:
+            return 0
+        s, pc, bs = self._slots[slot_id], self.allocator, self.block_size
+        candidates = (len(tokens) - 1) // bs
+        self.prefix_cache_queries += candidates * bs
+        parent = b""
+        for j in range(candidates):
+            key, block = pc.lookup(parent, tokens[j * bs:(j + 1) * bs])
+            if block is None:
+                break
+            pc.acquire(block)
+            s.blocks.append(block)
+            s.block_keys.append(key)
+            parent = key
+        n = len(s.blocks) * bs
+        s.token_ids = list(tokens[:n])
+        s.seq_len = n
+        self.prefix_cache_hits += n
+        if s.blocks:
+            self.runner.set_block_row(slot_id, s.blocks)
+        return n
+
+    def _record_tokens(self, slot_id: int, tokens: Sequence[int]) -> None:
+        """The slot's KV now also holds ``tokens``: make its newly full blocks addressable."""
+        s, pc, bs = self._slots[slot_id], self.allocator, self.block_size
+        s.token_ids.extend(tokens)
+        while len(s.block_keys) < len(s.token_ids) // bs:
+            j = len(s.block_keys)
+            parent = s.block_keys[-1] if j else b""
+            block_tokens = s.token_ids[j * bs:(j + 1) * bs]
+            key = pc.key_of(parent, block_tokens)
+            pc.register(s.blocks[j], key, parent, block_tokens)   # no-op if another block holds it
+            s.block_keys.append(key)
+
+    def prefix_cache_stats(self) -> dict:
+        """Whether prefix caching is on, and its lookups, in tokens: queried (full prompt blocks
+        that could have hit), hits, hit rate; cached blocks, evictions and detected collisions."""
+        pc = self.allocator if self.prefix_caching else None
+        return {
+            "prefix_caching": self.prefix_caching,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0,
+            "cached_blocks": pc.num_cached if pc else 0,
+            "prefix_cache_evictions": pc.num_evictions if pc else 0,
+            "prefix_cache_collisions": pc.num_collisions if pc else 0,
+        }
+
+    def check_block_accounting(self) -> None:
+        """Assert that reference counts, free list and every slot's blocks agree (tests, invariants)."""
+        with self._lock:
+            lists = [s.blocks for s in self._slots]
+            if isinstance(self.allocator, PrefixCachingAllocator):
+                self.allocator.check(lists)
+                for i, s in enumerate(self._slots):
+                    if len(set(s.blocks)) != len(s.blocks):
+                        raise AssertionError(f"slot {i} maps a block twice: {s.blocks}")
+                return
+            owned = [b for blocks in lists for b in blocks]
+            if len(set(owned)) != len(owned):
+                raise AssertionError("a block is owned by two slots without prefix caching")
+            if len(owned) + self.allocator.num_free != self.allocator.num_total:
+                raise AssertionError(f"blocks leaked: {len(owned)} owned + {self.allocator.num_free} free "
+                                     f"!= {self.allocator.num_total}")
 
     def reserve(self, slot_id: int, n_tokens: int) -> bool:
         """Give the slot blocks for ``n_tokens`` tokens in total; False (and no change) if too few are free."""
@@ -259,26 +370,35 @@ class QwenEngine:
             self.runner.set_block_row(slot_id, s.blocks)
             return True
 
-    def _restart(self, slot_id: int, n_tokens: int, sampling: SamplingParams) -> None:
-        """Start a fresh sequence in the slot (blocks must have been checked)."""
+    def _restart(self, slot_id: int, n_tokens: int, sampling: SamplingParams,
+                 tokens: Optional[Sequence[int]] = None) -> int:
+        """Start a fresh sequence in the slot (blocks must have been checked), mapping the cached
+        prefix of ``tokens`` when given; returns the tokens mapped."""
         s = self._slots[slot_id]
         self._release_blocks(slot_id)
         s.seq_len, s.active = 0, True
         s.generator = sampling.make_generator(self.device)
+        mapped = self._map_cached_prefix(slot_id, tokens) if tokens is not None else 0
         ok = self.reserve(slot_id, n_tokens)
         assert ok, "blocks were checked before the restart"
+        return mapped
 
-    def begin_sequence(self, slot_id: int, sampling: Optional[SamplingParams] = None) -> None:
-        """Empty the slot and mark it as holding a (still empty) sequence; used by the scheduler."""
+    def begin_sequence(self, slot_id: int, sampling: Optional[SamplingParams] = None,
+                       tokens: Optional[Sequence[int]] = None) -> int:
+        """Empty the slot and mark it as holding a (still empty) sequence; used by the scheduler.
+
+        With prefix caching and the sequence's ``tokens``, the longest cached prefix of full blocks
+        is mapped in; returns how many tokens that covers (0 otherwise): compute from there."""
         with self._lock:
-            self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling))
+            return self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling), tokens)
 
     def swap_out(self, slot_id: int) -> SwappedSlot:
         """Copy the slot's KV to host memory and free its blocks (the slot keeps no sequence)."""
         with self._lock:
             s = self._slots[slot_id]
             # Only the blocks that hold tokens: a slot may have reserved room for a step it never ran.
-            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks[:self._blocks_for(s.seq_len)]))
+            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks[:self._blocks_for(s.seq_len)]),
+                                list(s.token_ids))
             self._release_blocks(slot_id)
             s.active, s.seq_len = False, 0
             return saved
@@ -300,6 +420,8 @@ class QwenEngine:
             self.runner.copy_in(slot_id, s.blocks, saved.blocks)
             self.reserve(slot_id, max(saved.seq_len, n_tokens))
             s.active, s.seq_len = True, saved.seq_len
+            if self.prefix_caching:
+                self._record_tokens(slot_id, saved.token_ids)
             return True
 
     def refresh_weights(self) -> None:
@@ -308,6 +430,8 @@ class QwenEngine:
         in-place-written parameters are noticed without it.)"""
         with self._lock:
             self.runner.refresh_weights()
+            if self.prefix_caching:
+                self.allocator.reset_cache()     # cached KV was computed with the old weights
 
     # ----------------------------------------------------------------- forward
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
@@ -337,25 +461,28 @@ class QwenEngine:
             logits = self.runner.execute(chunks)
             for c in chunks:
                 self._slots[c.kv_cache_slot].seq_len += len(c.token_ids)
+                if self.prefix_caching:
+                    self._record_tokens(c.kv_cache_slot, c.token_ids)
             return logits
 
     def _prefill_rounds(self, prompts: Sequence[tuple[int, list[int]]]) -> torch.Tensor:
-        """Chunked prefill of fresh slots, one forward per round of ``chunk_size`` tokens per prompt.
+        """Chunked prefill of fresh slots, one forward per round of ``chunk_size`` tokens per prompt,
+        each from what its slot already holds (a cached prefix, or nothing).
 
         Returns fp32 logits [len(prompts), vocab] of each prompt's last token.
         """
         last = [None] * len(prompts)
-        start = 0
+        starts = [self._slots[slot].seq_len for slot, _ in prompts]
         while True:
-            live = [(i, slot, toks) for i, (slot, toks) in enumerate(prompts) if start < len(toks)]
+            live = [(i, slot, toks) for i, (slot, toks) in enumerate(prompts) if starts[i] < len(toks)]
             if not live:
                 break
-            logits = self.execute([BatchedRequest(slot, toks[start:start + self.chunk_size], start)
-                                   for _, slot, toks in live])
+            logits = self.execute([BatchedRequest(slot, toks[starts[i]:starts[i] + self.chunk_size], starts[i])
+                                   for i, slot, toks in live])
             for row, (i, _, toks) in enumerate(live):
-                if start + self.chunk_size >= len(toks):
+                starts[i] = min(len(toks), starts[i] + self.chunk_size)
+                if starts[i] == len(toks):
                     last[i] = logits[row]
-            start += self.chunk_size
         return torch.stack(last)
 
     def _sample(self, logits: torch.Tensor, slot_ids: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
@@ -378,8 +505,8 @@ class QwenEngine:
             self._check_slot(slot_id)
             sampling = self._check_sampling(sampling)
             tokens = self.check_prompt(tokens)
-            self._check_blocks({slot_id: len(tokens)})
-            self._restart(slot_id, len(tokens), sampling)
+            self._check_blocks({slot_id: len(tokens)}, restart=True)
+            self._restart(slot_id, len(tokens), sampling, tokens)
             logits = self._prefill_rounds([(slot_id, tokens)])
             token = self._sample(logits, [slot_id], [sampling])[0]
             return QwenForwardResult(token, logits[0])
@@ -433,11 +560,11 @@ class QwenEngine:
             requests = self._check_requests(requests)
             prompts = [self.check_prompt(r.prompt_tokens, f"requests[{i}].prompt_tokens")
                        for i, r in enumerate(requests)]
-            self._check_blocks({r.slot_id: len(p) for r, p in zip(requests, prompts)})
+            self._check_blocks({r.slot_id: len(p) for r, p in zip(requests, prompts)}, restart=True)
             if not requests:
                 return QwenBatchPrefillResult([], [])
             for r, p in zip(requests, prompts):
-                self._restart(r.slot_id, len(p), r.sampling)
+                self._restart(r.slot_id, len(p), r.sampling, p)
             logits = self._prefill_rounds([(r.slot_id, p) for r, p in zip(requests, prompts)])
             tokens = self._sample(logits, [r.slot_id for r in requests], [r.sampling for r in requests])
             for row, (r, p, t) in enumerate(zip(requests, prompts, tokens)):

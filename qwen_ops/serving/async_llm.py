@@ -65,6 +65,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._lock = threading.Lock()                              # guards _streams
         self._streams: dict[str, _Stream] = {}
+        self._owned: set[str] = set()         # ids this loop added to the LLM and has not seen finish
         self._ids = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="qwen-ops-engine", daemon=True)
@@ -137,6 +138,9 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its completions' slots, blocks and swap copies are freed by the loop)."""
+        if not self._thread.is_alive():
+            self.llm.abort(request_id)         # no loop to hand it to
+            return
         self._inbox.append(("abort", request_id))
         self._wake.set()
 
@@ -174,6 +178,11 @@ class AsyncLLM:
             raise
         finally:
             self._stopping = True
+            # Nothing of ours may outlive the loop: drop queued work, abort what it admitted.
+            self._inbox.clear()
+            for rid in list(self._owned):
+                self.llm.abort(rid)
+            self._owned.clear()
             self._fail_all(EngineDeadError("the engine loop stopped (AsyncLLM.shutdown)"))
 
     def _drain_inbox(self) -> None:
@@ -181,6 +190,7 @@ class AsyncLLM:
             item = self._inbox.popleft()
             if item[0] == "abort":
                 self.llm.abort(item[1])
+                self._owned.discard(item[1])
                 continue
             _, prepared, request_id = item
             with self._lock:
@@ -189,6 +199,7 @@ class AsyncLLM:
                 continue
             try:
                 self.llm._add_all(prepared, [request_id])
+                self._owned.add(request_id)
             except Exception as e:            # e.g. an id clash with an offline request
                 self._deliver([(request_id, e)])
 
@@ -203,9 +214,13 @@ class AsyncLLM:
                 logger.exception("qwen_ops engine iteration failed; failing its %d requests", len(running))
                 for rid in running:
                     llm.abort(rid)
+                    self._owned.discard(rid)
                 self._deliver([(rid, RuntimeError(f"generation failed: {type(e).__name__}: {e}")) for rid in running])
                 return
             outs = [(g.request_id, g.output(g.take_new_tokens())) for g in groups]
+        for rid, out in outs:
+            if out.finished:
+                self._owned.discard(rid)
         self._deliver(outs)
 
     def _deliver(self, items: Sequence[tuple[str, Union[RequestOutput, BaseException]]]) -> None:

@@ -150,10 +150,15 @@ class LLM:
                  check_invariants: bool = False,
                  compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, enable_prefix_caching: bool = True):
         """``swap_space``: bytes of host memory for KV swapped out by preemption (vLLM's
         ``swap_space``, which is in GiB); default ``default_swap_space_bytes()``. When it is full,
-        preemption recomputes instead (``stats()["num_swap_full_recomputes"]``)."""
+        preemption recomputes instead (``stats()["num_swap_full_recomputes"]``).
+
+        ``enable_prefix_caching`` (default on, as in vLLM): full KV blocks are shared by content,
+        so a prompt that starts like an earlier one (a system prompt, the previous turns of a
+        chat) computes only what is new. Off for models with linear-attention layers (their
+        recurrent state is not in the blocks); ``stats()["prefix_caching"]`` says which."""
         from qwen_ops.models.defaults import default_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -169,6 +174,8 @@ class LLM:
         _check_int("swap_space", swap_space, 0, optional=True)
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {preemption_mode!r}, expected 'recompute' or 'swap'")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching = {enable_prefix_caching!r}, expected True or False")
         for name, flag in (("check_invariants", check_invariants), ("compile", compile), ("cuda_graphs", cuda_graphs)):
             if flag is not None and not isinstance(flag, bool):
                 raise ValueError(f"{name} = {flag!r}, expected True or False" + ("" if name == "check_invariants"
@@ -205,7 +212,7 @@ class LLM:
                                  block_size=block_size, num_kv_blocks=num_kv_blocks,
                                  tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, compile=compile,
                                  decode_buckets=decode_buckets, cuda_graphs=cuda_graphs,
-                                 compile_backend=compile_backend)
+                                 compile_backend=compile_backend, enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = ckpt.tokenizer
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -478,4 +485,5 @@ class LLM:
             "swap_bytes_used": s.swap_bytes_used,
             "num_swap_full_recomputes": s.num_swap_full_recomputes,
             "num_swap_in_recomputes": s.num_swap_in_recomputes,
+            **self.engine.prefix_cache_stats(),
         }

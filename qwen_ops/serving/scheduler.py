@@ -81,6 +81,9 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)
         return (self.prompt_token_ids[start:stop] if stop <= n
@@ -291,13 +294,16 @@ class Scheduler:
         admitted = []
         while self.waiting and not self.swapped and not preempted_now and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
-            if chunk == 0:
+            if budget.remaining_prefill() == 0:
                 break
             slot = self.engine.allocate_slot(req.request_id)
-            self.engine.begin_sequence(slot)
-            if not self.engine.reserve(slot, chunk):
+            # With prefix caching the slot starts with the cached full blocks of the request's
+            # tokens: they count as computed, and the budget buys only the rest.
+            req.num_computed = self.engine.begin_sequence(slot, None, req.all_token_ids())
+            chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
+            if not self.engine.reserve(slot, req.num_computed + chunk):
                 self.engine.free_slot(slot)
+                req.num_computed = 0
                 if not self.running:
                     need = -(-chunk // self.engine.block_size)
                     raise SchedulerStuckError(
@@ -339,15 +345,11 @@ class Scheduler:
             raise AssertionError(f"token budget exceeded: {plan.total_tokens()} > {cfg.max_num_batched_tokens}")
         if budget.total_tokens() != plan.total_tokens() or len(plan.decode_tasks) > cfg.max_num_seqs:
             raise AssertionError("plan and budget disagree")
+        self.engine.check_block_accounting()     # reference counts, free list, shared blocks
         owned: dict[int, int] = {}
         for slot_id in range(self.engine.num_slots):
             for b in self.engine.slot_blocks(slot_id):
-                if b in owned:
-                    raise AssertionError(f"block {b} is owned by slots {owned[b]} and {slot_id}")
-                owned[b] = slot_id
-        if len(owned) + self.engine.num_free_blocks != self.engine.num_total_blocks:
-            raise AssertionError(f"blocks leaked: {len(owned)} owned + {self.engine.num_free_blocks} free "
-                                 f"!= {self.engine.num_total_blocks}")
+                owned.setdefault(b, slot_id)
         for name, queue in (("waiting", self.waiting), ("swapped", self.swapped)):
             arrivals = [r.arrival for r in queue]
             if arrivals != sorted(arrivals):
@@ -355,8 +357,9 @@ class Scheduler:
         if len(self.running) > cfg.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running requests > max_num_seqs = {cfg.max_num_seqs}")
         running_slots = [r.slot for r in self.running]
+        holding = {s for s in range(self.engine.num_slots) if self.engine.slot_blocks(s)}
         if None in running_slots or len(set(running_slots)) != len(running_slots) or \
-                set(running_slots) != set(owned.values()):
+                set(running_slots) != holding:
             raise AssertionError(f"running requests' slots {running_slots} do not match the slots holding blocks")
         if any(r.slot is not None or r.swapped is not None for r in self.waiting):
             raise AssertionError("a waiting request holds a slot or a host copy")
