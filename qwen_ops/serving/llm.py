@@ -25,7 +25,8 @@ import torch
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
 from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
-from qwen_ops.serving.outputs import CompletionOutput, CompletionState, Logprob, RequestOutput  # noqa: F401
+from qwen_ops.serving.outputs import (CompletionOutput, CompletionState, Logprob, RequestMetrics,  # noqa: F401
+                                      RequestOutput)
 from qwen_ops.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
@@ -126,8 +127,13 @@ class _Group:
             outs.append(CompletionOutput(st.index, st.visible_text(req.finished), list(req.output_token_ids),
                                          req.finish_reason, req.stop_reason, st.cumulative_logprob,
                                          None if st.logprobs is None else list(st.logprobs)))
+        reqs = [c.request for c in self.completions]
+        firsts = [r.token_times[0] for r in reqs if r.token_times]
+        lasts = [r.token_times[-1] for r in reqs if r.token_times]
+        metrics = RequestMetrics(min(r.arrival_time for r in reqs), min(firsts) if firsts else None,
+                                 max(lasts) if lasts else None)
         return RequestOutput(self.request_id, self.prompt if isinstance(self.prompt, str) else None,
-                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids))
+                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids), metrics=metrics)
 
     def take_new_tokens(self) -> list[int]:
         """Output tokens not reported yet, over all completions in index order; marks them reported."""

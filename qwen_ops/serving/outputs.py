@@ -38,6 +38,18 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request arrived, got its first token and its latest one (``time.perf_counter()``)."""
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: Optional[str]
@@ -48,6 +60,7 @@ class RequestOutput:
     # completions in index order.
     new_token_ids: list[int] = field(default_factory=list)
     error: Optional[str] = None
+    metrics: Optional[RequestMetrics] = None
 
 
 class CompletionState:
