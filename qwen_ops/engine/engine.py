@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,7 @@ class QwenEngine:
             compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
             compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu)
+        self.tp = None                    # this rank's TPGroup under tensor parallelism (from_pretrained)
         self.prefix_caching = bool(enable_prefix_caching)
         self.prefix_caching_disabled_reason: Optional[str] = None
         if self.prefix_caching and "linear" in self.runner.layer_kinds:
@@ -168,13 +170,57 @@ class QwenEngine:
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = torch.float32,
-                        device: Union[str, torch.device] = "cpu", **kwargs: Any) -> "QwenEngine":
-        """Load a Hugging Face Qwen checkpoint directory (``None``: the embedded default model)."""
-        from qwen_ops.models.defaults import default_model_path
-        from qwen_ops.models.loader import load_checkpoint
+                        device: Union[str, torch.device] = "cpu", tensor_parallel_size: int = 1,
+                        tp_port: Optional[int] = None, **kwargs: Any) -> "QwenEngine":
+        """Load a Hugging Face Qwen checkpoint directory (``None``: the embedded default model).
 
-        ckpt = load_checkpoint(default_model_path() if path is None else path, dtype=dtype, device=device)
-        return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
+        ``tensor_parallel_size=N > 1`` splits the model over N processes (``engine/distributed.py``):
+        under torchrun every rank joins its group; otherwise this process becomes rank 0 and
+        spawns N-1 workers (on ``tp_port``, default a free one), stopped by ``shutdown()``."""
+        from qwen_ops.engine import distributed as D
+        from qwen_ops.models.config import QwenConfig
+        from qwen_ops.models.defaults import default_model_path
+        from qwen_ops.models.loader import load_checkpoint, resolve_dtype
+        from qwen_ops.models.parallel import check_tp_config
+
+        path = default_model_path() if path is None else path
+        if tensor_parallel_size == 1:
+            ckpt = load_checkpoint(path, dtype=dtype, device=device)
+            return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
+        config = QwenConfig.from_pretrained(path)
+        check_tp_config(config, tensor_parallel_size)
+        device = torch.device(device)
+        workers = None
+        if D.external_launch() is not None:
+            rank, size = D.external_launch()
+            if size != tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size = {tensor_parallel_size}, but the launcher started "
+                                 f"WORLD_SIZE = {size} processes; expected them equal")
+            tp = D.init_external(device)
+        else:
+            workers = D.start_workers(path, size=tensor_parallel_size, dtype=resolve_dtype(dtype, config),
+                                      device=device, engine_kwargs=kwargs, port=tp_port)
+            tp = workers.group
+        try:
+            ckpt = load_checkpoint(path, dtype=dtype, device=device if device.type != "cuda" else
+                                   torch.device("cuda", tp.rank), tp=tp)
+            engine = cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
+        engine.tp = tp
+        if workers is not None:
+            engine.runner = D.TPRunnerProxy(engine.runner, workers)
+            engine._tp_workers = workers
+            engine._tp_finalizer = weakref.finalize(engine, workers.shutdown)
+        return engine
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if this engine spawned any (a no-op otherwise)."""
+        workers = getattr(self, "_tp_workers", None)
+        if workers is not None:
+            workers.shutdown()
 
     # ----------------------------------------------------------------- slots
     @property
@@ -490,7 +536,12 @@ class QwenEngine:
         for i, (s, p) in enumerate(zip(slot_ids, params)):
             if gens[i] is None and p.seed is not None and not p.greedy:
                 gens[i] = self._slots[s].generator = p.make_generator(self.device)
-        return sample(logits, params, gens).tolist()
+        tokens = sample(logits, params, gens)
+        if self.tp is not None and getattr(self, "_tp_workers", None) is None:
+            from qwen_ops.engine.distributed import broadcast_tokens
+
+            broadcast_tokens(tokens, self.tp)       # torchrun: every rank takes rank 0's tokens
+        return tokens.tolist()
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless

@@ -33,7 +33,7 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def _compile_decode(fn, backend: str, device: torch.device):
+def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = True):
     """``torch.compile`` the decode step: Inductor, or Torch-TensorRT (``compile_backend="tensorrt"``).
 
     On the CPU, Inductor emits a C++ wrapper (``cpp_wrapper``) instead of a Python one (faster
@@ -45,9 +45,12 @@ def _compile_decode(fn, backend: str, device: torch.device):
     do not change under it, and re-checking every module and parameter cost about a tenth of a
     CPU decode step. Parameter *values* are still read at every call (they are graph inputs), so
     weight updates take effect; ``tests/test_runner.py`` checks it.
+
+    ``cpp_wrapper=False`` keeps the Python wrapper: the C++ one cannot call the functional
+    collectives of a tensor-parallel model yet.
     """
     if backend == "inductor":
-        options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        options = {"cpp_wrapper": True} if device.type == "cpu" and cpp_wrapper else {}
         skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
         if skip_module_guards is not None:
             options["guard_filter_fn"] = skip_module_guards
@@ -132,7 +135,8 @@ class ModelRunner:
                        if native_cpu and device.type == "cpu" and NativeCPUExecutor.why_not(model) is None else None)
         self._alloc_decode_buffers()
         # The step that CUDA graphs capture: compiled, or the model's forward as written.
-        self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device) if compile
+        self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device,
+                                             cpp_wrapper=getattr(model, "tp", None) is None) if compile
                              else self._decode_forward)
         self.cuda_graphs = cuda_graphs
         self.graph_api = graph_api if graph_api is not None else (CudaGraphAPI(device) if cuda_graphs else None)
@@ -165,7 +169,7 @@ class ModelRunner:
 
         - "cuda_graph": a static decode batch, with CUDA graphs on;
         - "compiled": the same without CUDA graphs, with ``compile=True``;
-        - "native": other steps on the CPU that the native executor covers (fp32 dense model,
+        - "native": other steps on the CPU that the native executor covers (fp32 or bf16 dense model,
           one intra-op thread, the cpu op backend, small enough chunks);
         - "eager": the model's forward as written.
         """

@@ -1,4 +1,5 @@
-"""Dense Qwen2 / Qwen3 causal LM as a plain nn.Module whose attention is torch.ops.qwen.*.
+"""Qwen2 / Qwen3 causal LM (and Qwen3-MoE, ``qwen3_moe``) as a plain nn.Module whose attention is
+torch.ops.qwen.*.
 
 The forward pass works on a flat batch of tokens (no batch dimension): ``input_ids [T]``,
 ``positions [T]``, an :class:`~qwen_ops.ops.metadata.AttentionMetadata` that says which slot and
@@ -9,7 +10,9 @@ is no Python branching on tensor values, so the forward traces with
 ``torch.compile(fullgraph=True)`` and its decode step can be captured into a CUDA graph.
 
 Parameter names equal the Hugging Face state-dict keys (``model.layers.0.self_attn.q_proj.weight``
-...), so checkpoints load by name. Numerics follow transformers: RMSNorm and RoPE tables in
+...), so checkpoints load by name. A ``qwen3_moe`` config gives its sparse layers a mixture-of-experts
+MLP (``qwen_ops.models.moe``: routing in torch, experts in ``torch.ops.qwen.fused_moe``), chosen per
+layer at construction; the forward is the same. Numerics follow transformers: RMSNorm and RoPE tables in
 fp32, cast back to the model dtype at the same points.
 
 This is the model's only forward: eager, compiled and CUDA-graph captured runs all execute it.
@@ -24,7 +27,8 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import QwenMLP, RMSNorm, RotaryEmbedding, SlotAttention
+from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, SlotAttention
+from qwen_ops.models.moe import make_mlp
 from qwen_ops.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -38,10 +42,10 @@ class QwenAttention(SlotAttention):
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config: QwenConfig) -> None:
+    def __init__(self, config: QwenConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = QwenAttention(config)
-        self.mlp = QwenMLP(config)
+        self.mlp = make_mlp(config, layer_idx)   # dense SwiGLU, or a MoE block in qwen3_moe's sparse layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -62,13 +66,13 @@ class QwenModel(nn.Module):
         if not weight.is_meta:
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(QwenDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(QwenDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
 
 class QwenForCausalLM(nn.Module):
-    """Qwen2/Qwen3 dense causal LM; see the module docstring for the forward contract."""
+    """Qwen2 / Qwen3 / Qwen3-MoE causal LM; see the module docstring for the forward contract."""
 
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()
@@ -89,7 +93,8 @@ class QwenForCausalLM(nn.Module):
 
         ``max_slots`` is unused (no per-slot state); it keeps the signature of the hybrid model's method.
         """
-        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        # The heads this model holds (fewer than the config's under tensor parallelism).
+        shape = (num_blocks, block_size, self.model.layers[0].self_attn.num_kv_heads, self.config.head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in self.model.layers]
 

@@ -9,6 +9,15 @@ memory-mapped file into freshly allocated parameters of the target dtype and dev
 mapping is closed after every ``MAP_WINDOW_BYTES`` of tensors read, because pages of a
 mapping that stays open count as resident memory: so peak host memory is about the model's
 size plus one window (plus the largest single tensor).
+
+Mixture-of-experts weights: the model holds each layer's experts stacked,
+``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]`` (transformers 5.x's
+in-memory names). A checkpoint may store exactly those (``save_pretrained(...,
+save_original_format=False)`` writes them), or one tensor per expert, as ``save_pretrained`` and the
+Hub checkpoints do: ``mlp.experts.<e>.gate_proj.weight`` and ``up_proj.weight`` ``[I, H]`` (rows 0:I
+and I:2I of expert e's slice of gate_up_proj) and ``mlp.experts.<e>.down_proj.weight`` ``[H, I]``.
+Either way each tensor is copied straight into its slice of the stacked parameter, which is
+allocated once: no second copy of the experts.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from qwen_ops.models.config import QwenConfig, token_ids
+from qwen_ops.models.config import ARCHITECTURES, QwenConfig, token_ids
 from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
 from qwen_ops.models.layers import rope_table
+from qwen_ops.models.parallel import TPGroup, shard_model, tp_slice
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -45,8 +55,11 @@ FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat1
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Qwen3.5 checkpoints: the multi-token-prediction head and (qwen3_5) the vision tower are not loaded.
 HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
-# qwen3_5 (multimodal) checkpoints hold the language model under this prefix instead of "model.".
+# qwen3_5 / qwen3_5_moe (multimodal) checkpoints hold the language model under this prefix instead of "model.".
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+# Stacked expert parameters (qwen_ops.models.moe), which a checkpoint may store one tensor per expert.
+EXPERTS_GATE_UP = ".experts.gate_up_proj"
+EXPERTS_DOWN = ".experts.down_proj"
 MAX_LISTED_PROBLEMS = 20
 
 
@@ -71,11 +84,13 @@ class Checkpoint:
         return self.tokenizer
 
 
-def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu") -> Checkpoint:
-    """Config, weights (as ``dtype`` on ``device``), optional tokenizer and EOS ids of ``path``."""
+def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
+                    tp: Optional[TPGroup] = None) -> Checkpoint:
+    """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
+    tokenizer and EOS ids of ``path``."""
     path = Path(path)
     config = QwenConfig.from_pretrained(path)
-    model = load_model(path, dtype, device, config=config)
+    model = load_model(path, dtype, device, config=config, tp=tp)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))
 
@@ -112,19 +127,29 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
-               config: Optional[QwenConfig] = None) -> QwenForCausalLM:
-    """Build the model of ``path`` (:class:`QwenForCausalLM`; :class:`Qwen3_5ForCausalLM` for qwen3_5_text /
-    qwen3_5, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors weights."""
+               config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None) -> QwenForCausalLM:
+    """Build the model of ``path`` (:class:`QwenForCausalLM` for qwen2 / qwen3 / qwen3_moe;
+    :class:`Qwen3_5ForCausalLM` for the hybrids qwen3_5_text / qwen3_5 / qwen3_5_moe_text / qwen3_5_moe /
+    qwen3_next, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors
+    weights; stacked experts from either checkpoint layout (module docstring).
+
+    With ``tp`` (tensor parallelism), the model is this rank's slice (``models/parallel.py``) and
+    each sharded tensor is read as that slice of the file, never whole."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     with torch.device("meta"):
         model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
+    if tp is not None and tp.size > 1:
+        shard_model(model, tp)
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
     params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
     files = weight_files(path)
-    _check_tensors(path, files, params, config)
+    experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
+    stacked = {piece.param for piece in experts}
+    params = {name: p for name, p in params.items() if name not in stacked}
+    _check_tensors(path, files, params, config, experts)
 
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in params:
@@ -132,6 +157,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     renamed = {checkpoint_name(name, config): name for name, _ in model.named_parameters()}
     for file, names in by_file.items():
         _copy_tensors(file, names, model, dtype, device, renamed)
+    if experts:
+        _copy_expert_pieces(files, experts, model, dtype, device, renamed)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.cos_sin = rope_table(config, device)
@@ -139,10 +166,40 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
 
 
 def checkpoint_name(param_name: str, config: QwenConfig) -> str:
-    """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in qwen3_5."""
-    if config.model_type == "qwen3_5" and param_name.startswith("model."):
+    """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in the
+    multimodal wrappers (qwen3_5, qwen3_5_moe)."""
+    if ARCHITECTURES[config.model_type].text_model_type is not None and param_name.startswith("model."):
         return LANGUAGE_MODEL_PREFIX + param_name.removeprefix("model.")
     return param_name
+
+
+@dataclass(frozen=True)
+class _ExpertPiece:
+    """One per-expert checkpoint tensor: rows ``rows`` of expert ``expert``'s slice of the stacked
+    parameter ``param`` (its checkpoint name)."""
+    tensor: str
+    param: str
+    shape: tuple[int, ...]
+    expert: int
+    rows: tuple[int, int]
+
+
+def _expert_pieces(params: dict[str, nn.Parameter], files: dict[str, Path]) -> list[_ExpertPiece]:
+    """The per-expert tensors that fill each stacked expert parameter the checkpoint does not hold whole."""
+    pieces = []
+    for name, p in params.items():
+        if name in files or not name.endswith((EXPERTS_GATE_UP, EXPERTS_DOWN)):
+            continue
+        prefix = name.rpartition(".")[0] + "."                       # "...mlp.experts."
+        num_experts, rows, cols = p.shape
+        for e in range(num_experts):
+            if name.endswith(EXPERTS_GATE_UP):                       # gate rows, then up rows
+                inter = rows // 2
+                pieces.append(_ExpertPiece(f"{prefix}{e}.gate_proj.weight", name, (inter, cols), e, (0, inter)))
+                pieces.append(_ExpertPiece(f"{prefix}{e}.up_proj.weight", name, (inter, cols), e, (inter, rows)))
+            else:
+                pieces.append(_ExpertPiece(f"{prefix}{e}.down_proj.weight", name, (rows, cols), e, (0, rows)))
+    return pieces
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -169,9 +226,12 @@ def weight_files(path: Path) -> dict[str, Path]:
 
 
 def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Parameter],
-                   config: QwenConfig) -> None:
-    """Every name, shape and dtype in the headers against the model, before any data is read."""
+                   config: QwenConfig, experts: list[_ExpertPiece] = ()) -> None:
+    """Every name, shape and dtype in the headers against the model, before any data is read.
+
+    ``params`` are the parameters stored whole; ``experts`` the per-expert tensors of the others."""
     problems: list[str] = []
+    expert_shapes = {piece.tensor: piece.shape for piece in experts}
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in files.items():
         by_file[file].append(name)
@@ -182,13 +242,16 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
                 if name not in present:
                     problems.append(f"tensor {name!r} is missing from {file} (the index places it there)")
                     continue
-                if name not in params:
+                if name not in params and name not in expert_shapes:
                     if not _ignorable(name, config):
                         problems.append(f"unexpected tensor {name!r} in {file}")
                     continue
                 view = f.get_slice(name)
                 shape, code = tuple(view.get_shape()), view.get_dtype()
-                want = tuple(params[name].shape)
+                want = tuple(params[name].shape) if name in params else expert_shapes[name]
+                spec = tp_slice(params[name]) if name in params else None
+                if spec is not None:           # a tensor-parallel slice: the file holds the whole
+                    want = want[:spec[0]] + (spec[3],) + want[spec[0] + 1:]
                 if shape != want:
                     problems.append(f"tensor {name!r} in {file} has shape {list(shape)}, expected {list(want)} "
                                     f"from {path / 'config.json'}")
@@ -197,6 +260,8 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
                                     f"{', '.join(FILE_DTYPES)} (quantized weights are not supported)")
     where = path / INDEX_FILE if (path / INDEX_FILE).is_file() else path / SINGLE_FILE
     problems += [f"missing tensor {name!r} (not in {where})" for name in params if name not in files]
+    problems += [f"missing tensor {piece.tensor!r} (not in {where}, which has no stacked {piece.param!r} either)"
+                 for piece in experts if piece.tensor not in files]
     if problems:
         shown = problems[:MAX_LISTED_PROBLEMS]
         more = len(problems) - len(shown)
@@ -207,8 +272,11 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
 
 def _ignorable(name: str, config: QwenConfig) -> bool:
     # A tied checkpoint may still hold lm_head.weight (transformers 4.x often saved it); it is unused.
+    # A switched-off shared expert (shared_expert_intermediate_size 0) is saved as empty tensors.
+    shared_off = config.moe is not None and config.moe.shared_expert_intermediate_size == 0
     return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
-            or (config.is_hybrid and name.startswith(HYBRID_IGNORED_PREFIXES)))
+            or (config.is_hybrid and name.startswith(HYBRID_IGNORED_PREFIXES))
+            or (shared_off and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name)))
 
 
 def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: torch.dtype,
@@ -226,6 +294,13 @@ def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: t
             module = model.get_submodule(module_name)
             shape = module._parameters[leaf].shape  # a meta tensor: shape only
             dst = torch.empty(shape, dtype=dtype, device=device)
+            spec = tp_slice(module._parameters[leaf])
+            if spec is not None:
+                if handle is None:
+                    handle = _open(file).__enter__()
+                mapped += _copy_slice(handle, name, dst, spec)
+                module._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
+                continue
             rows = shape[0] if len(shape) else 1
             if handle is None:
                 handle = _open(file).__enter__()
@@ -249,6 +324,66 @@ def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: t
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)
+
+
+def _copy_slice(handle, name: str, dst: torch.Tensor, spec: tuple[int, int, int, int]) -> int:
+    """Copy rows (dim 0) or columns (dim 1) ``[start, stop)`` of tensor ``name`` into ``dst``, in
+    row blocks of about one map window; zero ``dst``'s padding past the slice. Returns bytes read."""
+    dim, start, stop, _ = spec
+    view = handle.get_slice(name)
+    read = 0
+    if dim == 0:
+        row_bytes = FILE_DTYPES[view.get_dtype()].itemsize * max(1, dst[0].numel() if dst.dim() > 1 else 1)
+        step = max(1, MAP_WINDOW_BYTES // row_bytes)
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            src = view[a:b]
+            dst[a - start:b - start].copy_(src)
+            read += src.numel() * src.element_size()
+            del src
+        dst[stop - start:].zero_()
+    else:
+        src = view[:, start:stop]
+        dst[:, :stop - start].copy_(src)
+        dst[:, stop - start:].zero_()
+        read += src.numel() * src.element_size()
+    return read
+
+
+def _copy_expert_pieces(files: dict[str, Path], pieces: list[_ExpertPiece], model: nn.Module, dtype: torch.dtype,
+                        device: torch.device, renamed: dict[str, str]) -> None:
+    """Fill each stacked expert parameter from its per-expert tensors (possibly in several files).
+
+    The stacked tensor is allocated once, in ``dtype`` on ``device``; each file is mapped in windows
+    of ``MAP_WINDOW_BYTES`` as in :func:`_copy_tensors` (an expert's matrix is far below one).
+    """
+    stacked: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[_ExpertPiece]] = defaultdict(list)
+    for piece in pieces:
+        by_file[files[piece.tensor]].append(piece)
+    for file, file_pieces in by_file.items():
+        handle, mapped = None, 0
+        try:
+            for piece in file_pieces:
+                if piece.param not in stacked:
+                    module_name, _, leaf = renamed.get(piece.param, piece.param).rpartition(".")
+                    shape = model.get_submodule(module_name)._parameters[leaf].shape   # meta: shape only
+                    stacked[piece.param] = torch.empty(shape, dtype=dtype, device=device)
+                if handle is None:
+                    handle = _open(file).__enter__()
+                src = handle.get_tensor(piece.tensor)   # a view of the mapped file
+                stacked[piece.param][piece.expert, piece.rows[0]:piece.rows[1]].copy_(src)
+                mapped += src.numel() * src.element_size()
+                del src
+                if mapped >= MAP_WINDOW_BYTES:
+                    handle.__exit__(None, None, None)
+                    handle, mapped = None, 0
+        finally:
+            if handle is not None:
+                handle.__exit__(None, None, None)
+    for name, dst in stacked.items():
+        module_name, _, leaf = renamed.get(name, name).rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
 
 
 def _open(file: Path):

@@ -23,7 +23,11 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from qwen_ops.engine.batch import RequestId
+from qwen_ops.engine.distributed import broadcast_tokens
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
+from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.loader import resolve_dtype
+from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
 from qwen_ops.serving.outputs import (CompletionOutput, CompletionState, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput)
@@ -156,7 +160,8 @@ class LLM:
                  check_invariants: bool = False,
                  compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
-                 backend: Optional[str] = None, enable_prefix_caching: bool = True):
+                 backend: Optional[str] = None, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, tp_port: Optional[int] = None):
         """``swap_space``: bytes of host memory for KV swapped out by preemption (vLLM's
         ``swap_space``, which is in GiB); default ``default_swap_space_bytes()``. When it is full,
         preemption recomputes instead (``stats()["num_swap_full_recomputes"]``).
@@ -164,7 +169,12 @@ class LLM:
         ``enable_prefix_caching`` (default on, as in vLLM): full KV blocks are shared by content,
         so a prompt that starts like an earlier one (a system prompt, the previous turns of a
         chat) computes only what is new. Off for models with linear-attention layers (their
-        recurrent state is not in the blocks); ``stats()["prefix_caching"]`` says which."""
+        recurrent state is not in the blocks); ``stats()["prefix_caching"]`` says which.
+
+        ``tensor_parallel_size=N`` splits the model over N processes (gloo on the CPU, NCCL on
+        CUDA): this process is rank 0 and spawns N-1 workers (``tp_port``: their rendezvous port,
+        default a free one), or, under torchrun, every rank runs this same call. ``shutdown()``
+        stops the workers (deleting the ``LLM`` does too)."""
         from qwen_ops.models.defaults import default_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -196,16 +206,27 @@ class LLM:
         if compile_backend not in ("inductor", "tensorrt"):
             raise ValueError(f"compile_backend = {compile_backend!r}, expected 'inductor' or 'tensorrt'")
         device = _check_device(device)
-        ckpt = load_checkpoint(default_model_path() if model is None else model, dtype=dtype, device=device)
-        cfg = ckpt.config
+        _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        path = default_model_path() if model is None else model
+        if tensor_parallel_size == 1:
+            ckpt = load_checkpoint(path, dtype=dtype, device=device)
+            cfg = ckpt.config
+            elem = next(ckpt.model.parameters()).element_size()
+            attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
+            kv_heads = cfg.num_key_value_heads
+        else:
+            # Each rank loads its own slice in from_pretrained; size the cache from the config.
+            cfg = QwenConfig.from_pretrained(path)
+            check_tp_config(cfg, tensor_parallel_size)
+            elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
+            attention_layers = cfg.num_hidden_layers
+            kv_heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
         if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
             max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
-            elem = next(ckpt.model.parameters()).element_size()
-            attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
-            block_bytes = 2 * attention_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(next(ckpt.model.parameters()).device)
+            block_bytes = 2 * attention_layers * block_size * kv_heads * cfg.head_dim * elem
+            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(device)
             num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
         if num_kv_blocks < per_seq_blocks:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
@@ -214,12 +235,18 @@ class LLM:
             max_num_batched_tokens = max(512, max_num_seqs)
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens}, expected >= 1")
-        self.engine = QwenEngine(ckpt.model, cfg, max_slots=max_num_seqs, max_seq_len=max_model_len,
-                                 block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                 tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, compile=compile,
-                                 decode_buckets=decode_buckets, cuda_graphs=cuda_graphs,
-                                 compile_backend=compile_backend, enable_prefix_caching=enable_prefix_caching)
-        self.tokenizer = ckpt.tokenizer
+        engine_kwargs = dict(max_slots=max_num_seqs, max_seq_len=max_model_len, block_size=block_size,
+                             num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
+                             cuda_graphs=cuda_graphs, compile_backend=compile_backend,
+                             enable_prefix_caching=enable_prefix_caching)
+        if tensor_parallel_size == 1:
+            self.engine = QwenEngine(ckpt.model, cfg, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids,
+                                     **engine_kwargs)
+        else:
+            self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
+                                                     tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
+                                                     **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
         self.scheduler = Scheduler(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
@@ -364,6 +391,8 @@ class LLM:
                 for i, q in masked:
                     picked[i, list(q.stop_ids)] = float("-inf")
             tokens_t = sample(picked, [q.sampling for q in reqs], [q.generator for q in reqs])
+            if self.engine.tp is not None and getattr(self.engine, "_tp_workers", None) is None:
+                broadcast_tokens(tokens_t, self.engine.tp)     # torchrun: every rank takes rank 0's tokens
             tokens = tokens_t.tolist()
             sampled = {q.request_id: t for q, t in zip(reqs, tokens)}
             want = [i for i, q in enumerate(reqs) if q.sampling.logprobs is not None]
@@ -469,6 +498,10 @@ class LLM:
                 self._abort_group(group)
             elif isinstance(request_id, RequestId):
                 self.scheduler.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a no-op without them)."""
+        self.engine.shutdown()
 
     def stats(self) -> dict:
         with self._lock:

@@ -1,0 +1,200 @@
+"""Tensor parallelism (Megatron style) for the dense Qwen model, on ``torch.distributed``.
+
+``shard_model(model, tp)`` turns a model built on the meta device into this rank's slice of it,
+before the loader fills it, so each rank allocates and reads only its own weights:
+
+- q/k/v and gate/up become ``ColumnParallelLinear`` (output features split by head, or by
+  intermediate channel), o and down ``RowParallelLinear`` (input features split the same way,
+  one all-reduce after the product, the bias added once after it);
+- attention heads are split across ranks; when ``num_kv_heads < tp`` each KV head is replicated
+  on ``tp / num_kv_heads`` ranks (as vLLM does), so every rank holds exactly one;
+- the embedding is vocabulary-parallel (rows split; a token outside a rank's rows contributes
+  zeros; one all-reduce), the lm_head column-parallel over the vocabulary with an all-gather,
+  so every rank ends with the full logits (rank 0 samples).
+
+Each sharded parameter carries ``tp_slice = (dim, start, stop, full)``: the rows (``dim`` 0) or
+columns (``dim`` 1) ``[start, stop)`` of the checkpoint tensor of length ``full`` along ``dim``
+that it holds (zero rows pad it past ``stop``). The loader reads exactly that slice with
+``safe_open(...).get_slice``.
+
+The all-reduce and all-gather are ``torch.distributed._functional_collectives``, which
+``torch.compile(fullgraph=True)`` traces without a graph break. The KV cache of a rank holds only
+its KV heads; the slot ops take any head count, so they are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen_ops.models.config import QwenConfig
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``, and the
+    ``torch.distributed`` process group the collectives run on (None when ``size == 1``)."""
+    rank: int
+    size: int
+    group: Any = None
+
+
+def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", tp.group)
+
+
+def _all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Concatenate every rank's ``x [N, C]`` along the last dim: ``[N, tp.size * C]``."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # renamed in torch 2.12
+    gathered = gather(x.contiguous(), 0, tp.group)      # [tp.size * N, C]
+    n = x.shape[0]
+    return torch.cat([gathered[r * n:(r + 1) * n] for r in range(tp.size)], dim=-1)
+
+
+def check_tp_config(config: QwenConfig, size: int) -> None:
+    """Reject sizes that cannot split this model, naming the numbers."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size = {size!r}, expected an int >= 1")
+    if size == 1:
+        return
+    if config.is_hybrid:
+        raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the hybrid models' linear-attention "
+                         f"layers ({config.model_type}) is not built; use tensor_parallel_size=1")
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % size:
+        raise ValueError(f"tensor_parallel_size = {size} does not divide num_attention_heads = {heads}")
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size = {size} and num_key_value_heads = {kv}: one must divide the other")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size = {size} does not divide intermediate_size = {config.intermediate_size}")
+
+
+def _span(full: int, tp: TPGroup) -> tuple[int, int, int]:
+    """``(start, stop, per_rank)``: rank's even share of ``full`` (the last may be short: padded)."""
+    per = -(-full // tp.size)
+    start = min(full, tp.rank * per)
+    return start, min(full, start + per), per
+
+
+def _mark(param: nn.Parameter, dim: int, start: int, stop: int, full: int) -> nn.Parameter:
+    param.tp_slice = (dim, start, stop, full)
+    return param
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features ``[start, stop)`` of a full ``nn.Linear``; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, start: int, stop: int, full_out: int):
+        super().__init__(in_features, out_features, bias=bias)
+        _mark(self.weight, 0, start, stop, full_out)
+        if self.bias is not None:
+            _mark(self.bias, 0, start, stop, full_out)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features ``[start, stop)`` of a full ``nn.Linear``, then an all-reduce; the bias
+    (not split) is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, start: int, stop: int, full_in: int,
+                 tp: TPGroup):
+        super().__init__(in_features, out_features, bias=bias)
+        _mark(self.weight, 1, start, stop, full_in)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _all_reduce(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows ``[start, stop)`` of the embedding (padded to an even share); tokens elsewhere give
+    zeros here, and the all-reduce sums the one rank that has each."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        start, stop, per = _span(vocab_size, tp)
+        super().__init__(per, dim)
+        _mark(self.weight, 0, start, stop, vocab_size)
+        self.tp, self.start, self.stop = tp, start, stop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, 0)
+        h = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        return _all_reduce(h, self.tp)
+
+
+class ParallelLMHead(nn.Linear):
+    """Vocabulary rows ``[start, stop)`` (padded to an even share), then an all-gather of every
+    rank's logits, trimmed to the vocabulary: each rank returns the full ``[N, vocab]``."""
+
+    def __init__(self, dim: int, vocab_size: int, tp: TPGroup):
+        start, stop, per = _span(vocab_size, tp)
+        super().__init__(dim, per, bias=False)
+        _mark(self.weight, 0, start, stop, vocab_size)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_gather_last(F.linear(x, self.weight), self.tp)[:, :self.vocab_size]
+
+
+def _meta_like(make):
+    """Build a replacement module on the meta device (the model being sharded is on it)."""
+    with torch.device("meta"):
+        return make()
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """This rank's slice of a dense Qwen model built on the meta device (module docstring)."""
+    if tp.size == 1:
+        return model
+    config: QwenConfig = model.config
+    check_tp_config(config, tp.size)
+    hidden, head_dim = config.hidden_size, config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads_per_rank = heads // tp.size
+    if kv_heads >= tp.size:
+        kv_per_rank, kv_first = kv_heads // tp.size, tp.rank * (kv_heads // tp.size)
+    else:                                   # replicate: rank r holds KV head r // (tp / kv_heads)
+        kv_per_rank, kv_first = 1, tp.rank // (tp.size // kv_heads)
+    inter = config.intermediate_size // tp.size
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows = heads_per_rank * head_dim * (2 if attn.output_gate else 1)
+        q_full = attn.q_proj.out_features
+        q0 = tp.rank * q_rows
+        kv0, kv_rows = kv_first * head_dim, kv_per_rank * head_dim
+        o0, o_cols = tp.rank * heads_per_rank * head_dim, heads_per_rank * head_dim
+        bias = attn.q_proj.bias is not None
+        attn.q_proj = _meta_like(lambda: ColumnParallelLinear(hidden, q_rows, bias, q0, q0 + q_rows, q_full))
+        attn.k_proj = _meta_like(lambda: ColumnParallelLinear(hidden, kv_rows, bias, kv0, kv0 + kv_rows,
+                                                              kv_heads * head_dim))
+        attn.v_proj = _meta_like(lambda: ColumnParallelLinear(hidden, kv_rows, bias, kv0, kv0 + kv_rows,
+                                                              kv_heads * head_dim))
+        o_bias = attn.o_proj.bias is not None
+        attn.o_proj = _meta_like(lambda: RowParallelLinear(o_cols, hidden, o_bias, o0, o0 + o_cols,
+                                                           heads * head_dim, tp))
+        attn.num_heads, attn.num_kv_heads = heads_per_rank, kv_per_rank
+        i0 = tp.rank * inter
+        full_i = config.intermediate_size
+        mlp.gate_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
+        mlp.up_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
+        mlp.down_proj = _meta_like(lambda: RowParallelLinear(inter, hidden, False, i0, i0 + inter, full_i, tp))
+    model.model.embed_tokens = _meta_like(lambda: VocabParallelEmbedding(config.vocab_size, hidden, tp))
+    model.lm_head = _meta_like(lambda: ParallelLMHead(hidden, config.vocab_size, tp))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tp = tp
+    return model
+
+
+def tp_slice(param: torch.Tensor) -> Optional[tuple[int, int, int, int]]:
+    """The ``(dim, start, stop, full)`` slice of the checkpoint tensor that ``param`` holds, or None."""
+    return getattr(param, "tp_slice", None)

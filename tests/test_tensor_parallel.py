@@ -1,0 +1,220 @@
+"""Tensor parallelism on 2 CPU processes with gloo: the same greedy tokens and logits as one
+process, through the engine API and LLM.generate (preemption by recompute and by swap, prefix
+caching on), a compiled step without graph breaks, the torchrun launch (one node and two
+"nodes" on loopback), a killed worker, bad configurations, and no process left behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen_ops import LLM, SamplingParams
+from qwen_ops.engine.distributed import TensorParallelError
+from qwen_ops.engine.engine import QwenEngine
+
+from checkpoints import make_qwen3_5_checkpoint, make_qwen3_checkpoint
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism needs 2 CPUs here")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[3 + i + j for j in range(5 + 3 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return make_qwen3_checkpoint(tmp_path_factory.mktemp("tp_qwen3"))          # 4 heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def qwen2_tied(tmp_path_factory):
+    """Qwen2 (q/k/v biases), tied embeddings, one KV head (replicated on both ranks), and a
+    vocabulary that does not split evenly (127: the last rank's rows are padded)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=127, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=1, bos_token_id=0)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    path = tmp_path_factory.mktemp("tp_qwen2")
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_llm_generate_equals_one_process(qwen3, mode):
+    kw = dict(max_model_len=64, block_size=4, max_num_seqs=4, num_kv_blocks=20, preemption_mode=mode,
+              max_num_batched_tokens=16, check_invariants=True)
+    want = _tokens(LLM(qwen3, **kw).generate(PROMPTS, GREEDY))
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    want_sampled = _tokens(LLM(qwen3, **kw).generate(PROMPTS[:2], sampled))
+    llm = LLM(qwen3, tensor_parallel_size=2, **kw)
+    try:
+        procs = list(llm.engine._tp_workers.procs)
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == want
+        assert _tokens(llm.generate(PROMPTS[:2], sampled)) == want_sampled
+        assert _tokens(llm.generate(PROMPTS[-1:], GREEDY)) == want[-1:]
+        hits = llm.stats()["prefix_cache_hits"]
+        assert _tokens(llm.generate(PROMPTS[-1:], GREEDY)) == want[-1:]      # again: prefix-cache hits
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["free_blocks"] == s["total_blocks"]
+        assert s["prefix_cache_hits"] > hits
+        if mode == "swap":
+            assert s["num_swaps_out"] > 0
+    finally:
+        llm.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_engine_api_logits(qwen2_tied):
+    kw = dict(max_slots=2, max_seq_len=64, block_size=4)
+    one = QwenEngine.from_pretrained(qwen2_tied, **kw)
+    two = QwenEngine.from_pretrained(qwen2_tied, tensor_parallel_size=2, **kw)
+    try:
+        assert two.runner.kv_caches[0][0].shape[2] == 1, "one KV head per rank (replicated)"
+        prompt = list(range(3, 22))
+        a, b = one.prefill(prompt, slot_id=1), two.prefill(prompt, slot_id=1)
+        assert a.next_token == b.next_token
+        rel = (a.logits - b.logits).abs().max() / a.logits.abs().max()
+        assert rel < 1e-5, rel
+        ta, tb = a.next_token, b.next_token
+        for _ in range(10):
+            ra, rb = one.decode_step(ta, slot_id=1), two.decode_step(tb, slot_id=1)
+            assert ra.next_token == rb.next_token
+            assert (ra.logits - rb.logits).abs().max() / ra.logits.abs().max() < 1e-5
+            ta, tb = ra.next_token, rb.next_token
+        procs = list(two._tp_workers.procs)
+    finally:
+        two.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_compiled_step_has_no_graph_breaks(qwen3):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    kw = dict(max_model_len=64, block_size=4, max_num_seqs=4)
+    want = _tokens(LLM(qwen3, **kw).generate(PROMPTS[:3], GREEDY))
+    llm = LLM(qwen3, tensor_parallel_size=2, compile=True, **kw)
+    try:
+        assert _tokens(llm.generate(PROMPTS[:3], GREEDY)) == want
+    finally:
+        llm.shutdown()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_killed_worker_is_a_clear_error(qwen3):
+    llm = LLM(qwen3, tensor_parallel_size=2, max_model_len=64, block_size=4)
+    try:
+        (proc,) = llm.engine._tp_workers.procs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="worker died"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()
+
+
+def test_deleting_the_llm_stops_its_workers(qwen3):
+    llm = LLM(qwen3, tensor_parallel_size=2, max_model_len=64, block_size=4)
+    procs = list(llm.engine._tp_workers.procs)
+    del llm
+    gc.collect()
+    for p in procs:
+        p.join(15)
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_bad_configurations(qwen3, tmp_path):
+    with pytest.raises(ValueError, match="does not divide num_attention_heads = 4"):
+        LLM(qwen3, tensor_parallel_size=3)
+    if (os.cpu_count() or 1) < 4:           # 4 divides the heads; more ranks than CPUs is refused
+        with pytest.raises(ValueError, match="tensor_parallel_size = 4, but this machine has"):
+            LLM(qwen3, tensor_parallel_size=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"tp_port = {port} is already in use"):
+            LLM(qwen3, tensor_parallel_size=2, tp_port=port)
+    with pytest.raises(ValueError, match="tensor_parallel_size = 0"):
+        LLM(qwen3, tensor_parallel_size=0)
+    hybrid = make_qwen3_5_checkpoint(tmp_path / "hybrid")
+    with pytest.raises(ValueError, match="hybrid models' linear-attention"):
+        LLM(hybrid, tensor_parallel_size=2)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from qwen_ops import LLM, SamplingParams
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=64, block_size=4)
+    prompts = [[3 + i + j for j in range(5 + 3 * i)] for i in range(6)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 3
+                        + [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    with open(os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(tokens, f)
+""")
+
+
+def _torchrun():
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_launch(qwen3, tmp_path, nodes):
+    """Every rank runs the same LLM(...) call; all ranks produce rank 0's tokens (the unseeded
+    sampled ones included: rank 0's tokens are broadcast)."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = _free_port()
+    if nodes == 1:
+        cmds = [_torchrun() + ["--nproc-per-node=2", f"--master-port={port}", str(script), str(qwen3), str(tmp_path)]]
+    else:   # two "nodes" on loopback, one process each, through torchrun's c10d rendezvous
+        cmds = [_torchrun() + ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=qwen-ops-test", str(script),
+                               str(qwen3), str(tmp_path)] for r in range(2)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    import json
+
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0 == r1
+    want = _tokens(LLM(qwen3, max_model_len=64, block_size=4).generate(PROMPTS[:3], GREEDY))
+    assert r0[:3] == want
