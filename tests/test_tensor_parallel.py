@@ -89,6 +89,7 @@ def test_engine_api_logits(qwen2_tied):
     two = QwenEngine.from_pretrained(qwen2_tied, tensor_parallel_size=2, **kw)
     try:
         assert two.runner.kv_caches[0][0].shape[2] == 1, "one KV head per rank (replicated)"
+        assert two.tp.workspace is not None, "ranks on one host meet in shared memory"
         prompt = list(range(3, 22))
         a, b = one.prefill(prompt, slot_id=1), two.prefill(prompt, slot_id=1)
         assert a.next_token == b.next_token
@@ -218,3 +219,20 @@ def test_torchrun_launch(qwen3, tmp_path, nodes):
     assert r0 == r1
     want = _tokens(LLM(qwen3, max_model_len=64, block_size=4).generate(PROMPTS[:3], GREEDY))
     assert r0[:3] == want
+
+
+def test_shm_collectives_single_process():
+    """The ops themselves, with one rank (the exchange with itself) and their validation."""
+    from qwen_ops.ops.shm_collectives import workspace_bytes
+
+    ws = torch.zeros(workspace_bytes(1, 1 << 12), dtype=torch.uint8)
+    x = torch.randn(3, 5)
+    for _ in range(3):                       # both parity halves
+        torch.testing.assert_close(torch.ops.qwen.shm_all_reduce(x, ws, 0, 1), x)
+        torch.testing.assert_close(torch.ops.qwen.shm_all_gather(x, ws, 0, 1), x)
+    with pytest.raises(ValueError, match="rank = 1"):
+        torch.ops.qwen.shm_all_reduce(x, ws, 1, 1)
+    with pytest.raises(ValueError, match="workspace has dtype torch.float32"):
+        torch.ops.qwen.shm_all_reduce(x, ws.float(), 0, 1)
+    compiled = torch.compile(lambda a: torch.ops.qwen.shm_all_reduce(a * 2, ws, 0, 1) + 1, fullgraph=True)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)

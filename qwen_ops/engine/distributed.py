@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import mmap
 import os
 import signal
 import socket
@@ -88,6 +89,117 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+class SharedSegment:
+    """A named shared-memory segment (``/dev/shm``) mapped as a uint8 tensor. The creating rank
+    unlinks the name at ``close``; the memory goes when the last mapping does."""
+
+    def __init__(self, size: int, name: Optional[str] = None):
+        self.owner = name is None
+        self._unlinked = False
+        if self.owner:
+            from multiprocessing import shared_memory
+
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self.name, buf = self._shm.name, self._shm.buf
+        else:
+            fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self.name, buf = name, self._mm
+        self.size = size
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unlink the name (creator only). The mapping stays (tensors may still view it; dropping
+        the ``SharedMemory`` object would unmap it under them) until this object goes."""
+        if self.owner and not self._unlinked:
+            self._unlinked = True
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def shm_supported() -> bool:
+    return os.path.isdir("/dev/shm")
+
+
+def workspace_slot_bytes(config, max_slots: int, chunk_size: int, size: int, elem: int) -> int:
+    """A slot big enough for a chunk's hidden states and a decode batch's logits shard (the
+    collectives fall back to torch.distributed past it), within [1 MiB, 64 MiB]."""
+    hidden = chunk_size * config.hidden_size * elem
+    logits = max_slots * -(-config.vocab_size // size) * elem
+    return min(64 << 20, max(1 << 20, hidden, logits))
+
+
+class ShmChannel:
+    """Rank 0's step messages to the workers through shared memory: pickled bytes, a sequence
+    number, and one acknowledgement per worker (about 0.1 ms a step here, against about 2 ms for
+    gloo's ``broadcast_object_list``: benchmarks/bench_tp.py). A message too big for the segment
+    goes by ``broadcast_object_list``."""
+
+    HEADER = 4096
+
+    def __init__(self, segment: SharedSegment, world_size: int):
+        self.t = segment.tensor
+        self.h = self.t[:self.HEADER].view(torch.int64)      # [0] seq, [1] length, [8 r] worker r's ack
+        self.world_size = world_size
+        self.capacity = self.t.numel() - self.HEADER
+
+    def _wait(self, done, alive=None) -> None:
+        spins, deadline, pause = 0, None, 0.00002
+        while not done():
+            spins += 1
+            if spins < 20000:
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + tp_timeout_s()
+            if alive is not None:
+                alive()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel channel: no progress within {tp_timeout_s():.0f} s")
+            time.sleep(pause)
+            pause = min(0.001, pause * 2)       # idle: back off to 1 ms polls
+
+    def send(self, message: tuple, alive=None) -> None:
+        import pickle
+
+        h = self.h
+        seq = int(h[0])
+        self._wait(lambda: all(int(h[8 * r]) == seq for r in range(1, self.world_size)), alive)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) <= self.capacity:
+            self.t[self.HEADER:self.HEADER + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            h[1] = len(data)
+        else:
+            h[1] = -1
+        h[0] = seq + 1                       # x86 keeps store order: the bytes are visible first
+        if len(data) > self.capacity:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list([message], src=0)
+
+    def recv(self, rank: int) -> tuple:
+        import pickle
+
+        h = self.h
+        last = int(h[8 * rank])
+        self._wait(lambda: int(h[0]) > last)
+        n = int(h[1])
+        if n >= 0:
+            message = pickle.loads(self.t[self.HEADER:self.HEADER + n].numpy().tobytes())
+        else:
+            import torch.distributed as dist
+
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+        h[8 * rank] = last + 1
+        return message
+
+
 # ---------------------------------------------------------------------------------------- worker
 @dataclass
 class WorkerSpec:
@@ -99,6 +211,8 @@ class WorkerSpec:
     port: int
     size: int
     threads: int = 1
+    workspace: Optional[tuple[str, int]] = None      # (shm name, bytes) of the collectives' workspace
+    channel: Optional[tuple[str, int]] = None        # (shm name, bytes) of the step messages
 
 
 def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
@@ -116,10 +230,13 @@ def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                                 world_size=spec.size, timeout=datetime.timedelta(seconds=tp_timeout_s()))
-        tp = TPGroup(rank, spec.size, dist.group.WORLD)
+        segments = [SharedSegment(n, name) if name else None for name, n in (spec.workspace or (None, 0),
+                                                                             spec.channel or (None, 0))]
+        tp = TPGroup(rank, spec.size, dist.group.WORLD, segments[0].tensor if segments[0] else None, segments)
         ckpt = load_checkpoint(spec.path, dtype=spec.dtype, device=device, tp=tp)
         engine = QwenEngine(ckpt.model, ckpt.config, **spec.engine_kwargs)
-        serve_runner(engine.runner)
+        channel = ShmChannel(segments[1], spec.size) if segments[1] else None
+        serve_runner(engine.runner, (lambda: channel.recv(rank)) if channel else None)
     except BaseException as e:   # report, then exit non-zero: the driver turns it into an error
         try:
             errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -135,15 +252,21 @@ def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
             pass
 
 
-def serve_runner(runner) -> None:
-    """A worker's loop: apply rank 0's runner calls, in order, until told to stop."""
+def _broadcast_recv() -> tuple:
     import torch.distributed as dist
 
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def serve_runner(runner, recv=None) -> None:
+    """A worker's loop: apply rank 0's runner calls, in order, until told to stop. ``recv``
+    returns the next message (default: gloo's ``broadcast_object_list``)."""
+    recv = recv or _broadcast_recv
     saved: dict[int, Any] = {}
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        op, pending, *args = box[0]
+        op, pending, *args = recv()
         _apply_pending(runner, pending, saved)
         if op == "stop":
             return
@@ -244,11 +367,13 @@ class TPRunnerProxy:
 class TPWorkers:
     """The worker processes of an in-process tensor-parallel group, and rank 0's side of it."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, segments: Sequence[Optional[SharedSegment]] = (None, None)):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
         self.spec = spec
+        self.segments = [seg for seg in segments if seg is not None]
+        self.channel = ShmChannel(segments[1], spec.size) if segments[1] is not None else None
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
         self.procs = []
@@ -264,7 +389,8 @@ class TPWorkers:
         except Exception as e:
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel workers did not start: {self._first_error() or e}") from e
-        self.group = TPGroup(0, spec.size, dist.group.WORLD)
+        self.group = TPGroup(0, spec.size, dist.group.WORLD, segments[0].tensor if segments[0] is not None else None,
+                             list(segments))
 
     def _first_error(self) -> Optional[str]:
         try:
@@ -286,7 +412,12 @@ class TPWorkers:
             raise TensorParallelError("the tensor-parallel group was shut down")
         self.check_alive()
         try:
-            dist.broadcast_object_list([message], src=0)
+            if self.channel is not None:
+                self.channel.send(message, alive=self.check_alive)
+            else:
+                dist.broadcast_object_list([message], src=0)
+        except TensorParallelError:
+            raise
         except Exception as e:
             raise TensorParallelError(f"tensor-parallel broadcast failed: {e}; "
                                       f"{self._first_error() or 'a worker may have died'}") from e
@@ -300,7 +431,10 @@ class TPWorkers:
         self._closed = True
         if dist.is_initialized() and all(p.is_alive() for p in self.procs):
             try:
-                dist.broadcast_object_list([("stop", [])], src=0)
+                if self.channel is not None:
+                    self.channel.send(("stop", []))
+                else:
+                    dist.broadcast_object_list([("stop", [])], src=0)
             except Exception:
                 pass
         deadline = time.monotonic() + timeout
@@ -316,6 +450,8 @@ class TPWorkers:
             except Exception:
                 pass
         self._errors.close()
+        for seg in self.segments:
+            seg.close()
 
 
 def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs: dict,
@@ -333,11 +469,32 @@ def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs
         check_port_free(port)
     spec = WorkerSpec(str(path), dtype, str(device), dict(engine_kwargs), port, size,
                       threads=torch.get_num_threads())
-    return TPWorkers(spec)
+    segments: list[Optional[SharedSegment]] = [None, None]
+    if device.type == "cpu" and shm_supported():
+        from qwen_ops.models.config import QwenConfig
+        from qwen_ops.ops.shm_collectives import workspace_bytes
+
+        config = QwenConfig.from_pretrained(path)
+        elem = max(4, torch.empty((), dtype=dtype).element_size())
+        slot = workspace_slot_bytes(config, engine_kwargs.get("max_slots", 8), engine_kwargs.get("chunk_size", 512),
+                                    size, elem)
+        segments = [SharedSegment(workspace_bytes(size, slot)), SharedSegment(8 << 20)]
+        spec.workspace = (segments[0].name, segments[0].size)
+        spec.channel = (segments[1].name, segments[1].size)
+    try:
+        return TPWorkers(spec, segments)
+    except BaseException:
+        for seg in segments:
+            if seg is not None:
+                seg.close()
+        raise
 
 
-def init_external(device: torch.device) -> TPGroup:
-    """Join the process group that torchrun set up (``env://``): this rank's ``TPGroup``."""
+def init_external(device: torch.device, config=None, engine_kwargs: Optional[dict] = None,
+                  dtype: torch.dtype = torch.float32) -> TPGroup:
+    """Join the process group that torchrun set up (``env://``): this rank's ``TPGroup``. When
+    every rank runs on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``) on the CPU, rank 0 makes
+    the shared-memory workspace of the collectives and the others map it."""
     import torch.distributed as dist
 
     rank, size = external_launch()
@@ -346,7 +503,25 @@ def init_external(device: torch.device) -> TPGroup:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(_backend(device), init_method="env://",
                                 timeout=datetime.timedelta(seconds=tp_timeout_s()))
-    return TPGroup(rank, size, dist.group.WORLD)
+    workspace = None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == size
+    if device.type == "cpu" and local and shm_supported() and config is not None:
+        from qwen_ops.ops.shm_collectives import workspace_bytes
+
+        kw = engine_kwargs or {}
+        slot = workspace_slot_bytes(config, kw.get("max_slots", 8), kw.get("chunk_size", 512), size,
+                                    max(4, torch.empty((), dtype=dtype).element_size()))
+        nbytes = workspace_bytes(size, slot)
+        segment = SharedSegment(nbytes) if rank == 0 else None
+        box = [segment.name if segment is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if segment is None:
+            segment = SharedSegment(nbytes, box[0])
+        dist.barrier()
+        if rank == 0:
+            segment.close()            # every rank has it mapped: the name is no longer needed
+        return TPGroup(rank, size, dist.group.WORLD, segment.tensor, segment)
+    return TPGroup(rank, size, dist.group.WORLD, workspace)
 
 
 def broadcast_tokens(tokens: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -196,7 +196,7 @@ class QwenEngine:
             if size != tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size = {tensor_parallel_size}, but the launcher started "
                                  f"WORLD_SIZE = {size} processes; expected them equal")
-            tp = D.init_external(device)
+            tp = D.init_external(device, config, kwargs, resolve_dtype(dtype, config))
         else:
             workers = D.start_workers(path, size=tensor_parallel_size, dtype=resolve_dtype(dtype, config),
                                       device=device, engine_kwargs=kwargs, port=tp_port)

@@ -17,8 +17,10 @@ columns (``dim`` 1) ``[start, stop)`` of the checkpoint tensor of length ``full`
 that it holds (zero rows pad it past ``stop``). The loader reads exactly that slice with
 ``safe_open(...).get_slice``.
 
-The all-reduce and all-gather are ``torch.distributed._functional_collectives``, which
-``torch.compile(fullgraph=True)`` traces without a graph break. The KV cache of a rank holds only
+The all-reduce and all-gather go through shared memory when every rank is on this host
+(``torch.ops.qwen.shm_all_reduce`` / ``shm_all_gather``, ``ops/shm_collectives.py``: gloo costs
+about 2 ms each on these VMs), else ``torch.distributed._functional_collectives``; either way
+``torch.compile(fullgraph=True)`` traces them without a graph break. The KV cache of a rank holds only
 its KV heads; the slot ops take any head count, so they are unchanged.
 """
 
@@ -32,18 +34,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops import shm_collectives  # noqa: F401  (registers torch.ops.qwen.shm_all_reduce / _gather)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TPGroup:
-    """This process's place in a tensor-parallel group: ``rank`` of ``size``, and the
-    ``torch.distributed`` process group the collectives run on (None when ``size == 1``)."""
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``, the
+    ``torch.distributed`` process group (None when ``size == 1``), and, when every rank is on
+    this host, the shared-memory workspace of ``torch.ops.qwen.shm_all_reduce`` (else None: the
+    collectives go through ``torch.distributed``)."""
     rank: int
     size: int
     group: Any = None
+    workspace: Optional[torch.Tensor] = None
+    mapping: Any = None          # keeps the workspace's shared-memory mapping alive as long as the group
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.workspace is not None:
+        return torch.ops.qwen.shm_all_reduce(x, tp.workspace, tp.rank, tp.size)
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(x, "sum", tp.group)
@@ -51,10 +60,13 @@ def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def _all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate every rank's ``x [N, C]`` along the last dim: ``[N, tp.size * C]``."""
-    import torch.distributed._functional_collectives as funcol
+    if tp.workspace is not None:
+        gathered = torch.ops.qwen.shm_all_gather(x, tp.workspace, tp.rank, tp.size)
+    else:
+        import torch.distributed._functional_collectives as funcol
 
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # renamed in torch 2.12
-    gathered = gather(x.contiguous(), 0, tp.group)      # [tp.size * N, C]
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor   # renamed in torch 2.12
+        gathered = gather(x.contiguous(), 0, tp.group)      # [tp.size * N, C]
     n = x.shape[0]
     return torch.cat([gathered[r * n:(r + 1) * n] for r in range(tp.size)], dim=-1)
 
