@@ -1,4 +1,8 @@
-"""Every ```python snippet in README.md runs as pasted, each in a fresh namespace."""
+"""Every ```python snippet in README.md runs as pasted, each in a fresh namespace.
+
+A snippet that talks to ``qwen-ops serve`` at its default address runs against a live server
+(tests/server_fixture.py) on a free loopback port, started with the key the README's
+``qwen-ops serve --api-key`` line gives; only the address in the snippet is rewritten."""
 
 from __future__ import annotations
 
@@ -17,6 +21,21 @@ def python_blocks(text: str) -> list[str]:
 
 
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+SERVE_ADDRESS = "http://127.0.0.1:8000"            # qwen-ops serve's default --host and --port
+_SERVE_KEY = re.compile(r"qwen-ops serve\b[^\n]*--api-key\s+(\S+)")
+
+
+@pytest.fixture(scope="module")
+def readme_server():
+    from server_fixture import make_engine, running_server
+
+    key = _SERVE_KEY.search(README.read_text(encoding="utf-8"))
+    engine = make_engine()
+    try:
+        with running_server(engine, api_key=key.group(1) if key else None) as server:
+            yield server
+    finally:
+        engine.shutdown()
 
 
 def _first_line(code: str) -> str:
@@ -31,5 +50,8 @@ def test_extraction_finds_the_snippets():
 
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"{i}:{_first_line(b)}" for i, b in enumerate(BLOCKS)])
-def test_readme_snippet_runs(code):
-    exec(compile(code, f"README.md python block starting {_first_line(code)!r}", "exec"), {"__name__": "__readme__"})
+def test_readme_snippet_runs(code, request):
+    if SERVE_ADDRESS in code:
+        code = code.replace(SERVE_ADDRESS, request.getfixturevalue("readme_server").url)
+    # As a script: a snippet's ``if __name__ == "__main__":`` body (needed where it spawns processes) runs.
+    exec(compile(code, f"README.md python block starting {_first_line(code)!r}", "exec"), {"__name__": "__main__"})

@@ -1,8 +1,10 @@
-"""The ``qwen-ops`` command: ``generate`` streams a completion, ``bench`` measures serving.
+"""The ``qwen-ops`` command: ``generate`` streams a completion, ``bench`` measures serving,
+``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra).
 
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
     qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
+    qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
 
 An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
 ``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
@@ -146,6 +148,44 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from qwen_ops.serving.openai.server import run_server
+    except ImportError as e:
+        raise RuntimeError(f"qwen-ops serve needs the serve extra (pip install 'qwen_ops[serve]'): {e}") from e
+    return run_server(args)
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="Serve MODEL over OpenAI's /v1/completions, /v1/chat/completions and "
+                                   "/v1/models, with /health and /metrics (Prometheus).")
+    s.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (Hugging Face layout); default: the embedded model")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use (default: the checkpoint directory's name, or "
+                        "qwen-ops-default for the embedded model)")
+    s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request (default: the model's limit, at most 4096)")
+    s.add_argument("--compile", action="store_true", default=None,
+                   help="compile the decode step (default: on for CUDA, off on the CPU)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests allowed to wait for a slot before new ones get 503 (default: no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted, larger gets 413 (default: 4 MiB)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    s.set_defaults(func=_serve)
+
+
 _DEBUG_HELP = "on an error, raise it with its traceback instead of printing one line (also: QWEN_OPS_DEBUG=1)"
 
 
@@ -174,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     b.set_defaults(func=_bench)
+    _add_serve_parser(sub)
     return parser
 
 

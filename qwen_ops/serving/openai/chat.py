@@ -1,0 +1,100 @@
+"""Chat templates: the checkpoint's own (``tokenizer_config.json`` ``chat_template``, or a
+``chat_template.jinja`` file beside it), else ChatML as Qwen writes it, rendered by jinja2 in a
+sandbox (a template is data from the checkpoint, not trusted code).
+
+    <|im_start|>system\\nYou are...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template could not render these messages (a 400 naming ``messages``)."""
+
+
+def _token_text(value: Any) -> Optional[str]:
+    # tokenizer_config.json writes special tokens as a string or as {"content": "..."}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick(template: Union[str, list, None]) -> Optional[str]:
+    # A list of named templates (transformers' format): take "default", else the first.
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+class ChatTemplate:
+    """One compiled template; ``render(messages)`` gives the prompt text."""
+
+    def __init__(self, source: str = CHATML_TEMPLATE, *, bos_token: Optional[str] = None,
+                 eos_token: Optional[str] = None, origin: str = "built-in ChatML"):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # transformers' helpers, which checkpoint templates call.
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"the chat template ({origin}) does not compile: {e}") from e
+        self.source = source
+        self.origin = origin
+        self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+
+    @classmethod
+    def for_checkpoint(cls, model_path: Union[str, Path, None]) -> "ChatTemplate":
+        """The checkpoint's template if it has one, else ChatML."""
+        config: dict = {}
+        if model_path is not None:
+            path = Path(model_path)
+            cfg_file = path / "tokenizer_config.json"
+            if cfg_file.is_file():
+                try:
+                    config = json.loads(cfg_file.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"{cfg_file}: cannot read ({e})") from e
+            source = _pick(config.get("chat_template"))
+            jinja_file = path / "chat_template.jinja"
+            if source is None and jinja_file.is_file():
+                source, origin = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+            else:
+                origin = str(cfg_file)
+            if source is not None:
+                return cls(source, bos_token=_token_text(config.get("bos_token")),
+                           eos_token=_token_text(config.get("eos_token")), origin=origin)
+        return cls(bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=None, **self._specials)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template ({self.origin}) cannot render these messages: {e}") from e
+
+
+def _raise(message: str):
+    raise ChatTemplateError(f"the chat template rejects these messages: {message}")

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one server, in a registry of its own (never prometheus_client's global).
+
+Names follow vLLM's with the ``qwen_ops:`` prefix. Engine state (running, waiting, KV blocks,
+preemptions, prefix-cache lookups) is read from ``engine.stats()`` when ``/metrics`` is scraped;
+token counts and latencies are measured in the server around each engine stream (``RequestTiming``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "qwen_ops:"
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and the preemption counter, read from ``stats()`` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def _families(self, s: Optional[dict]):
+        labels = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            if s is not None:
+                g.add_metric([self._model], value)
+            return g
+
+        get = (lambda k: s.get(k, 0)) if s is not None else (lambda k: 0)
+        total = get("total_blocks")
+        used = total - get("free_blocks")
+        yield gauge("num_requests_running", "Requests in the running batch.", get("num_running"))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
+        yield gauge("num_requests_swapped", "Requests swapped out to host memory.", get("num_swapped"))
+        yield gauge("kv_cache_blocks_in_use", "KV-cache blocks held by requests.", used)
+        yield gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", total)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    used / total if total else 0.0)
+        for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions since start."),
+                               ("prefix_cache_queries", "prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.")):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            if s is not None:
+                c.add_metric([self._model], get(key))
+            yield c
+
+    def describe(self):
+        return list(self._families(None))
+
+    def collect(self):
+        return list(self._families(self._stats()))
+
+
+class ServerMetrics:
+    """The metrics of one app; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        reg, labels = self.registry, ["model_name"]
+        self.registry.register(_EngineCollector(stats, model_name))
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.",
+                                     labels, registry=reg).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
+                                         labels, registry=reg).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished completions (one per choice) by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first generated token.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two updates of a stream.",
+                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+
+    def finished(self, reason: Optional[str]) -> None:
+        self._success.labels(self.model_name, reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timing(self, num_prompt_tokens: int) -> "RequestTiming":
+        return RequestTiming(self, num_prompt_tokens)
+
+
+class RequestTiming:
+    """The latencies of one engine stream (one prompt, all its ``n`` completions)."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+        self._m = metrics
+        self._prompt_tokens = num_prompt_tokens
+        self.start = time.perf_counter()
+        self._last: Optional[float] = None
+        self._done = False
+
+    def update(self, num_tokens: int, now: float) -> None:
+        """An update arrived holding ``num_tokens`` tokens in all (cumulative)."""
+        if num_tokens == 0:
+            return
+        if self._last is None:
+            self._m.prompt_tokens.inc(self._prompt_tokens)
+            self._m.ttft.observe(now - self.start)
+        else:
+            self._m.itl.observe(now - self._last)
+        self._last = now
+
+    def finish(self, finish_reasons: Sequence[Optional[str]], num_generated: int) -> None:
+        """Once per stream: at its last update, or when it is abandoned (reasons None = abort)."""
+        if self._done:
+            return
+        self._done = True
+        if self._last is None:
+            self._m.prompt_tokens.inc(self._prompt_tokens)
+        self._m.generation_tokens.inc(num_generated)
+        self._m.e2e.observe(time.perf_counter() - self.start)
+        for reason in finish_reasons:
+            self._m.finished(reason)

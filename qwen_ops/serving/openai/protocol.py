@@ -1,0 +1,353 @@
+"""The OpenAI wire format: request models and their validation, errors, and response pieces.
+
+Requests are pydantic models in strict mode, so a wrong JSON type (``"max_tokens": "5"``,
+``"stream": 1``) is a 400 naming the field rather than a silent conversion. Fields whose shape
+is a union (``prompt``, ``stop``, ``messages``) are checked by hand, so their errors say what
+was expected in one sentence. Every error leaves as OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with ``param`` naming the request field.
+
+Unknown fields are ignored (as vLLM does); known OpenAI fields this server cannot honour
+(penalties, ``logit_bias``, ``tools``, ...) are a 400 unless they hold their no-op value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAX_TOP_LOGPROBS = 20          # vLLM's default max_logprobs
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape; ``param`` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None, err_type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+        self.err_type = err_type or _ERROR_TYPES.get(status, "APIError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(400, message, param)
+
+
+# ----------------------------------------------------------------------------- request models
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Any = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # Known but unsupported: accepted only at their no-op value.
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
+    # vLLM extras.
+    top_k: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: Optional[float] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Any = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    tool_choice: Any = None
+    response_format: Optional[dict] = None
+    add_generation_prompt: bool = True
+
+
+_TYPE_WORDS = {"int_type": "an integer", "int_parsing": "an integer", "float_type": "a number",
+               "bool_type": "true or false", "string_type": "a string", "list_type": "an array",
+               "dict_type": "an object", "model_type": "an object"}
+
+
+def _param_of(loc: Sequence[Union[str, int]]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_request(model_cls: type[_Strict], body: bytes) -> Any:
+    """The request ``body`` (JSON bytes) as ``model_cls``, or an ``APIError`` 400 naming the field."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body is a JSON {type(data).__name__}, expected an object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """One 400 from pydantic/FastAPI validation ``errors`` (the first names the field)."""
+    if not errors:
+        return bad_request("the request is invalid")
+    err = errors[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    param = _param_of(loc) or None
+    expected = _TYPE_WORDS.get(err.get("type", ""))
+    if param and "input" in err and expected:
+        message = f"{param} = {_show(err['input'])}, expected {expected}"
+    else:
+        message = f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg", "invalid request"))
+    return bad_request(message, param)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ----------------------------------------------------------------------------- field checks
+PromptInput = Union[str, list[int]]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in value)
+
+
+def completion_prompts(value: Any) -> list[PromptInput]:
+    """``prompt`` as a list of prompts: a str, a list of str, token ids, or a list of token-id lists."""
+    expected = "expected a string, an array of strings, an array of token ids or an array of token-id arrays"
+    if isinstance(value, str):
+        return [value]
+    if value is None:
+        raise bad_request(f"prompt is missing; {expected}", "prompt")
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"prompt = {_show(value)}, {expected}", "prompt")
+    if _is_token_ids(value):
+        return [value]
+    out: list[PromptInput] = []
+    for i, p in enumerate(value):
+        if isinstance(p, str) or _is_token_ids(p):
+            out.append(p)
+        else:
+            raise bad_request(f"prompt[{i}] = {_show(p)}, {expected}", "prompt")
+    return out
+
+
+def stop_strings(value: Any) -> Optional[list[str]]:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request(f"stop = {_show(value)}, expected a non-empty string or an array of them", "stop")
+    return items or None
+
+
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """``messages`` as ``[{"role", "content"}]`` with text content (parts joined by newlines)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"messages = {_show(value)}, expected a non-empty array of message objects", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} = {_show(m)}, expected an object with 'role' and 'content'", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"{where}.role = {_show(role)}, expected one of {', '.join(CHAT_ROLES)}",
+                              f"{where}.role")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""                     # an assistant turn that only called tools
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad_request(f"{where}.content[{j}] = {_show(part)}, expected "
+                                      '{"type": "text", "text": "..."} (only text parts are supported)',
+                                      f"{where}.content[{j}]")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise bad_request(f"{where}.content = {_show(content)}, expected a string or an array of text parts",
+                              f"{where}.content")
+        msg = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """A 400 for fields this server cannot honour unless they hold their no-op value."""
+    noop = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+            "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
+    for name, allowed in noop.items():
+        if name in type(req).model_fields and getattr(req, name) not in allowed:
+            raise bad_request(f"{name} = {_show(getattr(req, name))} is not supported by this server; "
+                              f"leave it out (or {allowed[1]!r})", name)
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        raise bad_request(f"best_of = {best_of} is not supported; leave it out or set it equal to n = {req.n}",
+                          "best_of")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(f"response_format = {_show(fmt)} is not supported; only {{\"type\": \"text\"}}",
+                          "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream = true", "stream_options")
+    if req.n < 1:
+        raise bad_request(f"n = {req.n}, expected an integer >= 1", "n")
+
+
+def check_positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise bad_request(f"{name} = {value}, expected an integer >= 1", name)
+
+
+def check_logprobs(name: str, value: Optional[int]) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{name} = {value}, expected an integer in [0, {MAX_TOP_LOGPROBS}]", name)
+
+
+def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
+    """The ``qwen_ops.SamplingParams`` keyword arguments of a request (unset fields left out)."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens}
+    kw["temperature"] = 1.0 if req.temperature is None else req.temperature
+    for name in ("top_p", "top_k", "seed"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = list(req.stop_token_ids)
+    if req.ignore_eos:
+        kw["ignore_eos"] = True
+    stops = stop_strings(req.stop)
+    if stops:
+        kw["stop"] = stops
+    if req.n != 1:
+        kw["n"] = req.n
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    if req.min_tokens:
+        kw["min_tokens"] = req.min_tokens
+    if req.include_stop_str_in_output:
+        kw["include_stop_str_in_output"] = True
+    if not req.skip_special_tokens:
+        kw["skip_special_tokens"] = False
+    return kw
+
+
+def sampling_params(kwargs: dict[str, Any], *, max_tokens_field: str, logprobs_field: str = "logprobs"):
+    """``SamplingParams(**kwargs)``; its ValueError becomes a 400 naming the request field."""
+    from qwen_ops.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        name = message.split(" ", 1)[0].split("[", 1)[0]
+        renames = {"max_new_tokens": max_tokens_field, "max_tokens": max_tokens_field, "logprobs": logprobs_field}
+        param = renames.get(name, name if name in kwargs else None)
+        if param and name in renames:
+            message = param + message[len(name):]
+        raise bad_request(message, param) from None
+
+
+# ----------------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top_entries(entry: dict, k: int) -> list:
+    """The ``k`` most likely (token id, Logprob) of one position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+    return ranked[:k]
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict], k: int, offset: int,
+                        decode) -> tuple[dict, int]:
+    """OpenAI's legacy ``logprobs`` object for ``token_ids`` (one ``{id: Logprob}`` per token), text
+    offsets counted from ``offset``. Returns it and the offset after the last token.
+
+    ``top_logprobs[i]`` holds the ``k`` most likely tokens plus the sampled one (as vLLM)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        text = _token_text(tid, chosen, decode)
+        tokens.append(text)
+        token_lps.append(_finite(chosen.logprob) if chosen is not None else None)
+        top = {_token_text(i, lp, decode): _finite(lp.logprob) for i, lp in _top_entries(entry, k)} if k > 0 else {}
+        if chosen is not None:
+            top.setdefault(text, _finite(chosen.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict], k: int, decode) -> list[dict]:
+    """The chat ``logprobs.content`` list: per token its text, logprob, UTF-8 bytes and top ``k``."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid)
+        text = _token_text(tid, chosen, decode)
+        top = [{"token": (t := _token_text(i, lp, decode)), "logprob": _finite(lp.logprob), "bytes": list(t.encode())}
+               for i, lp in _top_entries(entry, k)] if k > 0 else []
+        content.append({"token": text, "logprob": _finite(chosen.logprob) if chosen is not None else None,
+                        "bytes": list(text.encode()), "top_logprobs": top})
+    return content
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -inf: a token the model gives no mass to gets vLLM's -9999.0.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _token_text(token_id: int, lp, decode) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else decode([token_id])
+

@@ -1,0 +1,696 @@
+"""The FastAPI app of ``qwen-ops serve``: OpenAI's completions, chat completions and models
+routes over an ``AsyncLLM``, plus ``/health`` and ``/metrics``, as vLLM's server does.
+
+    app = build_app(AsyncLLM.from_pretrained(), served_model_name="qwen-ops-default", api_key="k")
+    with ServerThread(app) as server:          # a free port on 127.0.0.1
+        openai.OpenAI(base_url=server.base_url, api_key="k").completions.create(...)
+
+Each HTTP request becomes one engine request per prompt (``_Generation``); their streams are
+consumed by tasks that keep only each one's latest (cumulative) output, so a slow client gets
+fewer, larger deltas instead of a backlog. Whatever ends a response (done, an error, the client
+going away) aborts the engine requests it still holds, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qwen_ops.serving.openai import protocol as P
+from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
+from qwen_ops.serving.openai.metrics import ServerMetrics
+
+logger = logging.getLogger("qwen_ops.serving.openai")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+EMBEDDED_MODEL_NAME = "qwen-ops-default"
+RETRY_AFTER_SECONDS = 1
+API_KEY_ENV = "QWEN_OPS_API_KEY"
+
+
+def default_served_model_name(model: Union[str, Path, None]) -> str:
+    """The name ``/v1/models`` reports: the checkpoint directory's name, or the embedded model's."""
+    return EMBEDDED_MODEL_NAME if model is None else (Path(model).resolve().name or str(model))
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+_json_str = json.encoder.encode_basestring      # a JSON string literal, non-ASCII kept (C speed)
+
+
+def _opt(value: Any) -> str:
+    return "null" if value is None else _dumps(value)
+
+
+class _ChunkHead:
+    """SSE events of one streamed response with one choice each. What never changes in a chunk
+    (id, object, created, model) is rendered once: a stream sends a chunk per engine step."""
+
+    def __init__(self, meta: dict):
+        self._head = "data: " + _dumps(meta)[:-1] + ',"choices":[{"index":'
+
+    def event(self, index: int, fields: str) -> str:
+        return f"{self._head}{index},{fields}}}]}}\n\n"
+
+
+# ----------------------------------------------------------------------------- engine streams
+class _Generation:
+    """The engine requests of one HTTP request (one per prompt, each with ``n`` completions).
+
+    ``start()`` submits them and waits for each one's first output, so validation errors and a
+    full queue surface before any response is sent. ``close()`` (synchronous, idempotent) aborts
+    every engine request that has not finished.
+    """
+
+    def __init__(self, serving: "_Serving", prompts: list[list[int]], params, base_id: str):
+        self._s = serving
+        self.prompts = prompts
+        self.params = params
+        self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.latest: dict[int, Any] = {}           # stream index -> newest output not yet consumed
+        self.last: list[Any] = [None] * len(prompts)
+        self.finished = [False] * len(prompts)
+        self._timings = [serving.metrics.timing(len(p)) for p in prompts]
+        self._tasks: list[asyncio.Task] = []
+        self._opened: list[asyncio.Future] = []
+        self._error: Optional[BaseException] = None
+        self._wake = asyncio.Event()
+        self._gen = None                           # the engine stream, when there is one prompt
+        self._closed = False
+
+    def _record(self, i: int, out) -> None:
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self._timings[i].update(generated, time.perf_counter())
+        if getattr(out, "error", None):
+            raise RuntimeError(f"engine request {self.ids[i]} failed: {out.error}")
+        self.latest[i] = self.last[i] = out
+        if out.finished:
+            self.finished[i] = True
+            self._timings[i].finish([c.finish_reason for c in out.outputs], generated)
+
+    async def _pump(self, i: int) -> None:
+        opened = self._opened[i]
+        try:
+            async for out in self._s.engine.generate(self.prompts[i], self.params, request_id=self.ids[i]):
+                self._record(i, out)
+                if not opened.done():
+                    opened.set_result(None)
+                self._wake.set()
+            if not self.finished[i]:
+                raise RuntimeError(f"engine stream {self.ids[i]} ended without a finished output")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:          # noqa: BLE001 - handed to the consumer
+            if not opened.done():
+                opened.set_exception(e)
+            else:
+                self._error = self._error or e
+                self._wake.set()
+
+    async def _next(self) -> None:
+        """One prompt: the next output of its stream, consumed here (no task in between)."""
+        try:
+            out = await self._gen.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"engine stream {self.ids[0]} ended without a finished output") from None
+        self._record(0, out)
+
+    async def start(self, waiting_limit: Optional[int]) -> None:
+        s = self._s
+        if waiting_limit is not None and s.num_starting + len(self.prompts) > waiting_limit:
+            raise P.APIError(503, f"the server is at its limit of {waiting_limit} waiting requests; retry later",
+                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        s.num_starting += len(self.prompts)
+        try:
+            if len(self.prompts) == 1:
+                self._gen = s.engine.generate(self.prompts[0], self.params, request_id=self.ids[0])
+                await self._next()
+                return
+            loop = asyncio.get_running_loop()
+            for i in range(len(self.prompts)):
+                self._opened.append(loop.create_future())
+                self._tasks.append(loop.create_task(self._pump(i)))
+            for fut in self._opened:
+                await asyncio.shield(fut)
+        finally:
+            s.num_starting -= len(self.prompts)
+
+    async def updates(self) -> AsyncIterator[dict[int, Any]]:
+        """Batches of ``{stream index: newest output}``, until every stream has finished."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self.latest:
+                batch, self.latest = self.latest, {}
+                yield batch
+                continue
+            if all(self.finished):
+                return
+            if self._gen is not None:
+                await self._next()
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def final(self) -> list[Any]:
+        async for _ in self.updates():
+            pass
+        return list(self.last)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for i, rid in enumerate(self.ids):
+            if not self.finished[i]:
+                try:
+                    self._s.engine.abort(rid)
+                except Exception:            # noqa: BLE001 - already gone is fine
+                    logger.debug("abort(%s) failed", rid, exc_info=True)
+                last = self.last[i]
+                self._timings[i].finish([None] * self.params.n,
+                                        sum(len(c.token_ids) for c in last.outputs) if last else 0)
+        for task in self._tasks:
+            task.cancel()
+        for fut in self._opened:             # mark failures as seen (no "never retrieved" warnings)
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+
+
+class _Cursor:
+    """What one choice's stream has sent so far."""
+    __slots__ = ("chars", "tokens", "offset", "started", "done")
+
+    def __init__(self) -> None:
+        self.chars = self.tokens = self.offset = 0
+        self.started = self.done = False
+
+
+class _StreamResponse(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends (done, error, client gone)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, awaitable) -> Any:
+    """Await ``awaitable``; raise ``_ClientGone`` (cancelling it) if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    raise _ClientGone
+
+
+# ----------------------------------------------------------------------------- the routes' logic
+class _Serving:
+    def __init__(self, engine, served_names: list[str], max_waiting: Optional[int]):
+        self.engine = engine
+        llm = engine.llm
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = int(llm.scheduler.config.max_model_len)
+        self.vocab_size = int(llm.engine.vocab_size)
+        self.names = served_names
+        self.max_waiting = max_waiting
+        self.num_starting = 0
+        self.chat_template = ChatTemplate.for_checkpoint(getattr(llm, "model_path", None))
+        self.metrics = ServerMetrics(engine.stats, served_names[0])
+        self.created = int(time.time())
+
+    # -- shared checks
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name not in self.names:
+            raise P.APIError(404, f"The model `{name}` does not exist; this server serves "
+                                  f"{', '.join(repr(n) for n in self.names)}", "model")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise P.bad_request(f"{param} is text, but this model has no tokenizer; send token ids", param)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_ids(self, ids: list[int], where: str, param: str) -> None:
+        if not ids:
+            raise P.bad_request(f"{where} is empty; expected at least one token", param)
+        for j, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise P.bad_request(f"{where}[{j}] = {t}, expected a token id in [0, {self.vocab_size})", param)
+
+    def max_tokens_for(self, prompts: list[list[int]], requested: Optional[int], field: str, param: str) -> int:
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_model_len:
+            raise P.bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                                f"prompt has {longest}; no room is left to generate", param)
+        if requested is None:
+            return self.max_model_len - longest
+        if longest + requested > self.max_model_len:
+            raise P.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {longest + requested} tokens ({longest} in the {param}, {requested} "
+                                f"in the completion). Please reduce the {param} or {field}.", field)
+        return requested
+
+    async def start(self, gen: _Generation, param: str) -> None:
+        from qwen_ops.serving.async_llm import QueueFullError
+
+        try:
+            await gen.start(self.max_waiting)
+        except BaseException as e:
+            gen.close()
+            if isinstance(e, QueueFullError):
+                raise P.APIError(503, str(e) or "too many waiting requests; retry later",
+                                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            if isinstance(e, ValueError):
+                message = str(e)
+                head = message.split(" ", 1)[0].split("[", 1)[0]
+                raise P.bad_request(message, param if head in ("prompts", "prompt") else head) from None
+            raise
+
+    async def respond(self, request: Request, gen: _Generation, stream: bool, render_full, render_stream):
+        if stream:
+            return _StreamResponse(self._guard_stream(render_stream(gen)), gen.close)
+        try:
+            outputs = await _until_disconnect(request, gen.final())
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            gen.close()
+        return JSONResponse(render_full(outputs))
+
+    async def _guard_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception:                     # noqa: BLE001 - the stream has started: report in-band
+            logger.exception("a streaming request failed")
+            yield _sse(P.APIError(500, "internal server error").body())
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/completions
+    async def completions(self, request: Request, body: bytes):
+        req = P.parse_request(P.CompletionRequest, body)
+        self.check_model(req.model)
+        P.check_unsupported(req)
+        P.check_positive("max_tokens", req.max_tokens)
+        P.check_logprobs("logprobs", req.logprobs)
+        if req.echo and req.logprobs is not None:
+            raise P.bad_request("echo = true with logprobs is not supported (no prompt logprobs); "
+                                "leave out one of them", "echo")
+        raw = P.completion_prompts(req.prompt)
+        prompts = []
+        for i, p in enumerate(raw):
+            where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+            ids = self.encode(p, "prompt") if isinstance(p, str) else p
+            self.check_ids(ids, where, "prompt")
+            prompts.append(ids)
+        max_tokens = self.max_tokens_for(prompts, req.max_tokens, "max_tokens", "prompt")
+        params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs),
+                                   max_tokens_field="max_tokens")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
+        meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
+        k = req.logprobs
+        gen = _Generation(self, prompts, params, rid)
+        await self.start(gen, "prompt")
+
+        def full(outputs):
+            choices, generated = [], 0
+            for i, out in enumerate(outputs):
+                for c in out.outputs:
+                    generated += len(c.token_ids)
+                    lp = None
+                    if k is not None and c.logprobs is not None:
+                        lp, _ = P.completion_logprobs(c.token_ids, c.logprobs, k, 0, self.decode)
+                    choices.append({"index": i * params.n + c.index, "text": echoes[i] + c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return {**meta, "choices": choices, "usage": P.usage(sum(map(len, prompts)), generated)}
+
+        head = _ChunkHead(meta)
+
+        async def chunks(g: _Generation):
+            cursors: dict[tuple[int, int], _Cursor] = {}
+            async for batch in g.updates():
+                events = []
+                for i, out in sorted(batch.items()):
+                    for c in out.outputs:
+                        cur = cursors.setdefault((i, c.index), _Cursor())
+                        if cur.done:
+                            continue
+                        text = c.text[cur.chars:]
+                        new_ids = c.token_ids[cur.tokens:]
+                        if not (text or new_ids or c.finish_reason or not cur.started):
+                            continue
+                        prefix = "" if cur.started else echoes[i]
+                        lp = None
+                        if k is not None and c.logprobs is not None:
+                            lp, cur.offset = P.completion_logprobs(new_ids, c.logprobs[cur.tokens:], k,
+                                                                   cur.offset + len(prefix), self.decode)
+                        cur.chars, cur.tokens, cur.started = len(c.text), len(c.token_ids), True
+                        cur.done = c.finish_reason is not None
+                        events.append(head.event(i * params.n + c.index, (
+                            f'"text":{_json_str(prefix + text)},"logprobs":{_opt(lp)},'
+                            f'"finish_reason":{_opt(c.finish_reason)},"stop_reason":{_opt(c.stop_reason)}')))
+                if events:
+                    yield "".join(events)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                generated = sum(len(c.token_ids) for out in g.last for c in out.outputs)
+                yield _sse({**meta, "choices": [], "usage": P.usage(sum(map(len, prompts)), generated)})
+
+        return await self.respond(request, gen, req.stream, full, chunks)
+
+    # -- /v1/chat/completions
+    async def chat(self, request: Request, body: bytes):
+        req = P.parse_request(P.ChatCompletionRequest, body)
+        self.check_model(req.model)
+        P.check_unsupported(req)
+        messages = P.chat_messages(req.messages)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        P.check_positive(field, requested)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.bad_request("top_logprobs needs logprobs = true", "top_logprobs")
+        P.check_logprobs("top_logprobs", req.top_logprobs)
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise P.bad_request(str(e), "messages") from None
+        ids = self.encode(text, "messages", add_special_tokens=False)
+        self.check_ids(ids, "messages (rendered)", "messages")
+        max_tokens = self.max_tokens_for([ids], requested, field, "messages")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
+                                   max_tokens_field=field, logprobs_field="top_logprobs")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
+        gen = _Generation(self, [ids], params, rid)
+        await self.start(gen, "messages")
+
+        def full(outputs):
+            (out,) = outputs
+            choices = []
+            for c in out.outputs:
+                lp = None
+                if k is not None and c.logprobs is not None:
+                    lp = {"content": P.chat_logprobs(c.token_ids, c.logprobs, k, self.decode)}
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            return {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
+
+        chunk_meta = {**meta, "object": "chat.completion.chunk"}
+
+        head = _ChunkHead(chunk_meta)
+
+        def event(index: int, delta: str, logprobs=None, finish=None, stop_reason=None) -> str:
+            return head.event(index, f'"delta":{delta},"logprobs":{_opt(logprobs)},"finish_reason":{_opt(finish)},'
+                                     f'"stop_reason":{_opt(stop_reason)}')
+
+        async def chunks(g: _Generation):
+            yield "".join(event(j, '{"role":"assistant","content":""}') for j in range(params.n))
+            cursors = [_Cursor() for _ in range(params.n)]
+            async for batch in g.updates():
+                events = []
+                for c in batch[0].outputs:
+                    cur = cursors[c.index]
+                    if cur.done:
+                        continue
+                    text = c.text[cur.chars:]
+                    new_ids = c.token_ids[cur.tokens:]
+                    if text or (new_ids and k is not None):
+                        lp = None
+                        if k is not None and c.logprobs is not None:
+                            lp = {"content": P.chat_logprobs(new_ids, c.logprobs[cur.tokens:], k, self.decode)}
+                        events.append(event(c.index, f'{{"content":{_json_str(text)}}}', lp))
+                    cur.chars, cur.tokens = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        cur.done = True
+                        events.append(event(c.index, "{}", None, c.finish_reason, c.stop_reason))
+                if events:
+                    yield "".join(events)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                generated = sum(len(c.token_ids) for c in g.last[0].outputs)
+                yield _sse({**chunk_meta, "choices": [], "usage": P.usage(len(ids), generated)})
+
+        return await self.respond(request, gen, req.stream, full, chunks)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                            "owned_by": "qwen-ops", "root": self.names[0],
+                                            "max_model_len": self.max_model_len} for name in self.names]}
+
+
+# ----------------------------------------------------------------------------- ASGI plumbing
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _BodyLimit:
+    """413 for a body over ``max_bytes``: from Content-Length up front, else while it is read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = P.APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    return await _error_response(P.bad_request(f"Content-Length = {value!r} is not an integer"))(
+                        scope, receive, send)
+                if length > self.max_bytes:
+                    return await _error_response(too_big)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_big
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class _CatchAll:
+    """The last line: an exception no handler took becomes a generic 500 (traceback to the log only)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:                      # noqa: BLE001
+            logger.exception("request %s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await _error_response(P.APIError(500, "internal server error"))(scope, receive, send)
+
+
+def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: Optional[str] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
+
+    ``served_model_name``: the name (or names; the first is reported) requests must use.
+    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+    ``max_body_bytes``: larger request bodies get 413. ``max_waiting``: the most requests this
+    app lets wait for their first output at once before answering 503 (None: no bound here; the
+    engine's own ``max_waiting_requests`` still applies).
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name = {served_model_name!r}, expected a non-empty str or list of them")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key is empty; expected a non-empty str or None")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes = {max_body_bytes!r}, expected an int >= 1")
+    if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                    or max_waiting < 0):
+        raise ValueError(f"max_waiting = {max_waiting!r}, expected an int >= 0 or None")
+
+    serving = _Serving(engine, names, max_waiting)
+    expected_key = api_key.encode() if api_key is not None else None
+
+    def check_api_key(request: Request) -> None:
+        if expected_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected_key):
+            raise P.APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'")
+
+    app = FastAPI(title="qwen-ops OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = serving.metrics
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(P.validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return _error_response(P.APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not getattr(engine, "is_running", True):       # AsyncLLM's loop has stopped
+            return _error_response(P.APIError(503, "the engine is not running"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await run_in_threadpool(serving.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models():
+        return serving.models()
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(request: Request):
+        return await serving.completions(request, await request.body())
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(request: Request):
+        return await serving.chat(request, await request.body())
+
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_CatchAll)
+    return app
+
+
+# ----------------------------------------------------------------------------- running it
+class ServerThread:
+    """Run ``app`` with uvicorn in a background thread on ``host:port`` (port 0: a free one).
+
+    A context manager: entering waits (at most ``start_timeout`` s) until the socket listens;
+    leaving asks uvicorn to exit and joins the thread. ``uvicorn_options`` go to ``uvicorn.Config``.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 start_timeout: float = 30.0, **uvicorn_options):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=5, **uvicorn_options))
+        self.host = host
+        self.port: Optional[int] = None
+        self._start_timeout = start_timeout
+        self.thread = threading.Thread(target=self.server.run, name="qwen-ops-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + self._start_timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the server on {self.host} did not start (see its log above)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server on {self.host} did not start within {self._start_timeout} s")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_server(args) -> int:
+    """``qwen-ops serve``: load the model, then serve until interrupted."""
+    import uvicorn
+
+    from qwen_ops.serving.async_llm import AsyncLLM
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port = {args.port}, expected 0..65535")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes = {args.max_body_bytes}, expected >= 1")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests = {args.max_waiting_requests}, expected >= 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    names = args.served_model_name or [default_served_model_name(args.model)]
+    engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
+                                      dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                      max_model_len=args.max_model_len, compile=args.compile)
+    try:
+        app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,58 @@
+"""A live OpenAI-compatible server on 127.0.0.1 for tests: the embedded model under AsyncLLM,
+served by uvicorn in a background thread on a free port (tests/test_server.py, test_readme.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwen_ops.serving.async_llm import AsyncLLM
+from qwen_ops.serving.openai import ServerThread, build_app
+
+SERVED_NAME = "qwen-ops-default"
+ENGINE_KWARGS = {"max_num_seqs": 8, "max_model_len": 512}
+CLIENT_TIMEOUT_S = 60.0
+
+
+def make_engine() -> AsyncLLM:
+    return AsyncLLM.from_pretrained(None, **ENGINE_KWARGS)
+
+
+@contextlib.contextmanager
+def running_server(engine, **app_kwargs) -> Iterator[ServerThread]:
+    """``build_app(engine, **app_kwargs)`` listening on a free port of 127.0.0.1 until exit."""
+    app_kwargs.setdefault("served_model_name", SERVED_NAME)
+    with ServerThread(build_app(engine, **app_kwargs), host="127.0.0.1", port=0) as server:
+        yield server
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as ``{sample name (labels folded in): value}``, parsed by prometheus_client."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout_s: float = 10.0, interval_s: float = 0.02,
+             max_polls: int = 2000) -> bool:
+    """Poll ``predicate`` until true, at most ``timeout_s`` seconds and ``max_polls`` times."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(max_polls):
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval_s)
+    return predicate()
+
+
+def blocks_in_use(url: str) -> float:
+    return scrape(url)["qwen_ops:kv_cache_blocks_in_use"]
