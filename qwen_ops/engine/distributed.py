@@ -144,7 +144,8 @@ class ShmChannel:
 
     def __init__(self, segment: SharedSegment, world_size: int):
         self.t = segment.tensor
-        self.h = self.t[:self.HEADER].view(torch.int64)      # [0] seq, [1] length, [8 r] worker r's ack
+        # [0] seq, [1] length, [8 r] worker r's ack; a numpy view (cheap reads while polling).
+        self.h = self.t[:self.HEADER].numpy().view("int64")
         self.world_size = world_size
         self.capacity = self.t.numel() - self.HEADER
 

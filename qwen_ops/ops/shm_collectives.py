@@ -54,7 +54,8 @@ def _check(x: torch.Tensor, workspace: torch.Tensor, rank: int, world_size: int)
 
 def _exchange(x: torch.Tensor, workspace: torch.Tensor, rank: int, world_size: int) -> list[torch.Tensor]:
     """Publish ``x`` and return every rank's copy (views of the workspace), in rank order."""
-    counters = workspace[:HEADER_LINE * world_size].view(torch.int64)[::HEADER_LINE // 8]
+    # A numpy view for the counters: reading one costs ~0.1 us there, ~20 us as a torch op.
+    counters = workspace[:HEADER_LINE * world_size].numpy().view("int64")[::HEADER_LINE // 8]
     seq = int(counters[rank]) + 1
     slot = slot_bytes_of(workspace, world_size)
     base = HEADER_LINE * world_size + (seq % 2) * world_size * slot
@@ -63,9 +64,9 @@ def _exchange(x: torch.Tensor, workspace: torch.Tensor, rank: int, world_size: i
     workspace[base + rank * slot:base + rank * slot + n].copy_(src)
     counters[rank] = seq                           # x86 keeps store order: the data is visible first
     spins, deadline = 0, None
-    while int(counters.min()) < seq:
+    while counters.min() < seq:
         spins += 1
-        if spins > 2000:                         # another rank is busy: stop burning its core
+        if spins > 20000:                        # another rank is busy: stop burning its core
             time.sleep(0.00005)
             if deadline is None:
                 deadline = time.monotonic() + timeout_s()
