@@ -25,6 +25,7 @@ engine also run when they are garbage collected.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import mmap
@@ -504,6 +505,9 @@ def init_external(device: torch.device, config=None, engine_kwargs: Optional[dic
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(_backend(device), init_method="env://",
                                 timeout=datetime.timedelta(seconds=tp_timeout_s()))
+        # At exit, meet the other ranks before closing: a rank that tore its sockets down while
+        # another still ran would make that one abort.
+        atexit.register(_leave_external_group)
     workspace = None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == size
     if device.type == "cpu" and local and shm_supported() and config is not None:
@@ -523,6 +527,17 @@ def init_external(device: torch.device, config=None, engine_kwargs: Optional[dic
             segment.close()            # every rank has it mapped: the name is no longer needed
         return TPGroup(rank, size, dist.group.WORLD, segment.tensor, segment)
     return TPGroup(rank, size, dist.group.WORLD, workspace)
+
+
+def _leave_external_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def broadcast_tokens(tokens: torch.Tensor, tp: TPGroup) -> torch.Tensor:
