@@ -1,5 +1,5 @@
-"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py and triton_gated_delta.py compiles for sm_90
-without a GPU.
+"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py, triton_gated_delta.py and triton_moe.py
+compiles for sm_90 without a GPU.
 
 The kernel configurations come from the launchers' own launch plans
 (``kv_write_launches`` / ``slot_attention_launches``), built on small CPU tensors for each
@@ -29,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from qwen_ops.ops.kernels import triton as qt  # noqa: E402
 from qwen_ops.ops.kernels import triton_gated_delta as ql  # noqa: E402
+from qwen_ops.ops.kernels import triton_moe as qm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
@@ -99,6 +100,25 @@ def _state_launches(dtype: torch.dtype):
     return plans
 
 
+def _moe_launches(dtype: torch.dtype):
+    """Launch plans of fused_moe on a Qwen3-30B-A3B-shaped layer (128 experts, top 8, hidden 2048,
+    inter 768): a decode batch (few rows per expert) and a 512-token prefill, i.e. both configs."""
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = torch.empty(num_experts, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.empty(num_experts, hidden, inter, dtype=dtype)
+    plans = []
+    for num_tokens in (4, 512):
+        x = torch.empty(num_tokens, hidden, dtype=dtype)
+        topk_ids = torch.zeros(num_tokens, top_k, dtype=torch.int32)
+        topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+        cfg = qm.moe_config(num_tokens * top_k, num_experts, dtype, interpret=False)
+        alignment = qm.moe_align_block_size(topk_ids, num_experts, cfg.block_m)
+        act = torch.empty(num_tokens * top_k, inter, dtype=dtype)
+        partial = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
+        plans += qm.fused_moe_launches(x, w13, w2, topk_weights, alignment, top_k, act, partial, cfg, upcast=False)
+    return plans
+
+
 def _compile(launch: qt.Launch):
     fn = launch.kernel
     constexprs = dict(launch.constexprs)
@@ -116,6 +136,8 @@ def _plans():
     """(dtype, launch) for every configuration the launchers would launch."""
     for dtype in DTYPES:
         for launch in _state_launches(dtype):
+            yield dtype, launch
+        for launch in _moe_launches(dtype):
             yield dtype, launch
         for head_dim in HEAD_DIMS:
             for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):

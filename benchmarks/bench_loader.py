@@ -1,6 +1,8 @@
 """Loader memory benchmark: peak host memory of loading a ~1 GB synthetic Qwen3 checkpoint.
 
-Target (issue 4): loading peaks at less than 1.3x the checkpoint's size in host memory.
+Target (issue 4): loading peaks at less than 1.3x the checkpoint's size in host memory. Issue 19
+adds a mixture-of-experts case: a qwen3_moe checkpoint with one tensor per expert, which the
+loader stacks into each layer's ``experts.gate_up_proj`` / ``down_proj`` tensor by tensor.
 
 A synthetic checkpoint (random weights, no transformers needed) is streamed to disk tensor by
 tensor, so writing it never holds it in memory. Each load runs in a fresh subprocess, which
@@ -54,32 +56,59 @@ print(json.dumps({"base_kib": base, "peak_kib": peak, "param_bytes": nbytes, "se
 """
 
 
-def synthetic_config(size_mb: int, dtype: torch.dtype) -> dict:
-    """A Qwen3 config.json whose weights take about ``size_mb`` MB in ``dtype``."""
+# qwen3_moe case: experts per layer, top-k, expert intermediate size
+MOE_EXPERTS, MOE_TOP_K, MOE_INTER = 32, 4, 512
+
+
+def synthetic_config(size_mb: int, dtype: torch.dtype, moe: bool = False) -> dict:
+    """A Qwen3 (or, with ``moe``, Qwen3-MoE) config.json whose weights take about ``size_mb`` MB in ``dtype``."""
     hidden, inter, vocab, heads, kv_heads, head_dim = 1024, 3072, 32000, 16, 4, 64
     elem = torch.empty(0, dtype=dtype).element_size()
-    per_layer = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
+    mlp = (3 * hidden * MOE_INTER + hidden) * MOE_EXPERTS if moe else 3 * hidden * inter
+    per_layer = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + mlp
                  + 2 * hidden + 2 * head_dim) * elem
     fixed = (2 * vocab * hidden + hidden) * elem
     layers = max(1, round((size_mb * 2 ** 20 - fixed) / per_layer))
-    return {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
-            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-            "dtype": str(dtype).removeprefix("torch.")}
+    config = {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+              "dtype": str(dtype).removeprefix("torch.")}
+    if moe:
+        config.update(model_type="qwen3_moe", num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                      moe_intermediate_size=MOE_INTER, norm_topk_prob=True)
+    return config
+
+
+def _per_expert(shapes: dict) -> dict:
+    """The model's stacked expert shapes as a Hugging Face checkpoint stores them: one tensor per expert."""
+    out = {}
+    for name, shape in shapes.items():
+        prefix = name.rpartition(".")[0] + "."
+        if name.endswith(".experts.gate_up_proj"):
+            for e in range(shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = (shape[1] // 2, shape[2])
+                out[f"{prefix}{e}.up_proj.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith(".experts.down_proj"):
+            for e in range(shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = shape[1:]
+        else:
+            out[name] = shape
+    return out
 
 
 def write_synthetic_checkpoint(path: Path, size_mb: int = 1024, dtype: torch.dtype = torch.float32,
-                               shards: int = 1) -> int:
+                               shards: int = 1, moe: bool = False) -> int:
     """Write config.json and random safetensors weights (``shards`` files); returns the weight bytes."""
     from qwen_ops.models.config import QwenConfig
     from qwen_ops.models.dense import QwenForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    config_dict = synthetic_config(size_mb, dtype)
+    config_dict = synthetic_config(size_mb, dtype, moe)
     (path / "config.json").write_text(json.dumps(config_dict, indent=2))
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in QwenForCausalLM(QwenConfig.from_dict(config_dict)).named_parameters()}
+    shapes = _per_expert(shapes)
     names = list(shapes)
     groups = [names[i::shards] for i in range(shards)]
     files = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
@@ -127,20 +156,21 @@ def measure(path: Path, dtype: str) -> dict:
     return r
 
 
-# (name, file dtype, shards, load dtype)
-CASES = (("single-file fp32 -> fp32", torch.float32, 1, "float32"),
-         ("4 shards fp32 -> fp32", torch.float32, 4, "float32"),
-         ("single-file fp32 -> bf16", torch.float32, 1, "bfloat16"),
-         ("single-file bf16 -> fp32", torch.bfloat16, 1, "float32"))
+# (name, file dtype, shards, load dtype, mixture of experts stored per expert)
+CASES = (("single-file fp32 -> fp32", torch.float32, 1, "float32", False),
+         ("4 shards fp32 -> fp32", torch.float32, 4, "float32", False),
+         ("single-file fp32 -> bf16", torch.float32, 1, "bfloat16", False),
+         ("single-file bf16 -> fp32", torch.bfloat16, 1, "float32", False),
+         ("MoE per-expert, 4 shards", torch.float32, 4, "float32", True))
 
 
 def run(size_mb: int, root: Path) -> list[tuple[str, int, dict]]:
     results = []
-    for name, file_dtype, shards, load_dtype in CASES:
-        ckpt = root / f"{str(file_dtype).removeprefix('torch.')}-{shards}"
+    for name, file_dtype, shards, load_dtype, moe in CASES:
+        ckpt = root / f"{str(file_dtype).removeprefix('torch.')}-{shards}{'-moe' if moe else ''}"
         if not (ckpt / "config.json").exists():
             file_mb = size_mb if file_dtype == torch.float32 else size_mb // 2
-            write_synthetic_checkpoint(ckpt, file_mb, file_dtype, shards)
+            write_synthetic_checkpoint(ckpt, file_mb, file_dtype, shards, moe)
         file_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         results.append((name, file_bytes, measure(ckpt, load_dtype)))
     return results

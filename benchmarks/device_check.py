@@ -3,10 +3,13 @@
 1. runs the GPU tests (ops on every backend, the CUDA extension, CUDA-graph decode);
 2. measures achieved bandwidth of kv_write and slot_attention decode on every available backend,
    against a measured device-to-device copy;
-3. times a Qwen3-0.6B-shaped model with random bf16 weights: per-step decode latency at batch
+3. measures fused_moe (the Triton grouped GEMM against the reference) on a Qwen3-30B-A3B-shaped
+   layer (128 experts, top 8, hidden 2048, expert intermediate 768, bf16): bandwidth on the
+   expert weights a decode batch touches, TFLOP/s at a 512-token prefill;
+4. times a Qwen3-0.6B-shaped model with random bf16 weights: per-step decode latency at batch
    1, 8 and 64 (eager, compiled, CUDA graph), end-to-end throughput for 256 requests, and the
    floor (weight bytes / measured copy bandwidth);
-4. writes the table to benchmarks/results/.
+5. writes the table to benchmarks/results/.
 
 Usage on the GPU machine, from the repo root (no network; the preinstalled torch):
     pip install --no-deps --no-build-isolation -e .
@@ -167,6 +170,43 @@ def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: fl
             say(f"| {name} b{seqs} | {backend} | {t * 1e6:.1f} | {bw / 1e9:.1f} | {100 * bw / copy_bw:.0f}% |")
 
 
+def moe_throughput(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
+    """fused_moe on a Qwen3-30B-A3B-shaped layer: decode bandwidth on the touched experts' weights
+    (each read once per call), prefill TFLOP/s (2 x tokens x top_k x 3 x hidden x inter)."""
+    import qwen_ops
+    from qwen_ops.ops.backend import why_unavailable
+
+    E, k, H, I = (8, 2, 64, 32) if smoke else (128, 8, 2048, 768)
+    dtype = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * 0.02
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * 0.02
+    router = torch.randn(E, H, device=device, dtype=dtype, generator=g)
+    say(f"\n## fused_moe: {E} experts, top {k}, hidden {H}, inter {I}, bf16")
+    say("| backend | tokens | time (us) | experts touched | GB/s on their weights | % of copy | TFLOP/s |")
+    say("|---|---|---|---|---|---|---|")
+    for backend in ("reference", "cpu", "triton", "cuda"):
+        reason = why_unavailable(backend, device)
+        if reason is not None:
+            say(f"| {backend} | - | - | - | - | - | unavailable: {reason} |")
+            continue
+        for T in ((1, 8, 64, 512) if not smoke else (1, 8)):
+            x = torch.randn(T, H, device=device, dtype=dtype, generator=g)
+            weights, ids = torch.softmax(x @ router.t(), -1, dtype=torch.float32).topk(k, dim=-1)
+            ids = ids.to(torch.int32)
+            with qwen_ops.use_backend(backend):
+                try:
+                    t = timed(lambda: torch.ops.qwen.fused_moe(x, w13, w2, weights, ids), reps, device)
+                except RuntimeError as e:        # a backend without the kernel (the cuda extension)
+                    say(f"| {backend} | {T} | - | - | - | - | {str(e).split(';')[0]} |")
+                    break
+            touched = int(torch.unique(ids).numel())
+            nbytes = touched * 3 * H * I * w13.element_size()
+            flops = 2 * T * k * 3 * H * I
+            say(f"| {backend} | {T} | {t * 1e6:.1f} | {touched} | {nbytes / t / 1e9:.1f} | "
+                f"{100 * nbytes / t / copy_bw * 2:.0f}% | {flops / t / 1e12:.2f} |")
+
+
 def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     import json
     import tempfile
@@ -262,8 +302,8 @@ def main() -> int:
         if proc.returncode:
             say("```\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]) + "\n```")
     if not args.skip_tests and not args.smoke:
-        tests = ["tests/test_ops.py", "tests/test_ops_gated_delta.py", "tests/test_cuda_ext.py", "tests/test_cuda_graphs.py",
-                 "tests/test_engine.py", "-k", "not emulated"]
+        tests = ["tests/test_ops.py", "tests/test_ops_gated_delta.py", "tests/test_ops_moe.py", "tests/test_cuda_ext.py",
+                 "tests/test_cuda_graphs.py", "tests/test_engine.py", "-k", "not emulated"]
         say(f"\n## GPU tests: pytest {' '.join(tests)}")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests], cwd=ROOT,
                               capture_output=True, text=True, env=dict(os.environ, QWEN_OPS_REQUIRE_GPU="1"))
@@ -274,6 +314,7 @@ def main() -> int:
     say(f"\n## Bandwidth\nmeasured device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)\n")
     op_bandwidth(device, args.smoke, reps, copy_bw)
     state_op_bandwidth(device, args.smoke, reps, copy_bw)
+    moe_throughput(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
     model_timings(device, args.smoke, reps, copy_bw)
     out = args.out or ROOT / "benchmarks" / "results" / f"device_check_{name}.md"

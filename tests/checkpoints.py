@@ -51,3 +51,69 @@ def make_qwen3_5_checkpoint(path: Path, *, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(path)
     return Path(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture-of-experts models: qwen3_moe, qwen3_next, qwen3_5_moe
+# --------------------------------------------------------------------------------------------
+
+# Shared sizes of the tiny MoE checkpoints (several experts, top-k 2; tests override any of them).
+MOE_BASE = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=32,
+                max_position_embeddings=256, rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=8, num_experts_per_tok=2)
+# The hybrids' extra sizes (Gated DeltaNet) and a layer pattern with both kinds.
+MOE_HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                  shared_expert_intermediate_size=40, num_hidden_layers=3,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"],
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+
+
+def randomize_moe(model) -> None:
+    """Random values in every weight, peaked enough for clear greedy margins and routing.
+
+    Plain-weight norms (Qwen3-MoE's, the gated norm) around 1, (1 + weight) norms around 0; the
+    router a little stronger than the rest, so that no token's k-th and (k+1)-th expert are near a tie.
+    """
+    offset_norms = model.config.model_type != "qwen3_moe"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight") or (name.endswith("norm.weight") and not offset_norms):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.4)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+
+
+def make_moe_checkpoint(path: Path, model_type: str, *, seed: int = 0, original_format: bool = True,
+                        **overrides) -> Path:
+    """A tiny random ``model_type`` checkpoint (qwen3_moe, qwen3_next, qwen3_5_moe_text) saved by transformers.
+
+    ``original_format=False`` saves the stacked expert tensors (``mlp.experts.gate_up_proj``) instead of
+    one tensor per expert (``save_pretrained(..., save_original_format=False)``).
+    """
+    import transformers
+
+    classes = {
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(num_hidden_layers=2)),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, MOE_HYBRID),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, MOE_HYBRID),
+    }
+    config_cls, model_cls, extra = classes[model_type]
+    kwargs = dict(MOE_BASE, **extra)
+    if model_type == "qwen3_5_moe_text":    # no dense MLP layers, no routing flags
+        kwargs.pop("intermediate_size")
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs))
+    randomize_moe(model)
+    model.save_pretrained(path, save_original_format=original_format)
+    return Path(path)

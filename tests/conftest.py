@@ -15,9 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# One intra-op thread, as the README's test command sets with OMP_NUM_THREADS=1: the cpu backend's
-# packed products run only then (cpu.packed_products_enabled), and the tests that check they are
-# taken must not depend on how the suite was started. A test wanting more threads sets them itself.
+# One intra-op thread, as the README's test command sets with OMP_NUM_THREADS=1: the tests must not
+# depend on how the suite was started (and two threads make these 2-core machines' timings erratic).
+# A test wanting more threads sets them itself.
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402

@@ -188,3 +188,49 @@ def test_linear_packed_matches_f_linear(rows, shape, poisoned_empty):
     assert packed.shape == ((n + 31) // 32, k, 32)
     torch.testing.assert_close(got[0], F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 12, 13, 40])
+@pytest.mark.parametrize("shape", [(160, 256), (13, 40), (70, 7)], ids=["n160-k256", "n13-k40", "n70-k7"])
+def test_linear_packed_bf16_weights(rows, shape, poisoned_empty):
+    """bf16 weights (packed in k pairs; odd K leaves a pair half empty) against F.linear of the same
+    values in fp32: both accumulate exact products in fp32, so fp32 tolerances hold. The inputs
+    hold bf16 values, as a bf16 model's activations do (the AVX512-BF16 path reads them as bf16)."""
+    _needs_cpu_kernels()
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(25 + rows)
+    n, k = shape
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k + 5, generator=gen).to(torch.bfloat16).float()[:, :k]
+    packed = cpu.pack_panels(weight)
+    got = [cpu.linear_packed(x, packed, None, n), cpu.linear_packed(x, packed, bias, n)]
+    poisoned_empty.undo()
+    assert packed.dtype == torch.bfloat16 and packed.shape == ((n + 31) // 32, (k + 1) // 2, 32, 2)
+    torch.testing.assert_close(got[0], F.linear(x, weight.float()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_packed_rows_do_not_depend_on_the_batch(dtype):
+    """A row's result is bit-identical whatever the rows around it (one row, the two-panel blocks
+    of up to 4 rows, the one-panel blocks up to 12, the 6-row two-panel blocks above and their
+    tails) and however many threads share the panels: a request's tokens do not depend on which
+    others share its step, nor on torch.set_num_threads."""
+    _needs_cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    n, k = 200, 300
+    packed = cpu.pack_panels(torch.randn(n, k, generator=gen).to(dtype))
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(30, k, generator=gen).to(dtype).float()
+    alone = torch.cat([cpu.linear_packed(x[i:i + 1], packed, bias, n) for i in range(30)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for rows in (1, 2, 3, 4, 5, 12, 13, 19, 30):
+                got = cpu.linear_packed(x[:rows], packed, bias, n)
+                assert torch.equal(got, alone[:rows]), f"{rows} rows, {t} threads"
+    finally:
+        torch.set_num_threads(threads)

@@ -132,19 +132,37 @@ def test_what_it_does_not_cover(tmp_path):
     assert not executor.supports(200, cpu.REFERENCE_ABOVE_QUERY_LEN + 1, caches)
     with qwen_ops.use_backend("reference"):
         assert not executor.supports(16, 16, caches)
+    assert not executor.supports(16, 16, new_kv_caches(model.config, 8, 4, torch.bfloat16)), "caches in another dtype"
+    assert NativeCPUExecutor.why_not(copy.deepcopy(model).to(torch.bfloat16)) is None   # tests/test_native_bf16.py
+    half = copy.deepcopy(model).to(torch.float16)
+    assert "float32, or every weight bfloat16" in NativeCPUExecutor.why_not(half)
+    with pytest.raises(ValueError, match="cannot run this model: .*float16"):
+        NativeCPUExecutor(half)
+    mixed = copy.deepcopy(model)
+    mixed.model.layers[1].mlp.to(torch.bfloat16)
+    assert "model.layers.1.mlp.gate_proj.weight is torch.bfloat16" in NativeCPUExecutor.why_not(mixed)
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 96, bias=True)
+    assert "MLP" in NativeCPUExecutor.why_not(model)
+
+
+def test_more_threads_same_results(tmp_path):
+    """With two intra-op threads the executor still runs (its products split across them where
+    the library has OpenMP), and every logit and cache entry is bit-identical to one thread's:
+    each output is summed by one thread in one order."""
+    model = _tiny_dense(tmp_path, "qwen3", hidden_size=64, intermediate_size=320)   # 10 panels to split
+    executor = NativeCPUExecutor(model)
+    table = shuffled_block_table(3, 5)
+    assert executor.supports(16, 16, new_kv_caches(model.config, 8, 4, torch.float32))
+    one, one_caches = _run_steps(executor.run, model.config, NATIVE_STEPS, table)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert not executor.supports(16, 16, caches), "the C code is single-threaded"
+        assert executor.supports(16, 16, new_kv_caches(model.config, 8, 4, torch.float32))
+        two, two_caches = _run_steps(executor.run, model.config, NATIVE_STEPS, table)
     finally:
         torch.set_num_threads(threads)
-    assert not executor.supports(16, 16, new_kv_caches(model.config, 8, 4, torch.bfloat16))
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    assert "float32" in NativeCPUExecutor.why_not(half)
-    with pytest.raises(ValueError, match="cannot run this model: .*float32"):
-        NativeCPUExecutor(half)
-    model.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 96, bias=True)
-    assert "MLP" in NativeCPUExecutor.why_not(model)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for pa, pb in zip(one_caches, two_caches) for a, b in zip(pa, pb))
 
 
 @pytest.mark.parametrize("tokens", [1, 9])

@@ -37,6 +37,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 _VERSION = operator.attrgetter("_version")
 
 
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32, copy=True).contiguous()
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -45,11 +49,18 @@ def _version(t: torch.Tensor) -> int:
 
 
 class NativeCPUExecutor:
-    """``cpu.dense_forward`` for a dense Qwen2/Qwen3 model in fp32 on the CPU.
+    """``cpu.dense_forward`` for a dense Qwen2/Qwen3 model in fp32 or bf16 on the CPU.
+
+    A bf16 model keeps bf16 weights (packed, half the bytes of fp32) and bf16 KV caches, and its
+    activations are rounded to bf16 where the model's forward rounds them (products and norms
+    compute in fp32, as torch's bf16 ops do); tested against the op path in
+    ``tests/test_native_bf16.py``.
 
     Covers batches of up to ``cpu.DENSE_FORWARD_MAX_TOKENS`` tokens whose sequence chunks have at
-    most ``cpu.REFERENCE_ABOVE_QUERY_LEN`` query rows, with one intra-op thread (the C code is
-    single-threaded). ``supports`` says whether a step fits; the runner runs the others eagerly.
+    most ``cpu.REFERENCE_ABOVE_QUERY_LEN`` query rows, at any intra-op thread count: the products
+    split across torch's threads (``cpu.threaded_products()``), the rest runs on one, and the
+    results do not depend on the count. ``supports`` says whether a step fits; the runner runs
+    the others eagerly.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -67,6 +78,9 @@ class NativeCPUExecutor:
         an ineligible model simply runs eagerly)."""
         if type(model) is not QwenForCausalLM:
             return f"{type(model).__name__} is not the dense QwenForCausalLM"
+        if getattr(model.config, "moe", None) is not None:
+            return (f"{model.config.model_type} has mixture-of-experts layers: they run on the op path "
+                    "(torch.ops.qwen.fused_moe), which the one-call dense forward does not cover")
         if cpu_kernels.why_unavailable() is not None:
             return f"the cpu backend's C kernels are unavailable ({cpu_kernels.why_unavailable()})"
         for layer in model.model.layers:
@@ -87,25 +101,27 @@ class NativeCPUExecutor:
         lm_head = model.lm_head
         if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
             return "lm_head is not a bias-free nn.Linear"
-        for p in model.parameters():
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                return f"weights are {p.dtype} on {p.device}, expected float32 on the CPU"
+        dtype = lm_head.weight.dtype
+        for name, p in model.named_parameters():
+            if p.dtype != dtype or p.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+                return (f"{name} is {p.dtype} on {p.device} and lm_head.weight {dtype}, expected every weight "
+                        "float32, or every weight bfloat16, on the CPU")
         return None
 
     def supports(self, num_tokens: int, max_query_len: int, kv_caches: list[KVCache]) -> bool:
         """Whether a step of ``num_tokens`` tokens in chunks of at most ``max_query_len`` runs here:
-        fp32 CPU caches of one layout, the cpu backend selected for the ops
-        (``QWEN_OPS_BACKEND=reference`` keeps everything in torch), one intra-op thread, and a
-        batch the C code's scratch and its attention kernel cover."""
+        CPU caches of one layout in the model's dtype, the cpu backend selected for the ops
+        (``QWEN_OPS_BACKEND=reference`` keeps everything in torch), and a batch the C code's
+        scratch and its attention kernel cover."""
         if (num_tokens > cpu_kernels.DENSE_FORWARD_MAX_TOKENS or max_query_len > cpu_kernels.REFERENCE_ABOVE_QUERY_LEN
-                or not cpu_kernels.packed_products_enabled()
                 or len(kv_caches) != len(self.model.model.layers)):
             return False
         key_cache = kv_caches[0][0]
         if key_cache.device.type != "cpu" or resolve_backend(key_cache.device, "kv_write") != "cpu":
             return False
         layout = (key_cache.shape, key_cache.stride())
-        return all(t.dtype == torch.float32 and (t.shape, t.stride()) == layout for pair in kv_caches for t in pair)
+        dtype = self._dtype
+        return all(t.dtype == dtype and (t.shape, t.stride()) == layout for pair in kv_caches for t in pair)
 
     # ------------------------------------------------------------------ packing
     def _path_tensors(self) -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
@@ -141,6 +157,7 @@ class NativeCPUExecutor:
         if reason is not None:
             raise ValueError(f"the native CPU executor cannot run this model any more: {reason}")
         m = self.model
+        dtype = m.lm_head.weight.dtype
         with torch.no_grad():
             layers = []
             for layer in m.model.layers:
@@ -155,16 +172,19 @@ class NativeCPUExecutor:
                 }
                 if set(weights) != set(cpu_kernels.DENSE_LAYER_WEIGHTS):
                     raise AssertionError("NativeCPUExecutor and cpu.DENSE_LAYER_WEIGHTS disagree")
-                # Matrices as packed panels; vectors as contiguous copies (the C code reads them flat).
+                # Matrices as packed panels in the model's dtype; vectors as contiguous fp32 copies
+                # (the C code reads them flat; a bf16 value is exact in fp32).
                 layers.append([cpu_kernels.pack_panels(w.weight.detach().contiguous())
                                if isinstance(w, torch.nn.Linear)
-                               else None if w is None else w.detach().contiguous().clone()
+                               else None if w is None else _fp32_copy(w)
                                for w in (weights[name] for name in cpu_kernels.DENSE_LAYER_WEIGHTS)])
+            self._dtype = dtype
             self._layers = layers
             self._addresses = cpu_kernels.addresses(w for layer in layers for w in layer)
             self._lm_head = cpu_kernels.pack_panels(m.lm_head.weight.detach().contiguous())
-            self._final_norm = m.model.norm.weight.detach().contiguous().clone()
-            self._rope = m.model.rotary_emb.cos_sin.detach().contiguous()
+            self._final_norm = _fp32_copy(m.model.norm.weight)
+            # The model casts the fp32 table's rows to its dtype (RotaryEmbedding.forward): the same values.
+            self._rope = m.model.rotary_emb.cos_sin.detach().to(dtype).to(torch.float32).contiguous()
         # The objects stay referenced, so no id in the key can be reused by a new object.
         self._key, self._packed_from = self._identity()
 
@@ -196,7 +216,7 @@ class NativeCPUExecutor:
         m = self.model
         positions32 = positions.to(torch.int32)
         self._check_metadata(input_ids.shape[0], positions32, attn, kv_caches)
-        h = m.model.embed_tokens(input_ids).contiguous()
+        h = m.model.embed_tokens(input_ids).to(torch.float32).contiguous()   # bf16 embeddings: exact in fp32
         a = m.model.layers[0].self_attn
         return cpu_kernels.dense_forward(
             h, self._addresses, kv_caches, a.num_heads, a.head_dim, m.config.intermediate_size, m.model.norm.eps,

@@ -170,7 +170,7 @@ class ModelRunner:
         - "cuda_graph": a static decode batch, with CUDA graphs on;
         - "compiled": the same without CUDA graphs, with ``compile=True``;
         - "native": other steps on the CPU that the native executor covers (fp32 or bf16 dense model,
-          one intra-op thread, the cpu op backend, small enough chunks);
+          the cpu op backend, small enough chunks);
         - "eager": the model's forward as written.
         """
         if self.is_static_decode(chunks):

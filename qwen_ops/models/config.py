@@ -11,6 +11,12 @@ Hybrid Qwen3.5 models (``qwen3_5_text``, and ``qwen3_5`` whose ``text_config`` i
 ``layer_types`` (or transformers' ``full_attention_interval`` default), the Gated DeltaNet sizes
 (:class:`LinearAttentionConfig`) and ``partial_rotary_factor`` (default 0.25, as transformers).
 
+Mixture-of-experts models add :class:`MoeConfig` (experts, top-k, expert and shared-expert sizes,
+``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``): ``qwen3_moe`` (Qwen3 attention),
+``qwen3_next`` (hybrid, its Gated DeltaNet projections fused as ``in_proj_qkvz`` / ``in_proj_ba``) and
+``qwen3_5_moe_text`` / ``qwen3_5_moe`` (the Qwen3.5 hybrid; the router always renormalises its top-k
+and every layer is sparse). Each field defaults as transformers' config class of that type does.
+
 RoPE frequencies are computed exactly as transformers 5.x's rope init functions
 (``modeling_rope_utils.py``) compute them, in fp32, so that cos/sin tables match bit for bit.
 """
@@ -30,6 +36,17 @@ CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
+class MoeDefaults:
+    """A mixture-of-experts ``model_type``'s transformers defaults, and which fields it reads."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: Optional[int]  # None: the architecture has no shared expert
+    norm_topk_prob: Optional[bool]  # default of the flag; None: no flag, the top-k is always renormalised
+    sparse_step: bool               # reads decoder_sparse_step and mlp_only_layers (else every layer is sparse)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """What a ``model_type`` implies beyond the numbers in its config.json."""
     qk_norm: bool                   # per-head RMSNorm on q and k before RoPE (Qwen3)
@@ -39,6 +56,9 @@ class Architecture:
     default_attention_bias: bool
     hybrid: bool = False            # Gated DeltaNet + gated full attention layers (qwen_ops.models.hybrid)
     default_partial_rotary_factor: float = 1.0  # when config.json names none
+    moe: Optional[MoeDefaults] = None  # mixture-of-experts MLPs (qwen_ops.models.moe); None = dense MLPs
+    fused_linear_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba (else Qwen3.5's four)
+    text_model_type: Optional[str] = None   # a multimodal wrapper: its text_config has this model_type
 
 
 # Supported model types. transformers' Qwen2Attention hard-codes bias=True on q/k/v and False on
@@ -57,7 +77,27 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
                                  default_partial_rotary_factor=0.25),
     "qwen3_5": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
                             default_head_dim=256, default_attention_bias=False, hybrid=True,
-                            default_partial_rotary_factor=0.25),
+                            default_partial_rotary_factor=0.25, text_model_type="qwen3_5_text"),
+    # Qwen3 attention (head_dim defaults to hidden / heads: Qwen3MoeConfig has no head_dim field) and
+    # sparse MoE MLPs; transformers 5.x writes num_experts as "num_local_experts".
+    "qwen3_moe": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                              default_head_dim=None, default_attention_bias=False,
+                              moe=MoeDefaults(128, 8, 768, None, norm_topk_prob=False, sparse_step=True)),
+    # Qwen3-Next: the Qwen3.5 hybrid layout with fused Gated DeltaNet input projections, and MoE MLPs
+    # with a sigmoid-gated shared expert.
+    "qwen3_next": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                               default_head_dim=256, default_attention_bias=False, hybrid=True,
+                               default_partial_rotary_factor=0.25, fused_linear_projections=True,
+                               moe=MoeDefaults(512, 10, 512, 512, norm_topk_prob=True, sparse_step=True)),
+    # Qwen3.5-MoE text model; "qwen3_5_moe" is its multimodal wrapper (language model only, as qwen3_5).
+    "qwen3_5_moe_text": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                                     default_head_dim=256, default_attention_bias=False, hybrid=True,
+                                     default_partial_rotary_factor=0.25,
+                                     moe=MoeDefaults(256, 8, 512, 512, norm_topk_prob=None, sparse_step=False)),
+    "qwen3_5_moe": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
+                                default_head_dim=256, default_attention_bias=False, hybrid=True,
+                                default_partial_rotary_factor=0.25, text_model_type="qwen3_5_moe_text",
+                                moe=MoeDefaults(256, 8, 512, 512, norm_topk_prob=None, sparse_step=False)),
 })
 
 # Layer kinds of hybrid models, as transformers names them in ``layer_types``.
@@ -166,9 +206,12 @@ class QwenConfig:
     qk_norm: bool = False          # per-head q_norm / k_norm (Qwen3)
     torch_dtype: Optional[str] = None  # "bfloat16", ... as written in config.json; None if absent
     eos_token_ids: tuple[int, ...] = ()  # from config.json only; see loader.load_eos_token_ids
-    # Hybrid models only (qwen3_5_text, qwen3_5): the kind of every layer, and the linear layers' sizes.
+    # Hybrid models only (qwen3_5_text, qwen3_5, qwen3_next, qwen3_5_moe*): the kind of every layer, and
+    # the linear layers' sizes.
     layer_types: tuple[str, ...] = ()
     linear: Optional["LinearAttentionConfig"] = None
+    # Mixture-of-experts models only (qwen3_moe, qwen3_next, qwen3_5_moe*).
+    moe: Optional["MoeConfig"] = None
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -177,7 +220,15 @@ class QwenConfig:
             _check_hybrid(self)
         elif self.layer_types or self.linear is not None:
             raise ValueError(f"model_type = {self.model_type!r} has only full-attention layers; layer_types and "
-                             "linear belong to hybrid model types (qwen3_5_text, qwen3_5)")
+                             f"linear belong to hybrid model types ({', '.join(_types(lambda a: a.hybrid))})")
+        if ARCHITECTURES[self.model_type].moe is not None:
+            if self.moe is None:
+                raise ValueError(f"model_type = {self.model_type!r} is a mixture-of-experts model and needs its "
+                                 "expert sizes (moe=MoeConfig(...))")
+            _check_moe(self.moe, self.num_hidden_layers)
+        elif self.moe is not None:
+            raise ValueError(f"model_type = {self.model_type!r} has dense MLPs; moe belongs to mixture-of-experts "
+                             f"model types ({', '.join(_types(lambda a: a.moe is not None))})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -195,6 +246,11 @@ class QwenConfig:
     def is_hybrid(self) -> bool:
         """Gated DeltaNet (linear attention) layers beside gated full attention (qwen_ops.models.hybrid)."""
         return ARCHITECTURES[self.model_type].hybrid
+
+    @property
+    def is_moe(self) -> bool:
+        """Mixture-of-experts MLPs in the layers ``moe.is_sparse_layer`` names (qwen_ops.models.moe)."""
+        return self.moe is not None
 
     @property
     def dtype(self) -> Optional[torch.dtype]:
@@ -226,8 +282,8 @@ class QwenConfig:
             raise ValueError(_unsupported_type_message(model_type, source))
         arch = ARCHITECTURES[model_type]
         outer: Mapping[str, Any] = {}
-        if model_type == "qwen3_5":   # multimodal wrapper: the language model's config is nested
-            outer, d = d, _text_config(d, source)
+        if arch.text_model_type is not None:   # multimodal wrapper: the language model's config is nested
+            outer, d = d, _text_config(d, source, model_type, arch.text_model_type)
 
         def need(key: str) -> Any:
             if d.get(key) is None:
@@ -253,11 +309,15 @@ class QwenConfig:
                 d["eos_token_id"] = _merged_eos(d.get("eos_token_id"), outer.get("eos_token_id"))
                 if outer.get("dtype", outer.get("torch_dtype")) is not None:
                     d["dtype"] = outer.get("dtype", outer.get("torch_dtype"))
+        moe = _read_moe(d, arch.moe, source) if arch.moe is not None else None
+        # Qwen3.5-MoE configs have no dense MLP size (every layer is sparse): the experts' size stands in.
+        intermediate = d.get("intermediate_size") or (moe.moe_intermediate_size if moe and not arch.moe.sparse_step
+                                                      else need("intermediate_size"))
         return cls(
             model_type=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=intermediate,
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
@@ -271,8 +331,13 @@ class QwenConfig:
             qk_norm=arch.qk_norm,
             torch_dtype=_read_dtype(d, source),
             eos_token_ids=token_ids(d.get("eos_token_id"), f"{source}: eos_token_id"),
+            moe=moe,
             **hybrid,
         )
+
+
+def _types(predicate) -> list[str]:
+    return [name for name, arch in ARCHITECTURES.items() if predicate(arch)]
 
 
 def _unsupported_type_message(model_type: Any, source: str) -> str:
@@ -415,15 +480,15 @@ def _check_hybrid(config: QwenConfig) -> None:
                          f"{rotary} for head_dim = {config.head_dim}, expected an even number >= 2")
 
 
-def _text_config(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _text_config(d: Mapping[str, Any], source: str, model_type: str, text_type: str) -> dict[str, Any]:
     text = d.get("text_config")
     if not isinstance(text, dict):
-        raise ValueError(f"{source}: model_type 'qwen3_5' needs a 'text_config' object (the language model's "
+        raise ValueError(f"{source}: model_type {model_type!r} needs a 'text_config' object (the language model's "
                          f"config), got {text!r}")
-    text_type = text.get("model_type", "qwen3_5_text")
-    if text_type != "qwen3_5_text":
-        raise ValueError(f"{source}: text_config.model_type = {text_type!r}, expected 'qwen3_5_text'")
-    return dict(text, model_type="qwen3_5")
+    found = text.get("model_type", text_type)
+    if found != text_type:
+        raise ValueError(f"{source}: text_config.model_type = {found!r}, expected {text_type!r}")
+    return dict(text, model_type=model_type)
 
 
 def _merged_eos(inner: Any, outer: Any) -> Any:
@@ -467,3 +532,87 @@ def _read_linear(d: Mapping[str, Any], source: str) -> LinearAttentionConfig:
                          f"linear_num_key_heads = {values['num_key_heads']}: each q/k head must serve a whole "
                          "number of value heads")
     return LinearAttentionConfig(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture-of-experts models (qwen3_moe, qwen3_next, qwen3_5_moe)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sizes and routing of the sparse MLPs (transformers' MoE config fields)."""
+    num_experts: int               # num_experts (num_local_experts in transformers 5.x's qwen3_moe files)
+    num_experts_per_tok: int       # top-k
+    moe_intermediate_size: int     # each expert's intermediate size
+    norm_topk_prob: bool           # renormalise the top-k softmax probabilities to sum to 1
+    # None: the architecture has no shared expert (qwen3_moe); 0: it is switched off (transformers then
+    # builds zero-size projections that add nothing; checkpoints may hold them, empty)
+    shared_expert_intermediate_size: Optional[int] = None
+    decoder_sparse_step: int = 1   # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these keep a dense MLP)
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return bool(self.shared_expert_intermediate_size)
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """transformers' rule: not in mlp_only_layers, experts exist, and (i + 1) % decoder_sparse_step == 0."""
+        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _check_moe(moe: MoeConfig, num_layers: int) -> None:
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        value = getattr(moe, name)
+        if not _positive(value):
+            raise ValueError(f"moe {name} = {value!r}, expected a positive int")
+    if moe.num_experts_per_tok > moe.num_experts:
+        raise ValueError(f"num_experts_per_tok = {moe.num_experts_per_tok} exceeds num_experts = {moe.num_experts}")
+    shared = moe.shared_expert_intermediate_size
+    if shared is not None and not (_positive(shared) or (shared == 0 and not isinstance(shared, bool))):
+        raise ValueError(f"shared_expert_intermediate_size = {shared!r}, expected an int >= 0 (0: no shared expert)")
+    for i in moe.mlp_only_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ValueError(f"mlp_only_layers holds {i!r}, expected layer indices in [0, {num_layers})")
+
+
+def _read_moe(d: Mapping[str, Any], defaults: MoeDefaults, source: str) -> MoeConfig:
+    def read(key: str, default: Any, *aliases: str) -> Any:
+        for k in (key,) + aliases:
+            if d.get(k) is not None:
+                return d[k]
+        return default
+
+    values = dict(
+        num_experts=read("num_experts", defaults.num_experts, "num_local_experts"),
+        num_experts_per_tok=read("num_experts_per_tok", defaults.num_experts_per_tok),
+        moe_intermediate_size=read("moe_intermediate_size", defaults.moe_intermediate_size),
+    )
+    if defaults.sparse_step:
+        values["decoder_sparse_step"] = read("decoder_sparse_step", 1)
+    for key, value in values.items():
+        if not _positive(value):
+            raise ValueError(f"{source}: {key} = {value!r}, expected a positive int")
+    if values["num_experts_per_tok"] > values["num_experts"]:
+        raise ValueError(f"{source}: num_experts_per_tok = {values['num_experts_per_tok']} exceeds num_experts = "
+                         f"{values['num_experts']}")
+    if defaults.shared_expert_intermediate_size is not None:
+        shared = read("shared_expert_intermediate_size", defaults.shared_expert_intermediate_size)
+        if not (_positive(shared) or (shared == 0 and not isinstance(shared, bool))):
+            raise ValueError(f"{source}: shared_expert_intermediate_size = {shared!r}, expected an int >= 0 "
+                             "(0: no shared expert)")
+        values["shared_expert_intermediate_size"] = shared
+    norm = True if defaults.norm_topk_prob is None else read("norm_topk_prob", defaults.norm_topk_prob)
+    if not isinstance(norm, bool):
+        raise ValueError(f"{source}: norm_topk_prob = {norm!r}, expected true or false")
+    mlp_only = read("mlp_only_layers", []) if defaults.sparse_step else []
+    num_layers = d.get("num_hidden_layers", 0)
+    if not isinstance(mlp_only, (list, tuple)) or not all(
+            not isinstance(i, bool) and isinstance(i, int) and 0 <= i < num_layers for i in mlp_only):
+        raise ValueError(f"{source}: mlp_only_layers = {mlp_only!r}, expected a list of layer indices in "
+                         f"[0, {num_layers})")
+    return MoeConfig(norm_topk_prob=norm, mlp_only_layers=tuple(mlp_only), **values)

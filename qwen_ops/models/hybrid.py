@@ -1,4 +1,5 @@
-"""Qwen3.5 hybrid causal LM (``qwen3_5_text``, and the language model of ``qwen3_5``) on torch.ops.qwen.*.
+"""Hybrid Qwen causal LMs on torch.ops.qwen.*: Qwen3.5 (``qwen3_5_text``, and the language model of
+``qwen3_5``), Qwen3.5-MoE (``qwen3_5_moe_text`` / ``qwen3_5_moe``) and Qwen3-Next (``qwen3_next``).
 
 Layers follow ``config.layer_types``: ``linear_attention`` layers are Gated DeltaNet, whose state is
 indexed by the same slots as the KV cache; ``full_attention`` layers are gated softmax attention
@@ -15,7 +16,15 @@ over the paged KV cache. Numerics follow transformers 5.x's ``modeling_qwen3_5.p
   ``gated_delta_rule`` (q/k L2-normalised inside the op, scale k_dim^-0.5, recurrent state per
   slot in fp32); a gated RMSNorm ``(x / rms(x)) * weight * silu(z)`` with ``z = in_proj_z x``;
   ``out_proj``;
-* a dense SwiGLU MLP in every layer.
+* a dense SwiGLU MLP in every layer (Qwen3.5), or the mixture-of-experts block of
+  ``qwen_ops.models.moe`` (routed experts in ``torch.ops.qwen.fused_moe`` plus a sigmoid-gated shared
+  expert) in the sparse layers of Qwen3.5-MoE and Qwen3-Next.
+
+Qwen3-Next (``modeling_qwen3_next.py``) has the same layers with one difference: its Gated DeltaNet
+projects q | k | v | z and b | a with two fused matrices, ``in_proj_qkvz`` and ``in_proj_ba``, whose
+rows are grouped per key head (``[q_h, k_h, v_h.., z_h..]`` for each q/k head h, the value heads of
+that group together). :class:`FusedProjectionGatedDeltaNet` splits them back into the conv's
+``q | k | v`` channel order; everything after the projections is shared.
 
 The forward contract is that of :class:`qwen_ops.models.dense.QwenForCausalLM`, with one cache pair per
 layer: ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` for
@@ -36,8 +45,9 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.ops.metadata import AttentionMetadata
-from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
-from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, QwenMLP, RotaryEmbedding, SlotAttention
+from qwen_ops.models.config import ARCHITECTURES, FULL_ATTENTION, QwenConfig
+from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, RotaryEmbedding, SlotAttention
+from qwen_ops.models.moe import make_mlp
 
 Cache = tuple[torch.Tensor, torch.Tensor]
 ATTENTION, LINEAR = "attention", "linear"   # cache kinds, as in ``layer_kinds``
@@ -69,38 +79,67 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.in_proj_qkv = nn.Linear(hidden, lin.conv_dim, bias=False)
+        self._make_projections(hidden, lin.conv_dim)
+
+    def _make_projections(self, hidden: int, conv_dim: int) -> None:
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's input ``q | k | v`` ``[T, conv_dim]``, z ``[T, value_dim]``, b and a ``[T, num_v_heads]``."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, state: Cache) -> torch.Tensor:
         T = x.shape[0]
         conv_state, recurrent_state = state
         meta = (attn.seq_slots, attn.query_start_loc, attn.seq_lens)
-        mixed = torch.ops.qwen.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        qkv, z, b, a = self.project(x)
+        mixed = torch.ops.qwen.causal_conv1d(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                              conv_state, *meta)                          # [T, conv_dim]
         q = mixed[:, :self.key_dim].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(T, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * self.key_dim:].view(T, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()                                                # [T, num_v_heads]
+        beta = b.sigmoid()                                                                # [T, num_v_heads]
         # fp32, as transformers: in fp16 exp(A_log) could overflow.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = torch.ops.qwen.gated_delta_rule(q, k, v, g, beta, recurrent_state, *meta, self.scale)
-        z = self.in_proj_z(x).view(T * self.num_v_heads, self.head_v_dim)
+        z = z.reshape(T * self.num_v_heads, self.head_v_dim)
         o = self.norm(o.view(T * self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(o.view(T, self.value_dim))
 
 
+class FusedProjectionGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's Gated DeltaNet (transformers' Qwen3NextGatedDeltaNet): ``in_proj_qkvz`` and
+    ``in_proj_ba``, rows grouped per key head, instead of Qwen3.5's four projections."""
+
+    def _make_projections(self, hidden: int, conv_dim: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, hk = x.shape[0], self.num_k_heads
+        per_group = self.num_v_heads // hk                     # value heads per key head
+        dk, dv = self.head_k_dim, per_group * self.head_v_dim
+        # Key head h's rows: [q_h (dk), k_h (dk), v of its value heads (dv), z of them (dv)].
+        q, k, v, z = torch.split(self.in_proj_qkvz(x).view(T, hk, 2 * dk + 2 * dv), [dk, dk, dv, dv], dim=2)
+        b, a = torch.split(self.in_proj_ba(x).view(T, hk, 2 * per_group), [per_group, per_group], dim=2)
+        qkv = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim), v.reshape(T, self.value_dim)), 1)
+        return (qkv, z.reshape(T, self.value_dim), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
+
+
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: QwenConfig, layer_type: str) -> None:
+    def __init__(self, config: QwenConfig, layer_type: str, layer_idx: int = 0) -> None:
         super().__init__()
         self.is_linear = layer_type != FULL_ATTENTION   # fixed at construction: no data-dependent branch
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
+            fused = ARCHITECTURES[config.model_type].fused_linear_projections
+            self.linear_attn = (FusedProjectionGatedDeltaNet if fused else GatedDeltaNet)(config)
         else:
             self.self_attn = GatedAttention(config)
-        self.mlp = QwenMLP(config)
+        self.mlp = make_mlp(config, layer_idx)   # dense SwiGLU, or a MoE block in sparse layers
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -123,13 +162,14 @@ class HybridModel(nn.Module):
         if not weight.is_meta:   # under the loader's meta device the checkpoint fills it
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, kind) for kind in config.layer_types)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, kind, i) for i, kind in enumerate(config.layer_types))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """Qwen3.5 hybrid causal LM; the forward contract is QwenForCausalLM's (see the module docstring)."""
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrid causal LM; the forward contract is QwenForCausalLM's (see
+    the module docstring)."""
 
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()

@@ -80,6 +80,9 @@ def check_tp_config(config: QwenConfig, size: int) -> None:
     if config.is_hybrid:
         raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the hybrid models' linear-attention "
                          f"layers ({config.model_type}) is not built; use tensor_parallel_size=1")
+    if config.moe is not None:
+        raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the mixture-of-experts layers "
+                         f"({config.model_type}) is not built; use tensor_parallel_size=1")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size = {size} does not divide num_attention_heads = {heads}")

@@ -34,8 +34,8 @@ _KERNEL_MODULES = {
 }
 # Backends that run on the host and check index values on every untrusted call.
 HOST_BACKENDS = ("reference", "cpu")
-# The ops with a native kernel in the cpu backend.
-CPU_NATIVE_OPS = ("kv_write", "slot_attention")
+# The ops the cpu backend implements itself (C kernels; fused_moe: grouped torch GEMMs).
+CPU_NATIVE_OPS = ("kv_write", "slot_attention", "fused_moe")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
 _trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_ops_trusted_metadata", default=False)
 
@@ -145,9 +145,9 @@ def resolve_backend(device: torch.device, op: str = "", phase: str = "") -> str:
     """The concrete backend that runs ``op`` (``phase`` "decode" or "prefill") on ``device``.
 
     ``auto`` on CUDA takes the faster of triton and cuda as measured for that op and phase
-    (``backend_choice.json``), else triton, else cuda. On the CPU it takes the native cpu
-    kernels for kv_write and slot_attention when they build here, else (and for the state ops,
-    which have no native kernel) the reference.
+    (``backend_choice.json``), else triton, else cuda. On the CPU it takes the cpu backend for
+    kv_write, slot_attention and fused_moe when its C kernels build here, else (and for the state
+    ops, which have no cpu kernel) the reference.
     """
     name = get_backend()
     if name == "auto":

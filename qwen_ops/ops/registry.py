@@ -95,16 +95,21 @@ def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 # Slot-state ops of hybrid models (Qwen3.5 / Qwen3-Next): causal_conv1d, gated_delta_rule
 # --------------------------------------------------------------------------------------------
 
-def _state_op_kernel(op: str, backend: str):
-    """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none
-    (a backend module that lacks a state op, e.g. a cuda build from before csrc/ had them)."""
+def _op_kernel(op: str, backend: str, models: str):
+    """``<op>_<backend>`` of the backend's kernel module, or a clear error when it has none (a
+    backend module that lacks the op, e.g. the cuda extension for fused_moe, or a cuda build from
+    before csrc/ had the state ops). ``models`` names the models that need the op."""
     module = kernels(backend)
     fn = getattr(module, f"{op}_{backend}", None)
     if fn is None:
         raise RuntimeError(f"qwen_ops backend {backend!r} has no kernel for qwen::{op} ({module.__name__}."
                            f"{op}_{backend} does not exist); select the triton or reference backend "
-                           "(QWEN_OPS_BACKEND=triton|reference) for models with linear-attention layers")
+                           f"(QWEN_OPS_BACKEND=triton|reference) for {models}")
     return fn
+
+
+def _state_op_kernel(op: str, backend: str):
+    return _op_kernel(op, backend, "models with linear-attention layers")
 
 
 def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
@@ -171,3 +176,41 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     metadata as in :func:`causal_conv1d`. Returns ``[num_tokens, num_v_heads, v_dim]`` in v.dtype.
     """
     return torch.ops.qwen.gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of experts (Qwen3-MoE / Qwen3-Next / Qwen3.5-MoE): fused_moe
+# --------------------------------------------------------------------------------------------
+
+def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    V.check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    backend = resolve_backend(hidden_states.device, "fused_moe")
+    kernel = _op_kernel("fused_moe", backend, "mixture-of-experts models")
+    if value_checks_enabled(backend):
+        V.check_fused_moe_values(topk_ids, w13.shape[0])
+    return kernel(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("fused_moe", _fused_moe_impl, _key)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::fused_moe", lib=_LIB)
+def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    V.check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer, for every token's top-k choices.
+
+    hidden_states ``[num_tokens, hidden]``; w13 ``[num_experts, 2 * inter, hidden]`` (each expert's
+    gate rows, then its up rows: transformers' ``experts.gate_up_proj``); w2
+    ``[num_experts, hidden, inter]`` (``experts.down_proj``), both in hidden_states' dtype;
+    topk_weights ``[num_tokens, top_k]`` any float dtype; topk_ids int32 ``[num_tokens, top_k]``,
+    each in ``[0, num_experts)``. Returns ``[num_tokens, hidden]`` in hidden_states' dtype:
+    ``sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :inter] @ x) * (w13[e, inter:] @ x))`` with
+    ``e = topk_ids[t, j]``, accumulated in fp32. Routing (softmax, top-k) is the caller's.
+    """
+    return torch.ops.qwen.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)

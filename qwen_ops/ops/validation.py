@@ -304,3 +304,47 @@ def check_slot_state_values(num_tokens: int, max_slots: int, seq_slots, query_st
             rows = (seq_slots == slot).nonzero()[:, 0].tolist()
             raise ValueError(f"seq_slots{rows} = {slot}: a live slot may appear only once per call "
                              "(its state is updated in place)")
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of experts: fused_moe
+# --------------------------------------------------------------------------------------------
+
+def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+    _same_device(hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    _rank("hidden_states", hidden_states, 2, "[num_tokens, hidden_size]")
+    _float("hidden_states", hidden_states)
+    num_tokens, hidden = hidden_states.shape
+    _rank("w13", w13, 3, "[num_experts, 2 * intermediate_size, hidden_size] (gate rows, then up rows)")
+    _float("w13", w13)
+    num_experts, two_inter, w13_hidden = w13.shape
+    if num_experts < 1 or two_inter < 2 or two_inter % 2 or w13_hidden != hidden:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}, expected [num_experts >= 1, 2 * intermediate_size "
+                         f"(even, >= 2), {hidden}] to match hidden_states' hidden_size = {hidden}")
+    inter = two_inter // 2
+    _rank("w2", w2, 3, "[num_experts, hidden_size, intermediate_size]")
+    _float("w2", w2)
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}, expected [{num_experts}, {hidden}, {inter}] "
+                         f"(w13's num_experts, hidden_states' hidden_size, w13's intermediate_size)")
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != hidden_states.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected hidden_states' dtype {hidden_states.dtype}")
+    _rank("topk_weights", topk_weights, 2, "[num_tokens, top_k]")
+    _float("topk_weights", topk_weights)
+    _index("topk_ids", topk_ids, 2, "[num_tokens, top_k]")
+    if topk_weights.shape[0] != num_tokens or topk_weights.shape[1] < 1:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected [{num_tokens}, top_k >= 1] "
+                         f"(hidden_states has {num_tokens} tokens)")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected topk_weights' shape "
+                         f"{tuple(topk_weights.shape)}")
+
+
+def check_fused_moe_values(topk_ids, num_experts: int) -> None:
+    """Every expert id names an expert of w13 / w2 (reads the device, like the other value checks)."""
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        t, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])}, but w13 has {num_experts} experts; "
+                         f"expected 0 <= expert id < {num_experts}")

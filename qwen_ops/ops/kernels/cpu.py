@@ -7,14 +7,16 @@ argmax that sampling uses.
 (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
 (``$QWEN_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by
 the source, the compiler, the flags and the CPU's feature flags (it is built with
-``-march=native``). It is called through ctypes: no torch headers, so the build takes about a
-second, needs nothing but a C compiler, and ``pip install`` stays pure Python.
+``-march=native``, and with OpenMP where the compiler has it, so that the packed products split
+across torch's intra-op threads). It is called through ctypes: no torch headers, so the build
+takes a few seconds, needs nothing but a C compiler, and ``pip install`` stays pure Python.
 
 Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
 Long prefills (more than ``REFERENCE_ABOVE_QUERY_LEN`` query rows in a sequence) run on the
 reference too, whose SDPA is faster there than the C kernel's row-by-row attention.
 The hybrid models' state ops (causal_conv1d, gated_delta_rule) have no native kernel here:
-this backend runs them with the reference kernels.
+this backend runs them with the reference kernels. ``fused_moe`` runs the grouped-by-expert torch
+implementation of ``reference_moe.py`` (its GEMMs are MKL's / oneDNN's).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
 _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
-_LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64]
+_LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
-                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p])
+                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64])
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
@@ -54,6 +56,10 @@ _SIGNATURES = {
     "qwen_argmax_rows": (_ARGMAX_ARGS, None),
     "qwen_linear_packed": (_LINEAR_PACKED_ARGS, None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
+    "qwen_linear_packed_bf16": (_LINEAR_PACKED_ARGS, None),
+    "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
+    "qwen_bf16_dot_products": ([], ctypes.c_int),
+    "qwen_openmp": ([], ctypes.c_int),
     "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
     "qwen_dense_weights_per_layer": ([], ctypes.c_int64),
 }
@@ -90,13 +96,18 @@ def _extra_flags() -> list[str]:
 
 
 def _build(cc: str, out: Path) -> None:
-    """Compile to a temporary name, then rename: concurrent builders never load a half-written file."""
+    """Compile to a temporary name, then rename: concurrent builders never load a half-written file.
+
+    With OpenMP where the compiler has it (the products then split across torch's intra-op
+    threads; GCC's libgomp.so.1 is the one torch itself loaded, so both share one thread pool),
+    else without (single-threaded products)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for arch in (["-march=native"], []):   # some compilers (or CPUs) reject -march=native
+    # some compilers (or CPUs) reject -march=native; some compilers have no OpenMP runtime
+    for arch, openmp in ((["-march=native"], ["-fopenmp"]), (["-march=native"], []), ([], ["-fopenmp"]), ([], [])):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *FLAGS, *arch, *_extra_flags(), str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *FLAGS, *arch, *openmp, *_extra_flags(), str(SOURCE), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(tmp, out)
@@ -192,6 +203,9 @@ def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, qu
 causal_conv1d_cpu = causal_conv1d_reference
 gated_delta_rule_cpu = gated_delta_rule_reference
 
+# fused_moe: tokens grouped by expert, one torch GEMM per expert and projection (reference_moe.py).
+from qwen_ops.ops.kernels.reference_moe import fused_moe_cpu  # noqa: E402,F401
+
 
 # --------------------------------------------------------------------------------------------
 # Fused fp32 pieces of the dense model's eager CPU forward (qwen_ops/models/dense.py calls them when the
@@ -211,37 +225,57 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def packed_products_enabled() -> bool:
-    """Whether the native CPU executor may run this library's packed products: with one intra-op
-    thread only (``torch.get_num_threads() == 1``, the setting every number in this repo was
-    measured with). The C code is single-threaded; with more threads the model's forward runs."""
-    return torch.get_num_threads() == 1
-
+def threaded_products() -> bool:
+    """Whether the packed products split across ``torch.get_num_threads()`` threads (the library
+    was built with OpenMP); without, they run on one thread whatever the setting, which still
+    measured faster than torch's threaded products in most real-size runs (benchmarks/README.md),
+    and never slower than one thread."""
+    return bool(library().qwen_openmp())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A contiguous fp32 ``weight [N, K]`` packed for ``linear_packed``: ``[ceil(N / 32), K, 32]``,
-    32 output features per panel, k-major, zero past N."""
+    """A contiguous fp32 or bf16 ``weight [N, K]`` packed for ``linear_packed``, 32 output features
+    per panel, zero past N: fp32 ``[ceil(N / 32), K, 32]`` (k-major), bf16 ``[ceil(N / 32),
+    ceil(K / 2), 32, 2]`` (k in pairs, zero past K: the layout of AVX512-BF16 dot products)."""
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, dtype {weight.dtype} and strides "
+                         f"{weight.stride()}, expected a contiguous [N, K] float32 or bfloat16 tensor")
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        packed = torch.empty(((n + 31) // 32, (k + 1) // 2, 32, 2), dtype=torch.bfloat16)
+        library().qwen_pack_panels_bf16(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
     packed = torch.empty(((n + 31) // 32, k, 32), dtype=torch.float32)
     library().qwen_pack_panels(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
+def bf16_products() -> str:
+    """How the products on bf16 weights run on this CPU: "avx512_bf16" (dot products, where the CPU
+    has AVX512-BF16) or "widening" (bf16 -> fp32 loads feeding fp32 FMAs)."""
+    return "avx512_bf16" if library().qwen_bf16_dot_products() else "widening"
+
+
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for fp32 ``x [rows, K]`` with contiguous rows, from
-    ``packed = pack_panels(weight)`` (fp32 rounding of a different summation order than BLAS)."""
+    """``F.linear(x, weight, bias)`` in fp32 for fp32 ``x [rows, K]`` with contiguous rows and an
+    fp32 ``bias``, from ``packed = pack_panels(weight)`` (fp32 rounding of a different summation
+    order than BLAS). For a bf16 weight, the products accumulate in fp32 and ``x`` should hold
+    bf16 values (as a bf16 model's activations do): the AVX512-BF16 path rounds it to bf16."""
     rows, k = x.shape
     out = torch.empty((rows, out_features), dtype=torch.float32)
-    library().qwen_linear_packed(x.data_ptr(), x.stride(0), rows, packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out_features, k, out.data_ptr(),
-                                 out_features)
+    fn = library().qwen_linear_packed_bf16 if packed.dtype == torch.bfloat16 else library().qwen_linear_packed
+    fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.data_ptr(), out_features, k,
+       out.data_ptr(), out_features, torch.get_num_threads())
     return out
 
 
 # Batches up to this many tokens take dense_forward in the dense model's eager CPU forward (its
 # scratch holds every activation of a layer for all tokens at once); larger ones walk the modules.
 DENSE_FORWARD_MAX_TOKENS = 1024
+
+# What qwen_dense_forward's timings add up, in order (T_PRODUCTS .. in qwen_cpu.c): the layers'
+# matrix products, the lm_head product, attention (q/k norm, RoPE, kv write, attention), the rest.
+DENSE_FORWARD_TIMINGS = ("products", "lm_head", "attention", "other")
 
 # The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
 DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
@@ -263,19 +297,33 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                   inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
                   slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
-                  lm_head: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The whole dense forward of an fp32 batch in one C call; returns logits ``[len(rows), vocab]``.
+                  lm_head: torch.Tensor, vocab: int, timings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The whole dense forward of a batch in one C call; returns fp32 logits ``[len(rows), vocab]``.
 
-    ``h [T, hidden]`` holds the embeddings and is overwritten (the residual stream).
-    ``weight_addresses`` (``addresses(...)``) lists each layer's fp32 tensors (or None) in
-    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``; ``lm_head`` is the packed
-    ``[vocab, hidden]`` weight too), one layer per entry of ``caches``, which holds each layer's
-    ``(key_cache, value_cache)``, all fp32 with one shape and one set of strides. The caller checks
-    all of that and the attention metadata (as the ops do); the C code checks ``positions32``
-    against ``rope`` and ``rows`` against T.
+    The model's dtype is that of the packed ``lm_head``: float32, or bfloat16, where every
+    activation is rounded to bf16 where the model's bf16 forward rounds it (so ``h`` and the logits
+    hold bf16 values in fp32) and the products accumulate in fp32.
+    ``h [T, hidden]`` (fp32) holds the embeddings and is overwritten (the residual stream).
+    ``weight_addresses`` (``addresses(...)``) lists each layer's tensors (or None) in
+    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``, the model's dtype;
+    ``lm_head`` is the packed ``[vocab, hidden]`` weight too), the vectors fp32; one layer per
+    entry of ``caches``, which holds each layer's ``(key_cache, value_cache)``, all in the model's
+    dtype with one shape and one set of strides. ``rope``: the fp32 cos | sin table, rounded to
+    bf16 for a bf16 model (as the model casts it). The caller checks all of that and the attention
+    metadata (as the ops do); the C code checks ``positions32`` against ``rope`` and ``rows``
+    against T. ``timings``: None, or a float64 tensor that the seconds spent in each part of
+    ``DENSE_FORWARD_TIMINGS`` are added to. The products split across ``torch.get_num_threads()``
+    threads (``threaded_products()``); the results do not depend on the thread count.
     """
     lib = library()
     T, hidden = h.shape
+    dtype = caches[0][0].dtype
+    if lm_head.dtype != dtype or dtype not in (torch.float32, torch.bfloat16) or h.dtype != torch.float32:
+        raise ValueError(f"lm_head is {lm_head.dtype}, the caches {dtype} and h {h.dtype}, expected float32 h "
+                         "and a float32 or bfloat16 lm_head and caches of one dtype")
+    if timings is not None and (timings.dtype != torch.float64 or timings.shape != (len(DENSE_FORWARD_TIMINGS),)):
+        raise ValueError(f"timings has shape {tuple(timings.shape)} and dtype {timings.dtype}, expected float64 "
+                         f"[{len(DENSE_FORWARD_TIMINGS)}]")
     if weight_addresses.shape != (len(DENSE_LAYER_WEIGHTS) * len(caches),) or weight_addresses.dtype != torch.int64:
         raise ValueError(f"weight_addresses has shape {tuple(weight_addresses.shape)} and dtype "
                          f"{weight_addresses.dtype}, expected int64 [{len(DENSE_LAYER_WEIGHTS)} x {len(caches)} layers]")
@@ -291,7 +339,8 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
         slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
         seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
         kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
-        lm_head.data_ptr(), vocab, logits.data_ptr())
+        lm_head.data_ptr(), vocab, logits.data_ptr(), _DTYPE_CODES[dtype],
+        None if timings is None else timings.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise position_error(positions32, rope.shape[0])
     if status == -3:

@@ -1,10 +1,10 @@
-/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and the fp32
- * pieces of the models' eager CPU forward (from the middle of the file on): fused norms, RoPE and
- * SiLU * up, a packed-panel matrix product, one layer's attention block, and the whole dense
- * forward in one call.
+/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and the
+ * pieces of the engine's native CPU executor (from the middle of the file on): fused norms, RoPE
+ * and SiLU * up, packed-panel matrix products on fp32 or bf16 weights, one layer's attention
+ * block, and the whole dense forward (fp32 or bf16 model) in one call.
  *
  * Plain C, no torch headers: qwen_ops/kernels/cpu.py compiles this file with the system C
- * compiler on first use (about a second), caches the shared library, and calls it through
+ * compiler on first use (a few seconds), caches the shared library, and calls it through
  * ctypes with data pointers and element strides. The point is latency: a CPU decode step calls
  * these ops once per layer on a few KB of data, where the reference's chain of torch ops (block
  * gather, mask, SDPA, scatter) costs far more than the arithmetic.
@@ -18,10 +18,13 @@
  * Dtype codes: 0 = float32, 1 = float16, 2 = bfloat16.
  */
 
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime */
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -36,6 +39,18 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as tor
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* f rounded to the nearest bf16 (ties to even) and widened back: the value torch's .to(bfloat16)
+ * keeps, as an fp32. Branch-free so that loops over it vectorize; a NaN stays a (quiet) NaN. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+    u = (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 static inline float f16_to_f32(uint16_t h) {
@@ -414,18 +429,29 @@ static inline float exp_any(float x) {
 }
 
 /* out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over rows of dim (the gated MLP);
- * silu rounded before the product, as F.silu(gate) * up rounds it. */
-void qwen_silu_mul(const float *gate, int64_t g_s0, const float *up, int64_t u_s0, float *out, int64_t rows,
-                   int64_t dim) {
+ * silu rounded before the product, as F.silu(gate) * up rounds it: to fp32, and with bf16 != 0
+ * also to bf16 (both results), as torch's bf16 ops compute in fp32 and round each result. */
+static void silu_mul_rows(const float *gate, int64_t g_s0, const float *up, int64_t u_s0, float *out, int64_t rows,
+                          int64_t dim, int bf16) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gate + r * g_s0, *u = up + r * u_s0;
         float *o = out + r * dim;
+        if (bf16) {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-            const float silu = g[i] / (1.0f + exp_any(-g[i]));
-            o[i] = silu * u[i];
+            for (int64_t i = 0; i < dim; ++i) o[i] = round_bf16(round_bf16(g[i] / (1.0f + exp_any(-g[i]))) * u[i]);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) {
+                const float silu = g[i] / (1.0f + exp_any(-g[i]));
+                o[i] = silu * u[i];
+            }
         }
     }
+}
+
+void qwen_silu_mul(const float *gate, int64_t g_s0, const float *up, int64_t u_s0, float *out, int64_t rows,
+                   int64_t dim) {
+    silu_mul_rows(gate, g_s0, up, u_s0, out, rows, dim, 0);
 }
 
 /* ----------------------------------------------------------------------------------------------
@@ -451,33 +477,65 @@ static inline float inv_rms(const float *x, int64_t dim, float eps) {
 }
 
 /* out[r] = w * (s / rms(s)), s = x[r] + add[r] when add is given (s is then written to sum[r]),
- * else s = x[r]. Rows of dim floats, contiguous within the row. */
-void qwen_rms_norm(const float *x, int64_t x_s0, const float *add, int64_t add_s0, float *sum, int64_t sum_s0,
-                   const float *w, float *out, int64_t out_s0, int64_t rows, int64_t dim, float eps) {
+ * else s = x[r]. Rows of dim floats, contiguous within the row. With bf16 != 0, the roundings of
+ * a bf16 model (transformers' Qwen3RMSNorm on bf16 tensors): the sum s to bf16, s / rms(s) to
+ * bf16, and w * that to bf16 (w holds bf16 values). */
+static void rms_norm_rows(const float *x, int64_t x_s0, const float *add, int64_t add_s0, float *sum, int64_t sum_s0,
+                          const float *w, float *out, int64_t out_s0, int64_t rows, int64_t dim, float eps, int bf16) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *s = x + r * x_s0;
         if (add != NULL) {
             float *dst = sum + r * sum_s0;
             const float *a = add + r * add_s0;
+            if (bf16) {
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) dst[d] = s[d] + a[d];
+                for (int64_t d = 0; d < dim; ++d) dst[d] = round_bf16(s[d] + a[d]);
+            } else {
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) dst[d] = s[d] + a[d];
+            }
             s = dst;
         }
         const float inv = inv_rms(s, dim, eps);
         float *o = out + r * out_s0;
+        if (bf16) {
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (s[d] * inv);
+            for (int64_t d = 0; d < dim; ++d) o[d] = round_bf16(w[d] * round_bf16(s[d] * inv));
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (s[d] * inv);
+        }
     }
 }
 
-/* One head row: optional RMSNorm (w != NULL), then RoPE with cs = [cos | sin] of the position. */
+void qwen_rms_norm(const float *x, int64_t x_s0, const float *add, int64_t add_s0, float *sum, int64_t sum_s0,
+                   const float *w, float *out, int64_t out_s0, int64_t rows, int64_t dim, float eps) {
+    rms_norm_rows(x, x_s0, add, add_s0, sum, sum_s0, w, out, out_s0, rows, dim, eps, 0);
+}
+
+/* One head row: optional RMSNorm (w != NULL), then RoPE with cs = [cos | sin] of the position.
+ * bf16 != 0: every product, sum and the norm rounded to bf16 as torch's bf16 ops round them
+ * (cs then holds the bf16 table, as the model casts cos and sin to its dtype). */
 static inline void norm_rope_row(const float *x, const float *w, float eps, const float *cs, int64_t D,
-                                 float *tmp, float *out) {
+                                 float *tmp, float *out, int bf16) {
     const int64_t half = D / 2;
     if (w != NULL) {
         const float inv = inv_rms(x, D, eps);
-        for (int64_t d = 0; d < D; ++d) tmp[d] = w[d] * (x[d] * inv);
+        if (bf16)
+            for (int64_t d = 0; d < D; ++d) tmp[d] = round_bf16(w[d] * round_bf16(x[d] * inv));
+        else
+            for (int64_t d = 0; d < D; ++d) tmp[d] = w[d] * (x[d] * inv);
         x = tmp;
+    }
+    if (bf16) {
+        for (int64_t i = 0; i < half; ++i) {
+            const float c = cs[i], s = cs[half + i];
+            const float x1 = x[i], x2 = x[half + i];
+            const float a = round_bf16(x1 * c), b = round_bf16(x2 * s), e = round_bf16(x2 * c), f = round_bf16(x1 * s);
+            out[i] = round_bf16(a - b);
+            out[half + i] = round_bf16(e + f);
+        }
+        return;
     }
     for (int64_t i = 0; i < half; ++i) {
         const float c = cs[i], s = cs[half + i];
@@ -490,17 +548,28 @@ static inline void norm_rope_row(const float *x, const float *w, float eps, cons
 
 /* q [T, nq, D], k [T, nk, D] (strides in elements, rows contiguous) -> contiguous qo, ko:
  * per head RMSNorm with q_w / k_w (skipped when NULL), then RoPE at positions[t] from the fp32
- * table [max_pos, D] (cos in the first half of a row, sin in the second). */
+ * table [max_pos, D] (cos in the first half of a row, sin in the second); bf16 as norm_rope_row. */
+static void qk_norm_rope_rows(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
+                              const float *k, int64_t k_s0, int64_t k_s1, int64_t nk,
+                              const float *q_w, const float *k_w, float eps,
+                              const float *table, int64_t table_s0, const int32_t *positions,
+                              float *qo, float *ko, int64_t T, int64_t D, float *tmp, int bf16) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *cs = table + (int64_t)positions[t] * table_s0;
+        for (int64_t h = 0; h < nq; ++h)
+            norm_rope_row(q + t * q_s0 + h * q_s1, q_w, eps, cs, D, tmp, qo + (t * nq + h) * D, bf16);
+        for (int64_t h = 0; h < nk; ++h)
+            norm_rope_row(k + t * k_s0 + h * k_s1, k_w, eps, cs, D, tmp, ko + (t * nk + h) * D, bf16);
+    }
+}
+
 void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
                        const float *k, int64_t k_s0, int64_t k_s1, int64_t nk,
                        const float *q_w, const float *k_w, float eps,
                        const float *table, int64_t table_s0, const int32_t *positions,
                        float *qo, float *ko, int64_t T, int64_t D, float *tmp) {
-    for (int64_t t = 0; t < T; ++t) {
-        const float *cs = table + (int64_t)positions[t] * table_s0;
-        for (int64_t h = 0; h < nq; ++h) norm_rope_row(q + t * q_s0 + h * q_s1, q_w, eps, cs, D, tmp, qo + (t * nq + h) * D);
-        for (int64_t h = 0; h < nk; ++h) norm_rope_row(k + t * k_s0 + h * k_s1, k_w, eps, cs, D, tmp, ko + (t * nk + h) * D);
-    }
+    qk_norm_rope_rows(q, q_s0, q_s1, nq, k, k_s0, k_s1, nk, q_w, k_w, eps, table, table_s0, positions, qo, ko, T, D,
+                      tmp, 0);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -508,13 +577,13 @@ void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
 #endif
 
 /* ----------------------------------------------------------------------------------------------
- * Linear layers on packed weights, and the whole dense forward of an fp32 batch in one call.
+ * Linear layers on packed weights, and the whole dense forward of a batch in one call.
  *
  * A decode step of a small model on one CPU core is a chain of matrix-vector products over
  * weights that live in the L2/L3 caches, with ~150 torch ops around them whose dispatch costs
  * more than their arithmetic. qwen_dense_forward runs the complete stack (norms, projections,
  * q/k-norm + RoPE, kv write, attention, MLP, final norm, lm_head) in one call, with the same
- * math as qwen_ops/model.py and the kernels above; qwen_linear_packed is its matrix product, on
+ * math as qwen_ops/models/dense.py and the kernels above; qwen_linear_packed is its matrix product, on
  * weights packed once into 32-feature panels: at 1 row it streams the weight at about 70 GB/s
  * (MKL's sgemv on these AMD CPUs: about 25), at 16+ rows it runs at oneDNN's speed.
  * ---------------------------------------------------------------------------------------------- */
@@ -539,80 +608,258 @@ void qwen_pack_panels(const float *w, int64_t N, int64_t K, float *wp) {
 }
 
 #define PANEL_MR 12   /* input rows per block: 24 accumulators + 2 panel vectors + 1 broadcast */
+/* Up to this many input rows, two panels (64 features) are read side by side: two weight streams
+ * and four independent FMA chains instead of two. At one row (decode) the products stream their
+ * weights from DRAM, and this reads them faster (one core's prefetchers keep more lines in flight
+ * over two streams); each output's summation order is unchanged. 4 rows: 16 accumulators. */
+#ifndef PANEL_PAIR_MAX_ROWS
+#define PANEL_PAIR_MAX_ROWS 4
+#endif
 /* The sum over k runs in blocks of PANEL_KB, each summed in registers, then added to the output:
  * one sequential fp32 chain over all of K would round K times in a row (max error 6x MKL's at
  * K = 3072, measured), blocks bound it by PANEL_KB + K / PANEL_KB (as close to MKL as measured). */
 #define PANEL_KB 128
+#define PANEL_WIDE_MR 6   /* rows per block on two panels: 24 accumulators, 4 weight vectors, 1 broadcast */
+/* Bytes ahead of the weight being read that the panel kernels prefetch (two lines an iteration,
+ * which reads two, per panel): a decode step streams its weights from DRAM once, and one core's
+ * hardware prefetchers alone keep too few lines in flight (benchmarks/README.md, real-size figures). */
+#ifndef PANEL_PREFETCH
+#define PANEL_PREFETCH 4096
+#endif
+#if PANEL_PREFETCH > 0
+#define PREFETCH_2_LINES(p)                                                           \
+    do {                                                                              \
+        _mm_prefetch((const char *)(p) + PANEL_PREFETCH, _MM_HINT_T0);                \
+        _mm_prefetch((const char *)(p) + PANEL_PREFETCH + 64, _MM_HINT_T0);           \
+    } while (0)
+#else
+#define PREFETCH_2_LINES(p) ((void)0)
+#endif
+
+/* CALL(r) for r = rows, a constant from 1 to PANEL_MR - 1 (so that accumulators stay registers). */
+#define PANEL_ROWS_SWITCH(rows, CALL)                                                          \
+    switch (rows) {                                                                            \
+        case 11: CALL(11); break; case 10: CALL(10); break; case 9: CALL(9); break;            \
+        case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break;                \
+        case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break;                \
+        case 2: CALL(2); break; case 1: CALL(1); break; default: break;                        \
+    }
 
 #if QWEN_AVX512
-/* y[m, 0:cols] (+ bias) for m < MR against one panel; cols <= 32. */
+/* The valid lanes of a 16-feature group with n features left (all, some, or none). */
+static inline __mmask16 lanes_left(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* The end of a k block of every panel kernel, over C = 2 * panels groups of 16 features: add
+ * the earlier blocks' sums already in y (unless this is the first block), the bias after the last
+ * block, and store y[m, 16 c ..] for m < MR (masked to the valid lanes). */
+static inline __attribute__((always_inline)) void panel_store_avx512(__m512 acc[][4], int first, int last,
+                                                                     const float *bias, float *y, int64_t ys,
+                                                                     const __mmask16 *mask, const int MR,
+                                                                     const int C) {
+    for (int c = 0; c < C; ++c) {
+        if (!first)
+            for (int m = 0; m < MR; ++m)
+                acc[m][c] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[c], y + m * ys + 16 * c), acc[m][c]);
+        if (last && bias != NULL) {
+            const __m512 b = _mm512_maskz_loadu_ps(mask[c], bias + 16 * c);
+            for (int m = 0; m < MR; ++m) acc[m][c] = _mm512_add_ps(acc[m][c], b);
+        }
+        for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ys + 16 * c, mask[c], acc[m][c]);
+    }
+}
+
+/* y[m, 0:cols] (+ bias) for m < MR against NP (1 or 2) consecutive panels; cols <= 32 NP. Only
+ * the k blocks in [kb, ke) (kb a multiple of PANEL_KB): the sums of the blocks before kb are in y. */
 static inline __attribute__((always_inline)) void panel_block_avx512(const float *x, int64_t xs, const float *wp,
-                                                                     int64_t K, const float *bias, float *y,
-                                                                     int64_t ys, int64_t cols, const int MR) {
-    const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1u);
-    const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1u);
-    __m512 acc[PANEL_MR][2];
-    for (int64_t k0 = 0; k0 < K; k0 += PANEL_KB) {
-        const int64_t k1 = K - k0 < PANEL_KB ? K : k0 + PANEL_KB;
-        for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+                                                                     int64_t K, int64_t kb, int64_t ke,
+                                                                     const float *bias, float *y, int64_t ys,
+                                                                     int64_t cols, const int MR, const int NP,
+                                                                     const int PF) {
+    __mmask16 mask[4];
+    for (int c = 0; c < 2 * NP; ++c) mask[c] = lanes_left(cols - 16 * c);
+    __m512 acc[PANEL_MR][4];
+    for (int64_t k0 = kb; k0 < ke; k0 += PANEL_KB) {
+        const int64_t k1 = ke - k0 < PANEL_KB ? ke : k0 + PANEL_KB;
+        for (int m = 0; m < MR; ++m)
+            for (int c = 0; c < 2 * NP; ++c) acc[m][c] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; ++k) {
-            const __m512 b0 = _mm512_loadu_ps(wp + k * 32), b1 = _mm512_loadu_ps(wp + k * 32 + 16);
+            __m512 b[4];
+            for (int pn = 0; pn < NP; ++pn) {
+                const float *w = wp + pn * K * 32 + k * 32;
+                if (PF) PREFETCH_2_LINES(w);
+                b[2 * pn] = _mm512_loadu_ps(w);
+                b[2 * pn + 1] = _mm512_loadu_ps(w + 16);
+            }
             for (int m = 0; m < MR; ++m) {
                 const __m512 a = _mm512_set1_ps(x[m * xs + k]);
-                acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
-                acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
+                for (int c = 0; c < 2 * NP; ++c) acc[m][c] = _mm512_fmadd_ps(a, b[c], acc[m][c]);
             }
         }
-        if (k0 > 0)
-            for (int m = 0; m < MR; ++m) {
-                acc[m][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(lo, y + m * ys), acc[m][0]);
-                acc[m][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(hi, y + m * ys + 16), acc[m][1]);
+        panel_store_avx512(acc, k0 == 0, k1 == K, bias, y, ys, mask, MR, 2 * NP);
+    }
+}
+
+/* panel_block_avx512 on bf16 panels (qwen_pack_panels_bf16, below), by widening loads. */
+static inline __attribute__((always_inline)) void panel_block_bf16_avx512(const float *x, int64_t xs,
+                                                                          const uint16_t *wp, int64_t K,
+                                                                          int64_t kb, int64_t ke,
+                                                                          const float *bias, float *y, int64_t ys,
+                                                                          int64_t cols, const int MR, const int NP,
+                                                                          const int PF) {
+    const int64_t K2 = (K + 1) / 2;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __mmask16 mask[4];
+    for (int c = 0; c < 2 * NP; ++c) mask[c] = lanes_left(cols - 16 * c);
+    __m512 acc[PANEL_MR][4];
+    for (int64_t k0 = kb; k0 < ke; k0 += PANEL_KB) {   /* PANEL_KB is even: k0 starts a pair */
+        const int64_t k1 = ke - k0 < PANEL_KB ? ke : k0 + PANEL_KB;
+        for (int m = 0; m < MR; ++m)
+            for (int c = 0; c < 2 * NP; ++c) acc[m][c] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 2) {
+            const int odd_tail = k + 1 == k1;   /* odd K: the last k has no partner */
+            __m512i v[4];
+            for (int pn = 0; pn < NP; ++pn) {
+                const uint16_t *w = wp + pn * K2 * 64 + k * 32;   /* the pair k / 2 */
+                if (PF) PREFETCH_2_LINES(w);
+                v[2 * pn] = _mm512_loadu_si512((const void *)w);
+                v[2 * pn + 1] = _mm512_loadu_si512((const void *)(w + 32));
             }
-        if (k1 == K && bias != NULL) {
-            const __m512 bias0 = _mm512_maskz_loadu_ps(lo, bias), bias1 = _mm512_maskz_loadu_ps(hi, bias + 16);
             for (int m = 0; m < MR; ++m) {
-                acc[m][0] = _mm512_add_ps(acc[m][0], bias0);
-                acc[m][1] = _mm512_add_ps(acc[m][1], bias1);
+                const __m512 a = _mm512_set1_ps(x[m * xs + k]);
+                for (int c = 0; c < 2 * NP; ++c)
+                    acc[m][c] = _mm512_fmadd_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(v[c], 16)), acc[m][c]);
+            }
+            if (odd_tail) break;
+            for (int m = 0; m < MR; ++m) {
+                const __m512 b = _mm512_set1_ps(x[m * xs + k + 1]);
+                for (int c = 0; c < 2 * NP; ++c)
+                    acc[m][c] = _mm512_fmadd_ps(b, _mm512_castsi512_ps(_mm512_and_si512(v[c], high)), acc[m][c]);
             }
         }
-        for (int m = 0; m < MR; ++m) {
-            _mm512_mask_storeu_ps(y + m * ys, lo, acc[m][0]);
-            _mm512_mask_storeu_ps(y + m * ys + 16, hi, acc[m][1]);
+        panel_store_avx512(acc, k0 == 0, k1 == K, bias, y, ys, mask, MR, 2 * NP);
+    }
+}
+
+/* One compiled kernel per (rows, panels, dtype) that the drivers below use, reached through const
+ * tables (one body each, not one per call site: the library builds in a few seconds). The
+ * prefetching ones (PF = 1) stream weights at up to PANEL_MR rows; the 6-row pair kernel is the
+ * compute-bound one of prefill. */
+typedef void (*panel_kernel)(const float *x, int64_t xs, const char *wp, int64_t K, int64_t kb, int64_t ke,
+                             const float *bias, float *y, int64_t ys, int64_t cols);
+
+#define PANEL_KERNEL(MR, NP, PF)                                                                              \
+    static void panel_kernel_f32_##MR##_##NP(const float *x, int64_t xs, const char *wp, int64_t K, int64_t kb, \
+                                             int64_t ke, const float *bias, float *y, int64_t ys, int64_t cols) { \
+        panel_block_avx512(x, xs, (const float *)wp, K, kb, ke, bias, y, ys, cols, MR, NP, PF);               \
+    }                                                                                                         \
+    static void panel_kernel_bf16_##MR##_##NP(const float *x, int64_t xs, const char *wp, int64_t K,          \
+                                              int64_t kb, int64_t ke, const float *bias, float *y, int64_t ys, \
+                                              int64_t cols) {                                                 \
+        panel_block_bf16_avx512(x, xs, (const uint16_t *)wp, K, kb, ke, bias, y, ys, cols, MR, NP, PF);       \
+    }
+PANEL_KERNEL(1, 1, 1) PANEL_KERNEL(2, 1, 1) PANEL_KERNEL(3, 1, 1) PANEL_KERNEL(4, 1, 1) PANEL_KERNEL(5, 1, 1)
+PANEL_KERNEL(6, 1, 1) PANEL_KERNEL(7, 1, 1) PANEL_KERNEL(8, 1, 1) PANEL_KERNEL(9, 1, 1) PANEL_KERNEL(10, 1, 1)
+PANEL_KERNEL(11, 1, 1) PANEL_KERNEL(12, 1, 1)
+PANEL_KERNEL(1, 2, 1) PANEL_KERNEL(2, 2, 1) PANEL_KERNEL(3, 2, 1) PANEL_KERNEL(4, 2, 1)
+PANEL_KERNEL(6, 2, 0)
+#undef PANEL_KERNEL
+
+/* [bf16][rows]: one panel, 1 to PANEL_MR rows, prefetching. */
+static const panel_kernel ONE_PANEL[2][PANEL_MR + 1] = {
+    {NULL, panel_kernel_f32_1_1, panel_kernel_f32_2_1, panel_kernel_f32_3_1, panel_kernel_f32_4_1,
+     panel_kernel_f32_5_1, panel_kernel_f32_6_1, panel_kernel_f32_7_1, panel_kernel_f32_8_1, panel_kernel_f32_9_1,
+     panel_kernel_f32_10_1, panel_kernel_f32_11_1, panel_kernel_f32_12_1},
+    {NULL, panel_kernel_bf16_1_1, panel_kernel_bf16_2_1, panel_kernel_bf16_3_1, panel_kernel_bf16_4_1,
+     panel_kernel_bf16_5_1, panel_kernel_bf16_6_1, panel_kernel_bf16_7_1, panel_kernel_bf16_8_1,
+     panel_kernel_bf16_9_1, panel_kernel_bf16_10_1, panel_kernel_bf16_11_1, panel_kernel_bf16_12_1}};
+/* [bf16][rows]: two panels, 1 to PANEL_PAIR_MAX_ROWS rows, prefetching (decode). */
+static const panel_kernel PANEL_PAIR[2][PANEL_PAIR_MAX_ROWS + 1] = {
+    {NULL, panel_kernel_f32_1_2, panel_kernel_f32_2_2, panel_kernel_f32_3_2, panel_kernel_f32_4_2},
+    {NULL, panel_kernel_bf16_1_2, panel_kernel_bf16_2_2, panel_kernel_bf16_3_2, panel_kernel_bf16_4_2}};
+/* [bf16]: two panels, PANEL_WIDE_MR rows (prefill). */
+static const panel_kernel PANEL_WIDE[2] = {panel_kernel_f32_6_2, panel_kernel_bf16_6_2};
+
+/* qwen_linear_packed (bf16 = 0) and qwen_linear_packed_bf16 (bf16 = 1) on AVX-512.
+ * - Up to PANEL_PAIR_MAX_ROWS rows (decode): the weights stream from memory once, so the point is
+ *   bandwidth: two panels side by side (two streams, four FMA chains), prefetching ahead.
+ * - Up to PANEL_MR rows (batched decode): one panel at a time, all rows in one block, prefetching.
+ * - More rows (prefill): each weight is reused by every row, and the point is FMA throughput:
+ *   blocks of PANEL_WIDE_MR rows by two panels (24 accumulators, 4 weight loads and 6 broadcasts
+ *   per 24 FMAs, against 2 and 12 for 12 rows by one panel), one k block at a time (the pair's k
+ *   block, 32 KB in fp32, stays in L1 across the row blocks); the rows left over, and an odd last
+ *   panel, one panel at a time. Measured against oneDNN: benchmarks/README.md.
+ * Each output's sum runs over k in the same order in every case (the batch does not change a row).
+ * threads > 1 (an OpenMP build): the panels are split into that many contiguous ranges, one a
+ * thread, each output computed by one thread as above (the results do not depend on threads). */
+static void linear_packed_avx512(const float *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N,
+                                 int64_t K, float *y, int64_t ys, int bf16, int threads) {
+    (void)threads;   /* without OpenMP */
+    const int64_t P = (N + 31) / 32, pairs = (P + 1) / 2, panel_bytes = 128 * (bf16 ? (K + 1) / 2 : K);
+    const char *w = (const char *)wp;
+    const panel_kernel *one = ONE_PANEL[bf16];
+    if (M <= PANEL_PAIR_MAX_ROWS) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t q = 0; q < pairs; ++q) {
+            const int64_t p = 2 * q;
+            const panel_kernel kernel = p + 1 < P ? PANEL_PAIR[bf16][M] : one[M];
+            kernel(x, xs, w + p * panel_bytes, K, 0, K, bias == NULL ? NULL : bias + p * 32, y + p * 32, ys,
+                   N - p * 32);
+        }
+        return;
+    }
+    if (M <= PANEL_MR) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t p = 0; p < P; ++p)
+            one[M](x, xs, w + p * panel_bytes, K, 0, K, bias == NULL ? NULL : bias + p * 32, y + p * 32, ys,
+                   N - p * 32);
+        return;
+    }
+    const panel_kernel wide = PANEL_WIDE[bf16];
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t q = 0; q < pairs; ++q) {
+        const int64_t p = 2 * q, np = p + 1 < P ? 2 : 1;
+        for (int64_t kb = 0; kb < K; kb += PANEL_KB) {
+            const int64_t ke = K - kb < PANEL_KB ? K : kb + PANEL_KB;
+            int64_t m = 0;
+            if (np == 2)
+                for (; m + PANEL_WIDE_MR <= M; m += PANEL_WIDE_MR)
+                    wide(x + m * xs, xs, w + p * panel_bytes, K, kb, ke, bias == NULL ? NULL : bias + p * 32,
+                         y + m * ys + p * 32, ys, N - p * 32);
+            for (; m < M; m += PANEL_MR) {   /* the rows left over (all of them for an odd last panel) */
+                const int64_t rows = M - m < PANEL_MR ? M - m : PANEL_MR;
+                for (int64_t pn = p; pn < p + np; ++pn)
+                    one[rows](x + m * xs, xs, w + pn * panel_bytes, K, kb, ke, bias == NULL ? NULL : bias + pn * 32,
+                              y + m * ys + pn * 32, ys, N - pn * 32);
+            }
         }
     }
 }
 #endif
 
+/* 1 when this library was built with OpenMP (the products then split across threads), else 0. */
+int qwen_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N, from the packed wp (qwen_pack_panels);
- * x rows of stride xs, y rows of stride ys. Panel by panel, PANEL_MR input rows at a time. */
+ * x rows of stride xs, y rows of stride ys; on up to `threads` threads (AVX-512 OpenMP builds). */
 void qwen_linear_packed(const float *x, int64_t xs, int64_t M, const float *wp, const float *bias, int64_t N,
-                        int64_t K, float *y, int64_t ys) {
+                        int64_t K, float *y, int64_t ys, int64_t threads) {
+#if QWEN_AVX512
+    linear_packed_avx512(x, xs, M, wp, bias, N, K, y, ys, 0, (int)threads);
+#else
+    (void)threads;
     const int64_t P = (N + 31) / 32;
     for (int64_t p = 0; p < P; ++p) {
         const float *panel = wp + p * K * 32;
         const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
         const float *b = bias == NULL ? NULL : bias + n0;
-#if QWEN_AVX512
-        int64_t m = 0;
-        for (; m + PANEL_MR <= M; m += PANEL_MR)
-            panel_block_avx512(x + m * xs, xs, panel, K, b, y + m * ys + n0, ys, cols, PANEL_MR);
-        const float *xm = x + m * xs;
-        float *ym = y + m * ys + n0;
-        switch (M - m) {   /* constant row counts: the accumulators stay in registers */
-            case 11: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 11); break;
-            case 10: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 10); break;
-            case 9: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 9); break;
-            case 8: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 8); break;
-            case 7: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 7); break;
-            case 6: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 6); break;
-            case 5: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 5); break;
-            case 4: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 4); break;
-            case 3: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 3); break;
-            case 2: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 2); break;
-            case 1: panel_block_avx512(xm, xs, panel, K, b, ym, ys, cols, 1); break;
-            default: break;
-        }
-#else
         for (int64_t m = 0; m < M; ++m) {
             float total[32] = {0};
             const float *xr = x + m * xs;
@@ -629,16 +876,201 @@ void qwen_linear_packed(const float *x, int64_t xs, int64_t M, const float *wp, 
             }
             for (int64_t j = 0; j < cols; ++j) y[m * ys + n0 + j] = total[j] + (b == NULL ? 0.0f : b[j]);
         }
+    }
 #endif
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * bf16 weights. A weight [N, K] in bf16 is packed like the fp32 one, 32 output features a panel,
+ * but k in pairs: wp[((p * K2 + kk) * 32 + j) * 2 + e] = w[p * 32 + j, 2 kk + e], K2 = ceil(K / 2),
+ * zero past N and K. One 32-bit lane then holds a feature's weights at k and k + 1, and one
+ * 64-byte load holds 16 features' pairs. Two ways to use it, both accumulating in fp32:
+ * - widening (any AVX-512 CPU): the high half of a lane is already k + 1's weight as an fp32 (a
+ *   bf16 is the top half of an fp32), masked; a 16-bit left shift makes k's. Then the same FMAs,
+ *   in the same order, as the fp32 kernel on the widened weights: 1 load, 1 shift, 1 and, and 2
+ *   FMAs per row for 64 bytes of weights.
+ * - AVX512-BF16 (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later): VDPBF16PS takes
+ *   exactly this layout (pairs in 32-bit lanes) and the inputs as bf16 pairs, one instruction for
+ *   both k. Chosen at run time by cpuid; compiled with a target attribute, so the library stays
+ *   built for -march=native whatever the CPU. The instruction sums k + 1's product, then k's, with
+ *   round-to-nearest and denormals flushed, so it differs from the widening path in fp32
+ *   rounding only.
+ * The inputs x are bf16 values held as fp32 (the activations of a bf16 model are): the widening
+ * path uses them as they are, the BF16 path rounds them to bf16 (exact for such values).
+ * ---------------------------------------------------------------------------------------------- */
+void qwen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp) {
+    const int64_t P = (N + 31) / 32, K2 = (K + 1) / 2;
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t j = 0; j < 32; ++j) {
+            const int64_t n = p * 32 + j;
+            uint16_t *dst = wp + p * K2 * 64 + 2 * j;
+            for (int64_t k = 0; k < 2 * K2; ++k)
+                dst[(k / 2) * 64 + (k & 1)] = n < N && k < K ? w[n * K + k] : 0;
+        }
+}
+
+#if QWEN_AVX512 && (defined(__clang__) ? __clang_major__ >= 12 : (defined(__GNUC__) && __GNUC__ >= 11))
+#define QWEN_DPBF16 1
+#define QWEN_DPBF16_TARGET __attribute__((target("avx512bf16")))
+#else
+#define QWEN_DPBF16 0
+#endif
+
+/* 1 when the products on bf16 weights use AVX512-BF16 dot products here, 0 when they widen. */
+int qwen_bf16_dot_products(void) {
+#if QWEN_DPBF16
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+#if QWEN_DPBF16
+/* panel_block_avx512 on a bf16 panel by VDPBF16PS; xp: the input rows as bf16 pairs (row stride xps). */
+static inline __attribute__((always_inline)) QWEN_DPBF16_TARGET void panel_block_dpbf16(
+        const uint32_t *xp, int64_t xps, const uint16_t *wp, int64_t K2, const float *bias, float *y, int64_t ys,
+        int64_t cols, const int MR) {
+    __mmask16 mask[2] = {lanes_left(cols), lanes_left(cols - 16)};
+    __m512 acc[PANEL_MR][4];
+    for (int64_t k0 = 0; k0 < K2; k0 += PANEL_KB / 2) {   /* the fp32 kernel's k blocks */
+        const int64_t k1 = K2 - k0 < PANEL_KB / 2 ? K2 : k0 + PANEL_KB / 2;
+        for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t kk = k0; kk < k1; ++kk) {
+            PREFETCH_2_LINES(wp + kk * 64);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wp + kk * 64));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wp + kk * 64 + 32));
+            for (int m = 0; m < MR; ++m) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[m * xps + kk]);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, w1);
+            }
+        }
+        panel_store_avx512(acc, k0 == 0, k1 == K2, bias, y, ys, mask, MR, 2);
     }
 }
 
-/* The attention of one layer after its q/k/v projections, fp32: per-head q/k RMSNorm (q_w / k_w;
- * none when NULL) and RoPE at positions (checked by the caller against the table), the keys and
- * values written to the caches (qwen_kv_write), then qwen_slot_attention into out [T, num_heads *
- * head_dim], contiguous. q, k, v: rows of the projections (strides q_s0, k_s0, v_s0; heads
- * contiguous within a row). Both caches have the strides (c_sb, c_sr, c_sh). Metadata trusted.
- * Returns 0, or -1 when scratch memory could not be allocated. */
+/* qwen_linear_packed_bf16 by VDPBF16PS. Returns -1 (nothing written) when scratch memory for the
+ * bf16 pairs of x could not be allocated. */
+static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp,
+                                                   const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                                                   int threads) {
+    (void)threads;   /* without OpenMP */
+    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(M * K2 > 0 ? M * K2 : 1));
+    if (xp == NULL) return -1;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t kk = 0; kk < K2; ++kk) {
+            const float a = round_bf16(x[m * xs + 2 * kk]);
+            const float b = 2 * kk + 1 < K ? round_bf16(x[m * xs + 2 * kk + 1]) : 0.0f;
+            uint32_t ua, ub;
+            memcpy(&ua, &a, 4);
+            memcpy(&ub, &b, 4);
+            xp[m * K2 + kk] = (ua >> 16) | (ub & 0xFFFF0000u);
+        }
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < P; ++p) {
+        const uint16_t *panel = wp + p * K2 * 64;
+        const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+        const float *b = bias == NULL ? NULL : bias + n0;
+        int64_t m = 0;
+        for (; m + PANEL_MR <= M; m += PANEL_MR)
+            panel_block_dpbf16(xp + m * K2, K2, panel, K2, b, y + m * ys + n0, ys, cols, PANEL_MR);
+        const uint32_t *xm = xp + m * K2;
+        float *ym = y + m * ys + n0;
+#define DP_BLOCK(MR_) panel_block_dpbf16(xm, K2, panel, K2, b, ym, ys, cols, MR_)
+        PANEL_ROWS_SWITCH(M - m, DP_BLOCK)
+#undef DP_BLOCK
+    }
+    free(xp);
+    return 0;
+}
+#endif
+
+/* qwen_linear_packed on bf16 weights packed by qwen_pack_panels_bf16 (fp32 x, y and bias). */
+void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp, const float *bias,
+                             int64_t N, int64_t K, float *y, int64_t ys, int64_t threads) {
+#if QWEN_DPBF16
+    if (qwen_bf16_dot_products() && linear_packed_dpbf16(x, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
+#endif
+#if QWEN_AVX512
+    linear_packed_avx512(x, xs, M, wp, bias, N, K, y, ys, 1, (int)threads);
+#else
+    (void)threads;
+    const int64_t P = (N + 31) / 32, K2 = (K + 1) / 2;
+    for (int64_t p = 0; p < P; ++p) {
+        const uint16_t *panel = wp + p * K2 * 64;
+        const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+        const float *b = bias == NULL ? NULL : bias + n0;
+        for (int64_t m = 0; m < M; ++m) {
+            float total[32] = {0};
+            const float *xr = x + m * xs;
+            for (int64_t k0 = 0; k0 < K; k0 += PANEL_KB) {
+                const int64_t k1 = K - k0 < PANEL_KB ? K : k0 + PANEL_KB;
+                float acc[32] = {0};
+                for (int64_t k = k0; k < k1; ++k) {
+                    const float a = xr[k];
+                    const uint16_t *w = panel + (k / 2) * 64 + (k & 1);
+                    for (int j = 0; j < 32; ++j) acc[j] += a * bf16_to_f32(w[2 * j]);
+                }
+                for (int j = 0; j < 32; ++j) total[j] += acc[j];
+            }
+            for (int64_t j = 0; j < cols; ++j) y[m * ys + n0 + j] = total[j] + (b == NULL ? 0.0f : b[j]);
+        }
+    }
+#endif
+}
+
+/* The attention of one layer after its q/k/v projections: per-head q/k RMSNorm (q_w / k_w; none
+ * when NULL) and RoPE at positions (checked by the caller against the table), the keys and values
+ * written to the caches (qwen_kv_write), then qwen_slot_attention into out [T, num_heads *
+ * head_dim], contiguous fp32. q, k, v: fp32 rows of the projections (strides q_s0, k_s0, v_s0;
+ * heads contiguous within a row). Both caches have the strides (c_sb, c_sr, c_sh) and hold fp32,
+ * or bf16 when bf16 != 0: q, k, v then hold bf16 values, the norms and RoPE round as a bf16
+ * model does, and q, k, v and the output go through bf16 rows, as the ops on bf16 tensors (the
+ * same kernels) see them. Metadata trusted. Returns 0, or -1 when scratch memory could not be
+ * allocated. */
+static int attention_block(const float *q, int64_t q_s0, const float *k, int64_t k_s0, const float *v, int64_t v_s0,
+                           int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           const float *q_w, const float *k_w, float eps, const float *rope, int64_t rope_s0,
+                           const int32_t *positions, void *key_cache, void *value_cache, int64_t block_size,
+                           int64_t c_sb, int64_t c_sr, int64_t c_sh, const int32_t *slot_ids,
+                           const int32_t *block_table, int64_t bt_s0, int64_t bt_s1, const int32_t *seq_slots,
+                           const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_seqs, float scale,
+                           float *out, int bf16) {
+    const int64_t D = head_dim, QD = num_heads * D, KD = num_kv_heads * D;
+    /* fp32: qr, kr, tmp; bf16 also: q, k, v and the output as bf16 rows */
+    const size_t floats = (size_t)(T * (QD + KD) + D), halves = bf16 ? (size_t)(T * (2 * QD + 2 * KD)) : 0;
+    float *buf = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves);
+    if (buf == NULL) return -1;
+    float *qr = buf, *kr = qr + T * QD, *tmp = kr + T * KD;
+    qk_norm_rope_rows(q, q_s0, D, num_heads, k, k_s0, D, num_kv_heads, q_w, k_w, eps, rope, rope_s0, positions,
+                      qr, kr, T, D, tmp, bf16);
+    int status;
+    if (!bf16) {
+        qwen_kv_write(kr, v, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 4,
+                      KD, D, v_s0, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        status = qwen_slot_attention(qr, out, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                                     seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 0,
+                                     scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+    } else {
+        uint16_t *qb = (uint16_t *)(buf + floats), *kb = qb + T * QD, *vb = kb + T * KD, *ob = vb + T * KD;
+        for (int64_t t = 0; t < T; ++t) {
+            store_row(qb, t * QD, 2, QD, qr + t * QD);
+            store_row(kb, t * KD, 2, KD, kr + t * KD);
+            store_row(vb, t * KD, 2, KD, v + t * v_s0);
+        }
+        qwen_kv_write(kb, vb, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 2,
+                      KD, D, KD, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        status = qwen_slot_attention(qb, ob, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                                     seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 2,
+                                     scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
+        if (status == 0)
+            for (int64_t t = 0; t < T; ++t) load_row(ob, t * QD, 2, QD, out + t * QD);
+    }
+    free(buf);
+    return status;
+}
+
 int qwen_attention_block(const float *q, int64_t q_s0, const float *k, int64_t k_s0, const float *v, int64_t v_s0,
                          int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          const float *q_w, const float *k_w, float eps, const float *rope, int64_t rope_s0,
@@ -647,23 +1079,14 @@ int qwen_attention_block(const float *q, int64_t q_s0, const float *k, int64_t k
                          const int32_t *block_table, int64_t bt_s0, int64_t bt_s1, const int32_t *seq_slots,
                          const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_seqs, float scale,
                          float *out) {
-    const int64_t D = head_dim, QD = num_heads * D, KD = num_kv_heads * D;
-    float *buf = malloc(sizeof(float) * (size_t)(T * (QD + KD) + D));
-    if (buf == NULL) return -1;
-    float *qr = buf, *kr = qr + T * QD, *tmp = kr + T * KD;
-    qwen_qk_norm_rope(q, q_s0, D, num_heads, k, k_s0, D, num_kv_heads, q_w, k_w, eps, rope, rope_s0, positions,
-                      qr, kr, T, D, tmp);
-    qwen_kv_write(kr, v, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 4,
-                  KD, D, v_s0, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-    const int status = qwen_slot_attention(qr, out, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                                           seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 0,
-                                           scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-    free(buf);
-    return status;
+    return attention_block(q, q_s0, k, k_s0, v, v_s0, T, num_heads, num_kv_heads, head_dim, q_w, k_w, eps, rope,
+                           rope_s0, positions, key_cache, value_cache, block_size, c_sb, c_sr, c_sh, slot_ids,
+                           block_table, bt_s0, bt_s1, seq_slots, query_start_loc, seq_lens, num_seqs, scale, out, 0);
 }
 
 /* Per-layer weight addresses, in this order, NULL where the model has none (biases of Qwen3,
- * q/k norms of Qwen2). Every matrix [out_features, in_features] is packed (qwen_pack_panels). */
+ * q/k norms of Qwen2). Every matrix [out_features, in_features] is packed (qwen_pack_panels, or
+ * qwen_pack_panels_bf16 for a bf16 model); vectors (norm weights, biases) are fp32. */
 enum {
     W_INPUT_NORM, W_Q, B_Q, W_K, B_K, W_V, B_V, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE, W_UP, W_DOWN,
     W_PER_LAYER
@@ -671,16 +1094,55 @@ enum {
 
 int64_t qwen_dense_weights_per_layer(void) { return W_PER_LAYER; }
 
-/* The dense Qwen2/Qwen3 forward of T tokens (fp32 weights, activations and caches), in place on
- * the residual stream h [T, hidden] (the embeddings in; overwritten), ending in the logits
- * [num_rows, vocab] of the rows h[rows[r]]. weights: [num_layers, W_PER_LAYER] addresses;
- * caches: [num_layers, 2] addresses of each layer's key and value cache, all of one shape and
- * these strides (elements): [num_blocks, block_size, num_kv_heads, head_dim]. Attention metadata
- * as for qwen_kv_write and qwen_slot_attention, trusted (the caller validates it).
+/* Where qwen_dense_forward's time goes, in seconds, accumulated into timings[] when given. */
+enum { T_PRODUCTS, T_LM_HEAD, T_ATTENTION, T_OTHER, T_COUNT };
+
+static inline double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Adds the time since *t0 to timings[slot] (when timings is given) and restarts the clock. */
+static inline void lap(double *timings, int slot, double *t0) {
+    if (timings == NULL) return;
+    const double t = seconds_now();
+    timings[slot] += t - *t0;
+    *t0 = t;
+}
+
+/* y = x w^T (+ bias) on packed weights of either dtype; bf16 != 0: the result rounded to bf16, as
+ * torch's bf16 linear rounds its fp32 accumulation (bias included) once. */
+static void linear(const float *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
+                   float *y, int64_t ys, int bf16, int64_t threads) {
+    if (!bf16) {
+        qwen_linear_packed(x, xs, M, (const float *)wp, bias, N, K, y, ys, threads);
+        return;
+    }
+    qwen_linear_packed_bf16(x, xs, M, (const uint16_t *)wp, bias, N, K, y, ys, threads);
+    for (int64_t m = 0; m < M; ++m) {
+        float *row = y + m * ys;
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) row[n] = round_bf16(row[n]);
+    }
+}
+
+/* The dense Qwen2/Qwen3 forward of T tokens, in place on the residual stream h [T, hidden] (the
+ * embeddings in, fp32; overwritten), ending in the fp32 logits [num_rows, vocab] of the rows
+ * h[rows[r]]. dtype 0: fp32 weights and caches. dtype 2: a bf16 model: bf16 packed matrices and
+ * caches, and every activation rounded to bf16 where the model's bf16 forward rounds it (h and
+ * the logits then hold bf16 values); products and norms compute in fp32 as torch's do.
+ * weights: [num_layers, W_PER_LAYER] addresses; caches: [num_layers, 2] addresses of each layer's
+ * key and value cache, all of one shape and these strides (elements): [num_blocks, block_size,
+ * num_kv_heads, head_dim]. rope: fp32 [max_pos, head_dim] (cos | sin), already rounded to bf16
+ * for dtype 2. Attention metadata as for qwen_kv_write and qwen_slot_attention, trusted (the
+ * caller validates it). timings: NULL, or T_COUNT doubles that the seconds spent in the layers'
+ * products, the lm_head, attention and everything else are added to. threads: how many threads
+ * the products split across (OpenMP builds; the rest runs on the calling thread).
  *
  * Returns 0; -1 when scratch memory could not be allocated, -2 when a position is outside the
- * RoPE table [0, max_pos), -3 when a row index is outside [0, T): both checked before anything
- * is written. */
+ * RoPE table [0, max_pos), -3 when a row index is outside [0, T), -4 for a dtype other than 0 or
+ * 2: all checked before anything is written. */
 int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t *caches,
                        int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                        float eps, float scale, float *h, int64_t T, const int32_t *positions,
@@ -688,12 +1150,15 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
                        const int32_t *slot_ids, const int32_t *block_table, int64_t bt_s0, int64_t bt_s1,
                        const int32_t *seq_slots, const int32_t *query_start_loc, const int32_t *seq_lens,
                        int64_t num_seqs, int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
-                       const int64_t *rows, int64_t num_rows, const float *final_norm, const float *lm_head,
-                       int64_t vocab, float *logits) {
+                       const int64_t *rows, int64_t num_rows, const float *final_norm, const void *lm_head,
+                       int64_t vocab, float *logits, int dtype, double *timings, int64_t threads) {
     for (int64_t t = 0; t < T; ++t)
         if (positions[t] < 0 || positions[t] >= max_pos) return -2;
     for (int64_t r = 0; r < num_rows; ++r)
         if (rows[r] < 0 || rows[r] >= T) return -3;
+    if (dtype != 0 && dtype != 2) return -4;
+    const int bf16 = dtype == 2;
+    double t0 = timings == NULL ? 0.0 : seconds_now();
     const int64_t H = hidden, QD = num_heads * head_dim, KD = num_kv_heads * head_dim, I = inter;
     /* x: normed rows; q, k, v: projections; o: attention out; proj: o_proj / down_proj out; g, u: MLP */
     const int64_t need = T * (2 * H + 2 * QD + 2 * KD + 2 * I) + num_rows * H;
@@ -703,28 +1168,44 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
     float *proj = o + T * QD, *g = proj + T * H, *u = g + T * I, *xf = u + T * I;
     int status = 0;
     for (int64_t l = 0; l < num_layers && status == 0; ++l) {
-        const float *const *W = (const float *const *)(weights + l * W_PER_LAYER);
-        float *kc = (float *)caches[2 * l], *vc = (float *)caches[2 * l + 1];
-        qwen_rms_norm(h, H, NULL, 0, NULL, 0, W[W_INPUT_NORM], x, H, T, H, eps);
-        qwen_linear_packed(x, H, T, W[W_Q], W[B_Q], QD, H, q, QD);
-        qwen_linear_packed(x, H, T, W[W_K], W[B_K], KD, H, k, KD);
-        qwen_linear_packed(x, H, T, W[W_V], W[B_V], KD, H, v, KD);
-        status = qwen_attention_block(q, QD, k, KD, v, KD, T, num_heads, num_kv_heads, head_dim, W[W_Q_NORM],
-                                      W[W_K_NORM], eps, rope, rope_s0, positions, kc, vc, block_size, c_sb, c_sr,
-                                      c_sh, slot_ids, block_table, bt_s0, bt_s1, seq_slots, query_start_loc,
-                                      seq_lens, num_seqs, scale, o);
-        qwen_linear_packed(o, QD, T, W[W_O], W[B_O], H, QD, proj, H);
-        qwen_rms_norm(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps);   /* h = h + attn, x = norm(h) */
-        qwen_linear_packed(x, H, T, W[W_GATE], NULL, I, H, g, I);
-        qwen_linear_packed(x, H, T, W[W_UP], NULL, I, H, u, I);
-        qwen_silu_mul(g, I, u, I, g, T, I);
-        qwen_linear_packed(g, I, T, W[W_DOWN], NULL, H, I, proj, H);
-        for (int64_t i = 0; i < T * H; ++i) h[i] += proj[i];
+        const void *const *W = (const void *const *)(weights + l * W_PER_LAYER);
+        void *kc = (void *)caches[2 * l], *vc = (void *)caches[2 * l + 1];
+        rms_norm_rows(h, H, NULL, 0, NULL, 0, W[W_INPUT_NORM], x, H, T, H, eps, bf16);
+        lap(timings, T_OTHER, &t0);
+        linear(x, H, T, W[W_Q], W[B_Q], QD, H, q, QD, bf16, threads);
+        linear(x, H, T, W[W_K], W[B_K], KD, H, k, KD, bf16, threads);
+        linear(x, H, T, W[W_V], W[B_V], KD, H, v, KD, bf16, threads);
+        lap(timings, T_PRODUCTS, &t0);
+        status = attention_block(q, QD, k, KD, v, KD, T, num_heads, num_kv_heads, head_dim, W[W_Q_NORM],
+                                 W[W_K_NORM], eps, rope, rope_s0, positions, kc, vc, block_size, c_sb, c_sr,
+                                 c_sh, slot_ids, block_table, bt_s0, bt_s1, seq_slots, query_start_loc,
+                                 seq_lens, num_seqs, scale, o, bf16);
+        lap(timings, T_ATTENTION, &t0);
+        linear(o, QD, T, W[W_O], W[B_O], H, QD, proj, H, bf16, threads);
+        lap(timings, T_PRODUCTS, &t0);
+        rms_norm_rows(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps, bf16);   /* h = h + attn, x = norm(h) */
+        lap(timings, T_OTHER, &t0);
+        linear(x, H, T, W[W_GATE], NULL, I, H, g, I, bf16, threads);
+        linear(x, H, T, W[W_UP], NULL, I, H, u, I, bf16, threads);
+        lap(timings, T_PRODUCTS, &t0);
+        silu_mul_rows(g, I, u, I, g, T, I, bf16);
+        lap(timings, T_OTHER, &t0);
+        linear(g, I, T, W[W_DOWN], NULL, H, I, proj, H, bf16, threads);
+        lap(timings, T_PRODUCTS, &t0);
+        if (bf16) {
+#pragma omp simd
+            for (int64_t i = 0; i < T * H; ++i) h[i] = round_bf16(h[i] + proj[i]);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < T * H; ++i) h[i] += proj[i];
+        }
     }
     if (status == 0) {
         for (int64_t r = 0; r < num_rows; ++r)
-            qwen_rms_norm(h + rows[r] * H, H, NULL, 0, NULL, 0, final_norm, xf + r * H, H, 1, H, eps);
-        qwen_linear_packed(xf, H, num_rows, lm_head, NULL, vocab, H, logits, vocab);
+            rms_norm_rows(h + rows[r] * H, H, NULL, 0, NULL, 0, final_norm, xf + r * H, H, 1, H, eps, bf16);
+        lap(timings, T_OTHER, &t0);
+        linear(xf, H, num_rows, lm_head, NULL, vocab, H, logits, vocab, bf16, threads);
+        lap(timings, T_LM_HEAD, &t0);
     }
     free(buf);
     return status == 0 ? 0 : -1;

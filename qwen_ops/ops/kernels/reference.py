@@ -177,3 +177,6 @@ def slot_attention_reference(query, key_cache, value_cache, block_table, seq_slo
 # The state ops of hybrid models (causal_conv1d, gated_delta_rule) have their reference kernels
 # in reference_gated_delta.py; they are re-exported here so every backend module has the same names.
 from qwen_ops.ops.kernels.reference_gated_delta import causal_conv1d_reference, gated_delta_rule_reference  # noqa: E402,F401
+
+# fused_moe's reference kernel lives in reference_moe.py, re-exported here like the state ops.
+from qwen_ops.ops.kernels.reference_moe import fused_moe_reference  # noqa: E402,F401

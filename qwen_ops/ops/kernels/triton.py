@@ -494,3 +494,9 @@ def gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc,
     from qwen_ops.ops.kernels import triton_gated_delta
     return triton_gated_delta.gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
                                                  scale)
+
+
+def fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """See ``qwen_ops.ops.kernels.triton_moe.fused_moe_triton`` (imported on first call, as above)."""
+    from qwen_ops.ops.kernels import triton_moe
+    return triton_moe.fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids)
