@@ -125,8 +125,8 @@ class ModelRunner:
                 raise ValueError(f"compile_backend='tensorrt' needs a CUDA device, got device {device}")
             compile = True
         self.compiled = compile
-        # Resolve the kernels now: the cpu backend compiles its C kernels on first use (about a
-        # second, once per machine), which the first request would otherwise wait for.
+        # Resolve the kernels now: the cpu backend compiles its C kernels on first use (a few seconds,
+        # once per machine), which the first request would otherwise wait for.
         for op in ("kv_write", "slot_attention"):
             resolve_backend(device, op, "decode")
         # The native CPU executor packs its weights now, not on the first request.
