@@ -9,7 +9,9 @@
 4. times a Qwen3-0.6B-shaped model with random bf16 weights: per-step decode latency at batch
    1, 8 and 64 (eager, compiled, CUDA graph), end-to-end throughput for 256 requests, and the
    floor (weight bytes / measured copy bandwidth);
-5. writes the table to benchmarks/results/.
+5. with 2 GPUs visible, runs LLM(tensor_parallel_size=2) (NCCL, CUDA graphs) against one
+   process on a tiny model: same greedy tokens, tok/s of each;
+6. writes the table to benchmarks/results/.
 
 Usage on the GPU machine, from the repo root (no network; the preinstalled torch):
     pip install --no-deps --no-build-isolation -e .
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -276,6 +279,54 @@ def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) 
         f"{n_out / elapsed:.0f} output tokens/s, stats {llm.stats()}")
 
 
+def tensor_parallel_check(device: torch.device, smoke: bool, model_dir: Optional[Path] = None) -> int:
+    """``LLM(tensor_parallel_size=2)`` against one process on a tiny random Qwen3 (greedy tokens
+    must match), when 2 GPUs are visible (NCCL, CUDA graphs) or, with ``--smoke``, on the CPU (gloo
+    and shared memory). Returns 1 on a mismatch or failure."""
+    import json
+    import tempfile
+
+    from qwen_ops import LLM, SamplingParams
+    from safetensors.torch import save_file
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        say(f"\n## Tensor parallelism\nskipped: {torch.cuda.device_count()} GPU visible, 2 needed")
+        return 0
+    say("\n## Tensor parallelism (tp=2 vs 1 process, tiny random Qwen3, greedy)")
+    tmp = Path(tempfile.mkdtemp(prefix="qwen3_tp_"))
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], max_position_embeddings=512,
+               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+               eos_token_id=1, bos_token_id=0, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1024)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    from qwen_ops.models.config import QwenConfig
+    from qwen_ops.models.dense import QwenForCausalLM
+
+    with torch.device("meta"):
+        skeleton = QwenForCausalLM(QwenConfig.from_pretrained(tmp))
+    g = torch.Generator().manual_seed(0)
+    save_file({n: torch.randn(p.shape, generator=g) * (0.08 if p.dim() == 2 else 0.0) + (p.dim() == 1)
+               for n, p in skeleton.named_parameters()}, str(tmp / "model.safetensors"))
+    prompts = [[3 + (7 * i + j) % 1000 for j in range(16 + i)] for i in range(8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rows, tokens = [], {}
+    for tp in (1, 2):
+        llm = LLM(tmp, tensor_parallel_size=tp, device=str(device), max_model_len=256, max_num_seqs=8)
+        try:
+            llm.generate(prompts[:1], sp)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+        finally:
+            llm.shutdown()
+        tokens[tp] = [o.outputs[0].token_ids for o in outs]
+        rows.append(f"| {tp} | {len(prompts) * 32 / dt:.0f} |")
+    same = sum(a == b for a, b in zip(tokens[1], tokens[2]))
+    say("| tensor_parallel_size | tok/s |\n|---|---|\n" + "\n".join(rows))
+    say(f"same greedy tokens: {same}/{len(prompts)}")
+    return 0 if same == len(prompts) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-tests", action="store_true")
@@ -317,6 +368,11 @@ def main() -> int:
     moe_throughput(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
     model_timings(device, args.smoke, reps, copy_bw)
+    try:
+        status |= tensor_parallel_check(device, args.smoke)
+    except Exception as e:          # report and go on: the table above is still worth writing
+        say(f"tensor parallelism FAILED: {type(e).__name__}: {e}")
+        status |= 1
     out = args.out or ROOT / "benchmarks" / "results" / f"device_check_{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(LINES) + "\n")
