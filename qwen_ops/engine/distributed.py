@@ -40,12 +40,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from qwen_ops.models.parallel import TPGroup
+from qwen_ops.ops.shm_collectives import spin_until, timeout_s
 
-DEFAULT_TIMEOUT_S = 60.0
+# How long a rank waits for the others (QWEN_OPS_TP_TIMEOUT_S, default 60 s): one definition.
+tp_timeout_s = timeout_s
 
 
-def tp_timeout_s() -> float:
-    return float(os.environ.get("QWEN_OPS_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 class TensorParallelError(RuntimeError):
@@ -151,19 +151,8 @@ class ShmChannel:
         self.capacity = self.t.numel() - self.HEADER
 
     def _wait(self, done, alive=None) -> None:
-        spins, deadline, pause = 0, None, 0.00002
-        while not done():
-            spins += 1
-            if spins < 20000:
-                continue
-            if deadline is None:
-                deadline = time.monotonic() + tp_timeout_s()
-            if alive is not None:
-                alive()
-            if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel channel: no progress within {tp_timeout_s():.0f} s")
-            time.sleep(pause)
-            pause = min(0.001, pause * 2)       # idle: back off to 1 ms polls
+        spin_until(done, lambda: TensorParallelError(
+            f"tensor-parallel channel: no progress within {tp_timeout_s():.0f} s"), alive)
 
     def send(self, message: tuple, alive=None) -> None:
         import pickle

@@ -536,12 +536,17 @@ class QwenEngine:
         for i, (s, p) in enumerate(zip(slot_ids, params)):
             if gens[i] is None and p.seed is not None and not p.greedy:
                 gens[i] = self._slots[s].generator = p.make_generator(self.device)
-        tokens = sample(logits, params, gens)
+        return self.share_sampled(sample(logits, params, gens)).tolist()
+
+    def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Under torchrun (every rank samples), rank 0's ``tokens`` on every rank, so that random
+        sampling cannot diverge; as they are otherwise (one process, or in-process workers, which
+        do not sample)."""
         if self.tp is not None and getattr(self, "_tp_workers", None) is None:
             from qwen_ops.engine.distributed import broadcast_tokens
 
-            broadcast_tokens(tokens, self.tp)       # torchrun: every rank takes rank 0's tokens
-        return tokens.tolist()
+            broadcast_tokens(tokens, self.tp)
+        return tokens
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless

@@ -18,6 +18,7 @@ A message larger than a slot goes through ``torch.distributed`` instead (the sam
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +31,27 @@ DEFAULT_SLOT_BYTES = 32 << 20
 def timeout_s() -> float:
     """How long a rank waits for the others (``QWEN_OPS_TP_TIMEOUT_S``, default 60 s)."""
     return float(os.environ.get("QWEN_OPS_TP_TIMEOUT_S", 60.0))
+
+
+def spin_until(done: Callable[[], bool], timed_out: Callable[[], BaseException],
+               alive: Optional[Callable[[], None]] = None, max_pause: float = 0.001) -> None:
+    """Poll ``done()`` until it is true: spin first (the other side is usually a few microseconds
+    away), then sleep between polls, backing off to ``max_pause``, so that a rank that waits long
+    stops burning the core the other needs. ``alive()`` (may raise) runs at each sleep; past
+    ``timeout_s()`` of sleeping, ``timed_out()`` is raised."""
+    spins, deadline, pause = 0, None, min(0.00002, max_pause)
+    while not done():
+        spins += 1
+        if spins < 20000:
+            continue
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s()
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            raise timed_out()
+        time.sleep(pause)
+        pause = min(max_pause, pause * 2)
 
 
 def workspace_bytes(world_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
@@ -63,17 +85,9 @@ def _exchange(x: torch.Tensor, workspace: torch.Tensor, rank: int, world_size: i
     n = src.numel()
     workspace[base + rank * slot:base + rank * slot + n].copy_(src)
     counters[rank] = seq                           # x86 keeps store order: the data is visible first
-    spins, deadline = 0, None
-    while counters.min() < seq:
-        spins += 1
-        if spins > 20000:                        # another rank is busy: stop burning its core
-            time.sleep(0.00005)
-            if deadline is None:
-                deadline = time.monotonic() + timeout_s()
-            elif time.monotonic() > deadline:
-                late = [r for r in range(world_size) if int(counters[r]) < seq]
-                raise RuntimeError(f"shm collective: rank(s) {late} did not arrive within {timeout_s():.0f} s "
-                                   "(a tensor-parallel worker died or hangs)")
+    spin_until(lambda: counters.min() >= seq, lambda: RuntimeError(
+        f"shm collective: rank(s) {[r for r in range(world_size) if int(counters[r]) < seq]} did not arrive "
+        f"within {timeout_s():.0f} s (a tensor-parallel worker died or hangs)"), max_pause=0.00005)
     return [workspace[base + r * slot:base + r * slot + n].view(x.dtype).view(x.shape) for r in range(world_size)]
 
 

@@ -23,7 +23,6 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from qwen_ops.engine.batch import RequestId
-from qwen_ops.engine.distributed import broadcast_tokens
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
@@ -390,9 +389,8 @@ class LLM:
                 picked = picked.clone()
                 for i, q in masked:
                     picked[i, list(q.stop_ids)] = float("-inf")
-            tokens_t = sample(picked, [q.sampling for q in reqs], [q.generator for q in reqs])
-            if self.engine.tp is not None and getattr(self.engine, "_tp_workers", None) is None:
-                broadcast_tokens(tokens_t, self.engine.tp)     # torchrun: every rank takes rank 0's tokens
+            tokens_t = self.engine.share_sampled(sample(picked, [q.sampling for q in reqs],
+                                                        [q.generator for q in reqs]))
             tokens = tokens_t.tolist()
             sampled = {q.request_id: t for q, t in zip(reqs, tokens)}
             want = [i for i, q in enumerate(reqs) if q.sampling.logprobs is not None]

@@ -33,9 +33,6 @@ class CompletionOutput:
     cumulative_logprob: Optional[float] = None  # with SamplingParams.logprobs set
     logprobs: Optional[list[dict[int, Logprob]]] = None   # per generated token: sampled + top-k
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestMetrics:

@@ -86,8 +86,7 @@ class Request:
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)
-        return (self.prompt_token_ids[start:stop] if stop <= n
-                else (self.prompt_token_ids + self.output_token_ids)[start:stop])
+        return self.prompt_token_ids[start:stop] if stop <= n else self.all_token_ids()[start:stop]
 
     @property
     def finished(self) -> bool:
@@ -346,10 +345,6 @@ class Scheduler:
         if budget.total_tokens() != plan.total_tokens() or len(plan.decode_tasks) > cfg.max_num_seqs:
             raise AssertionError("plan and budget disagree")
         self.engine.check_block_accounting()     # reference counts, free list, shared blocks
-        owned: dict[int, int] = {}
-        for slot_id in range(self.engine.num_slots):
-            for b in self.engine.slot_blocks(slot_id):
-                owned.setdefault(b, slot_id)
         for name, queue in (("waiting", self.waiting), ("swapped", self.swapped)):
             arrivals = [r.arrival for r in queue]
             if arrivals != sorted(arrivals):
