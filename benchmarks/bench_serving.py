@@ -14,10 +14,12 @@ UTF-8 character is incomplete); ITL the gaps between later chunks; TPOT (E2E - T
 (output tokens - 1); E2E send to the last byte.
 
 ``--offline`` then runs the same workload (a fresh set of random prompts of the same shape, so that
-neither side hits the other's prefix cache) through ``qwen_ops.LLM.generate`` in this process (the
-launched server's own ``LLM`` with ``--launch``, so weights and settings are the same) and
-prints server / offline output throughput, and the offline first-token time (16 prompts one at a
-time through ``LLM.stream``, paced at ``--request-rate`` like the server's) beside the server's
+neither side hits the other's prefix cache) through ``qwen_ops.LLM.generate`` in this process (an
+``LLM`` with the server's checkpoint and settings; with ``--launch --no-engine-process``, the
+server's own) and prints server / offline output throughput; and, for the first-token time, feeds
+another such set to that ``LLM`` on the clients' arrival schedule (``add_request`` when a request
+is due, ``step()`` otherwise), so that a request shares its first step with the requests still
+decoding on both sides. Its median first-token time is printed beside the server's median
 TTFT. Figures go in benchmarks/README.md.
 """
 
@@ -27,15 +29,17 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 import httpx
 
@@ -58,19 +62,82 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict) -> RequestResult:
+class RawHTTP:
+    """The benchmark's HTTP/1.1 client: keep-alive connections over asyncio streams, the chunked
+    body handed back as it arrives. It does the least a client can (vLLM's benchmark uses aiohttp,
+    C-accelerated, for the same reason): a client on the server's machine takes CPU from it, and
+    its own per-request cost lands in every TTFT it reports."""
+
+    def __init__(self, base_url: str):
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"base_url = {base_url!r}, expected http://host:port/...")
+        self.host, self.port, self.prefix = url.hostname, url.port or 80, url.path.rstrip("/")
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, headers: dict, body: bytes) -> AsyncIterator:
+        """Yields the status code, then the body's pieces (de-chunked) as they arrive."""
+        head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode() + body
+        while True:
+            # An idle connection the server has closed since (keep-alive timeout) fails before
+            # any response: drop it and take the next, as httpx and aiohttp do.
+            stale = bool(self._idle)
+            reader, writer = self._idle.pop() if stale else await asyncio.open_connection(self.host, self.port)
+            try:
+                writer.write(head)
+                status_line = await reader.readline()
+            except ConnectionError:
+                status_line = b""
+            if status_line or not stale:
+                break
+            writer.close()
+        reusable = False
+        try:
+            if not status_line:
+                raise ConnectionError("the server closed the connection")
+            yield int(status_line.split()[1])
+            fields = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                fields[name.strip().lower()] = value.strip().lower()
+            if fields.get("transfer-encoding") == "chunked":
+                while size := int((await reader.readline()).split(b";")[0], 16):
+                    yield await reader.readexactly(size)
+                    await reader.readexactly(2)
+                await reader.readline()
+            else:
+                yield await reader.readexactly(int(fields.get("content-length", 0)))
+            reusable = fields.get("connection") != "close"
+        finally:
+            if reusable:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def _one(client: RawHTTP, path: str, headers: dict, body: dict, timeout: float) -> RequestResult:
     """One streamed request. The SSE events are split from raw bytes and only the usage and error
     events are parsed as JSON: the client should cost the machine little next to the server."""
     res = RequestResult(prompt_len=len(body["prompt"]))
+    payload = json.dumps(body).encode()
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with asyncio.timeout(timeout):
+            pieces = client.post(path, headers, payload)
+            status = await anext(pieces)
+            if status != 200:
+                res.error = f"HTTP {status}: {b''.join([p async for p in pieces])[:200]!r}"
                 return res
             pending = b""
-            async for data in resp.aiter_raw():
+            async for data in pieces:
                 now = time.perf_counter()
                 *events, pending = (pending + data).split(b"\n\n")
                 for event in events:
@@ -89,7 +156,7 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict) -
                         res.output_tokens = json.loads(event[6:])["usage"]["completion_tokens"]
         res.e2e = time.perf_counter() - start
         res.ok = res.ttft > 0
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+    except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, KeyError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
@@ -98,10 +165,9 @@ async def run_clients(base_url: str, api_key: Optional[str], model: str, prompts
                       output_len: int, request_rate: float, seed: int, timeout: float
                       ) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = base_url.rstrip("/") + "/completions"
     rng = random.Random(seed + 1)
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    client = RawHTTP(base_url)
+    try:
         tasks = []
         start = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -109,9 +175,11 @@ async def run_clients(base_url: str, api_key: Optional[str], model: str, prompts
                 await asyncio.sleep(rng.expovariate(request_rate))
             body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0, "stream": True,
                     "ignore_eos": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(_one(client, url, headers, body)))
+            tasks.append(asyncio.create_task(_one(client, "/completions", headers, body, timeout)))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+    finally:
+        client.close()
 
 
 def _ms(values: list[float]) -> tuple[float, float, float]:
@@ -160,12 +228,13 @@ def report(results: list[RequestResult], duration: float, request_rate: float) -
     return {"output_throughput": out_tokens / duration, "ttft": stats["TTFT"], "ok": len(ok)}
 
 
-def run_offline(llm, prompts: list[list[int]], output_len: int, alone: list[list[int]], request_rate: float,
+def run_offline(llm, prompts: list[list[int]], output_len: int, paced: list[list[int]], request_rate: float,
                 seed: int) -> dict:
-    """The workload through ``LLM.generate``, then the first-token time of each of ``alone`` (other
-    prompts, so none is in the prefix cache) run one at a time through ``LLM.stream``, paced like
-    the server's requests (Poisson at ``request_rate``): a request after an idle second finds
-    colder caches than one right after another, on either path."""
+    """The workload through ``LLM.generate``; then the first-token times of ``paced`` (other
+    prompts of the same shape, so none is in the prefix cache) fed to the same ``LLM`` on the
+    server's arrival schedule (Poisson at ``request_rate``, the clients' seed): a request joins
+    the next ``step()`` after it arrives, and shares it with the requests still decoding, as on
+    the server. Only HTTP, JSON and the engine process's pipe are missing."""
     from qwen_ops import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -173,25 +242,44 @@ def run_offline(llm, prompts: list[list[int]], output_len: int, alone: list[list
     outs = llm.generate(prompts, params)
     duration, cpu = time.perf_counter() - start, time.thread_time() - cpu
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    firsts = []
-    rng = random.Random(seed + 1)
-    for i, p in enumerate(alone):
-        if i and request_rate != float("inf"):
-            time.sleep(rng.expovariate(request_rate))
-        t0 = time.perf_counter()
-        stream = llm.stream([p], params)
-        next(iter(stream))
-        firsts.append(time.perf_counter() - t0)
-        stream.close()
+    firsts = _paced_first_tokens(llm, paced, params, request_rate, seed)
     in_tokens = sum(len(p) for p in prompts)
     print(f"{' Offline LLM.generate (same workload) ':=^50}")
     print(f"{'Benchmark duration (s):':<40}{duration:<10.2f}")
     print(f"{'CPU (s):':<40}{cpu:<10.3f}")
     print(f"{'Output token throughput (tok/s):':<40}{out_tokens / duration:<10.2f}")
     print(f"{'Total Token throughput (tok/s):':<40}{(in_tokens + out_tokens) / duration:<10.2f}")
-    print(f"{'Median first token, one at a time (ms):':<40}{1000 * statistics.median(firsts):<10.2f}")
+    print(f"{'Median first token, same arrivals (ms):':<40}{1000 * statistics.median(firsts):<10.2f}")
     print(LINE)
     return {"output_throughput": out_tokens / duration, "first_token": statistics.median(firsts)}
+
+
+def _paced_first_tokens(llm, prompts: list[list[int]], params, request_rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed + 1)                   # run_clients' schedule
+    due, t = [], 0.0
+    for i in range(len(prompts)):
+        if i and request_rate != float("inf"):
+            t += rng.expovariate(request_rate)
+        due.append(t)
+    start = time.perf_counter()
+    added: dict[str, float] = {}
+    firsts: dict[str, float] = {}
+    nxt = 0
+    while nxt < len(prompts) or llm.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while nxt < len(prompts) and due[nxt] <= now:
+            rid = llm.add_request(prompts[nxt], params, request_id=f"paced-{nxt}")
+            # From when it was due, as a client's clock starts at send: one that falls due during a
+            # step waits for that step here, as it does in the server's engine loop.
+            added[rid] = start + due[nxt]
+            nxt += 1
+        if llm.has_unfinished_requests():
+            for out in llm.step():
+                if out.request_id not in firsts and out.outputs[0].token_ids:
+                    firsts[out.request_id] = time.perf_counter() - added[out.request_id]
+        elif nxt < len(prompts):
+            time.sleep(max(0.0, due[nxt] - (time.perf_counter() - start)))
+    return list(firsts.values())
 
 
 def measure(args, base_url: str, model: str, prompts: list[list[int]], output_len: int, seed: int
@@ -226,6 +314,24 @@ def _thread_cpu(thread) -> Optional[float]:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+def _core_cpu_reader(engine):
+    """A function giving the CPU seconds of the engine loop: its thread here, or its process."""
+    core = engine._core
+    if getattr(core, "process", None) is not None:
+        path = Path(f"/proc/{core.process.pid}/stat")
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+        def process_cpu() -> Optional[float]:
+            try:
+                fields = path.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return None
+            return (int(fields[11]) + int(fields[12])) / tick      # utime + stime
+        return process_cpu
+    thread = getattr(core, "thread", None)
+    return lambda: _thread_cpu(thread)
+
+
 @contextlib.contextmanager
 def launched(args):
     """An in-process server on a free loopback port (``--launch``): yields its base URL, the
@@ -234,7 +340,7 @@ def launched(args):
     from qwen_ops.serving.openai import ServerThread, build_app, default_served_model_name
 
     engine = AsyncLLM.from_pretrained(args.checkpoint, max_num_seqs=args.max_num_seqs,
-                                      max_model_len=args.max_model_len)
+                                      max_model_len=args.max_model_len, engine_process=args.engine_process)
     try:
         app = build_app(engine, served_model_name=default_served_model_name(args.checkpoint), api_key=args.api_key)
         with ServerThread(app, host="127.0.0.1", port=0, log_level="warning") as server:
@@ -252,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, help="with --launch/--offline: checkpoint dir (default: embedded)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="with --launch/--offline")
     ap.add_argument("--max-model-len", type=int, default=None, help="with --launch/--offline")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --launch: the engine core in its own process (default) or on a thread here")
     ap.add_argument("--offline", action="store_true", help="also run the workload through LLM.generate and compare")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -273,11 +381,12 @@ def main(argv=None) -> int:
         ap.error(f"--request-rate = {args.request_rate}, expected > 0 (inf: all at once)")
 
     with contextlib.ExitStack() as stack:
-        llm = server_thread = engine_thread = None
+        llm = server_thread = None
+        engine_cpu = lambda: None        # noqa: E731 - CPU seconds of the engine loop, where readable
         if args.launch:
             base_url, engine, server_thread = stack.enter_context(launched(args))
-            llm = engine.llm
-            engine_thread = getattr(engine, "_thread", None)      # AsyncLLM's loop (diagnostics only)
+            llm = engine.llm                 # None when the engine core runs in its own process
+            engine_cpu = _core_cpu_reader(engine)
         else:
             base_url = args.base_url
         if args.offline and llm is None:
@@ -299,7 +408,7 @@ def main(argv=None) -> int:
             llm.generate(prompts(1)[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         ratios, ttft_gaps = [], []
         for rep in range(args.repeats):
-            cpu_before = _thread_cpu(server_thread), _thread_cpu(engine_thread)
+            cpu_before = _thread_cpu(server_thread), engine_cpu()
             results, duration = measure(args, base_url, model, prompts(2 + 2 * rep), args.output_len, args.seed + rep)
             served = report(results, duration, args.request_rate)
             if None not in cpu_before:
@@ -309,10 +418,10 @@ def main(argv=None) -> int:
                 tokens = sum(r.output_tokens for r in results if r.ok)
                 print(f"{'Server event-loop CPU (s):':<40}{loop_cpu:<10.3f}")
                 print(f"{'Server event-loop CPU per token (us):':<40}{1e6 * loop_cpu / max(tokens, 1):<10.1f}")
-                print(f"{'Engine thread CPU (s):':<40}{_thread_cpu(engine_thread) - cpu_before[1]:<10.3f}")
+                print(f"{'Engine loop CPU (s):':<40}{engine_cpu() - cpu_before[1]:<10.3f}")
                 print(LINE)
             if args.offline:
-                off = run_offline(llm, prompts(3 + 2 * rep), args.output_len, alone=prompts(10_000 + rep)[:16],
+                off = run_offline(llm, prompts(3 + 2 * rep), args.output_len, paced=prompts(10_000 + rep),
                                   request_rate=args.request_rate, seed=args.seed + rep)
                 ratios.append(served["output_throughput"] / off["output_throughput"])
                 ttft_gaps.append(1000 * (served["ttft"][1] / 1000 - off["first_token"]))

@@ -185,7 +185,7 @@ def engine(llm):
     eng = AsyncLLM(llm, max_waiting_requests=40)
     yield eng
     eng.shutdown()
-    assert not eng._thread.is_alive()
+    assert not eng._core.thread.is_alive()
 
 
 async def _final(engine, prompt, sp, **kw):

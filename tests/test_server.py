@@ -156,7 +156,7 @@ MESSAGES = [{"role": "system", "content": "You write Python."},
 
 def test_chat_equals_offline_on_the_chatml_prompt(client, offline, engine):
     flat = [MESSAGES[0], {"role": "user", "content": "def fibonacci(n):"}]
-    assert ChatTemplate.for_checkpoint(engine.llm.model_path).source == CHATML_TEMPLATE   # no template shipped
+    assert ChatTemplate.for_checkpoint(engine.model_path).source == CHATML_TEMPLATE   # no template shipped
     (want,) = _offline_texts(offline, [_chatml(flat)])
     out = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, **GREEDY)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
@@ -336,7 +336,9 @@ class _FaultyEngine:
     """The real engine, except prompts saying 'queue-full', 'boom' or 'late-boom'."""
 
     def __init__(self, real):
-        self.real, self.llm = real, real.llm
+        self.real = real
+        self.tokenizer, self.vocab_size, self.max_model_len = real.tokenizer, real.vocab_size, real.max_model_len
+        self.model_path = real.model_path
 
     def stats(self):
         return self.real.stats()
@@ -345,7 +347,7 @@ class _FaultyEngine:
         self.real.abort(request_id)
 
     async def generate(self, prompt, params, request_id=None):
-        text = self.llm.tokenizer.decode(prompt)
+        text = self.tokenizer.decode(prompt)
         if "queue-full" in text:
             raise QueueFullError("9 requests are waiting (max_waiting_requests = 9); retry later")
         if "late-boom" in text:
@@ -380,7 +382,9 @@ def test_queue_full_is_503_with_retry_after(faulty):
 def test_server_side_waiting_bound_and_health_of_a_stopped_engine(engine):
     class Stopped:
         is_running = False
-        llm, stats, abort, generate = engine.llm, engine.stats, engine.abort, engine.generate
+        tokenizer, vocab_size, max_model_len, model_path = (engine.tokenizer, engine.vocab_size,
+                                                            engine.max_model_len, engine.model_path)
+        stats, abort, generate = engine.stats, engine.abort, engine.generate
 
     with running_server(engine, max_waiting=0) as srv:         # nothing may wait: every request is turned away
         with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:

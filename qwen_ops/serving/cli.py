@@ -176,6 +176,9 @@ def _add_serve_parser(sub) -> None:
                    help="most tokens per request (default: the model's limit, at most 4096)")
     s.add_argument("--compile", action="store_true", default=None,
                    help="compile the decode step (default: on for CUDA, off on the CPU)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own, apart from the HTTP server's event loop "
+                        "(default; --no-engine-process: a thread of the server's process)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests allowed to wait for a slot before new ones get 503 (default: no limit)")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20,

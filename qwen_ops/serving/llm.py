@@ -27,8 +27,10 @@ from qwen_ops.engine.engine import QwenEngine, _compile_backend
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.models.parallel import check_tp_config
+from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
-from qwen_ops.serving.outputs import (CompletionOutput, CompletionState, Logprob, RequestMetrics,  # noqa: F401
+from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
+                                      RequestDelta, RequestMetrics,
                                       RequestOutput)
 from qwen_ops.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
@@ -103,6 +105,63 @@ def _default_kv_budget(device: torch.device) -> int:
     return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
 
 
+def _encode(tokenizer: Optional[QwenTokenizer], prompt: Prompt, index: int) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompts[{index}] is text, but the checkpoint has no tokenizer.json; "
+                             "pass token ids instead")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
+            raise ValueError(f"prompts[{index}] is a {prompt.dtype} tensor of shape {tuple(prompt.shape)}, "
+                             "expected a 1-D integer tensor of token ids")
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise ValueError(f"prompts[{index}] = {prompt!r}, expected a str, a list of token ids or a 1-D tensor")
+    return list(prompt)
+
+
+def prepare_requests(prompts: Union[Prompt, Sequence[Prompt]],
+                     sampling_params: Union[SamplingParams, Sequence[SamplingParams], None], *,
+                     tokenizer: Optional[QwenTokenizer], vocab_size: int, max_model_len: int
+                     ) -> list[tuple[Prompt, list[int], SamplingParams]]:
+    """Validate every request before any work; errors name the request index.
+
+    The one validation of ``LLM.generate``, ``stream`` and ``add_request``, and of ``AsyncLLM``
+    (which runs it in the caller, also when the engine runs in another process)."""
+    prompts = normalize_prompts(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * len(prompts)
+    elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+        params = list(sampling_params)
+    else:
+        raise ValueError(f"sampling_params = {sampling_params!r}, expected a SamplingParams, a list of them "
+                         "(one per prompt), or None")
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params has {len(params)} entries, expected one per prompt ({len(prompts)})")
+    out = []
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] = {sp!r}, expected a qwen_ops.SamplingParams")
+        sp.check_vocab(vocab_size)
+        if sp.stop and tokenizer is None:
+            raise ValueError(f"sampling_params[{i}].stop = {list(sp.stop)!r}, but the checkpoint has no "
+                             "tokenizer.json to decode text with; use stop_token_ids")
+        ids = _encode(tokenizer, prompt, i)
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty; expected at least one token")
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompts[{i}] has {len(ids)} tokens; max_model_len = {max_model_len} leaves no room "
+                             "to generate")
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab_size})")
+        out.append((prompt, ids, sp))
+    return out
+
+
 @dataclass(eq=False)
 class _Completion:
     """One of a prompt's ``n`` completions: its scheduler request and its output state."""
@@ -118,6 +177,7 @@ class _Group:
     prompt_token_ids: list[int]
     completions: list[_Completion]
     num_reported: list[int] = field(default_factory=list)    # output tokens already streamed, per completion
+    sent: list[list[int]] = field(default_factory=list)      # per completion: tokens, characters, logprobs in deltas
 
     @property
     def finished(self) -> bool:
@@ -130,13 +190,35 @@ class _Group:
             outs.append(CompletionOutput(st.index, st.visible_text(req.finished), list(req.output_token_ids),
                                          req.finish_reason, req.stop_reason, st.cumulative_logprob,
                                          None if st.logprobs is None else list(st.logprobs)))
+        return RequestOutput(self.request_id, self.prompt if isinstance(self.prompt, str) else None,
+                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids),
+                             metrics=RequestMetrics(*self._times()))
+
+    def _times(self) -> tuple[float, Optional[float], Optional[float]]:
+        """(arrival, first token, latest token) over the completions."""
         reqs = [c.request for c in self.completions]
         firsts = [r.token_times[0] for r in reqs if r.token_times]
         lasts = [r.token_times[-1] for r in reqs if r.token_times]
-        metrics = RequestMetrics(min(r.arrival_time for r in reqs), min(firsts) if firsts else None,
-                                 max(lasts) if lasts else None)
-        return RequestOutput(self.request_id, self.prompt if isinstance(self.prompt, str) else None,
-                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids), metrics=metrics)
+        return (min(r.arrival_time for r in reqs), min(firsts) if firsts else None,
+                max(lasts) if lasts else None)
+
+    def delta(self) -> RequestDelta:
+        """What changed since the previous ``delta()``: new tokens, new visible characters and new
+        logprobs per completion (``AsyncLLM``'s engine core sends these, not whole outputs). The
+        visible text only grows: stop strings are held back until they cannot start earlier."""
+        if not self.sent:
+            self.sent = [[0, 0, 0] for _ in self.completions]
+        comps = []
+        for c, sent in zip(self.completions, self.sent):
+            req, st = c.request, c.state
+            ids = req.output_token_ids
+            text = st.visible_text(req.finished)
+            lps = None if st.logprobs is None else st.logprobs[sent[2]:]
+            comps.append(CompletionDelta(st.index, ids[sent[0]:], text[sent[1]:], req.finish_reason,
+                                         req.stop_reason, st.cumulative_logprob, lps))
+            sent[0], sent[1] = len(ids), len(text)
+            sent[2] += len(lps) if lps is not None else 0
+        return RequestDelta(self.request_id, self.finished, comps, *self._times())
 
     def take_new_tokens(self) -> list[int]:
         """Output tokens not reported yet, over all completions in index order; marks them reported."""
@@ -260,59 +342,11 @@ class LLM:
         self._completions: dict[RequestId, tuple[_Group, _Completion]] = {}
 
     # ------------------------------------------------------------------ inputs
-    def _encode(self, prompt: Prompt, index: int) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts[{index}] is text, but the checkpoint has no tokenizer.json; "
-                                 "pass token ids instead")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
-                raise ValueError(f"prompts[{index}] is a {prompt.dtype} tensor of shape {tuple(prompt.shape)}, "
-                                 "expected a 1-D integer tensor of token ids")
-            return prompt.tolist()
-        if not isinstance(prompt, Sequence):
-            raise ValueError(f"prompts[{index}] = {prompt!r}, expected a str, a list of token ids or a 1-D tensor")
-        return list(prompt)
-
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None]
                  ) -> list[tuple[Prompt, list[int], SamplingParams]]:
-        """Validate every request before any work; errors name the request index.
-
-        The one validation of ``generate``, ``stream`` and ``add_request``."""
-        prompts = normalize_prompts(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
-            params = list(sampling_params)
-        else:
-            raise ValueError(f"sampling_params = {sampling_params!r}, expected a SamplingParams, a list of them "
-                             "(one per prompt), or None")
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries, expected one per prompt ({len(prompts)})")
-        out = []
-        limit = self.scheduler.config.max_model_len
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] = {sp!r}, expected a qwen_ops.SamplingParams")
-            sp.check_vocab(self.engine.vocab_size)
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(f"sampling_params[{i}].stop = {list(sp.stop)!r}, but the checkpoint has no "
-                                 "tokenizer.json to decode text with; use stop_token_ids")
-            ids = self._encode(prompt, i)
-            if not ids:
-                raise ValueError(f"prompts[{i}] is empty; expected at least one token")
-            if len(ids) >= limit:
-                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; max_model_len = {limit} leaves no room "
-                                 "to generate")
-            for j, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.engine.vocab_size:
-                    raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {self.engine.vocab_size})")
-            out.append((prompt, ids, sp))
-        return out
+        return prepare_requests(prompts, sampling_params, tokenizer=self.tokenizer,
+                                vocab_size=self.engine.vocab_size, max_model_len=self.scheduler.config.max_model_len)
 
     def _add_all(self, prepared: Sequence[tuple[Prompt, list[int], SamplingParams]],
                  request_ids: Optional[Sequence[Optional[str]]] = None) -> list[_Group]:

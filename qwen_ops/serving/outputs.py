@@ -9,7 +9,7 @@ stop strings in it, and collects logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.models.tokenizer import QwenTokenizer
@@ -58,6 +58,72 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     error: Optional[str] = None
     metrics: Optional[RequestMetrics] = None
+
+
+class CompletionDelta(NamedTuple):
+    """What one completion gained in an engine iteration (``AsyncLLM``'s engine core sends these)."""
+    index: int
+    token_ids: list[int]                     # new tokens
+    text: str                                # new characters of the visible text
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list[dict[int, Logprob]]]   # new entries, with logprobs asked for
+
+
+class RequestDelta(NamedTuple):
+    """What one request gained in an engine iteration, or why it failed (``error``)."""
+    request_id: str
+    finished: bool
+    completions: list[CompletionDelta]
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    error: Optional[str] = None
+
+
+class RequestAccumulator:
+    """The caller's side of one request: folds ``RequestDelta``s into cumulative ``RequestOutput``s."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason", "stop_reason",
+                 "cumulative_logprob", "logprobs", "finished", "times")
+
+    def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams):
+        n = params.n
+        self.request_id = request_id
+        self.prompt = prompt if isinstance(prompt, str) else None
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.text = [""] * n
+        self.finish_reason: list[Optional[str]] = [None] * n
+        self.stop_reason: list[Union[int, str, None]] = [None] * n
+        self.cumulative_logprob: list[Optional[float]] = [None] * n
+        self.logprobs: list[Optional[list]] = [[] if params.logprobs is not None else None for _ in range(n)]
+        self.finished = False
+        self.times: tuple = (0.0, None, None)
+
+    def apply(self, delta: RequestDelta) -> list[int]:
+        """Fold in one delta; returns its new token ids over all completions in index order."""
+        new: list[int] = []
+        for c in delta.completions:
+            i = c.index
+            self.token_ids[i].extend(c.token_ids)
+            new.extend(c.token_ids)
+            self.text[i] += c.text
+            self.finish_reason[i], self.stop_reason[i] = c.finish_reason, c.stop_reason
+            self.cumulative_logprob[i] = c.cumulative_logprob
+            if c.logprobs is not None and self.logprobs[i] is not None:
+                self.logprobs[i].extend(c.logprobs)
+        self.finished = delta.finished
+        self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time)
+        return new
+
+    def output(self, new_token_ids: list[int]) -> RequestOutput:
+        outs = [CompletionOutput(i, self.text[i], list(self.token_ids[i]), self.finish_reason[i], self.stop_reason[i],
+                                 self.cumulative_logprob[i], None if self.logprobs[i] is None else list(self.logprobs[i]))
+                for i in range(len(self.text))]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
+                             new_token_ids, metrics=RequestMetrics(*self.times))
 
 
 class CompletionState:

@@ -78,9 +78,11 @@ class _ChunkHead:
 class _Generation:
     """The engine requests of one HTTP request (one per prompt, each with ``n`` completions).
 
-    ``start()`` submits them and waits for each one's first output, so validation errors and a
-    full queue surface before any response is sent. ``close()`` (synchronous, idempotent) aborts
-    every engine request that has not finished.
+    ``start()`` submits them, so validation errors and a full queue surface before any response
+    is sent. With ``wait_first`` (or several prompts) it also waits for each one's first output;
+    without, a single stream's response headers go out while the engine runs its first step, and
+    a failure from the engine after submission is reported in-band, as vLLM does.
+    ``close()`` (synchronous, idempotent) aborts every engine request that has not finished.
     """
 
     def __init__(self, serving: "_Serving", prompts: list[list[int]], params, base_id: str):
@@ -97,6 +99,7 @@ class _Generation:
         self._error: Optional[BaseException] = None
         self._wake = asyncio.Event()
         self._gen = None                           # the engine stream, when there is one prompt
+        self._first: Optional[asyncio.Future] = None   # its first output, while not yet consumed
         self._closed = False
 
     def _record(self, i: int, out) -> None:
@@ -136,7 +139,7 @@ class _Generation:
             raise RuntimeError(f"engine stream {self.ids[0]} ended without a finished output") from None
         self._record(0, out)
 
-    async def start(self, waiting_limit: Optional[int]) -> None:
+    async def start(self, waiting_limit: Optional[int], wait_first: bool = True) -> None:
         s = self._s
         if waiting_limit is not None and s.num_starting + len(self.prompts) > waiting_limit:
             raise P.APIError(503, f"the server is at its limit of {waiting_limit} waiting requests; retry later",
@@ -145,7 +148,15 @@ class _Generation:
         try:
             if len(self.prompts) == 1:
                 self._gen = s.engine.generate(self.prompts[0], self.params, request_id=self.ids[0])
-                await self._next()
+                if wait_first:
+                    await self._next()
+                    return
+                # Run the stream up to its submission (its first await): what it rejects is raised here.
+                self._first = asyncio.ensure_future(self._next())
+                await asyncio.sleep(0)
+                if self._first.done():
+                    first, self._first = self._first, None
+                    first.result()
                 return
             loop = asyncio.get_running_loop()
             for i in range(len(self.prompts)):
@@ -158,6 +169,9 @@ class _Generation:
 
     async def updates(self) -> AsyncIterator[dict[int, Any]]:
         """Batches of ``{stream index: newest output}``, until every stream has finished."""
+        if self._first is not None:
+            await self._first
+            self._first = None
         while True:
             if self._error is not None:
                 raise self._error
@@ -193,6 +207,8 @@ class _Generation:
                                         sum(len(c.token_ids) for c in last.outputs) if last else 0)
         for task in self._tasks:
             task.cancel()
+        if self._first is not None:
+            self._first.cancel()
         for fut in self._opened:             # mark failures as seen (no "never retrieved" warnings)
             if fut.done() and not fut.cancelled():
                 fut.exception()
@@ -249,14 +265,13 @@ async def _until_disconnect(request: Request, awaitable) -> Any:
 class _Serving:
     def __init__(self, engine, served_names: list[str], max_waiting: Optional[int]):
         self.engine = engine
-        llm = engine.llm
-        self.tokenizer = llm.tokenizer
-        self.max_model_len = int(llm.scheduler.config.max_model_len)
-        self.vocab_size = int(llm.engine.vocab_size)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = int(engine.vocab_size)
         self.names = served_names
         self.max_waiting = max_waiting
         self.num_starting = 0
-        self.chat_template = ChatTemplate.for_checkpoint(getattr(llm, "model_path", None))
+        self.chat_template = ChatTemplate.for_checkpoint(engine.model_path)
         self.metrics = ServerMetrics(engine.stats, served_names[0])
         self.created = int(time.time())
 
@@ -294,11 +309,11 @@ class _Serving:
                                 f"in the completion). Please reduce the {param} or {field}.", field)
         return requested
 
-    async def start(self, gen: _Generation, param: str) -> None:
+    async def start(self, gen: _Generation, param: str, stream: bool = False) -> None:
         from qwen_ops.serving.async_llm import QueueFullError
 
         try:
-            await gen.start(self.max_waiting)
+            await gen.start(self.max_waiting, wait_first=not stream)
         except BaseException as e:
             gen.close()
             if isinstance(e, QueueFullError):
@@ -355,7 +370,7 @@ class _Serving:
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
         k = req.logprobs
         gen = _Generation(self, prompts, params, rid)
-        await self.start(gen, "prompt")
+        await self.start(gen, "prompt", req.stream)
 
         def full(outputs):
             choices, generated = [], 0
@@ -427,7 +442,7 @@ class _Serving:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, [ids], params, rid)
-        await self.start(gen, "messages")
+        await self.start(gen, "messages", req.stream)
 
         def full(outputs):
             (out,) = outputs
@@ -570,7 +585,8 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     serving = _Serving(engine, names, max_waiting)
     expected_key = api_key.encode() if api_key is not None else None
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:
+        # async: FastAPI runs a plain def dependency on its thread pool, a thread hop per request.
         if expected_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -685,7 +701,8 @@ def run_server(args) -> int:
     names = args.served_model_name or [default_served_model_name(args.model)]
     engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
                                       dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                      max_model_len=args.max_model_len, compile=args.compile)
+                                      max_model_len=args.max_model_len, compile=args.compile,
+                                      engine_process=args.engine_process)
     try:
         app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -1,0 +1,375 @@
+"""The engine core under ``AsyncLLM``: one ``LLM`` driven by messages (add, abort, step), which
+reports each iteration as compact per-request deltas.
+
+It runs in one of two places, behind the same interface (``add``, ``abort``, ``stats``,
+``shutdown``; deltas go to a ``deliver`` callback):
+
+- ``ThreadCore``: a thread of the caller's process (``AsyncLLM(llm)``, an ``LLM`` you built).
+- ``ProcessCore``: a child process of its own (``AsyncLLM.from_pretrained``, the default, as
+  vLLM's V1 engine core). The model's steps then hold no GIL that the server's event loop
+  wants, and the event loop's HTTP and JSON work takes none from the steps: on a 2-core
+  machine the two run side by side instead of taking turns (a GIL handoff after each torch op
+  can wait for a whole switch interval, 5 ms, while the other thread runs Python).
+
+The child is a fresh interpreter (``subprocess``, not fork: the parent has threads), loads the
+model itself, and talks over one socket pair (``multiprocessing.connection``): requests go in as ``(id, token ids, SamplingParams)`` (the
+caller validated and tokenized them), ``RequestDelta`` lists come out, one message per
+iteration, with the engine's ``stats()``. Text is detokenized in the core, where stop strings
+must be found. The child exits when the pipe closes (the parent shut down or died), ignores
+SIGINT (the parent decides when to stop), and a child that dies fails every open stream with
+``EngineDeadError`` within one read.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.serving.outputs import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[Sequence[RequestDelta]], None]
+# Seconds the parent waits for the child to load its model, and for it to exit on shutdown.
+DEFAULT_START_TIMEOUT_S = 600.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (``shutdown`` or a failure it cannot recover from)."""
+
+
+class EngineCore:
+    """An ``LLM`` driven by one loop: not thread-safe, the loop that owns it makes every call."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.owned: set[str] = set()     # ids added here and not yet finished or aborted
+        self.num_added = 0
+
+    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> Optional[RequestDelta]:
+        """Queue one request; a failure comes back as its (finished) error delta."""
+        self.num_added += 1
+        try:
+            self.llm._add_all([(None, ids, params)], [request_id])
+        except Exception as e:          # e.g. an id clash with an offline request on the same LLM
+            return RequestDelta(request_id, True, [], error=f"{type(e).__name__}: {e}")
+        self.owned.add(request_id)
+        return None
+
+    def abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+        self.owned.discard(request_id)
+
+    def has_work(self) -> bool:
+        return self.llm.has_unfinished_requests()
+
+    def step(self) -> list[RequestDelta]:
+        """One iteration. A failure fails the requests of this iteration (error deltas) and leaves
+        the core serving: nothing of theirs survives."""
+        llm = self.llm
+        with llm._lock:
+            running = list(llm._groups)
+            try:
+                groups = llm._step()
+            except Exception as e:
+                logger.exception("qwen_ops engine iteration failed; failing its %d requests", len(running))
+                for rid in running:
+                    self.abort(rid)
+                message = f"generation failed: {type(e).__name__}: {e}"
+                return [RequestDelta(rid, True, [], error=message) for rid in running]
+            deltas = [g.delta() for g in groups]
+        for d in deltas:
+            if d.finished:
+                self.owned.discard(d.request_id)
+        return deltas
+
+    def stats(self) -> dict:
+        return self.llm.stats()
+
+    def close(self) -> None:
+        """Abort everything this core admitted (its slots, blocks and swap copies are freed)."""
+        for rid in list(self.owned):
+            self.abort(rid)
+
+
+class ThreadCore:
+    """The core on a thread of this process (``qwen-ops-engine``), fed through an inbox."""
+
+    def __init__(self, llm, deliver: Deliver, on_exit: Callable[[BaseException], None]):
+        self.core = EngineCore(llm)
+        self._deliver = deliver
+        self._on_exit = on_exit
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name="qwen-ops-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.thread.is_alive() and not self._stopping
+
+    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self._inbox.append(("add", request_id, ids, params))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        if not self.thread.is_alive():
+            self.core.llm.abort(request_id)          # no loop to hand it to
+            return
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def num_waiting(self) -> int:
+        """Queued in the scheduler or still in the inbox (read without waiting for a step)."""
+        return len(self.core.llm.scheduler.waiting) + sum(1 for m in list(self._inbox) if m[0] == "add")
+
+    def stats(self) -> dict:
+        s = self.core.llm.stats()
+        s["num_waiting"] = self.num_waiting()
+        return s
+
+    def shutdown(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        core = self.core
+        reason: BaseException = EngineDeadError("the engine loop stopped (AsyncLLM.shutdown)")
+        try:
+            while not self._stopping:
+                errors = []
+                while self._inbox:
+                    msg = self._inbox.popleft()
+                    if msg[0] == "abort":
+                        core.abort(msg[1])
+                    else:
+                        err = core.add(*msg[1:])
+                        if err is not None:
+                            errors.append(err)
+                if errors:
+                    self._deliver(errors)
+                if not core.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._deliver(core.step())
+        except BaseException as e:       # never leave callers waiting on a dead loop
+            logger.exception("qwen_ops engine loop failed")
+            reason = EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._stopping = True
+            self._inbox.clear()          # nothing of ours may outlive the loop
+            core.close()
+            self._on_exit(reason)
+
+
+# ----------------------------------------------------------------------------- the child process
+def _core_main(conn) -> None:
+    """The child: read its arguments, load the model, then serve the pipe until it closes or
+    says shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    from qwen_ops.serving.llm import LLM
+
+    try:
+        _, model, llm_kwargs, num_threads = conn.recv()
+        torch.set_num_threads(num_threads)
+        llm = LLM(model, **llm_kwargs)
+    except BaseException as e:              # noqa: BLE001 - reported to the parent, which raises it
+        try:
+            conn.send(("failed", e))
+        except Exception:                   # an exception that does not pickle
+            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    core = EngineCore(llm)
+    try:
+        conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
+                             "max_model_len": int(llm.scheduler.config.max_model_len),
+                             "model_path": str(llm.model_path), "stats": core.stats()}))
+        while True:
+            if not core.has_work():
+                conn.poll(None)                             # idle: sleep until a message
+            out: list[RequestDelta] = []
+            handled = False
+            while conn.poll():
+                msg = conn.recv()
+                handled = True
+                if msg[0] == "add":
+                    err = core.add(*msg[1:])
+                    if err is not None:
+                        out.append(err)
+                elif msg[0] == "abort":
+                    core.abort(msg[1])
+                elif msg[0] == "shutdown":
+                    return
+            if core.has_work():
+                out.extend(core.step())
+            elif not handled:
+                continue
+            conn.send(("out", out, core.stats(), core.num_added))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return                                              # the parent is gone
+    finally:
+        core.close()
+        llm.shutdown()
+        conn.close()
+
+
+class ProcessCore:
+    """The core in a child process (``python -m qwen_ops.serving.engine_core``), fed over a pipe.
+
+    The child is a fresh interpreter started with ``subprocess`` and one end of a socket pair,
+    not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (so scripts
+    need no ``if __name__ == "__main__"`` guard, and notebooks work), and it may start
+    tensor-parallel workers of its own. Construction blocks until the child has loaded the
+    model (raising what the child's ``LLM`` raised, e.g. a ``ValueError`` naming a bad argument)
+    and sets ``info``: the vocabulary size, ``max_model_len`` and checkpoint path that callers
+    validate against.
+    """
+
+    def __init__(self, model, llm_kwargs: dict, deliver: Deliver, on_exit: Callable[[BaseException], None],
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
+        import torch
+
+        import qwen_ops
+
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
+        self._deliver = deliver
+        self._on_exit = on_exit
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._num_sent = 0                          # adds sent; the child reports how many it has taken
+        env = dict(os.environ)
+        root = str(Path(qwen_ops.__file__).resolve().parent.parent)     # this qwen_ops, wherever it is
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "qwen_ops.serving.engine_core",
+                                             str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
+        finally:
+            theirs.close()
+        self._finalizer = weakref.finalize(self, _stop_child, self._conn, self.process, self._send_lock,
+                                           DEFAULT_STOP_TIMEOUT_S)
+        try:
+            self._conn.send(("start", None if model is None else str(model), llm_kwargs, torch.get_num_threads()))
+            self.info = self._wait_ready(start_timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._stats = self.info.pop("stats")
+        self._num_taken = 0
+        self.thread = threading.Thread(target=self._read, name="qwen-ops-core-reader", daemon=True)
+        self.thread.start()
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.05):
+            if self.process.poll() is not None:
+                break                               # the pipe says EOF below
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"the engine core process did not load the model within {timeout_s} s")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            raise EngineDeadError(f"the engine core process exited (code {self.process.wait()}) "
+                                  "before loading the model") from None
+        if kind == "failed":
+            raise payload
+        return payload
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopping and self.thread.is_alive()
+
+    def _send(self, msg) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, ValueError):          # closed, or the child is gone: the reader reports it
+            raise EngineDeadError("the engine core process is not running") from None
+
+    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self._send(("add", request_id, ids, params))
+        self._num_sent += 1
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except EngineDeadError:
+            pass                                # nothing left to abort
+
+    def num_waiting(self) -> int:
+        """Queued in the scheduler at the child's latest report, or still in the pipe."""
+        return self._stats["num_waiting"] + max(0, self._num_sent - self._num_taken)
+
+    def stats(self) -> dict:
+        """The child's ``stats()`` as of its latest message (one per iteration)."""
+        return {**self._stats, "num_waiting": self.num_waiting()}
+
+    def _read(self) -> None:
+        reason: BaseException = EngineDeadError("the engine loop stopped (AsyncLLM.shutdown)")
+        try:
+            while True:
+                _, deltas, stats, taken = self._conn.recv()
+                self._stats, self._num_taken = stats, taken
+                if deltas:
+                    self._deliver(deltas)
+        except (EOFError, OSError):
+            if not self._stopping:
+                code = self.process.poll()
+                reason = EngineDeadError("the engine core process died" + (f" (exit code {code})" if code else ""))
+                logger.error("%s", reason)
+        except BaseException as e:               # noqa: BLE001 - a message we cannot read
+            logger.exception("qwen_ops engine core reader failed")
+            reason = EngineDeadError(f"the engine core reader failed: {type(e).__name__}: {e}")
+        finally:
+            self._stopping = True
+            self._on_exit(reason)
+
+    def shutdown(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        self._stopping = True
+        self._finalizer()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+
+def _stop_child(conn, process: subprocess.Popen, lock: threading.Lock, timeout: float) -> None:
+    """Ask the child to stop and wait for it (its exit ends the reader's ``recv`` with EOF);
+    kill it if it does not exit in ``timeout``; then close the pipe."""
+    try:
+        with lock:
+            conn.send(("shutdown",))
+    except Exception:                 # noqa: BLE001 - already closed or gone
+        pass
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        logger.warning("the engine core process did not exit within %s s; killing it", timeout)
+        process.kill()
+        process.wait(timeout)
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":           # the child: python -m qwen_ops.serving.engine_core FD
+    _core_main(Connection(int(sys.argv[1])))
