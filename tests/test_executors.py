@@ -288,3 +288,41 @@ def test_the_engine_packs_at_construction(tmp_path, monkeypatch):
         eng.model.lm_head.weight.data.copy_(torch.randn_like(eng.model.lm_head.weight))
     eng.refresh_weights()
     assert packs
+
+
+def test_dense_forward_reduce_callback(tmp_path, monkeypatch):
+    """The tensor-parallel hook of the native forward: an identity reduce changes nothing, a reduce
+    that doubles its buffer in place changes the logits (so the C code reads it back), and an
+    exception in it stops the forward and is raised, not swallowed by ctypes."""
+    from checkpoints import make_qwen3_checkpoint
+
+    eng = qwen_ops.QwenEngine.from_pretrained(make_qwen3_checkpoint(tmp_path), max_slots=4, max_seq_len=64,
+                                              block_size=4)
+    assert eng.runner.native is not None
+    prompt = list(range(3, 14))
+    real = cpu.dense_forward
+    seen = []
+
+    def with_reduce(reduce):
+        monkeypatch.setattr(cpu, "dense_forward", lambda *a, **k: real(*a, **{**k, "reduce": reduce}))
+        slot = eng.allocate_slot(len(seen))
+        seen.append(slot)
+        try:
+            return eng.prefill(prompt, slot_id=slot).logits
+        finally:
+            monkeypatch.setattr(cpu, "dense_forward", real)
+            eng.free_slot(slot)
+
+    base = eng.prefill(prompt, slot_id=eng.allocate_slot("base")).logits
+    sizes = []
+    same = with_reduce(lambda buf: sizes.append(buf.numel()))
+    assert torch.equal(same, base)
+    assert sizes == [len(prompt) * 64] * 4          # 2 layers x (o, down), [T, hidden] each
+    doubled = with_reduce(lambda buf: buf.mul_(2.0))
+    assert not torch.allclose(doubled, base)
+
+    def boom(buf):
+        raise RuntimeError("peer rank went away")
+
+    with pytest.raises(RuntimeError, match="peer rank went away"):
+        with_reduce(boom)

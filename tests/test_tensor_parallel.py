@@ -89,6 +89,7 @@ def test_engine_api_logits(qwen2_tied):
     two = QwenEngine.from_pretrained(qwen2_tied, tensor_parallel_size=2, **kw)
     try:
         assert two.runner.kv_caches[0][0].shape[2] == 1, "one KV head per rank (replicated)"
+        assert two.runner.native is not None, "the native executor runs the rank's slices"
         assert two.tp.workspace is not None, "ranks on one host meet in shared memory"
         prompt = list(range(3, 22))
         a, b = one.prefill(prompt, slot_id=1), two.prefill(prompt, slot_id=1)
@@ -105,6 +106,45 @@ def test_engine_api_logits(qwen2_tied):
     finally:
         two.shutdown()
     assert all(not p.is_alive() for p in procs)
+
+
+def _run_engine(engine, prompt, steps):
+    res = engine.prefill(prompt, slot_id=0)
+    out = [(res.next_token, res.logits)]
+    for _ in range(steps):
+        res = engine.decode_step(out[-1][0], slot_id=0)
+        out.append((res.next_token, res.logits))
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen2_tied"])
+def test_native_executor_under_tp_matches_the_op_path(fixture, request, monkeypatch):
+    """The native forward on each rank's slices (the C code calling back for the all-reduce) against
+    the op path under tensor parallelism (native_cpu=False) and one process, and it is the one that runs."""
+    from qwen_ops.ops.kernels import cpu
+
+    path = request.getfixturevalue(fixture)
+    kw = dict(max_slots=2, max_seq_len=64, block_size=4)
+    prompt = list(range(3, 24))
+    one = QwenEngine.from_pretrained(path, **kw)
+    want = _run_engine(one, prompt, 8)
+    results = {}
+    for native in (True, False):
+        eng = QwenEngine.from_pretrained(path, tensor_parallel_size=2, native_cpu=native, **kw)
+        try:
+            assert (eng.runner.native is not None) == native
+            calls = []
+            real = cpu.dense_forward
+            monkeypatch.setattr(cpu, "dense_forward", lambda *a, **k: calls.append(k.get("reduce")) or real(*a, **k))
+            results[native] = _run_engine(eng, prompt, 8)
+            monkeypatch.setattr(cpu, "dense_forward", real)
+            assert len(calls) == (9 if native else 0) and all(c is not None for c in calls)
+        finally:
+            eng.shutdown()
+    for (ta, la), (tn, ln), (to, lo) in zip(want, results[True], results[False]):
+        assert ta == tn == to
+        scale = la.abs().max()
+        assert (ln - la).abs().max() / scale < 1e-5 and (ln - lo).abs().max() / scale < 1e-5
 
 
 def test_compiled_step_has_no_graph_breaks(qwen3):

@@ -7,7 +7,9 @@ or the same math by another route:
 - compiled: the runner's ``torch.compile``d decode step (Inductor or Torch-TensorRT), and its
   CUDA-graph replay (both in ``runner.py``, over static buffers);
 - native CPU (``NativeCPUExecutor``, here): the dense model's whole forward in one C call
-  (``cpu.dense_forward``) on weights packed once at construction.
+  (``cpu.dense_forward``) on weights packed once at construction; under tensor parallelism
+  (fp32), on this rank's slices, the C code calling back for the all-reduce after each row-parallel
+  product, and the logits gathered after it.
 
 The native executor is an optimisation of the same math, tested against the eager op path
 (``tests/test_executors.py``). It never serves stale weights: it packs at construction,
@@ -28,6 +30,8 @@ import torch
 
 from qwen_ops.models.dense import QwenAttention, QwenDecoderLayer, QwenForCausalLM
 from qwen_ops.models.layers import QwenMLP, RMSNorm
+from qwen_ops.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, _all_gather_last,
+                                      _all_reduce)
 from qwen_ops.ops import validation as V
 from qwen_ops.ops.backend import resolve_backend, value_checks_enabled
 from qwen_ops.ops.kernels import cpu as cpu_kernels
@@ -83,25 +87,38 @@ class NativeCPUExecutor:
                     "(torch.ops.qwen.fused_moe), which the one-call dense forward does not cover")
         if cpu_kernels.why_unavailable() is not None:
             return f"the cpu backend's C kernels are unavailable ({cpu_kernels.why_unavailable()})"
+        tp = getattr(model, "tp", None)
+        parallel = tp is not None and tp.size > 1
+        # Under tensor parallelism every split layer is its parallel class, on the model's group.
+        column = ColumnParallelLinear if parallel else torch.nn.Linear
+        row = RowParallelLinear if parallel else torch.nn.Linear
         for layer in model.model.layers:
             if not (type(layer) is QwenDecoderLayer and type(layer.self_attn) is QwenAttention
                     and type(layer.mlp) is QwenMLP):
                 return "a decoder layer was replaced"
             mlp = layer.mlp
-            if any(type(m) is not torch.nn.Linear or m.bias is not None
-                   for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-                return "the MLP has biases or non-Linear projections"
+            if (any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+                    or type(mlp.gate_proj) is not column or type(mlp.up_proj) is not column
+                    or type(mlp.down_proj) is not row):
+                return f"the MLP has biases or projections other than {column.__name__} / {row.__name__}"
             attn = layer.self_attn
-            if any(type(m) is not torch.nn.Linear for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
-                return "an attention projection is not an nn.Linear"
+            if (any(type(m) is not column for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+                    or type(attn.o_proj) is not row):
+                return f"an attention projection is not a {column.__name__} / {row.__name__}"
+            if parallel and (attn.o_proj.bias is not None or attn.o_proj.tp is not tp or mlp.down_proj.tp is not tp):
+                return "a row-parallel projection has a bias or another tensor-parallel group"
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
             if any(type(n) is not RMSNorm or n.eps != model.model.norm.eps for n in norms):
                 return "the norms differ from one RMSNorm eps"
         lm_head = model.lm_head
-        if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
-            return "lm_head is not a bias-free nn.Linear"
+        head = ParallelLMHead if parallel else torch.nn.Linear
+        if type(lm_head) is not head or lm_head.bias is not None or (parallel and lm_head.tp is not tp):
+            return f"lm_head is not a bias-free {head.__name__}"
         dtype = lm_head.weight.dtype
+        if parallel and dtype != torch.float32:
+            return (f"tensor parallelism with {dtype} weights runs on the op path (the native forward's "
+                    "tensor-parallel reduce covers float32)")
         for name, p in model.named_parameters():
             if p.dtype != dtype or p.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
                 return (f"{name} is {p.dtype} on {p.device} and lm_head.weight {dtype}, expected every weight "
@@ -216,9 +233,19 @@ class NativeCPUExecutor:
         m = self.model
         positions32 = positions.to(torch.int32)
         self._check_metadata(input_ids.shape[0], positions32, attn, kv_caches)
+        # The embedding module's own forward: under tensor parallelism, its all-reduce.
         h = m.model.embed_tokens(input_ids).to(torch.float32).contiguous()   # bf16 embeddings: exact in fp32
         a = m.model.layers[0].self_attn
-        return cpu_kernels.dense_forward(
-            h, self._addresses, kv_caches, a.num_heads, a.head_dim, m.config.intermediate_size, m.model.norm.eps,
-            a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots, attn.query_start_loc,
-            attn.seq_lens, logits_indices, self._final_norm, self._lm_head, m.lm_head.out_features)
+        tp = getattr(m, "tp", None)
+        reduce = None
+        if tp is not None and tp.size > 1:
+            def reduce(partial: torch.Tensor) -> None:       # the same collective as RowParallelLinear's
+                partial.copy_(_all_reduce(partial, tp))
+        logits = cpu_kernels.dense_forward(
+            h, self._addresses, kv_caches, a.num_heads, a.head_dim, m.model.layers[0].mlp.gate_proj.out_features,
+            m.model.norm.eps, a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots,
+            attn.query_start_loc, attn.seq_lens, logits_indices, self._final_norm, self._lm_head,
+            m.lm_head.out_features, reduce=reduce)
+        if reduce is not None:                              # ParallelLMHead's gather of each rank's rows
+            logits = _all_gather_last(logits, tp)[:, :m.lm_head.vocab_size]
+        return logits

@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,7 +48,9 @@ _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
 _LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
-                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64])
+                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64, _p])
+# qwen_dense_forward's reduce: sums a partial product over the tensor-parallel ranks in place.
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
@@ -297,7 +299,8 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                   inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
                   slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
-                  lm_head: torch.Tensor, vocab: int, timings: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  lm_head: torch.Tensor, vocab: int, timings: Optional[torch.Tensor] = None,
+                  reduce: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
     """The whole dense forward of a batch in one C call; returns fp32 logits ``[len(rows), vocab]``.
 
     The model's dtype is that of the packed ``lm_head``: float32, or bfloat16, where every
@@ -314,6 +317,11 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     against T. ``timings``: None, or a float64 tensor that the seconds spent in each part of
     ``DENSE_FORWARD_TIMINGS`` are added to. The products split across ``torch.get_num_threads()``
     threads (``threaded_products()``); the results do not depend on the thread count.
+
+    Tensor parallelism: with one rank's slices (``qwen_cpu.c``), ``reduce(buf)`` sums the fp32
+    1-D ``buf`` (a view of the C scratch: the o and down products) over the ranks in place, twice
+    a layer; an exception it raises stops the forward and is raised here. The logits are then
+    this rank's ``vocab`` rows of the vocabulary, for the caller to gather.
     """
     lib = library()
     T, hidden = h.shape
@@ -333,6 +341,17 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
     rows = rows if rows.is_contiguous() else rows.contiguous()
     logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
+    errors: list[BaseException] = []
+    callback = None
+    if reduce is not None:
+        def reduce_in_place(address: int, n: int) -> int:
+            try:
+                reduce(torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32))
+                return 0
+            except BaseException as e:          # noqa: BLE001 - raised below, after the C call returns
+                errors.append(e)
+                return 1
+        callback = REDUCE_FN(reduce_in_place)
     status = lib.qwen_dense_forward(
         weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
         float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
@@ -340,7 +359,10 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
         seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
         kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
         lm_head.data_ptr(), vocab, logits.data_ptr(), _DTYPE_CODES[dtype],
-        None if timings is None else timings.data_ptr(), torch.get_num_threads())
+        None if timings is None else timings.data_ptr(), torch.get_num_threads(),
+        None if callback is None else ctypes.cast(callback, ctypes.c_void_p))
+    if status == -5:
+        raise errors[0]
     if status == -2:
         raise position_error(positions32, rope.shape[0])
     if status == -3:

@@ -1142,7 +1142,13 @@ static void linear(const float *x, int64_t xs, int64_t M, const void *wp, const 
  *
  * Returns 0; -1 when scratch memory could not be allocated, -2 when a position is outside the
  * RoPE table [0, max_pos), -3 when a row index is outside [0, T), -4 for a dtype other than 0 or
- * 2: all checked before anything is written. */
+ * 2: all checked before anything is written; -5 when reduce (below) failed.
+ *
+ * Tensor parallelism: with the weights of one rank's slice (q/k/v and gate/up split by output
+ * features, o and down by input features, the lm_head by vocabulary rows) the o and down products
+ * are partial sums; reduce (NULL without tensor parallelism) sums them over the ranks in place,
+ * reduce(proj, T * hidden), after each, before the residual add, and returns 0 (else the forward
+ * stops with -5). The logits are then this rank's vocabulary rows: the caller gathers them. */
 int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t *caches,
                        int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                        float eps, float scale, float *h, int64_t T, const int32_t *positions,
@@ -1151,7 +1157,8 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
                        const int32_t *seq_slots, const int32_t *query_start_loc, const int32_t *seq_lens,
                        int64_t num_seqs, int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
                        const int64_t *rows, int64_t num_rows, const float *final_norm, const void *lm_head,
-                       int64_t vocab, float *logits, int dtype, double *timings, int64_t threads) {
+                       int64_t vocab, float *logits, int dtype, double *timings, int64_t threads,
+                       int (*reduce)(float *, int64_t)) {
     for (int64_t t = 0; t < T; ++t)
         if (positions[t] < 0 || positions[t] >= max_pos) return -2;
     for (int64_t r = 0; r < num_rows; ++r)
@@ -1183,6 +1190,11 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
         lap(timings, T_ATTENTION, &t0);
         linear(o, QD, T, W[W_O], W[B_O], H, QD, proj, H, bf16, threads);
         lap(timings, T_PRODUCTS, &t0);
+        if (reduce != NULL && reduce(proj, T * H) != 0) {
+            status = -5;
+            break;
+        }
+        lap(timings, T_OTHER, &t0);
         rms_norm_rows(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps, bf16);   /* h = h + attn, x = norm(h) */
         lap(timings, T_OTHER, &t0);
         linear(x, H, T, W[W_GATE], NULL, I, H, g, I, bf16, threads);
@@ -1192,6 +1204,11 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
         lap(timings, T_OTHER, &t0);
         linear(g, I, T, W[W_DOWN], NULL, H, I, proj, H, bf16, threads);
         lap(timings, T_PRODUCTS, &t0);
+        if (reduce != NULL && reduce(proj, T * H) != 0) {
+            status = -5;
+            break;
+        }
+        lap(timings, T_OTHER, &t0);
         if (bf16) {
 #pragma omp simd
             for (int64_t i = 0; i < T * H; ++i) h[i] = round_bf16(h[i] + proj[i]);
@@ -1208,5 +1225,5 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
         lap(timings, T_LM_HEAD, &t0);
     }
     free(buf);
-    return status == 0 ? 0 : -1;
+    return status == 0 ? 0 : status == -5 ? -5 : -1;
 }
