@@ -1,5 +1,5 @@
 """Tensor parallelism on 2 CPU processes with gloo: the same greedy tokens and logits as one
-process, through the engine API and LLM.generate (preemption by recompute and by swap, prefix
+process (dense and hybrid models), through the engine API and LLM.generate (preemption by recompute and by swap, prefix
 caching on), a compiled step without graph breaks, the torchrun launch (one node and two
 "nodes" on loopback), a killed worker, bad configurations, and no process left behind."""
 
@@ -108,6 +108,46 @@ def test_engine_api_logits(qwen2_tied):
     assert all(not p.is_alive() for p in procs)
 
 
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """Hybrid: 3 Gated DeltaNet layers (2 key heads, 4 value heads) and one gated full-attention layer."""
+    return make_qwen3_5_checkpoint(tmp_path_factory.mktemp("tp_qwen3_5"))
+
+
+def test_hybrid_model_equals_one_process(qwen3_5):
+    """Gated DeltaNet split by key head (its conv channels, gates and state with it): the engine
+    API's logits within 1e-5 of one process, and LLM.generate's greedy tokens under preemption."""
+    kw = dict(max_slots=2, max_seq_len=64, block_size=4)
+    one = QwenEngine.from_pretrained(qwen3_5, **kw)
+    two = QwenEngine.from_pretrained(qwen3_5, tensor_parallel_size=2, **kw)
+    try:
+        full, half = one.model.model.layers[0].linear_attn, two.model.model.layers[0].linear_attn
+        assert (half.num_k_heads, half.num_v_heads) == (1, 2) and (full.num_k_heads, full.num_v_heads) == (2, 4)
+        assert half.conv1d.weight.shape[0] * 2 == full.conv1d.weight.shape[0]
+        conv_state, recurrent = two.runner.kv_caches[0]
+        assert conv_state.shape[1] == half.conv1d.weight.shape[0] and recurrent.shape[1] == 2
+        prompt = list(range(3, 25))
+        want, got = _run_engine(one, prompt, 10), _run_engine(two, prompt, 10)
+        for (ta, la), (tb, lb) in zip(want, got):
+            assert ta == tb
+            assert (la - lb).abs().max() / la.abs().max() < 1e-5
+        procs = list(two._tp_workers.procs)
+    finally:
+        two.shutdown()
+    assert all(not p.is_alive() for p in procs)
+
+    kw = dict(max_model_len=64, block_size=4, max_num_seqs=4, num_kv_blocks=20, max_num_batched_tokens=16,
+              check_invariants=True)
+    want = _tokens(LLM(qwen3_5, **kw).generate(PROMPTS, GREEDY))
+    llm = LLM(qwen3_5, tensor_parallel_size=2, **kw)
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == want
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["free_blocks"] == s["total_blocks"]
+    finally:
+        llm.shutdown()
+
+
 def _run_engine(engine, prompt, steps):
     res = engine.prefill(prompt, slot_id=0)
     out = [(res.next_token, res.logits)]
@@ -200,9 +240,12 @@ def test_bad_configurations(qwen3, tmp_path):
             LLM(qwen3, tensor_parallel_size=2, tp_port=port)
     with pytest.raises(ValueError, match="tensor_parallel_size = 0"):
         LLM(qwen3, tensor_parallel_size=0)
-    hybrid = make_qwen3_5_checkpoint(tmp_path / "hybrid")
-    with pytest.raises(ValueError, match="hybrid models' linear-attention"):
-        LLM(hybrid, tensor_parallel_size=2)
+    from qwen_ops.models.config import QwenConfig
+    from qwen_ops.models.parallel import check_tp_config
+
+    hybrid = QwenConfig.from_pretrained(make_qwen3_5_checkpoint(tmp_path / "hybrid"))
+    with pytest.raises(ValueError, match="does not divide the linear-attention layers' linear_num_key_heads = 2"):
+        check_tp_config(hybrid, 4)
 
 
 SCRIPT = textwrap.dedent("""

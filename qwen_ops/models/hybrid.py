@@ -198,15 +198,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         c = self.config
         lin = c.linear
         caches: list[Cache] = []
-        for kind in self.layer_kinds:
+        # The heads and channels each layer holds (a share of the config's under tensor parallelism).
+        for kind, layer in zip(self.layer_kinds, self.model.layers):
             if kind == ATTENTION:
-                shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+                shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, c.head_dim)
                 caches.append((torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)))
             else:
-                caches.append((torch.zeros((max_slots, lin.conv_dim, lin.conv_kernel_dim - 1), dtype=dtype,
-                                           device=device),
-                               torch.zeros((max_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim),
+                gdn = layer.linear_attn
+                caches.append((torch.zeros((max_slots, gdn.conv1d.weight.shape[0], lin.conv_kernel_dim - 1),
+                                           dtype=dtype, device=device),
+                               torch.zeros((max_slots, gdn.num_v_heads, lin.key_head_dim, lin.value_head_dim),
                                            dtype=torch.float32, device=device)))
         return caches
 

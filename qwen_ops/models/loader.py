@@ -251,7 +251,7 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
                 want = tuple(params[name].shape) if name in params else expert_shapes[name]
                 spec = tp_slice(params[name]) if name in params else None
                 if spec is not None:           # a tensor-parallel slice: the file holds the whole
-                    want = want[:spec[0]] + (spec[3],) + want[spec[0] + 1:]
+                    want = want[:spec[0]] + (spec[2],) + want[spec[0] + 1:]
                 if shape != want:
                     problems.append(f"tensor {name!r} in {file} has shape {list(shape)}, expected {list(want)} "
                                     f"from {path / 'config.json'}")
@@ -326,27 +326,32 @@ def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: t
             handle.__exit__(None, None, None)
 
 
-def _copy_slice(handle, name: str, dst: torch.Tensor, spec: tuple[int, int, int, int]) -> int:
-    """Copy rows (dim 0) or columns (dim 1) ``[start, stop)`` of tensor ``name`` into ``dst``, in
-    row blocks of about one map window; zero ``dst``'s padding past the slice. Returns bytes read."""
-    dim, start, stop, _ = spec
+def _copy_slice(handle, name: str, dst: torch.Tensor, spec: tuple[int, tuple[tuple[int, int], ...], int]) -> int:
+    """Copy the ranges ``[start, stop)`` of rows (dim 0) or columns (dim 1) of tensor ``name`` into
+    ``dst``, one after another, rows in blocks of about one map window; zero ``dst``'s padding
+    past them. Returns bytes read."""
+    dim, pieces, _ = spec
     view = handle.get_slice(name)
-    read = 0
-    if dim == 0:
-        row_bytes = FILE_DTYPES[view.get_dtype()].itemsize * max(1, dst[0].numel() if dst.dim() > 1 else 1)
-        step = max(1, MAP_WINDOW_BYTES // row_bytes)
-        for a in range(start, stop, step):
-            b = min(stop, a + step)
-            src = view[a:b]
-            dst[a - start:b - start].copy_(src)
+    read = at = 0
+    for start, stop in pieces:
+        if dim == 0:
+            row_bytes = FILE_DTYPES[view.get_dtype()].itemsize * max(1, dst[0].numel() if dst.dim() > 1 else 1)
+            step = max(1, MAP_WINDOW_BYTES // row_bytes)
+            for a in range(start, stop, step):
+                b = min(stop, a + step)
+                src = view[a:b]
+                dst[at + a - start:at + b - start].copy_(src)
+                read += src.numel() * src.element_size()
+                del src
+        else:
+            src = view[:, start:stop]
+            dst[:, at:at + stop - start].copy_(src)
             read += src.numel() * src.element_size()
-            del src
-        dst[stop - start:].zero_()
+        at += stop - start
+    if dim == 0:
+        dst[at:].zero_()
     else:
-        src = view[:, start:stop]
-        dst[:, :stop - start].copy_(src)
-        dst[:, stop - start:].zero_()
-        read += src.numel() * src.element_size()
+        dst[:, at:].zero_()
     return read
 
 

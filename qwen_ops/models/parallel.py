@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron style) for the dense Qwen model, on ``torch.distributed``.
+"""Tensor parallelism (Megatron style) for the dense and hybrid Qwen models, on ``torch.distributed``.
 
 ``shard_model(model, tp)`` turns a model built on the meta device into this rank's slice of it,
 before the loader fills it, so each rank allocates and reads only its own weights:
@@ -10,11 +10,15 @@ before the loader fills it, so each rank allocates and reads only its own weight
   on ``tp / num_kv_heads`` ranks (as vLLM does), so every rank holds exactly one;
 - the embedding is vocabulary-parallel (rows split; a token outside a rank's rows contributes
   zeros; one all-reduce), the lm_head column-parallel over the vocabulary with an all-gather,
-  so every rank ends with the full logits (rank 0 samples).
+  so every rank ends with the full logits (rank 0 samples);
+- a hybrid model's Gated DeltaNet layers are split by key head with their value heads, the
+  conv's channels and the gates with them, ``out_proj`` row-parallel (``_shard_gated_delta_net``);
+  every head's recurrent state lives on one rank.
 
-Each sharded parameter carries ``tp_slice = (dim, start, stop, full)``: the rows (``dim`` 0) or
-columns (``dim`` 1) ``[start, stop)`` of the checkpoint tensor of length ``full`` along ``dim``
-that it holds (zero rows pad it past ``stop``). The loader reads exactly that slice with
+Each sharded parameter carries ``tp_slice = (dim, ranges, full)``: the rows (``dim`` 0) or
+columns (``dim`` 1) ``[start, stop)`` of each range of the checkpoint tensor of length ``full``
+along ``dim``, concatenated (one range, except for the q | k | v channels of a Gated DeltaNet),
+zero rows padding it past them. The loader reads exactly those ranges with
 ``safe_open(...).get_slice``.
 
 The all-reduce and all-gather go through shared memory when every rank is on this host
@@ -27,7 +31,7 @@ its KV heads; the slot ops take any head count, so they are unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +82,13 @@ def check_tp_config(config: QwenConfig, size: int) -> None:
     if size == 1:
         return
     if config.is_hybrid:
-        raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the hybrid models' linear-attention "
-                         f"layers ({config.model_type}) is not built; use tensor_parallel_size=1")
+        lin = config.linear
+        if lin.num_key_heads % size:
+            raise ValueError(f"tensor_parallel_size = {size} does not divide the linear-attention layers' "
+                             f"linear_num_key_heads = {lin.num_key_heads}")
+        if lin.num_value_heads % size:
+            raise ValueError(f"tensor_parallel_size = {size} does not divide the linear-attention layers' "
+                             f"linear_num_value_heads = {lin.num_value_heads}")
     if config.moe is not None:
         raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the mixture-of-experts layers "
                          f"({config.model_type}) is not built; use tensor_parallel_size=1")
@@ -100,7 +109,13 @@ def _span(full: int, tp: TPGroup) -> tuple[int, int, int]:
 
 
 def _mark(param: nn.Parameter, dim: int, start: int, stop: int, full: int) -> nn.Parameter:
-    param.tp_slice = (dim, start, stop, full)
+    return _mark_pieces(param, dim, [(start, stop)], full)
+
+
+def _mark_pieces(param: nn.Parameter, dim: int, pieces: Sequence[tuple[int, int]], full: int) -> nn.Parameter:
+    """``param`` holds the ranges ``pieces`` of a dim-``dim`` of size ``full``, concatenated in
+    order (Gated DeltaNet's q | k | v channels: three ranges per rank)."""
+    param.tp_slice = (dim, tuple((int(a), int(b)) for a, b in pieces), full)
     return param
 
 
@@ -181,7 +196,15 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         kv_per_rank, kv_first = 1, tp.rank // (tp.size // kv_heads)
     inter = config.intermediate_size // tp.size
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        mlp = layer.mlp
+        if getattr(layer, "is_linear", False):
+            _shard_gated_delta_net(layer.linear_attn, config, tp)
+            attn = None
+        else:
+            attn = layer.self_attn
+        _shard_mlp(mlp, hidden, inter, config.intermediate_size, tp)
+        if attn is None:
+            continue
         q_rows = heads_per_rank * head_dim * (2 if attn.output_gate else 1)
         q_full = attn.q_proj.out_features
         q0 = tp.rank * q_rows
@@ -197,11 +220,6 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         attn.o_proj = _meta_like(lambda: RowParallelLinear(o_cols, hidden, o_bias, o0, o0 + o_cols,
                                                            heads * head_dim, tp))
         attn.num_heads, attn.num_kv_heads = heads_per_rank, kv_per_rank
-        i0 = tp.rank * inter
-        full_i = config.intermediate_size
-        mlp.gate_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
-        mlp.up_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
-        mlp.down_proj = _meta_like(lambda: RowParallelLinear(inter, hidden, False, i0, i0 + inter, full_i, tp))
     model.model.embed_tokens = _meta_like(lambda: VocabParallelEmbedding(config.vocab_size, hidden, tp))
     model.lm_head = _meta_like(lambda: ParallelLMHead(hidden, config.vocab_size, tp))
     if config.tie_word_embeddings:
@@ -210,6 +228,57 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     return model
 
 
-def tp_slice(param: torch.Tensor) -> Optional[tuple[int, int, int, int]]:
-    """The ``(dim, start, stop, full)`` slice of the checkpoint tensor that ``param`` holds, or None."""
+def _shard_mlp(mlp: nn.Module, hidden: int, inter: int, full_i: int, tp: TPGroup) -> None:
+    i0 = tp.rank * inter
+    mlp.gate_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
+    mlp.up_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
+    mlp.down_proj = _meta_like(lambda: RowParallelLinear(inter, hidden, False, i0, i0 + inter, full_i, tp))
+
+
+def _shard_gated_delta_net(gdn: nn.Module, config: QwenConfig, tp: TPGroup) -> None:
+    """A Gated DeltaNet layer's share: ``num_key_heads / N`` key heads and their value heads (the
+    value heads of key head h are ``[h g, (h + 1) g)``, ``g = num_value_heads / num_key_heads``), so
+    the recurrence of every head stays on one rank and only ``out_proj`` sums over ranks.
+
+    The conv's channels and ``in_proj_qkv``'s rows are ``q | k | v`` over all heads: a rank holds
+    three ranges of them. ``A_log`` / ``dt_bias`` follow the value heads; the gated norm (over one
+    head's channels) is whole on every rank."""
+    lin = config.linear
+    hidden = config.hidden_size
+    hk, hv = lin.num_key_heads // tp.size, lin.num_value_heads // tp.size
+    dk, dv = lin.key_head_dim, lin.value_head_dim
+    kd, vd = hk * dk, hv * dv                       # this rank's key and value channels
+    k0, v0 = tp.rank * kd, tp.rank * vd
+    qkv_pieces = [(k0, k0 + kd), (lin.key_dim + k0, lin.key_dim + k0 + kd),
+                  (2 * lin.key_dim + v0, 2 * lin.key_dim + v0 + vd)]
+    conv_dim = 2 * kd + vd
+
+    def column(out: int, pieces, full: int) -> nn.Linear:
+        layer = _meta_like(lambda: ColumnParallelLinear(hidden, out, False, 0, out, full))
+        _mark_pieces(layer.weight, 0, pieces, full)
+        return layer
+
+    if hasattr(gdn, "in_proj_qkvz"):
+        # Qwen3-Next (its layers are mixture-of-experts here, which check_tp_config rejects first).
+        raise ValueError(f"tensor parallelism of {config.model_type}'s fused in_proj_qkvz is not built")
+    gdn.in_proj_qkv = column(conv_dim, qkv_pieces, lin.conv_dim)       # Qwen3.5: q | k | v, z, b, a
+    gdn.in_proj_z = column(vd, [(v0, v0 + vd)], lin.value_dim)
+    heads = [(tp.rank * hv, (tp.rank + 1) * hv)]
+    gdn.in_proj_b = column(hv, heads, lin.num_value_heads)
+    gdn.in_proj_a = column(hv, heads, lin.num_value_heads)
+    kernel = lin.conv_kernel_dim
+    gdn.conv1d = _meta_like(lambda: nn.Conv1d(conv_dim, conv_dim, kernel_size=kernel, groups=conv_dim, bias=False,
+                                              padding=kernel - 1))
+    _mark_pieces(gdn.conv1d.weight, 0, qkv_pieces, lin.conv_dim)
+    for name in ("dt_bias", "A_log"):
+        param = _meta_like(lambda: nn.Parameter(torch.empty(hv)))
+        setattr(gdn, name, _mark(param, 0, tp.rank * hv, (tp.rank + 1) * hv, lin.num_value_heads))
+    gdn.out_proj = _meta_like(lambda: RowParallelLinear(vd, hidden, False, v0, v0 + vd, lin.value_dim, tp))
+    gdn.num_k_heads, gdn.num_v_heads = hk, hv
+    gdn.key_dim, gdn.value_dim = kd, vd
+
+
+def tp_slice(param: torch.Tensor) -> Optional[tuple[int, tuple[tuple[int, int], ...], int]]:
+    """``(dim, ranges, full)``: the ranges along ``dim`` of the checkpoint tensor (of size ``full``
+    there) that ``param`` holds, concatenated; or None for a whole tensor."""
     return getattr(param, "tp_slice", None)
