@@ -367,11 +367,16 @@ def test_bad_moe_configs(tmp_path, changes, message):
         QwenConfig.from_pretrained(_write_config(tmp_path, **changes))
 
 
-def test_tensor_parallelism_declines_moe(checkpoints):
-    """Sharding the experts is not built: asking for it is a clear error, not a half-sharded model."""
+def test_tensor_parallelism_of_moe_configs(checkpoints):
+    """MoE models split (tests/test_tensor_parallel.py) where the sizes divide; Qwen3-Next's fused
+    linear-attention projections are not split: a clear error, not a half-sharded model."""
     from qwen_ops.models.parallel import check_tp_config
 
     _, ckpt, _ = checkpoints["qwen3_moe-top2"]
     check_tp_config(ckpt.config, 1)
-    with pytest.raises(ValueError, match="tensor parallelism of the mixture-of-experts layers \\(qwen3_moe\\)"):
+    check_tp_config(ckpt.config, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size = 3 does not divide moe_intermediate_size = 32"):
+        check_tp_config(ckpt.config, 3)
+    _, ckpt, _ = checkpoints["qwen3_next-shared"]
+    with pytest.raises(ValueError, match="qwen3_next's fused linear-attention projections"):
         check_tp_config(ckpt.config, 2)

@@ -176,12 +176,14 @@ def checkpoint_name(param_name: str, config: QwenConfig) -> str:
 @dataclass(frozen=True)
 class _ExpertPiece:
     """One per-expert checkpoint tensor: rows ``rows`` of expert ``expert``'s slice of the stacked
-    parameter ``param`` (its checkpoint name)."""
+    parameter ``param`` (its checkpoint name). ``part``: under tensor parallelism, the ``(dim,
+    start, stop)`` of the file's tensor (of ``shape``) that this rank reads, else None (all of it)."""
     tensor: str
     param: str
     shape: tuple[int, ...]
     expert: int
     rows: tuple[int, int]
+    part: Optional[tuple[int, int, int]] = None
 
 
 def _expert_pieces(params: dict[str, nn.Parameter], files: dict[str, Path]) -> list[_ExpertPiece]:
@@ -192,11 +194,22 @@ def _expert_pieces(params: dict[str, nn.Parameter], files: dict[str, Path]) -> l
             continue
         prefix = name.rpartition(".")[0] + "."                       # "...mlp.experts."
         num_experts, rows, cols = p.shape
+        spec = tp_slice(p)             # tensor parallelism: a share of every expert's channels
         for e in range(num_experts):
             if name.endswith(EXPERTS_GATE_UP):                       # gate rows, then up rows
                 inter = rows // 2
-                pieces.append(_ExpertPiece(f"{prefix}{e}.gate_proj.weight", name, (inter, cols), e, (0, inter)))
-                pieces.append(_ExpertPiece(f"{prefix}{e}.up_proj.weight", name, (inter, cols), e, (inter, rows)))
+                if spec is not None:
+                    (g0, g1), (u0, u1) = spec[1]
+                    full = spec[2] // 2
+                    gate, up = (0, g0, g1), (0, u0 - full, u1 - full)
+                else:
+                    full, gate, up = inter, None, None
+                pieces.append(_ExpertPiece(f"{prefix}{e}.gate_proj.weight", name, (full, cols), e, (0, inter), gate))
+                pieces.append(_ExpertPiece(f"{prefix}{e}.up_proj.weight", name, (full, cols), e, (inter, rows), up))
+            elif spec is not None:                                   # down: a range of its columns
+                ((d0, d1),) = spec[1]
+                pieces.append(_ExpertPiece(f"{prefix}{e}.down_proj.weight", name, (rows, spec[2]), e, (0, rows),
+                                           (1, d0, d1)))
             else:
                 pieces.append(_ExpertPiece(f"{prefix}{e}.down_proj.weight", name, (rows, cols), e, (0, rows)))
     return pieces
@@ -327,8 +340,8 @@ def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: t
 
 
 def _copy_slice(handle, name: str, dst: torch.Tensor, spec: tuple[int, tuple[tuple[int, int], ...], int]) -> int:
-    """Copy the ranges ``[start, stop)`` of rows (dim 0) or columns (dim 1) of tensor ``name`` into
-    ``dst``, one after another, rows in blocks of about one map window; zero ``dst``'s padding
+    """Copy the ranges ``[start, stop)`` along ``dim`` (0: rows, in blocks of about one map window;
+    else whole slices) of tensor ``name`` into ``dst``, one after another, rows in blocks of about one map window; zero ``dst``'s padding
     past them. Returns bytes read."""
     dim, pieces, _ = spec
     view = handle.get_slice(name)
@@ -343,15 +356,12 @@ def _copy_slice(handle, name: str, dst: torch.Tensor, spec: tuple[int, tuple[tup
                 dst[at + a - start:at + b - start].copy_(src)
                 read += src.numel() * src.element_size()
                 del src
-        else:
-            src = view[:, start:stop]
-            dst[:, at:at + stop - start].copy_(src)
+        else:                   # columns (dim 1), or a stacked expert tensor's dim 1 or 2
+            src = view[(slice(None),) * dim + (slice(start, stop),)]
+            dst.narrow(dim, at, stop - start).copy_(src)
             read += src.numel() * src.element_size()
         at += stop - start
-    if dim == 0:
-        dst[at:].zero_()
-    else:
-        dst[:, at:].zero_()
+    dst.narrow(dim, at, dst.shape[dim] - at).zero_()
     return read
 
 
@@ -376,7 +386,11 @@ def _copy_expert_pieces(files: dict[str, Path], pieces: list[_ExpertPiece], mode
                     stacked[piece.param] = torch.empty(shape, dtype=dtype, device=device)
                 if handle is None:
                     handle = _open(file).__enter__()
-                src = handle.get_tensor(piece.tensor)   # a view of the mapped file
+                if piece.part is None:
+                    src = handle.get_tensor(piece.tensor)   # a view of the mapped file
+                else:
+                    dim, a, b = piece.part
+                    src = handle.get_slice(piece.tensor)[(slice(None),) * dim + (slice(a, b),)]
                 stacked[piece.param][piece.expert, piece.rows[0]:piece.rows[1]].copy_(src)
                 mapped += src.numel() * src.element_size()
                 del src

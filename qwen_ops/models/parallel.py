@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.config import ARCHITECTURES, QwenConfig
+from qwen_ops.models.moe import MoeExperts, SparseMoeBlock
 from qwen_ops.ops import shm_collectives  # noqa: F401  (registers torch.ops.qwen.shm_all_reduce / _gather)
 
 
@@ -89,15 +90,24 @@ def check_tp_config(config: QwenConfig, size: int) -> None:
         if lin.num_value_heads % size:
             raise ValueError(f"tensor_parallel_size = {size} does not divide the linear-attention layers' "
                              f"linear_num_value_heads = {lin.num_value_heads}")
+    if config.is_hybrid and ARCHITECTURES[config.model_type].fused_linear_projections:
+        raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of {config.model_type}'s fused "
+                         "linear-attention projections (in_proj_qkvz) is not built; use tensor_parallel_size=1")
     if config.moe is not None:
-        raise ValueError(f"tensor_parallel_size = {size}: tensor parallelism of the mixture-of-experts layers "
-                         f"({config.model_type}) is not built; use tensor_parallel_size=1")
+        moe = config.moe
+        if moe.moe_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size = {size} does not divide moe_intermediate_size = "
+                             f"{moe.moe_intermediate_size}")
+        if moe.has_shared_expert and moe.shared_expert_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size = {size} does not divide shared_expert_intermediate_size = "
+                             f"{moe.shared_expert_intermediate_size}")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ValueError(f"tensor_parallel_size = {size} does not divide num_attention_heads = {heads}")
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size = {size} and num_key_value_heads = {kv}: one must divide the other")
-    if config.intermediate_size % size:
+    if any(not (config.moe is not None and config.moe.is_sparse_layer(i)) for i in range(config.num_hidden_layers)) \
+            and config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size = {size} does not divide intermediate_size = {config.intermediate_size}")
 
 
@@ -202,7 +212,10 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
             attn = None
         else:
             attn = layer.self_attn
-        _shard_mlp(mlp, hidden, inter, config.intermediate_size, tp)
+        if isinstance(mlp, SparseMoeBlock):
+            _shard_moe(mlp, config, tp)
+        else:
+            _shard_mlp(mlp, hidden, inter, config.intermediate_size, tp)
         if attn is None:
             continue
         q_rows = heads_per_rank * head_dim * (2 if attn.output_gate else 1)
@@ -233,6 +246,33 @@ def _shard_mlp(mlp: nn.Module, hidden: int, inter: int, full_i: int, tp: TPGroup
     mlp.gate_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
     mlp.up_proj = _meta_like(lambda: ColumnParallelLinear(hidden, inter, False, i0, i0 + inter, full_i))
     mlp.down_proj = _meta_like(lambda: RowParallelLinear(inter, hidden, False, i0, i0 + inter, full_i, tp))
+
+
+class ParallelMoeExperts(MoeExperts):
+    """Every expert's intermediate channels ``[start, stop)`` (gate and up rows of ``w13``, columns
+    of ``w2``): ``fused_moe`` on them gives a partial sum, and one all-reduce completes it."""
+
+    def __init__(self, config: QwenConfig, tp: TPGroup):
+        nn.Module.__init__(self)
+        moe = config.moe
+        E, H, I = moe.num_experts, config.hidden_size, moe.moe_intermediate_size
+        start, per = tp.rank * (I // tp.size), I // tp.size
+        self.gate_up_proj = _mark_pieces(nn.Parameter(torch.empty(E, 2 * per, H)), 1,
+                                         [(start, start + per), (I + start, I + start + per)], 2 * I)
+        self.down_proj = _mark(nn.Parameter(torch.empty(E, H, per)), 2, start, start + per, I)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().forward(x, weights, ids), self.tp)
+
+
+def _shard_moe(block: SparseMoeBlock, config: QwenConfig, tp: TPGroup) -> None:
+    """The experts split by intermediate channel (vLLM's tensor-parallel MoE; every rank routes every
+    token, the router is whole); the shared expert like a dense MLP; its sigmoid gate whole."""
+    block.experts = _meta_like(lambda: ParallelMoeExperts(config, tp))
+    if block.shared_expert is not None:
+        full = config.moe.shared_expert_intermediate_size
+        _shard_mlp(block.shared_expert, config.hidden_size, full // tp.size, full, tp)
 
 
 def _shard_gated_delta_net(gdn: nn.Module, config: QwenConfig, tp: TPGroup) -> None:
