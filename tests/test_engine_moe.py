@@ -89,10 +89,12 @@ def test_llm_preemption_matches_transformers(model_case, mode):
     assert stats["free_blocks"] == stats["total_blocks"]
 
 
-def test_engine_runs_moe_on_the_op_path(model_case):
+def test_engine_executor_for_moe(model_case):
+    """qwen3_moe steps on the native CPU executor (MoE blocks called back from C; the tokens
+    above equal transformers'), the hybrid MoE models on the op path."""
     path, _, _ = model_case
     eng = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=64, block_size=4)
-    assert eng.runner.native is None
+    assert (eng.runner.native is not None) == ("qwen3_moe" in path.name)
 
 
 def test_compiled_decode_has_no_graph_break(model_case):

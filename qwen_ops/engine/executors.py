@@ -30,6 +30,7 @@ import torch
 
 from qwen_ops.models.dense import QwenAttention, QwenDecoderLayer, QwenForCausalLM
 from qwen_ops.models.layers import QwenMLP, RMSNorm
+from qwen_ops.models.moe import SparseMoeBlock
 from qwen_ops.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, _all_gather_last,
                                       _all_reduce)
 from qwen_ops.ops import validation as V
@@ -53,7 +54,11 @@ def _version(t: torch.Tensor) -> int:
 
 
 class NativeCPUExecutor:
-    """``cpu.dense_forward`` for a dense Qwen2/Qwen3 model in fp32 or bf16 on the CPU.
+    """``cpu.dense_forward`` for a Qwen2/Qwen3 model (dense, or qwen3_moe) in fp32 or bf16 on the CPU.
+
+    A mixture-of-experts layer's MLP is the model's own ``SparseMoeBlock`` (router in torch,
+    experts in ``torch.ops.qwen.fused_moe``), called back from the C forward; the rest of the
+    step (norms, projections, attention, dense MLPs, lm_head) is C.
 
     A bf16 model keeps bf16 weights (packed, half the bytes of fp32) and bf16 KV caches, and its
     activations are rounded to bf16 where the model's forward rounds them (products and norms
@@ -82,9 +87,6 @@ class NativeCPUExecutor:
         an ineligible model simply runs eagerly)."""
         if type(model) is not QwenForCausalLM:
             return f"{type(model).__name__} is not the dense QwenForCausalLM"
-        if getattr(model.config, "moe", None) is not None:
-            return (f"{model.config.model_type} has mixture-of-experts layers: they run on the op path "
-                    "(torch.ops.qwen.fused_moe), which the one-call dense forward does not cover")
         if cpu_kernels.why_unavailable() is not None:
             return f"the cpu backend's C kernels are unavailable ({cpu_kernels.why_unavailable()})"
         tp = getattr(model, "tp", None)
@@ -94,10 +96,14 @@ class NativeCPUExecutor:
         row = RowParallelLinear if parallel else torch.nn.Linear
         for layer in model.model.layers:
             if not (type(layer) is QwenDecoderLayer and type(layer.self_attn) is QwenAttention
-                    and type(layer.mlp) is QwenMLP):
+                    and type(layer.mlp) in (QwenMLP, SparseMoeBlock)):
                 return "a decoder layer was replaced"
             mlp = layer.mlp
-            if (any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            if type(mlp) is SparseMoeBlock:
+                if parallel:
+                    return ("tensor-parallel mixture-of-experts layers run on the op path (their experts "
+                            "all-reduce in the module)")
+            elif (any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
                     or type(mlp.gate_proj) is not column or type(mlp.up_proj) is not column
                     or type(mlp.down_proj) is not row):
                 return f"the MLP has biases or projections other than {column.__name__} / {row.__name__}"
@@ -185,7 +191,9 @@ class NativeCPUExecutor:
                     "q_bias": a.q_proj.bias, "k_bias": a.k_proj.bias, "v_bias": a.v_proj.bias, "o_bias": a.o_proj.bias,
                     "q_norm": None if a.q_norm is None else a.q_norm.weight,
                     "k_norm": None if a.k_norm is None else a.k_norm.weight,
-                    "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj,
+                    # A mixture-of-experts MLP: no weights here; the C code calls back for it (run()).
+                    "gate": getattr(mlp, "gate_proj", None), "up": getattr(mlp, "up_proj", None),
+                    "down": getattr(mlp, "down_proj", None),
                 }
                 if set(weights) != set(cpu_kernels.DENSE_LAYER_WEIGHTS):
                     raise AssertionError("NativeCPUExecutor and cpu.DENSE_LAYER_WEIGHTS disagree")
@@ -241,11 +249,20 @@ class NativeCPUExecutor:
         if tp is not None and tp.size > 1:
             def reduce(partial: torch.Tensor) -> None:       # the same collective as RowParallelLinear's
                 partial.copy_(_all_reduce(partial, tp))
+        layers = m.model.layers
+        moe = [layer.mlp if type(layer.mlp) is SparseMoeBlock else None for layer in layers]
+        mlp = None
+        if any(block is not None for block in moe):
+            dtype = self._dtype
+
+            def mlp(layer: int, x: torch.Tensor, out: torch.Tensor) -> None:     # the model's own block
+                out.copy_(moe[layer](x if dtype == torch.float32 else x.to(dtype)))
+        dense = next((layer.mlp for layer in layers if type(layer.mlp) is QwenMLP), None)
         logits = cpu_kernels.dense_forward(
-            h, self._addresses, kv_caches, a.num_heads, a.head_dim, m.model.layers[0].mlp.gate_proj.out_features,
+            h, self._addresses, kv_caches, a.num_heads, a.head_dim, 0 if dense is None else dense.gate_proj.out_features,
             m.model.norm.eps, a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots,
             attn.query_start_loc, attn.seq_lens, logits_indices, self._final_norm, self._lm_head,
-            m.lm_head.out_features, reduce=reduce)
+            m.lm_head.out_features, reduce=reduce, mlp=mlp)
         if reduce is not None:                              # ParallelLMHead's gather of each rank's rows
             logits = _all_gather_last(logits, tp)[:, :m.lm_head.vocab_size]
         return logits

@@ -48,9 +48,11 @@ _ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
 _LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 _DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
-                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64, _p])
+                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64, _p, _p])
 # qwen_dense_forward's reduce: sums a partial product over the tensor-parallel ranks in place.
 REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+# qwen_dense_forward's mlp: a mixture-of-experts layer's MLP, (layer, x, out, rows) -> 0.
+MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
@@ -300,7 +302,8 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                   slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
                   lm_head: torch.Tensor, vocab: int, timings: Optional[torch.Tensor] = None,
-                  reduce: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+                  reduce: Optional[Callable[[torch.Tensor], None]] = None,
+                  mlp: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None) -> torch.Tensor:
     """The whole dense forward of a batch in one C call; returns fp32 logits ``[len(rows), vocab]``.
 
     The model's dtype is that of the packed ``lm_head``: float32, or bfloat16, where every
@@ -322,6 +325,10 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     1-D ``buf`` (a view of the C scratch: the o and down products) over the ranks in place, twice
     a layer; an exception it raises stops the forward and is raised here. The logits are then
     this rank's ``vocab`` rows of the vocabulary, for the caller to gather.
+
+    Mixture-of-experts layers (their gate, up and down addresses 0): ``mlp(layer, x, out)`` writes
+    the layer's MLP of the normed rows ``x`` into ``out`` (fp32 ``[T, hidden]`` views of the C
+    scratch); an exception it raises is raised here.
     """
     lib = library()
     T, hidden = h.shape
@@ -352,6 +359,19 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
                 errors.append(e)
                 return 1
         callback = REDUCE_FN(reduce_in_place)
+    mlp_callback = None
+    if mlp is not None:
+        def mlp_of(layer: int, x_address: int, out_address: int, rows: int) -> int:
+            try:
+                n = rows * hidden
+                x = torch.frombuffer((ctypes.c_float * n).from_address(x_address), dtype=torch.float32)
+                out = torch.frombuffer((ctypes.c_float * n).from_address(out_address), dtype=torch.float32)
+                mlp(layer, x.view(rows, hidden), out.view(rows, hidden))
+                return 0
+            except BaseException as e:          # noqa: BLE001 - raised below, after the C call returns
+                errors.append(e)
+                return 1
+        mlp_callback = MLP_FN(mlp_of)
     status = lib.qwen_dense_forward(
         weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
         float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
@@ -360,8 +380,11 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
         kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
         lm_head.data_ptr(), vocab, logits.data_ptr(), _DTYPE_CODES[dtype],
         None if timings is None else timings.data_ptr(), torch.get_num_threads(),
-        None if callback is None else ctypes.cast(callback, ctypes.c_void_p))
+        None if callback is None else ctypes.cast(callback, ctypes.c_void_p),
+        None if mlp_callback is None else ctypes.cast(mlp_callback, ctypes.c_void_p))
     if status == -5:
+        if not errors:
+            raise ValueError("a layer has no MLP weights (a mixture-of-experts layer) and no mlp was given")
         raise errors[0]
     if status == -2:
         raise position_error(positions32, rope.shape[0])

@@ -1148,7 +1148,12 @@ static void linear(const float *x, int64_t xs, int64_t M, const void *wp, const 
  * features, o and down by input features, the lm_head by vocabulary rows) the o and down products
  * are partial sums; reduce (NULL without tensor parallelism) sums them over the ranks in place,
  * reduce(proj, T * hidden), after each, before the residual add, and returns 0 (else the forward
- * stops with -5). The logits are then this rank's vocabulary rows: the caller gathers them. */
+ * stops with -5). The logits are then this rank's vocabulary rows: the caller gathers them.
+ *
+ * Mixture-of-experts layers: a layer whose gate weight address is 0 has an MLP this code does
+ * not run; mlp(layer, x, out, T) computes it from the normed rows x [T, hidden] into out
+ * [T, hidden] (both fp32, bf16 values for dtype 2) and returns 0 (else the forward stops with
+ * -5); the residual add follows as for a dense MLP. */
 int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t *caches,
                        int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
                        float eps, float scale, float *h, int64_t T, const int32_t *positions,
@@ -1158,7 +1163,8 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
                        int64_t num_seqs, int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
                        const int64_t *rows, int64_t num_rows, const float *final_norm, const void *lm_head,
                        int64_t vocab, float *logits, int dtype, double *timings, int64_t threads,
-                       int (*reduce)(float *, int64_t)) {
+                       int (*reduce)(float *, int64_t),
+                       int (*mlp)(int64_t, const float *, float *, int64_t)) {
     for (int64_t t = 0; t < T; ++t)
         if (positions[t] < 0 || positions[t] >= max_pos) return -2;
     for (int64_t r = 0; r < num_rows; ++r)
@@ -1197,16 +1203,24 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
         lap(timings, T_OTHER, &t0);
         rms_norm_rows(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps, bf16);   /* h = h + attn, x = norm(h) */
         lap(timings, T_OTHER, &t0);
-        linear(x, H, T, W[W_GATE], NULL, I, H, g, I, bf16, threads);
-        linear(x, H, T, W[W_UP], NULL, I, H, u, I, bf16, threads);
-        lap(timings, T_PRODUCTS, &t0);
-        silu_mul_rows(g, I, u, I, g, T, I, bf16);
-        lap(timings, T_OTHER, &t0);
-        linear(g, I, T, W[W_DOWN], NULL, H, I, proj, H, bf16, threads);
-        lap(timings, T_PRODUCTS, &t0);
-        if (reduce != NULL && reduce(proj, T * H) != 0) {
-            status = -5;
-            break;
+        if (W[W_GATE] == NULL) {                  /* a mixture-of-experts MLP: the caller's */
+            if (mlp == NULL || mlp(l, x, proj, T) != 0) {
+                status = -5;
+                break;
+            }
+            lap(timings, T_PRODUCTS, &t0);
+        } else {
+            linear(x, H, T, W[W_GATE], NULL, I, H, g, I, bf16, threads);
+            linear(x, H, T, W[W_UP], NULL, I, H, u, I, bf16, threads);
+            lap(timings, T_PRODUCTS, &t0);
+            silu_mul_rows(g, I, u, I, g, T, I, bf16);
+            lap(timings, T_OTHER, &t0);
+            linear(g, I, T, W[W_DOWN], NULL, H, I, proj, H, bf16, threads);
+            lap(timings, T_PRODUCTS, &t0);
+            if (reduce != NULL && reduce(proj, T * H) != 0) {
+                status = -5;
+                break;
+            }
         }
         lap(timings, T_OTHER, &t0);
         if (bf16) {
