@@ -342,3 +342,29 @@ def test_cpu_backend_both_gemm_paths(grouped, dtype, monkeypatch):
         out = reference_moe.fused_moe_cpu(*case.args())
         assert not out.isnan().any()
         assert_moe_close(out, fused_moe_reference(*case.args()), dtype, name)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (7, 3, 8), (33, 4, 16)])
+def test_native_packed_experts_match_the_oracle(num_tokens, top_k, num_experts):
+    """``cpu.moe_packed`` (the native executor's MoE experts on packed weights) against the loop
+    oracle, into a NaN-poisoned output; unused experts' NaN weights never read; bad ids refused
+    before anything is written."""
+    from qwen_ops.ops.kernels import cpu
+
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    case = make_case(num_tokens, top_k, num_experts, dtype=torch.float32, device="cpu", seed=num_tokens)
+    packed13 = [cpu.pack_panels(w.contiguous()) for w in case.w13]
+    packed2 = [cpu.pack_panels(w.contiguous()) for w in case.w2]
+    a13, a2 = cpu.addresses(packed13), cpu.addresses(packed2)
+    out = torch.full((num_tokens, HIDDEN), float("nan"))
+    cpu.moe_packed(case.x.contiguous(), case.topk_ids, case.topk_weights, a13, a2, INTER, out)
+    assert_moe_close(out, loop_oracle(case).float(), torch.float32)
+    bad = case.topk_ids.clone()
+    bad[0, 0] = num_experts
+    sentinel = torch.full_like(out, 7.0)
+    with pytest.raises(IndexError, match=f"expected expert ids in \\[0, {num_experts}\\)"):
+        cpu.moe_packed(case.x.contiguous(), bad, case.topk_weights, a13, a2, INTER, sentinel)
+    assert torch.all(sentinel == 7.0)
+    with pytest.raises(ValueError, match="moe_packed"):
+        cpu.moe_packed(case.x.contiguous().double(), case.topk_ids, case.topk_weights, a13, a2, INTER, out)

@@ -56,9 +56,10 @@ def _version(t: torch.Tensor) -> int:
 class NativeCPUExecutor:
     """``cpu.dense_forward`` for a Qwen2/Qwen3 model (dense, or qwen3_moe) in fp32 or bf16 on the CPU.
 
-    A mixture-of-experts layer's MLP is the model's own ``SparseMoeBlock`` (router in torch,
-    experts in ``torch.ops.qwen.fused_moe``), called back from the C forward; the rest of the
-    step (norms, projections, attention, dense MLPs, lm_head) is C.
+    A mixture-of-experts layer's MLP is called back from the C forward: the router in torch (the
+    model's own), the routed experts in C on weights packed once (``cpu.moe_packed``; bf16 models
+    run the whole ``SparseMoeBlock`` as written); the rest of the step (norms, projections,
+    attention, dense MLPs, lm_head) is C.
 
     A bf16 model keeps bf16 weights (packed, half the bytes of fp32) and bf16 KV caches, and its
     activations are rounded to bf16 where the model's forward rounds them (products and norms
@@ -203,6 +204,17 @@ class NativeCPUExecutor:
                                if isinstance(w, torch.nn.Linear)
                                else None if w is None else _fp32_copy(w)
                                for w in (weights[name] for name in cpu_kernels.DENSE_LAYER_WEIGHTS)])
+            # qwen3_moe in fp32: every expert's w13 and w2 packed too, for cpu.moe_packed (bf16 models
+            # run the block as written).
+            self._experts = [None] * len(layers)
+            if dtype == torch.float32:
+                for i, layer in enumerate(m.model.layers):
+                    if type(layer.mlp) is SparseMoeBlock:
+                        ex = layer.mlp.experts
+                        w13 = [cpu_kernels.pack_panels(w.detach().contiguous()) for w in ex.gate_up_proj]
+                        w2 = [cpu_kernels.pack_panels(w.detach().contiguous()) for w in ex.down_proj]
+                        self._experts[i] = (w13, w2, cpu_kernels.addresses(w13), cpu_kernels.addresses(w2),
+                                            ex.down_proj.shape[2])
             self._dtype = dtype
             self._layers = layers
             self._addresses = cpu_kernels.addresses(w for layer in layers for w in layer)
@@ -255,8 +267,15 @@ class NativeCPUExecutor:
         if any(block is not None for block in moe):
             dtype = self._dtype
 
-            def mlp(layer: int, x: torch.Tensor, out: torch.Tensor) -> None:     # the model's own block
-                out.copy_(moe[layer](x if dtype == torch.float32 else x.to(dtype)))
+            def mlp(layer: int, x: torch.Tensor, out: torch.Tensor) -> None:
+                block, packed = moe[layer], self._experts[layer]
+                if packed is None:                                  # bf16: the model's own block
+                    out.copy_(block(x.to(dtype)))
+                    return
+                weights, ids = block.gate(x)                        # SparseMoeBlock.forward, experts packed
+                cpu_kernels.moe_packed(x, ids, weights, packed[2], packed[3], packed[4], out)
+                if block.shared_expert is not None:
+                    out.add_(torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x))
         dense = next((layer.mlp for layer in layers if type(layer.mlp) is QwenMLP), None)
         logits = cpu_kernels.dense_forward(
             h, self._addresses, kv_caches, a.num_heads, a.head_dim, 0 if dense is None else dense.gate_proj.out_features,

@@ -66,6 +66,7 @@ _SIGNATURES = {
     "qwen_openmp": ([], ctypes.c_int),
     "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
     "qwen_dense_weights_per_layer": ([], ctypes.c_int64),
+    "qwen_moe_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64], ctypes.c_int),
 }
 
 
@@ -295,6 +296,32 @@ def position_error(positions32: torch.Tensor, table_rows: int) -> ValueError:
 def addresses(tensors) -> torch.Tensor:
     """int64 tensor of the tensors' data pointers (0 for None), for C code taking address tables."""
     return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               inter: int, out: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts layer's routed experts into ``out [T, H]`` (fp32, overwritten):
+    ``torch.ops.qwen.fused_moe``'s math on weights packed once (``pack_panels`` of each expert's
+    ``w13 [2I, H]`` and ``w2 [H, I]``; ``w13`` / ``w2`` hold their addresses, int64 ``[E]``).
+    ``x [T, H]`` fp32 contiguous, ``ids [T, k]`` int32, ``weights [T, k]`` fp32. The products split
+    across torch's threads like ``dense_forward``'s."""
+    T, H = x.shape
+    k = ids.shape[1]
+    if not (x.dtype == weights.dtype == out.dtype == torch.float32 and ids.dtype == torch.int32
+            and x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and weights.shape == ids.shape
+            and ids.shape[0] == T and w13.shape == w2.shape and w13.dtype == torch.int64 and w13.dim() == 1):
+        raise ValueError(f"moe_packed: x {tuple(x.shape)} {x.dtype}, ids {tuple(ids.shape)} {ids.dtype}, weights "
+                         f"{tuple(weights.shape)} {weights.dtype}, out {tuple(out.shape)} {out.dtype}, w13/w2 "
+                         f"{tuple(w13.shape)}/{tuple(w2.shape)}: expected fp32 contiguous x and out of one shape, "
+                         "int32 ids and fp32 weights [T, k], int64 address vectors [E]")
+    ids, weights = ids.contiguous(), weights.contiguous()
+    status = library().qwen_moe_packed(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), k, w13.shape[0],
+                                       w13.data_ptr(), w2.data_ptr(), inter, out.data_ptr(), torch.get_num_threads())
+    if status == -3:
+        raise IndexError(f"ids span [{int(ids.min())}, {int(ids.max())}], expected expert ids in [0, {w13.shape[0]})")
+    if status != 0:
+        raise MemoryError("qwen_ops cpu moe_packed could not allocate its scratch memory")
+    return out
 
 
 def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list, num_heads: int, head_dim: int,

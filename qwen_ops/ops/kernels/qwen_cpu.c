@@ -1241,3 +1241,71 @@ int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t
     free(buf);
     return status == 0 ? 0 : status == -5 ? -5 : -1;
 }
+
+/* A mixture-of-experts layer's routed experts on packed fp32 weights (the native executor's MoE
+ * blocks): out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j],
+ * over the k choices of each of the T rows. w13[e]: the address of expert e's packed [2 I, H]
+ * panels (gate rows, then up rows); w2[e]: its packed [H, I]. The rows routed to an expert are
+ * gathered (a counting sort by expert, rows in order), run through its two products as one
+ * block, and added back weighted, so each expert's weights stream once per call, as
+ * torch.ops.qwen.fused_moe's grouped GEMMs do. out is overwritten. Returns 0; -1 when scratch
+ * memory could not be allocated; -3 when an id is outside [0, E) (checked before any write). */
+int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights, int64_t k,
+                    int64_t E, const int64_t *w13, const int64_t *w2, int64_t I, float *out, int64_t threads) {
+    const int64_t n = T * k;
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= E) return -3;
+    int64_t *start = calloc((size_t)(E + 1), sizeof(int64_t));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    if (start == NULL || order == NULL) {
+        free(start);
+        free(order);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; ++i) start[ids[i] + 1]++;
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        if (start[e + 1] > most) most = start[e + 1];
+        start[e + 1] += start[e];
+    }
+    {
+        int64_t *fill = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
+        if (fill == NULL) {
+            free(start);
+            free(order);
+            return -1;
+        }
+        memcpy(fill, start, sizeof(int64_t) * (size_t)E);
+        for (int64_t i = 0; i < n; ++i) order[fill[ids[i]]++] = i;     /* choice i = row i / k */
+        free(fill);
+    }
+    const int64_t m = most > 0 ? most : 1;
+    float *xs = malloc(sizeof(float) * (size_t)(m * (2 * H + 3 * I)));
+    if (xs == NULL) {
+        free(start);
+        free(order);
+        return -1;
+    }
+    float *gu = xs + m * H, *hs = gu + m * 2 * I, *ys = hs + m * I;
+    memset(out, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t first = start[e], rows = start[e + 1] - first;
+        if (rows == 0) continue;
+        for (int64_t r = 0; r < rows; ++r) memcpy(xs + r * H, x + (order[first + r] / k) * H, sizeof(float) * (size_t)H);
+        qwen_linear_packed(xs, H, rows, (const float *)w13[e], NULL, 2 * I, H, gu, 2 * I, threads);
+        silu_mul_rows(gu, 2 * I, gu + I, 2 * I, hs, rows, I, 0);
+        qwen_linear_packed(hs, I, rows, (const float *)w2[e], NULL, H, I, ys, H, threads);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t choice = order[first + r];
+            const float w = weights[choice];
+            float *dst = out + (choice / k) * H;
+            const float *src = ys + r * H;
+#pragma omp simd
+            for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+        }
+    }
+    free(xs);
+    free(start);
+    free(order);
+    return 0;
+}
