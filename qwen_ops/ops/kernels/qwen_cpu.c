@@ -617,8 +617,11 @@ void qwen_pack_panels(const float *w, int64_t N, int64_t K, float *wp) {
 #endif
 /* The sum over k runs in blocks of PANEL_KB, each summed in registers, then added to the output:
  * one sequential fp32 chain over all of K would round K times in a row (max error 6x MKL's at
- * K = 3072, measured), blocks bound it by PANEL_KB + K / PANEL_KB (as close to MKL as measured). */
-#define PANEL_KB 128
+ * K = 3072, measured), blocks bound it by PANEL_KB + K / PANEL_KB. 256, not 128: the prefill
+ * products (6 rows x 2 panels) reload and store their outputs half as often, 0.88x -> 0.92x of
+ * oneDNN's prepacked GEMM at 256 rows (benchmarks/README.md); max error against a float64 sum
+ * 0.93x MKL's at K = 3072 and 0.53x at K = 1024 (128: 0.57x and 0.40x). */
+#define PANEL_KB 256
 #define PANEL_WIDE_MR 6   /* rows per block on two panels: 24 accumulators, 4 weight vectors, 1 broadcast */
 /* Bytes ahead of the weight being read that the panel kernels prefetch (two lines an iteration,
  * which reads two, per panel): a decode step streams its weights from DRAM once, and one core's
