@@ -104,6 +104,30 @@ def test_native_bf16_matches_the_op_path(model_type, tmp_path):
     assert same > 0.5, f"only {same:.0%} of the logits equal the op path's"
 
 
+def test_native_bf16_moe_matches_the_op_path(tmp_path, monkeypatch):
+    """qwen3_moe in bf16: the C forward calls back for the MoE blocks, which run as the model's own
+    bf16 ``SparseMoeBlock``; within the bound of the op path, relative to the fp32 truth (the same
+    bf16 weights in fp32)."""
+    from checkpoints import make_moe_checkpoint
+
+    model = _load(make_moe_checkpoint(tmp_path, "qwen3_moe"), torch.bfloat16)
+    exact_model = copy.deepcopy(model).float()
+    executor = NativeCPUExecutor(model)
+    assert executor._experts == [None] * len(model.model.layers), "bf16 experts are not packed"
+    calls = []
+    real = cpu.dense_forward
+    monkeypatch.setattr(cpu, "dense_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    table = shuffled_block_table(3, 5)
+    got, got_caches = _run_steps(executor.run, model.config, STEPS, table, torch.bfloat16)
+    monkeypatch.setattr(cpu, "dense_forward", real)
+    assert len(calls) == len(STEPS)
+    with qwen_ops.use_backend("reference"):
+        op_path, op_caches = _run_steps(model, model.config, STEPS, table, torch.bfloat16)
+        exact, exact_caches = _run_steps(exact_model, model.config, STEPS, table, torch.float32)
+    assert max((o - e).abs().max() for o, e in zip(op_path, exact)) > 0, "bf16 must differ from fp32 here"
+    _assert_steps_within_bound(got, got_caches, op_path, op_caches, exact, exact_caches)
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_native_bf16_matches_transformers(model_type, tmp_path):
     """Teacher-forced logits of a 16-token sequence (a 6-token prefill, a 3-token chunk, then
