@@ -204,17 +204,20 @@ class NativeCPUExecutor:
                                if isinstance(w, torch.nn.Linear)
                                else None if w is None else _fp32_copy(w)
                                for w in (weights[name] for name in cpu_kernels.DENSE_LAYER_WEIGHTS)])
-            # qwen3_moe in fp32: every expert's w13 and w2 packed too, for cpu.moe_packed (bf16 models
-            # run the block as written).
+            # Per layer: its MoE block or None, and (qwen3_moe in fp32) every expert's w13 and w2
+            # packed too, for cpu.moe_packed (bf16 models run the block's own experts).
+            self._moe = [layer.mlp if type(layer.mlp) is SparseMoeBlock else None for layer in m.model.layers]
             self._experts = [None] * len(layers)
             if dtype == torch.float32:
-                for i, layer in enumerate(m.model.layers):
-                    if type(layer.mlp) is SparseMoeBlock:
-                        ex = layer.mlp.experts
+                for i, block in enumerate(self._moe):
+                    if block is not None:
+                        ex = block.experts
                         w13 = [cpu_kernels.pack_panels(w.detach().contiguous()) for w in ex.gate_up_proj]
                         w2 = [cpu_kernels.pack_panels(w.detach().contiguous()) for w in ex.down_proj]
                         self._experts[i] = (w13, w2, cpu_kernels.addresses(w13), cpu_kernels.addresses(w2),
                                             ex.down_proj.shape[2])
+            dense = next((layer.mlp for layer in m.model.layers if type(layer.mlp) is QwenMLP), None)
+            self._inter = 0 if dense is None else dense.gate_proj.out_features
             self._dtype = dtype
             self._layers = layers
             self._addresses = cpu_kernels.addresses(w for layer in layers for w in layer)
@@ -261,25 +264,17 @@ class NativeCPUExecutor:
         if tp is not None and tp.size > 1:
             def reduce(partial: torch.Tensor) -> None:       # the same collective as RowParallelLinear's
                 partial.copy_(_all_reduce(partial, tp))
-        layers = m.model.layers
-        moe = [layer.mlp if type(layer.mlp) is SparseMoeBlock else None for layer in layers]
         mlp = None
-        if any(block is not None for block in moe):
-            dtype = self._dtype
-
-            def mlp(layer: int, x: torch.Tensor, out: torch.Tensor) -> None:
-                block, packed = moe[layer], self._experts[layer]
-                if packed is None:                                  # bf16: the model's own block
-                    out.copy_(block(x.to(dtype)))
+        if any(block is not None for block in self._moe):
+            def mlp(layer: int, x: torch.Tensor, out: torch.Tensor) -> None:     # the model's own block
+                block, packed = self._moe[layer], self._experts[layer]
+                if packed is None:                                  # bf16: its own experts too
+                    out.copy_(block(x.to(self._dtype)))
                     return
-                weights, ids = block.gate(x)                        # SparseMoeBlock.forward, experts packed
-                cpu_kernels.moe_packed(x, ids, weights, packed[2], packed[3], packed[4], out)
-                if block.shared_expert is not None:
-                    out.add_(torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x))
-        dense = next((layer.mlp for layer in layers if type(layer.mlp) is QwenMLP), None)
+                out.copy_(block(x, experts=lambda x, weights, ids: cpu_kernels.moe_packed(
+                    x, ids, weights, packed[2], packed[3], packed[4], torch.empty_like(x))))
         logits = cpu_kernels.dense_forward(
-            h, self._addresses, kv_caches, a.num_heads, a.head_dim, 0 if dense is None else dense.gate_proj.out_features,
-            m.model.norm.eps, a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots,
+            h, self._addresses, kv_caches, a.num_heads, a.head_dim, self._inter, m.model.norm.eps, a.scale, positions32, self._rope, attn.slot_ids, attn.block_table, attn.seq_slots,
             attn.query_start_loc, attn.seq_lens, logits_indices, self._final_norm, self._lm_head,
             m.lm_head.out_features, reduce=reduce, mlp=mlp)
         if reduce is not None:                              # ParallelLMHead's gather of each rank's rows

@@ -22,6 +22,8 @@ and ``mlp_only_layers``); the others keep a dense :class:`~qwen_ops.models.layer
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,10 +89,11 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]`` in x's dtype."""
+    def forward(self, x: torch.Tensor, experts: Optional[Callable] = None) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]`` in x's dtype. ``experts(x, weights, ids)`` runs the
+        routed experts (default ``self.experts``; the native CPU executor passes its packed ones)."""
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        out = (self.experts if experts is None else experts)(x, weights, ids)
         if self.shared_expert is not None:   # fixed at construction
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

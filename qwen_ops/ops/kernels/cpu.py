@@ -298,6 +298,24 @@ def addresses(tensors) -> torch.Tensor:
     return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
+def _c_floats(address: int, n: int) -> torch.Tensor:
+    """The ``n`` fp32 values at ``address`` (C scratch) as a tensor, without a copy."""
+    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+
+
+def _guarded(fn: Callable, errors: list) -> Callable:
+    """``fn`` as a C callback: 0 when it returns, 1 when it raises (the exception appended to
+    ``errors``, for the caller to raise after the C call: ctypes would only print it)."""
+    def call(*args) -> int:
+        try:
+            fn(*args)
+            return 0
+        except BaseException as e:          # noqa: BLE001 - raised by the caller after the C call returns
+            errors.append(e)
+            return 1
+    return call
+
+
 def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                inter: int, out: torch.Tensor) -> torch.Tensor:
     """A mixture-of-experts layer's routed experts into ``out [T, H]`` (fp32, overwritten):
@@ -376,29 +394,11 @@ def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list,
     rows = rows if rows.is_contiguous() else rows.contiguous()
     logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
     errors: list[BaseException] = []
-    callback = None
-    if reduce is not None:
-        def reduce_in_place(address: int, n: int) -> int:
-            try:
-                reduce(torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32))
-                return 0
-            except BaseException as e:          # noqa: BLE001 - raised below, after the C call returns
-                errors.append(e)
-                return 1
-        callback = REDUCE_FN(reduce_in_place)
-    mlp_callback = None
-    if mlp is not None:
-        def mlp_of(layer: int, x_address: int, out_address: int, rows: int) -> int:
-            try:
-                n = rows * hidden
-                x = torch.frombuffer((ctypes.c_float * n).from_address(x_address), dtype=torch.float32)
-                out = torch.frombuffer((ctypes.c_float * n).from_address(out_address), dtype=torch.float32)
-                mlp(layer, x.view(rows, hidden), out.view(rows, hidden))
-                return 0
-            except BaseException as e:          # noqa: BLE001 - raised below, after the C call returns
-                errors.append(e)
-                return 1
-        mlp_callback = MLP_FN(mlp_of)
+    callback = None if reduce is None else REDUCE_FN(_guarded(
+        lambda address, n: reduce(_c_floats(address, n)), errors))
+    mlp_callback = None if mlp is None else MLP_FN(_guarded(
+        lambda layer, x, out, rows: mlp(layer, _c_floats(x, rows * hidden).view(rows, hidden),
+                                        _c_floats(out, rows * hidden).view(rows, hidden)), errors))
     status = lib.qwen_dense_forward(
         weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
         float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
