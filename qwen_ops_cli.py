@@ -1,0 +1,136 @@
+"""The ``qwen-ops`` command line: its parser and ``main``, importable without torch.
+
+``qwen-ops --help`` (and every argument error) is answered from here before torch or
+``qwen_ops`` is imported (a top-level module: importing anything inside ``qwen_ops`` runs the
+package's ``__init__``, which registers the ops and so imports torch). The commands themselves
+live in ``qwen_ops.serving.cli``.
+
+    qwen-ops generate "def fibonacci(n):"            # the embedded default model
+    qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
+    qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
+    qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
+
+An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
+``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
+                   "default: the embedded model")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request (default: the model's limit, at most 4096)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--swap-space", type=int, default=None,
+                   help="bytes of host memory for swapped KV (default: a quarter of RAM, at most 4 GiB)")
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="Serve MODEL over OpenAI's /v1/completions, /v1/chat/completions and "
+                                   "/v1/models, with /health and /metrics (Prometheus).")
+    s.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (Hugging Face layout); default: the embedded model")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use (default: the checkpoint directory's name, or "
+                        "qwen-ops-default for the embedded model)")
+    s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request (default: the model's limit, at most 4096)")
+    s.add_argument("--compile", action="store_true", default=None,
+                   help="compile the decode step (default: on for CUDA, off on the CPU)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own, apart from the HTTP server's event loop "
+                        "(default; --no-engine-process: a thread of the server's process)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests allowed to wait for a slot before new ones get 503 (default: no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted, larger gets 413 (default: 4 MiB)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    s.set_defaults(func="serve")
+
+
+_DEBUG_HELP = "on an error, raise it with its traceback instead of printing one line (also: QWEN_OPS_DEBUG=1)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-ops", description="Slot-indexed Qwen inference on torch.ops.qwen.*")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream a completion of a prompt",
+                       description="Stream a completion of PROMPT, then print tokens/s.")
+    g.add_argument("prompt", help="text to continue")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    g.set_defaults(func="generate")
+    b = sub.add_parser("bench", help="serve synthetic requests and print latency/throughput",
+                       description="Run N synthetic greedy requests through the scheduler and print a table.")
+    _add_model_args(b)
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--prompt-len", type=int, default=64)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    b.set_defaults(func="bench")
+    _add_serve_parser(sub)
+    return parser
+
+
+def _debug_env() -> bool:
+    # The same switch as qwen_ops.ops.backend.debug_checks_enabled, read without importing torch.
+    return os.environ.get("QWEN_OPS_DEBUG", "0") not in ("", "0")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    if isinstance(e, (ValueError, FileNotFoundError, RuntimeError)) and text:
+        return text
+    # Anything else is unexpected here: name the type and point at --debug.
+    return f"{type(e).__name__}{': ' + text if text else ''} (--debug shows the traceback)"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        # Only now torch and the package load: --help and argument errors never wait for them.
+        from qwen_ops.serving import cli
+
+        return getattr(cli, "_" + args.func)(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or _debug_env():
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, (ValueError, FileNotFoundError)) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
