@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from qwen_ops.engine.sampling import SamplingParams, sample
+from qwen_ops.engine.sampling import MAX_LOGPROBS, SamplingParams, SeededNoise, sample
 
-SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1      # torch.Generator.manual_seed's range, inclusive
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1      # int64, as vLLM's and OpenAI's seed, inclusive
 
 
 # ----------------------------------------------------------------------------- top_k
@@ -36,39 +36,77 @@ def test_top_k_must_be_an_int(top_k):
 
 
 # ----------------------------------------------------------------------------- seed
-@pytest.mark.parametrize("seed", [2 ** 70, 2 ** 64, SEED_MIN - 1, -(2 ** 70)])
+@pytest.mark.parametrize("seed", [2 ** 70, 2 ** 64, 2 ** 64 - 1, 2 ** 63, SEED_MIN - 1, -(2 ** 70)])
 def test_seed_out_of_range_is_rejected_at_construction(seed):
     with pytest.raises(ValueError) as info:
         SamplingParams(seed=seed, temperature=1.0)
-    assert str(info.value) == f"seed = {seed}, expected an int in [-2**63, 2**64) or None"
+    assert str(info.value) == f"seed = {seed}, expected an int in [-2**63, 2**63) or None"
 
 
 def test_seed_2_pow_70_message_names_the_value():
-    with pytest.raises(ValueError, match=r"^seed = 1180591620717411303424, expected an int in \[-2\*\*63, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"^seed = 1180591620717411303424, expected an int in \[-2\*\*63, 2\*\*63\)"):
         SamplingParams(seed=2 ** 70)
 
 
 @pytest.mark.parametrize("seed", ["1", 1.0, True])
 def test_seed_must_be_an_int(seed):
-    with pytest.raises(ValueError, match=r"^seed = .*, expected an int in \[-2\*\*63, 2\*\*64\) or None$"):
+    with pytest.raises(ValueError, match=r"^seed = .*, expected an int in \[-2\*\*63, 2\*\*63\) or None$"):
         SamplingParams(seed=seed)
 
 
-@pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, 2 ** 63, SEED_MAX])
-def test_seed_boundaries_construct_and_seed_a_generator(seed):
+def _noise(seed: int, n: int = 64) -> torch.Tensor:
+    return SamplingParams(seed=seed, temperature=1.0).make_generator(torch.device("cpu")).exponential_(torch.empty(n))
+
+
+@pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, 2 ** 32, SEED_MAX])
+def test_seed_boundaries_construct_and_reproduce_their_noise(seed):
     params = SamplingParams(seed=seed, temperature=1.0)
     assert params.seed == seed
+    assert isinstance(params.make_generator(torch.device("cpu")), SeededNoise)
+    assert torch.equal(_noise(seed), _noise(seed))          # the same seed draws the same noise
+
+
+@pytest.mark.parametrize("a, b", [(1, 2 ** 32 + 1),          # the same low 32 bits (torch's CPU generator keeps only those)
+                                  (-1, 2 ** 32 - 1),          # the same low 32 bits again
+                                  (2 ** 32, 1),               # halves swapped: (lo, hi) = (0, 1) vs (1, 0)
+                                  (SEED_MIN, 0)])             # the same low 32 bits, sign bit apart
+def test_distinct_seeds_draw_distinct_noise(a, b):
+    assert a != b and not torch.equal(_noise(a), _noise(b))
+
+
+def test_seeded_noise_samples_the_distribution():
+    # The oracle: float64 softmax probabilities, computed apart from sample(); 6,000 draws of one
+    # seeded stream land within a total-variation distance of 0.03 of them (about 4 sigma).
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    probs = torch.softmax(logits.double(), dim=-1)[0]
+    params = SamplingParams(temperature=1.0, seed=2 ** 40 + 7)
     g = params.make_generator(torch.device("cpu"))
-    assert isinstance(g, torch.Generator)
-    assert g.initial_seed() == seed % 2 ** 64          # torch stores the seed as a uint64
-    # The generator really is seeded with it: a second one draws the same numbers.
-    again = SamplingParams(seed=seed, temperature=1.0).make_generator(torch.device("cpu"))
-    assert torch.equal(torch.rand(8, generator=g), torch.rand(8, generator=again))
+    counts = torch.zeros(5, dtype=torch.float64)
+    for _ in range(6000):
+        counts[sample(logits, [params], [g]).item()] += 1
+    assert 0.5 * (counts / counts.sum() - probs).abs().sum().item() < 0.03
 
 
 def test_no_generator_without_seed_or_when_greedy():
     assert SamplingParams(temperature=1.0).make_generator(torch.device("cpu")) is None
     assert SamplingParams(seed=3, temperature=0.0).make_generator(torch.device("cpu")) is None
+
+
+# ----------------------------------------------------------------------------- temperature
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6, 0.0])
+def test_temperature_below_the_greedy_threshold_is_greedy(temperature):
+    # logits / 1e-39 overflows fp32 (every logit inf, softmax NaN): such a row used to "sample"
+    # token 0. Below 1e-5 (vLLM's threshold) a row is greedy; its oracle is the argmax.
+    logits = _logits(n=2)
+    logits[:, 0] = logits.min() - 1.0                         # token 0 is never the argmax
+    params = SamplingParams(temperature=temperature, seed=5)
+    assert params.greedy
+    out = sample(logits, [params, SamplingParams(temperature=1.0)], [None, None], torch.Generator().manual_seed(0))
+    assert out[0].item() == logits[0].argmax().item() != 0
+
+
+def test_temperature_at_the_threshold_samples():
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 # ----------------------------------------------------------------------------- other fields
@@ -101,6 +139,22 @@ def test_max_tokens_and_max_new_tokens_must_agree():
 def test_bad_max_tokens_is_rejected(n):
     with pytest.raises(ValueError, match=r"^max_new_tokens = .*, expected an int >= 1$"):
         SamplingParams(max_tokens=n)
+
+
+def test_logprobs_are_bounded():
+    assert SamplingParams(logprobs=MAX_LOGPROBS).logprobs == MAX_LOGPROBS
+    with pytest.raises(ValueError, match=rf"^logprobs = 21, expected an int in \[0, {MAX_LOGPROBS}\] or None$"):
+        SamplingParams(logprobs=21)
+
+
+def test_stop_lists_are_bounded():
+    SamplingParams(stop=["x"] * 64, stop_token_ids=list(range(1024)))
+    with pytest.raises(ValueError, match=r"^stop has 65 strings, expected at most 64$"):
+        SamplingParams(stop=["x"] * 65)
+    with pytest.raises(ValueError, match=r"^stop\[1\] has 1025 characters, expected at most 1024$"):
+        SamplingParams(stop=["a", "b" * 1025])
+    with pytest.raises(ValueError, match=r"^stop_token_ids has 1025 entries, expected at most 1024$"):
+        SamplingParams(stop_token_ids=list(range(1025)))
 
 
 def test_bad_stop_token_ids_are_rejected_with_their_index():

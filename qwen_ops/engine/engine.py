@@ -33,7 +33,7 @@ import torch
 from qwen_ops.engine.block_manager import BlockAllocator, PrefixCachingAllocator
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.runner import ModelRunner
-from qwen_ops.engine.sampling import GREEDY, SamplingParams, sample
+from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, sample
 
 
 @dataclass
@@ -79,7 +79,7 @@ class _SlotState:
     block_keys: list[bytes] = field(default_factory=list)
     active: bool = False                     # holds a sequence
     owner: Any = None                        # request id from allocate_slot, if any
-    generator: Optional[torch.Generator] = None
+    generator: Optional[SeededNoise] = None      # seeded sampling: the request's own noise
 
 
 @dataclass

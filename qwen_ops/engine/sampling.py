@@ -2,8 +2,8 @@
 
 Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw with
 the exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A request
-with a ``seed`` draws its noise from its own ``torch.Generator``, so its tokens do not depend
-on which other requests share the batch.
+with a ``seed`` draws its noise from its own ``SeededNoise`` (all 64 bits of the seed, on every
+device), so its tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -18,19 +18,30 @@ import torch
 from qwen_ops.ops.kernels import cpu as cpu_kernels
 
 
-# The seeds torch.Generator.manual_seed accepts (an int64 or a uint64): [SEED_MIN, SEED_END).
+# Seeds are int64, as vLLM's and OpenAI's: [SEED_MIN, SEED_END). Each maps to its own noise stream
+# (SeededNoise): the range is no wider than 64 bits, so no two seeds share one.
 SEED_MIN = -2 ** 63
-SEED_END = 2 ** 64
+SEED_END = 2 ** 63
+# Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow fp32
+# (T < ~1e-38 made every logit inf, softmax NaN and the "sample" token 0), and far above that
+# the draw is already an argmax in all but name.
+GREEDY_TEMPERATURE = 1e-5
+# Bounds on what one request may ask for, so that no request makes every step slow for all.
+MAX_LOGPROBS = 20              # vLLM's default max_logprobs (top-k log-probabilities per token)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024   # each stop string; the stream holds back up to this many characters
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     """How to pick tokens. Defaults follow vLLM (temperature 1.0, 16 new tokens).
 
-    ``max_new_tokens`` is also accepted as vLLM's ``max_tokens``. ``temperature == 0`` is greedy.
+    ``max_new_tokens`` is also accepted as vLLM's ``max_tokens``. ``temperature`` 0 (or anything
+    below ``GREEDY_TEMPERATURE``, 1e-5, as vLLM) is greedy.
     ``top_k`` of -1 or 0 (stored as -1) and ``top_p == 1`` disable those filters; as in vLLM, a
-    ``top_k`` below -1 is an error. ``seed`` must fit ``torch.Generator.manual_seed``: an int in
-    [-2**63, 2**64).
+    ``top_k`` below -1 is an error. ``seed`` is an int64, in [-2**63, 2**63), as vLLM's and OpenAI's;
+    distinct seeds give distinct noise streams (``SeededNoise``).
 
     What the ``LLM`` layer adds on top of picking tokens (the engine's slot API ignores these and
     rejects ``n > 1``):
@@ -82,8 +93,10 @@ class SamplingParams:
             raise ValueError(f"top_p = {top_p!r}, expected a number in (0, 1]")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or not SEED_MIN <= seed < SEED_END):
-            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**64) or None")
+            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63) or None")
         stops = tuple(stop_token_ids)
+        if len(stops) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(stops)} entries, expected at most {MAX_STOP_TOKEN_IDS}")
         for i, t in enumerate(stops):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}] = {t!r}, expected an int >= 0")
@@ -97,11 +110,16 @@ class SamplingParams:
             stop_strs = tuple(stop)
         else:
             raise ValueError(f"stop = {stop!r}, expected a str, a list of str, or None")
+        if len(stop_strs) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop_strs)} strings, expected at most {MAX_STOP_STRINGS}")
         for i, st in enumerate(stop_strs):
             if not isinstance(st, str) or not st:
                 raise ValueError(f"stop[{i}] = {st!r}, expected a non-empty str")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise ValueError(f"logprobs = {logprobs!r}, expected an int >= 0 or None")
+            if len(st) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop[{i}] has {len(st)} characters, expected at most {MAX_STOP_STRING_CHARS}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs = {logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= n:
             raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {n}]")
         for name, value in (("max_new_tokens", n), ("temperature", float(temperature)),
@@ -118,7 +136,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def for_completion(self, index: int) -> "SamplingParams":
         """The parameters of completion ``index`` of ``n``: ``n = 1``, and seed ``seed + index``."""
@@ -135,19 +153,45 @@ class SamplingParams:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids[{i}] = {t}, expected < vocab_size = {vocab_size}")
 
-    def make_generator(self, device: torch.device) -> Optional[torch.Generator]:
+    def make_generator(self, device: torch.device) -> Optional["SeededNoise"]:
         if self.seed is None or self.greedy:
             return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed)
-        return g
+        return SeededNoise(self.seed, device)
+
+
+class SeededNoise:
+    """A seeded request's own source of sampling noise, distinct for every int64 seed.
+
+    One ``torch.Generator`` is not enough on the CPU: its Mersenne Twister is seeded from the
+    low 32 bits only, so ``seed=1`` and ``seed=2**32 + 1`` drew the same tokens. Here the seed's
+    two 32-bit halves seed two generators, and a uniform draw is ``frac(a + 2 b)`` of one draw
+    ``a``, ``b`` of each: uniform whenever ``a`` is (so sampling stays exact), and a function of
+    both halves in which they cannot trade places. The exponential noise is ``-log`` of it.
+    """
+
+    __slots__ = ("seed", "_low", "_high")
+
+    def __init__(self, seed: int, device: torch.device):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END:
+            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63)")
+        self.seed = seed
+        bits = seed % 2 ** 64                      # int64 -> uint64, one to one
+        self._low = torch.Generator(device=device).manual_seed(bits & 0xFFFFFFFF)
+        self._high = torch.Generator(device=device).manual_seed(bits >> 32)
+
+    def exponential_(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill fp32 ``out`` with Exp(1) noise from this stream (``-log u``, u uniform in [0, 1):
+        u = 0 gives inf, whose token can never win the race; u = 1 never occurs)."""
+        u = torch.rand(out.shape, generator=self._low, device=out.device)
+        u.add_(torch.rand(out.shape, generator=self._high, device=out.device), alpha=2.0).frac_()
+        return out.copy_(u.log_().neg_())
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]],
+           generators: Sequence[Optional[SeededNoise]],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
     logits = logits.float()
@@ -181,7 +225,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     noise = torch.empty_like(probs).exponential_(generator=default_generator)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
+            g.exponential_(noise[i])
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
     return torch.where(is_greedy, greedy_tokens, sampled)

@@ -43,12 +43,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-import torch
 
 from qwen_ops.engine.batch import BatchedRequest, RequestId
 from qwen_ops.serving.batch import IterationPlan, TokenBudget
 from qwen_ops.engine.engine import QwenEngine, SwappedSlot
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise
 
 
 class RequestStatus(enum.Enum):
@@ -66,7 +65,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    generator: Optional[torch.Generator] = None
+    generator: Optional[SeededNoise] = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: Optional[int] = None
