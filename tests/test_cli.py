@@ -166,3 +166,14 @@ def test_bench_without_generated_tokens_prints_no_throughput(ckpt, capsys, monke
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines()[-1].startswith("error: no tokens were generated")
     assert "throughput" not in captured.out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--num-requests", "1000000000"], "--num-requests = 1000000000, expected at most 100000"),
+    (["--prompt-len", "1000000000"], "--prompt-len + --output-len = 1000000000 + 64, expected at most"),
+    (["--block-size", "1000000000"], "block_size = 1000000000"),
+    (["--num-kv-blocks", "1000000000000"], "num_kv_blocks = 1000000000000"),
+])
+def test_bench_sizes_are_bounded_before_anything_is_built(argv, expected, capsys, no_debug_env):
+    assert main(["bench", *argv]) == 2                   # the embedded model
+    assert expected in _one_error_line(capsys.readouterr())

@@ -166,3 +166,54 @@ def test_config_is_frozen_and_validated():
     with pytest.raises(ValueError, match="head_dim = 3, expected an even number"):
         QwenConfig(model_type="qwen2", vocab_size=1, hidden_size=1, intermediate_size=1, num_hidden_layers=1,
                    num_attention_heads=1, num_key_value_heads=1, head_dim=3, max_position_embeddings=1)
+
+
+# ----------------------------------------------------------------------------- bounds and field-named errors
+def _write(tmp_path, data) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("num_hidden_layers", 1_000_000, "num_hidden_layers = 1000000, expected a positive int <= 1024"),
+    ("max_position_embeddings", 10 ** 9, "max_position_embeddings = 1000000000, expected a positive int <= 16777216"),
+    ("vocab_size", 10 ** 9, "vocab_size = 1000000000, expected a positive int <= 4194304"),
+    ("num_key_value_heads", 0, "num_key_value_heads = 0, expected a positive int <= 1024"),   # not "absent"
+    ("num_attention_heads", 0, "num_attention_heads = 0, expected a positive int <= 1024"),   # was ZeroDivisionError
+    ("head_dim", 4096, "head_dim = 4096, expected a positive int <= 1024"),
+    ("intermediate_size", 0, "intermediate_size = 0, expected a positive int <= 262144"),
+    ("rms_norm_eps", "abc", "rms_norm_eps = 'abc', expected a finite number > 0"),
+    ("rope_theta", 0, "rope_theta = 0, expected a finite number > 0"),
+    ("rope_theta", -1e4, "rope_theta = -10000.0, expected a finite number > 0"),
+])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_every_size_is_bounded_and_named_with_its_file(tmp_path, model_type, field, value, expected):
+    _write(tmp_path, {**SMALL, "model_type": model_type, "rope_theta": 1e4, field: value})
+    with pytest.raises(ValueError) as info:
+        QwenConfig.from_pretrained(tmp_path)
+    assert str(info.value) == f"{tmp_path / 'config.json'}: {expected}"
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", 10 ** 6), ("moe_intermediate_size", 10 ** 7),
+                                          ("num_experts_per_tok", 0)])
+def test_moe_sizes_are_bounded(tmp_path, field, value):
+    _write(tmp_path, {**SMALL, "model_type": "qwen3_moe", "rope_theta": 1e4, field: value})
+    with pytest.raises(ValueError, match=rf"config\.json: {field} = {value}, expected a positive int <= \d+$"):
+        QwenConfig.from_pretrained(tmp_path)
+
+
+def test_linear_attention_sizes_are_bounded(tmp_path):
+    _write(tmp_path, {**SMALL, "model_type": "qwen3_5_text", "rope_theta": 1e4, "linear_key_head_dim": 10 ** 5})
+    with pytest.raises(ValueError, match=r"config\.json: linear_key_head_dim = 100000, expected a positive int <= 1024$"):
+        QwenConfig.from_pretrained(tmp_path)
+
+
+def test_a_binary_config_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ValueError, match=r"config\.json: not UTF-8 text, so not a config\.json"):
+        QwenConfig.from_pretrained(tmp_path)
+
+
+def test_deeply_nested_config_json_is_invalid_json(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        QwenConfig.from_pretrained(tmp_path)

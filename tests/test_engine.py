@@ -257,3 +257,30 @@ def test_execute_rejects_unreserved_or_stale_chunks(engine):
     for _ in range(2):
         rest.append(engine.decode_step(rest[-1], slot_id=0).next_token)
     assert first + rest[1:] == expected
+
+
+# ----------------------------------------------------------------------------- sizes checked before allocating
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(num_kv_blocks=10 ** 12, max_seq_len=64), "num_kv_blocks = 1000000000000"),
+    (dict(block_size=10 ** 9, max_seq_len=64), "block_size = 1000000000"),
+    (dict(max_slots=10 ** 9, max_seq_len=64), "max_slots = 1000000000"),
+])
+def test_a_cache_that_cannot_fit_is_refused_by_name(ckpt, kwargs, named):
+    with pytest.raises(ValueError) as info:
+        QwenEngine.from_pretrained(ckpt, **kwargs)
+    message = str(info.value)
+    assert named in message and "needs" in message and "but only" in message and "is available" in message
+
+
+def test_allocate_batch_slots_beyond_memory_is_refused_and_harmless(engine):
+    before = run_single(engine, [3, 4, 5], 4)
+    with pytest.raises(ValueError, match=r"allocate_batch_slots\(n = 10000000\).* needs .* but only"):
+        engine.allocate_batch_slots(10 ** 7)
+    assert engine.num_slots == 4
+    engine.free_slot(0)
+    assert run_single(engine, [3, 4, 5], 4) == before
+
+
+def test_from_pretrained_builds_rope_rows_for_max_seq_len_only(ckpt):
+    eng = QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=40, block_size=4)
+    assert eng.model.model.rotary_emb.cos_sin.shape[0] == 40

@@ -314,3 +314,23 @@ def test_threads_share_one_llm(ckpt, prompts, expected):
 def test_kv_budget_too_small_for_one_sequence(ckpt):
     with pytest.raises(ValueError, match="num_kv_blocks = 3"):
         make_llm(ckpt, num_kv_blocks=3)
+
+
+# ----------------------------------------------------------------------------- sizes checked before allocating
+def test_a_huge_max_position_embeddings_costs_only_max_model_len_rows(tmp_path):
+    # 2**22 positions: the whole RoPE table would be 256 MB here (1e9 positions was 8 GB); the LLM
+    # builds the rows its max_model_len can reach, the default cap of 4096 included.
+    ckpt = make_qwen3_checkpoint(tmp_path / "long", max_position_embeddings=1 << 22)
+    llm = LLM(ckpt, max_model_len=96, max_num_seqs=2, num_kv_blocks=64)
+    assert llm.engine.model.model.rotary_emb.cos_sin.shape[0] == 96
+    assert LLM(ckpt, max_num_seqs=1).engine.model.model.rotary_emb.cos_sin.shape[0] == 4096
+    with pytest.raises(ValueError, match=r"max_model_len = 4194305, but the model supports max_position_embeddings"):
+        LLM(ckpt, max_model_len=(1 << 22) + 1)
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(num_kv_blocks=10 ** 12), "num_kv_blocks = 1000000000000"),
+                                           (dict(block_size=10 ** 9), "block_size = 1000000000")])
+def test_kv_sizes_beyond_memory_are_refused_by_name(ckpt, kwargs, named):
+    with pytest.raises(ValueError) as info:
+        LLM(ckpt, max_model_len=64, **kwargs)
+    assert named in str(info.value) and "is available" in str(info.value)

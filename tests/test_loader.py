@@ -243,3 +243,39 @@ def test_old_rotary_buffers_are_ignored(copy):
 def test_not_a_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_checkpoint(tmp_path / "nope")
+
+
+# ----------------------------------------------------------------------------- sizes checked before building
+def _edit_config(ckpt: Path, **changes) -> None:
+    file = ckpt / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+def test_a_config_with_more_layers_than_the_weights_fails_before_building(copy, monkeypatch):
+    import qwen_ops.models.loader as loader
+
+    _edit_config(copy, num_hidden_layers=1000)
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the model was built before the layer count was checked")
+
+    monkeypatch.setattr(loader, "QwenForCausalLM", must_not_build)
+    with pytest.raises(CheckpointError) as info:
+        load_model(copy)
+    assert "config.json: num_hidden_layers = 1000, but the checkpoint's weights hold layers 0..1 (2 layers)" \
+        in str(info.value)
+
+
+def test_the_rope_table_holds_only_max_positions_rows(copy):
+    _edit_config(copy, max_position_embeddings=1 << 22)
+    model = load_model(copy, max_positions=48)
+    table = model.model.rotary_emb.cos_sin
+    assert table.shape[0] == 48
+    # The rows it holds are the full table's rows: an independent fp64 computation of default RoPE.
+    cfg = QwenConfig.from_pretrained(copy)
+    half = table.shape[1] // 2
+    inv = 1.0 / (cfg.rope.theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half)))
+    angles = torch.arange(48, dtype=torch.float64)[:, None] * inv[None, :]
+    assert torch.allclose(table.double(), torch.cat((angles.cos(), angles.sin()), dim=-1), atol=1e-5)
+    with pytest.raises(ValueError, match=r"num_positions = 0, expected an int in \[1, max_position_embeddings"):
+        load_model(copy, max_positions=0)

@@ -34,6 +34,8 @@ from qwen_ops.engine.block_manager import BlockAllocator, PrefixCachingAllocator
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, sample
+from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops.memory import check_fits
 
 
 @dataclass
@@ -124,6 +126,10 @@ class QwenEngine:
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len = {max_seq_len}, but the model supports "
                              f"max_position_embeddings = {limit}")
+        rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "cos_sin", None)
+        if rope is not None and max_seq_len > rope.shape[0]:
+            raise ValueError(f"max_seq_len = {max_seq_len}, but the model's RoPE table holds {rope.shape[0]} positions "
+                             f"(it was loaded with max_positions = {rope.shape[0]}); expected at most that")
         param = next(model.parameters())
         self.model = model.eval()
         self.config = config
@@ -141,6 +147,9 @@ class QwenEngine:
             num_kv_blocks = max_slots * self.max_blocks_per_slot
         if not _is_int(num_kv_blocks) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks!r}, expected an int >= 1")
+        self._check_memory(model, num_kv_blocks, block_size, max_slots, self.max_blocks_per_slot,
+                           f"num_kv_blocks = {num_kv_blocks} of block_size = {block_size}, max_slots = {max_slots} "
+                           f"and max_seq_len = {max_seq_len}")
         self.runner = ModelRunner(
             model, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
             max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
@@ -167,6 +176,27 @@ class QwenEngine:
         self._slots = [_SlotState() for _ in range(max_slots)]
         self._lock = threading.RLock()
 
+    # Host memory the engine keeps per KV block and per slot beside the tensors (allocator lists,
+    # slot records): a count of 10**12 blocks is refused, not built.
+    _HOST_BYTES_PER_BLOCK = 64
+    _HOST_BYTES_PER_SLOT = 1024
+
+    def _check_memory(self, model: torch.nn.Module, num_blocks: int, block_size: int, max_slots: int,
+                      max_blocks_per_slot: int, what: str) -> None:
+        """Refuse, before anything is allocated, a cache that does not fit the device's free memory:
+        its size is measured by building it on the meta device (no storage), so every model kind
+        (paged KV, per-slot linear-attention state) is counted by its own ``allocate_caches``."""
+        caches = model.allocate_caches(num_blocks, block_size, max_slots, self.dtype, torch.device("meta"))
+        device_bytes = sum(t.numel() * t.element_size() for pair in caches for t in pair)
+        device_bytes += 4 * max_slots * max_blocks_per_slot                    # the block table (int32)
+        host_bytes = self._HOST_BYTES_PER_BLOCK * num_blocks + self._HOST_BYTES_PER_SLOT * max_slots
+        fix = "lower num_kv_blocks, block_size, max_slots (max_num_seqs) or max_seq_len (max_model_len)"
+        if self.device.type == "cpu":
+            check_fits(device_bytes + host_bytes, self.device, f"the KV cache ({what})", fix)
+        else:
+            check_fits(device_bytes, self.device, f"the KV cache ({what})", fix)
+            check_fits(host_bytes, torch.device("cpu"), f"the KV block bookkeeping ({what})", fix)
+
     # ----------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = torch.float32,
@@ -178,14 +208,19 @@ class QwenEngine:
         under torchrun every rank joins its group; otherwise this process becomes rank 0 and
         spawns N-1 workers (on ``tp_port``, default a free one), stopped by ``shutdown()``."""
         from qwen_ops.engine import distributed as D
-        from qwen_ops.models.config import QwenConfig
         from qwen_ops.models.defaults import default_model_path
         from qwen_ops.models.loader import load_checkpoint, resolve_dtype
         from qwen_ops.models.parallel import check_tp_config
 
         path = default_model_path() if path is None else path
         if tensor_parallel_size == 1:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device)
+            # The RoPE table needs only max_seq_len rows (the default 2048, as __init__'s).
+            max_positions = kwargs.get("max_seq_len", 2048)
+            if _is_int(max_positions) and max_positions >= 1:
+                max_positions = min(max_positions, QwenConfig.from_pretrained(path).max_position_embeddings)
+            else:
+                max_positions = None             # __init__ names the bad value
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_positions)
             return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
         config = QwenConfig.from_pretrained(path)
         check_tp_config(config, tensor_parallel_size)
@@ -248,6 +283,10 @@ class QwenEngine:
         with self._lock:
             if n > len(self._slots):
                 extra = n - len(self._slots)
+                blocks = self.allocator.num_total + extra * self.max_blocks_per_slot if self._auto_blocks \
+                    else self.allocator.num_total
+                self._check_memory(self.model, blocks, self.block_size, n, self.max_blocks_per_slot,
+                                   f"allocate_batch_slots(n = {n}) with max_seq_len = {self.max_seq_len}")
                 self.runner.grow_slots(n)
                 if self._auto_blocks:
                     total = self.allocator.num_total + extra * self.max_blocks_per_slot

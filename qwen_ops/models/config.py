@@ -34,6 +34,37 @@ import torch
 
 CONFIG_FILE = "config.json"
 
+# Upper bounds of the sizes a config.json names, checked before anything is built or allocated
+# (a config claiming a million layers used to build them all before the checkpoint said no).
+# Each is far above every published Qwen model (Qwen3-235B-A22B: 94 layers, 64 query heads, hidden
+# 4096, vocab 151,936, 128 experts; Qwen2.5-1M: 1,010,000 positions).
+MAX_SIZES = MappingProxyType({
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24,
+    # Gated DeltaNet and mixture-of-experts sizes
+    "linear_num_key_heads": 1024, "linear_num_value_heads": 1024, "linear_key_head_dim": 1024,
+    "linear_value_head_dim": 1024, "linear_conv_kernel_dim": 64, "num_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 10, "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18,
+    "decoder_sparse_step": 1024,
+})
+
+
+def check_size(name: str, value: Any, what: str = "", low: int = 1) -> int:
+    """``value`` as an int in [low, MAX_SIZES[name]], or a ValueError naming ``what`` (default ``name``)."""
+    high = MAX_SIZES[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        kind = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{what or name} = {value!r}, expected {kind} <= {high}")
+    return value
+
+
+def _number(value: Any, what: str, positive: bool = True) -> float:
+    """A finite JSON number (> 0 with ``positive``) as a float, or a ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        raise ValueError(f"{what} = {value!r}, expected a finite number" + (" > 0" if positive else ""))
+    return float(value)
+
 
 @dataclass(frozen=True)
 class MoeDefaults:
@@ -216,6 +247,7 @@ class QwenConfig:
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
             raise ValueError(_unsupported_type_message(self.model_type, "<QwenConfig>"))
+        check_size("num_hidden_layers", self.num_hidden_layers)
         if self.is_hybrid:
             _check_hybrid(self)
         elif self.layer_types or self.linear is not None:
@@ -231,9 +263,9 @@ class QwenConfig:
                              f"model types ({', '.join(_types(lambda a: a.moe is not None))})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} = {value!r}, expected a positive int")
+            check_size(name, getattr(self, name))
+        _number(self.rms_norm_eps, "rms_norm_eps")
+        _number(self.rope.theta, "rope_theta")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads = {self.num_key_value_heads}")
@@ -266,9 +298,11 @@ class QwenConfig:
             raise FileNotFoundError(f"{file}: no such file; a Hugging Face checkpoint directory must hold "
                                     f"{CONFIG_FILE}")
         try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from e
+            data = json.loads(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file}: not UTF-8 text, so not a config.json ({e})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{file}: not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data, source=str(file))
@@ -290,15 +324,25 @@ class QwenConfig:
                 raise ValueError(f"{source}: required key {key!r} is missing")
             return d[key]
 
+        def size(key: str, default: Any = None) -> Any:
+            """An integer size, bounded (MAX_SIZES), checked before anything is computed from it;
+            0 is an error, never read as "absent"."""
+            value = d.get(key) if d.get(key) is not None else (need(key) if default is None else default)
+            return check_size(key, value, f"{source}: {key}")
+
+        # The sizes everything else is derived from, before any of it is.
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            size(key)
+
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"{source}: hidden_act = {hidden_act!r}; only 'silu' is supported")
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        head_dim = d.get("head_dim") or arch.default_head_dim or hidden // num_heads
+        head_dim = size("head_dim", arch.default_head_dim or max(1, hidden // num_heads))
         _check_no_sliding_window(d, source)
         attention_bias = bool(d.get("attention_bias", arch.default_attention_bias))
-        max_pos = d.get("max_position_embeddings", 32768)
+        max_pos = size("max_position_embeddings", 32768)
         hybrid: dict[str, Any] = {}
         if arch.hybrid:
             hybrid = dict(layer_types=_read_layer_types(d, need("num_hidden_layers"), source),
@@ -311,19 +355,20 @@ class QwenConfig:
                     d["dtype"] = outer.get("dtype", outer.get("torch_dtype"))
         moe = _read_moe(d, arch.moe, source) if arch.moe is not None else None
         # Qwen3.5-MoE configs have no dense MLP size (every layer is sparse): the experts' size stands in.
-        intermediate = d.get("intermediate_size") or (moe.moe_intermediate_size if moe and not arch.moe.sparse_step
-                                                      else need("intermediate_size"))
-        return cls(
+        intermediate = (size("intermediate_size") if d.get("intermediate_size") is not None
+                        else moe.moe_intermediate_size if moe and not arch.moe.sparse_step
+                        else need("intermediate_size"))
+        fields = dict(
             model_type=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             intermediate_size=intermediate,
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            num_key_value_heads=size("num_key_value_heads", num_heads),
             head_dim=head_dim,
             max_position_embeddings=max_pos,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(d.get("rms_norm_eps", 1e-6), f"{source}: rms_norm_eps"),
             rope=_read_rope(d, source, max_pos, arch.default_partial_rotary_factor if arch.hybrid else None),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch.qkv_bias if arch.qkv_bias is not None else attention_bias,
@@ -334,6 +379,10 @@ class QwenConfig:
             moe=moe,
             **hybrid,
         )
+        try:
+            return cls(**fields)
+        except ValueError as e:          # QwenConfig's own checks: say which file they are about
+            raise ValueError(f"{source}: {e}") from None
 
 
 def _types(predicate) -> list[str]:
@@ -391,6 +440,7 @@ def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int,
     if theta is None:
         raise ValueError(f"{source}: no RoPE theta: expected rope_parameters.rope_theta (transformers 5.x) "
                          "or a top-level rope_theta (transformers 4.x)")
+    theta = _number(theta, f"{source}: rope_theta")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -404,6 +454,8 @@ def _read_rope(d: Mapping[str, Any], source: str, max_position_embeddings: int,
         raise ValueError(f"{source}: rope type 'linear' needs a numeric 'factor', got {factor!r}")
     if rope_type == "yarn" and factor is not None and not isinstance(factor, (int, float)):
         raise ValueError(f"{source}: rope type 'yarn' has factor = {factor!r}, expected a number")
+    if factor is not None:
+        _number(factor, f"{source}: rope factor")
     # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins.
     original = d.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
     return RopeConfig(
@@ -524,9 +576,7 @@ def _read_linear(d: Mapping[str, Any], source: str) -> LinearAttentionConfig:
     for key, field_name in _LINEAR_FIELDS.items():
         value = d.get(key)
         value = _LINEAR_DEFAULTS[key] if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{source}: {key} = {value!r}, expected a positive int")
-        values[field_name] = value
+        values[field_name] = check_size(key, value, f"{source}: {key}")
     if values["num_value_heads"] % values["num_key_heads"] != 0:
         raise ValueError(f"{source}: linear_num_value_heads = {values['num_value_heads']} is not a multiple of "
                          f"linear_num_key_heads = {values['num_key_heads']}: each q/k head must serve a whole "
@@ -595,16 +645,14 @@ def _read_moe(d: Mapping[str, Any], defaults: MoeDefaults, source: str) -> MoeCo
     if defaults.sparse_step:
         values["decoder_sparse_step"] = read("decoder_sparse_step", 1)
     for key, value in values.items():
-        if not _positive(value):
-            raise ValueError(f"{source}: {key} = {value!r}, expected a positive int")
+        check_size(key, value, f"{source}: {key}")
     if values["num_experts_per_tok"] > values["num_experts"]:
         raise ValueError(f"{source}: num_experts_per_tok = {values['num_experts_per_tok']} exceeds num_experts = "
                          f"{values['num_experts']}")
     if defaults.shared_expert_intermediate_size is not None:
         shared = read("shared_expert_intermediate_size", defaults.shared_expert_intermediate_size)
-        if not (_positive(shared) or (shared == 0 and not isinstance(shared, bool))):
-            raise ValueError(f"{source}: shared_expert_intermediate_size = {shared!r}, expected an int >= 0 "
-                             "(0: no shared expert)")
+        check_size("shared_expert_intermediate_size", shared, f"{source}: shared_expert_intermediate_size "
+                   "(0: no shared expert)", low=0)
         values["shared_expert_intermediate_size"] = shared
     norm = True if defaults.norm_topk_prob is None else read("norm_topk_prob", defaults.norm_topk_prob)
     if not isinstance(norm, bool):

@@ -8,12 +8,15 @@ by the same operations transformers runs, and values are cast back at the same p
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops.memory import check_fits
 from qwen_ops.ops.metadata import AttentionMetadata
 
 
@@ -61,13 +64,21 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-def rope_table(config: QwenConfig, device: torch.device) -> torch.Tensor:
-    """fp32 ``[max_position_embeddings, rotary_dim]``: cos | sin of every position, times the scaling,
-    for the ``rotary_dim = config.rope.rotary_dim(head_dim)`` rotated channels of a head (all of
-    them, except for Qwen3.5's partial rotary)."""
+def rope_table(config: QwenConfig, device: torch.device, num_positions: Optional[int] = None) -> torch.Tensor:
+    """fp32 ``[num_positions, rotary_dim]``: cos | sin of positions ``0 .. num_positions - 1``
+    (default ``max_position_embeddings``), times the scaling, for the ``rotary_dim =
+    config.rope.rotary_dim(head_dim)`` rotated channels of a head (all of them, except for
+    Qwen3.5's partial rotary). The engine needs only its ``max_seq_len`` rows: a checkpoint's
+    ``max_position_embeddings`` of 10**6 would otherwise cost 0.5 GB before anything runs."""
     rotary_dim = config.rope.rotary_dim(config.head_dim)
+    rows = config.max_position_embeddings if num_positions is None else num_positions
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= config.max_position_embeddings:
+        raise ValueError(f"num_positions = {rows!r}, expected an int in [1, max_position_embeddings = "
+                         f"{config.max_position_embeddings}]")
+    check_fits(2 * rows * rotary_dim * 4, device, f"the RoPE table of {rows} positions (max_position_embeddings = "
+               f"{config.max_position_embeddings})", "load with a smaller max_model_len")
     inv_freq, scaling = config.rope.inv_freq_and_scaling(rotary_dim, config.max_position_embeddings)
-    positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.int64).float()
+    positions = torch.arange(rows, device=device, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_pos, rotary_dim // 2]
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 

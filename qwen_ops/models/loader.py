@@ -23,6 +23,7 @@ allocated once: no second copy of the experts.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +86,12 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
-                    tp: Optional[TPGroup] = None) -> Checkpoint:
+                    tp: Optional[TPGroup] = None, max_positions: Optional[int] = None) -> Checkpoint:
     """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
-    tokenizer and EOS ids of ``path``."""
+    tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``)."""
     path = Path(path)
     config = QwenConfig.from_pretrained(path)
-    model = load_model(path, dtype, device, config=config, tp=tp)
+    model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))
 
@@ -127,25 +128,32 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
-               config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None) -> QwenForCausalLM:
+               config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None,
+               max_positions: Optional[int] = None) -> QwenForCausalLM:
     """Build the model of ``path`` (:class:`QwenForCausalLM` for qwen2 / qwen3 / qwen3_moe;
     :class:`Qwen3_5ForCausalLM` for the hybrids qwen3_5_text / qwen3_5 / qwen3_5_moe_text / qwen3_5_moe /
     qwen3_next, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors
     weights; stacked experts from either checkpoint layout (module docstring).
 
     With ``tp`` (tensor parallelism), the model is this rank's slice (``models/parallel.py``) and
-    each sharded tensor is read as that slice of the file, never whole."""
+    each sharded tensor is read as that slice of the file, never whole. ``max_positions``: the
+    RoPE table holds positions below it (default ``max_position_embeddings``); an engine with
+    ``max_seq_len`` needs only that many.
+
+    The layer count of the config is checked against the checkpoint's tensor names before the
+    module is built: a config.json naming more layers than the files hold fails at once."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
+    files = weight_files(path)
+    _check_layer_count(path, files, config)
     with torch.device("meta"):
         model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
     params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
-    files = weight_files(path)
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
     stacked = {piece.param for piece in experts}
     params = {name: p for name, p in params.items() if name not in stacked}
@@ -161,8 +169,21 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_expert_pieces(files, experts, model, dtype, device, renamed)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.cos_sin = rope_table(config, device)
+    model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
+
+
+_LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+
+
+def _check_layer_count(path: Path, files: dict[str, Path], config: QwenConfig) -> None:
+    """``num_hidden_layers`` against the decoder layers the tensor names hold (from the index or
+    the header alone: no data is read), before a module of that many layers is built."""
+    held = {int(m.group(1)) for name in files if (m := _LAYER_NAME.match(name))}
+    if held and held != set(range(config.num_hidden_layers)):
+        found = f"layers 0..{max(held)}" if held == set(range(max(held) + 1)) else f"{len(held)} layer indices"
+        raise CheckpointError(f"{path / 'config.json'}: num_hidden_layers = {config.num_hidden_layers}, but the "
+                              f"checkpoint's weights hold {found} ({len(held)} layers)")
 
 
 def checkpoint_name(param_name: str, config: QwenConfig) -> str:

@@ -73,6 +73,10 @@ def _percentiles(values: Sequence[float]) -> str:
     return f"{1000 * qs[49]:.1f} / {1000 * qs[89]:.1f} / {1000 * qs[98]:.1f}"
 
 
+# The synthetic prompts are built in Python before the first step: bound how many.
+MAX_BENCH_REQUESTS = 100_000
+
+
 def _check_at_least_one(args: argparse.Namespace, *flags: str) -> None:
     for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -84,7 +88,13 @@ def _bench(args: argparse.Namespace) -> int:
     from qwen_ops.engine.sampling import SamplingParams
 
     _check_at_least_one(args, "--num-requests", "--prompt-len", "--output-len")
+    if args.num_requests > MAX_BENCH_REQUESTS:
+        raise ValueError(f"--num-requests = {args.num_requests}, expected at most {MAX_BENCH_REQUESTS}")
     llm = _llm(args)
+    max_len = llm.scheduler.config.max_model_len
+    if args.prompt_len + args.output_len > max_len:     # before building prompts of that length
+        raise ValueError(f"--prompt-len + --output-len = {args.prompt_len} + {args.output_len}, expected at most "
+                         f"--max-model-len = {max_len}")
     rng = random.Random(args.seed)
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]

@@ -289,21 +289,25 @@ class LLM:
         device = _check_device(device)
         _check_int("tensor_parallel_size", tensor_parallel_size, 1)
         path = default_model_path() if model is None else model
+        # The config first: max_model_len decides how much of the model's RoPE table is built.
+        cfg = QwenConfig.from_pretrained(path)
+        if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
+            max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        elif max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
+                             f"{cfg.max_position_embeddings}; expected at most that")
         if tensor_parallel_size == 1:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device)
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len)
             cfg = ckpt.config
             elem = next(ckpt.model.parameters()).element_size()
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             kv_heads = cfg.num_key_value_heads
         else:
             # Each rank loads its own slice in from_pretrained; size the cache from the config.
-            cfg = QwenConfig.from_pretrained(path)
             check_tp_config(cfg, tensor_parallel_size)
             elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
             attention_layers = cfg.num_hidden_layers
             kv_heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
-        if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
-            max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             block_bytes = 2 * attention_layers * block_size * kv_heads * cfg.head_dim * elem
