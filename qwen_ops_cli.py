@@ -46,7 +46,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY); an empty or "
+                        "blank key is an error. To serve without authentication, leave out both --api-key and "
+                        "QWEN_OPS_API_KEY")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the checkpoint directory's name, or "
                         "qwen-ops-default for the embedded model)")
@@ -61,9 +63,19 @@ def _add_serve_parser(sub) -> None:
                    help="run the engine core in a process of its own, apart from the HTTP server's event loop "
                         "(default; --no-engine-process: a thread of the server's process)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="requests allowed to wait for a slot before new ones get 503 (default: no limit)")
+                   help="completions (n per prompt) allowed to wait for a slot before new requests get 503 "
+                        "(default: no limit)")
     s.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="largest request body accepted, larger gets 413 (default: 4 MiB)")
+    s.add_argument("--engine-heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 while the engine has requests and has finished no iteration for "
+                        "this long, e.g. a stopped or hung engine process (default: 60)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request still running after this long and answer 504 (in-band for a started "
+                        "stream); its KV blocks are freed (default: no timeout)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="close a connection that sends no request for this long, after a response or since it "
+                        "opened (uvicorn's option, also guarding never-used connections; default: 5)")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)

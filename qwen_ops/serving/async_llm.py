@@ -20,8 +20,12 @@ an iteration fails the requests in flight at that iteration (each of their strea
 and the loop keeps serving new ones. If the loop itself dies (or the core process), every open
 stream raises ``EngineDeadError``.
 
-The waiting queue is bounded by ``max_waiting_requests``: past it, ``generate`` raises
+The waiting queue is bounded by ``max_waiting_requests``, counted in completions (a request
+with ``n = 4`` is four scheduler requests, so it counts four): past it, ``generate`` raises
 ``QueueFullError`` (the server's 503) instead of queueing without limit.
+
+``heartbeat_age()`` says how long the core has gone without finishing an iteration while it has
+work (0 when idle): the server's ``/health`` turns a stopped or hung core into a 503 with it.
 """
 
 from __future__ import annotations
@@ -107,8 +111,17 @@ class AsyncLLM:
         return self._dead is None and self._core.is_alive
 
     def num_waiting(self) -> int:
-        """Requests not yet admitted: queued in the scheduler or on their way to it."""
+        """Completions not yet admitted (``n`` per request): queued in the scheduler or on their way to it."""
         return self._core.num_waiting()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine core last finished an iteration, while it has work; 0 when idle."""
+        return self._core.heartbeat_age()
+
+    @property
+    def dead_reason(self) -> Optional[BaseException]:
+        """Why the engine loop stopped (an ``EngineDeadError``), or None while it runs."""
+        return self._dead
 
     async def generate(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
@@ -128,9 +141,11 @@ class AsyncLLM:
             raise ValueError(f"request_id = {request_id!r}, expected a non-empty str or None")
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
-            if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
-                raise QueueFullError(f"{self.num_waiting()} requests are waiting (max_waiting_requests = "
-                                     f"{self.max_waiting_requests}); retry later")
+            limit, waiting = self.max_waiting_requests, self.num_waiting()
+            if limit is not None and waiting + params.n > limit:
+                # Each of the n completions is a scheduler request: admission counts what it will cost.
+                raise QueueFullError(f"{waiting} completions are waiting and this request adds n = {params.n} "
+                                     f"(max_waiting_requests = {limit}); retry later")
             if request_id in self._streams:
                 raise ValueError(f"request_id = {request_id!r} is already in flight; expected a new id")
             self._streams[request_id] = stream

@@ -61,7 +61,7 @@ class EngineCore:
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams) -> Optional[RequestDelta]:
         """Queue one request; a failure comes back as its (finished) error delta."""
-        self.num_added += 1
+        self.num_added += params.n          # completions: what the parent's waiting count holds
         try:
             self.llm._add_all([(None, ids, params)], [request_id])
         except Exception as e:          # e.g. an id clash with an offline request on the same LLM
@@ -113,8 +113,10 @@ class ThreadCore:
         self._deliver = deliver
         self._on_exit = on_exit
         self._inbox: collections.deque = collections.deque()
+        self._inbox_completions = 0        # completions (n per request) of the adds in the inbox
         self._wake = threading.Event()
         self._stopping = False
+        self._last_beat = time.monotonic()   # the loop's latest sign of progress (heartbeat_age)
         self.thread = threading.Thread(target=self._run, name="qwen-ops-engine", daemon=True)
         self.thread.start()
 
@@ -123,6 +125,9 @@ class ThreadCore:
         return self.thread.is_alive() and not self._stopping
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if not self._busy():
+            self._last_beat = time.monotonic()   # the clock of a stall starts when work does
+        self._inbox_completions += params.n
         self._inbox.append(("add", request_id, ids, params))
         self._wake.set()
 
@@ -134,8 +139,15 @@ class ThreadCore:
         self._wake.set()
 
     def num_waiting(self) -> int:
-        """Queued in the scheduler or still in the inbox (read without waiting for a step)."""
-        return len(self.core.llm.scheduler.waiting) + sum(1 for m in list(self._inbox) if m[0] == "add")
+        """Completions queued in the scheduler or still in the inbox (read without waiting for a step)."""
+        return len(self.core.llm.scheduler.waiting) + max(0, self._inbox_completions)
+
+    def _busy(self) -> bool:
+        return bool(self._inbox) or self.core.has_work()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the loop last showed progress while it has work; 0 when it has none."""
+        return time.monotonic() - self._last_beat if self._busy() else 0.0
 
     def stats(self) -> dict:
         s = self.core.llm.stats()
@@ -159,16 +171,19 @@ class ThreadCore:
                     if msg[0] == "abort":
                         core.abort(msg[1])
                     else:
+                        self._inbox_completions -= msg[3].n
                         err = core.add(*msg[1:])
                         if err is not None:
                             errors.append(err)
                 if errors:
                     self._deliver(errors)
                 if not core.has_work():
+                    self._last_beat = time.monotonic()
                     self._wake.wait()
                     self._wake.clear()
                     continue
                 self._deliver(core.step())
+                self._last_beat = time.monotonic()
         except BaseException as e:       # never leave callers waiting on a dead loop
             logger.exception("qwen_ops engine loop failed")
             reason = EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}")
@@ -176,6 +191,7 @@ class ThreadCore:
         finally:
             self._stopping = True
             self._inbox.clear()          # nothing of ours may outlive the loop
+            self._inbox_completions = 0
             core.close()
             self._on_exit(reason)
 
@@ -257,7 +273,8 @@ class ProcessCore:
         self._on_exit = on_exit
         self._send_lock = threading.Lock()
         self._stopping = False
-        self._num_sent = 0                          # adds sent; the child reports how many it has taken
+        self._num_sent = 0                  # completions (n per add) sent; the child reports how many it took
+        self._last_beat = time.monotonic()  # when the child's latest message came (heartbeat_age)
         env = dict(os.environ)
         root = str(Path(qwen_ops.__file__).resolve().parent.parent)     # this qwen_ops, wherever it is
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -307,8 +324,14 @@ class ProcessCore:
             raise EngineDeadError("the engine core process is not running") from None
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        self._send(("add", request_id, ids, params))
-        self._num_sent += 1
+        if not self._busy():
+            self._last_beat = time.monotonic()   # an idle child sends nothing: a stall starts with the work
+        self._num_sent += params.n
+        try:
+            self._send(("add", request_id, ids, params))
+        except EngineDeadError:
+            self._num_sent -= params.n
+            raise
 
     def abort(self, request_id: str) -> None:
         try:
@@ -317,8 +340,19 @@ class ProcessCore:
             pass                                # nothing left to abort
 
     def num_waiting(self) -> int:
-        """Queued in the scheduler at the child's latest report, or still in the pipe."""
+        """Completions queued in the scheduler at the child's latest report, or still in the pipe."""
         return self._stats["num_waiting"] + max(0, self._num_sent - self._num_taken)
+
+    def _busy(self) -> bool:
+        s = self._stats
+        return self._num_sent > self._num_taken or bool(s["num_running"] or s["num_waiting"] or s["num_swapped"])
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the child's latest message while it has work, 0 when it has none.
+
+        A busy child sends one message per iteration (its deltas and stats), so a large age means
+        no iteration has finished for that long: the child is stopped, hung or in one huge step."""
+        return time.monotonic() - self._last_beat if self._busy() else 0.0
 
     def stats(self) -> dict:
         """The child's ``stats()`` as of its latest message (one per iteration)."""
@@ -330,6 +364,7 @@ class ProcessCore:
             while True:
                 _, deltas, stats, taken = self._conn.recv()
                 self._stats, self._num_taken = stats, taken
+                self._last_beat = time.monotonic()
                 if deltas:
                     self._deliver(deltas)
         except (EOFError, OSError):

@@ -32,7 +32,7 @@ from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
                                       RequestOutput)
-from qwen_ops.serving.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from qwen_ops.serving.scheduler import Request, Scheduler, SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
@@ -167,21 +167,55 @@ class _Completion:
     """One of a prompt's ``n`` completions: its scheduler request and its output state."""
     request: Request
     state: CompletionState
+    done: bool = False               # counted out of its group's ``num_unfinished``
+    num_reported: int = 0            # output tokens already returned by ``take_new_tokens``
+    sent_tokens: int = 0             # what earlier ``delta()``s carried: tokens, visible characters, logprobs
+    sent_chars: int = 0
+    sent_logprobs: int = 0
 
 
 @dataclass(eq=False)
 class _Group:
-    """One prompt's request as the caller sees it: ``n`` completions under one id."""
+    """One prompt's request as the caller sees it: ``n`` completions under one id.
+
+    An iteration costs what it changed, not ``n``: ``_step`` marks the completions it touched
+    (``touch``), ``delta()`` and ``take_new_tokens()`` visit only those, and the group keeps its
+    unfinished count and its times as running figures. Only ``output()`` lists all ``n``."""
     request_id: str
     prompt: Optional[Prompt]
     prompt_token_ids: list[int]
     completions: list[_Completion]
-    num_reported: list[int] = field(default_factory=list)    # output tokens already streamed, per completion
-    sent: list[list[int]] = field(default_factory=list)      # per completion: tokens, characters, logprobs in deltas
+    num_unfinished: int = 0
+    aborted: bool = False
+    # Completions touched since the last delta()/take_new_tokens(), by index (a dict: ordered, no repeats).
+    dirty: dict[int, None] = field(default_factory=dict)
+    arrival_time: float = float("inf")
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+
+    def add(self, comp: _Completion) -> None:
+        self.completions.append(comp)
+        self.num_unfinished += 1
+        self.arrival_time = min(self.arrival_time, comp.request.arrival_time)
 
     @property
     def finished(self) -> bool:
-        return all(c.request.finished for c in self.completions)
+        return self.num_unfinished == 0
+
+    def touch(self, comp: _Completion) -> None:
+        """``comp`` gained a token (and may have finished) in this iteration."""
+        self.dirty[comp.state.index] = None
+        times = comp.request.token_times
+        if times:
+            if self.first_token_time is None:   # iterations run in time order: the first seen is the earliest
+                self.first_token_time = times[0]
+            self.last_token_time = times[-1]
+        self.mark_done(comp)
+
+    def mark_done(self, comp: _Completion) -> None:
+        if comp.request.finished and not comp.done:
+            comp.done = True
+            self.num_unfinished -= 1
 
     def output(self, new_token_ids: Sequence[int] = ()) -> RequestOutput:
         outs = []
@@ -196,39 +230,37 @@ class _Group:
 
     def _times(self) -> tuple[float, Optional[float], Optional[float]]:
         """(arrival, first token, latest token) over the completions."""
-        reqs = [c.request for c in self.completions]
-        firsts = [r.token_times[0] for r in reqs if r.token_times]
-        lasts = [r.token_times[-1] for r in reqs if r.token_times]
-        return (min(r.arrival_time for r in reqs), min(firsts) if firsts else None,
-                max(lasts) if lasts else None)
+        return self.arrival_time, self.first_token_time, self.last_token_time
+
+    def _take_dirty(self) -> list[_Completion]:
+        indices = sorted(self.dirty)
+        self.dirty.clear()
+        return [self.completions[i] for i in indices]
 
     def delta(self) -> RequestDelta:
         """What changed since the previous ``delta()``: new tokens, new visible characters and new
-        logprobs per completion (``AsyncLLM``'s engine core sends these, not whole outputs). The
-        visible text only grows: stop strings are held back until they cannot start earlier."""
-        if not self.sent:
-            self.sent = [[0, 0, 0] for _ in self.completions]
+        logprobs of each completion touched since then, in index order (``AsyncLLM``'s engine core
+        sends these, not whole outputs). The visible text only grows: stop strings are held back
+        until they cannot start earlier."""
         comps = []
-        for c, sent in zip(self.completions, self.sent):
+        for c in self._take_dirty():
             req, st = c.request, c.state
             ids = req.output_token_ids
-            text = st.visible_text(req.finished)
-            lps = None if st.logprobs is None else st.logprobs[sent[2]:]
-            comps.append(CompletionDelta(st.index, ids[sent[0]:], text[sent[1]:], req.finish_reason,
-                                         req.stop_reason, st.cumulative_logprob, lps))
-            sent[0], sent[1] = len(ids), len(text)
-            sent[2] += len(lps) if lps is not None else 0
+            visible = st.visible_len(req.finished)
+            lps = None if st.logprobs is None else st.logprobs[c.sent_logprobs:]
+            comps.append(CompletionDelta(st.index, ids[c.sent_tokens:], st.text[c.sent_chars:visible],
+                                         req.finish_reason, req.stop_reason, st.cumulative_logprob, lps))
+            c.sent_tokens, c.sent_chars = len(ids), max(c.sent_chars, visible)
+            c.sent_logprobs += len(lps) if lps is not None else 0
         return RequestDelta(self.request_id, self.finished, comps, *self._times())
 
     def take_new_tokens(self) -> list[int]:
         """Output tokens not reported yet, over all completions in index order; marks them reported."""
-        if not self.num_reported:
-            self.num_reported = [0] * len(self.completions)
         new: list[int] = []
-        for i, c in enumerate(self.completions):
+        for c in self._take_dirty():
             ids = c.request.output_token_ids
-            new.extend(ids[self.num_reported[i]:])
-            self.num_reported[i] = len(ids)
+            new.extend(ids[c.num_reported:])
+            c.num_reported = len(ids)
         return new
 
 
@@ -375,7 +407,7 @@ class LLM:
                         self._next_id += 1
                         req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child))
                         comp = _Completion(req, CompletionState(i, child, self.tokenizer))
-                        group.completions.append(comp)
+                        group.add(comp)
                         self._completions[rid] = (group, comp)
             except BaseException:
                 for g in groups:
@@ -452,6 +484,7 @@ class LLM:
                     req.finish_reason, req.stop_reason = "stop", stop
                 else:
                     sched.finish(req, "stop", stop)
+            group.touch(comp)
             groups[group.request_id] = group
         for group in groups.values():
             if group.finished:
@@ -467,6 +500,8 @@ class LLM:
         for c in group.completions:
             if not c.request.finished:
                 self.scheduler.abort(c.request.request_id)
+            group.mark_done(c)
+        group.aborted = True
         self._forget(group)
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
@@ -509,7 +544,7 @@ class LLM:
                 for i, g in enumerate(groups):
                     if done[i]:
                         continue
-                    if any(c.request.status is RequestStatus.ABORTED for c in g.completions):
+                    if g.aborted:
                         done[i] = True            # aborted by the caller: no more updates
                         continue
                     with self._lock:
@@ -534,6 +569,13 @@ class LLM:
                 self._abort_group(group)
             elif isinstance(request_id, RequestId):
                 self.scheduler.abort(request_id)
+                entry = self._completions.get(request_id)
+                if entry is not None:         # one completion of a group: the group counts it out
+                    group, comp = entry
+                    group.mark_done(comp)
+                    group.dirty[comp.state.index] = None
+                    if group.finished:
+                        self._forget(group)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them)."""

@@ -83,47 +83,59 @@ class RequestDelta(NamedTuple):
 
 
 class RequestAccumulator:
-    """The caller's side of one request: folds ``RequestDelta``s into cumulative ``RequestOutput``s."""
+    """The caller's side of one request: folds ``RequestDelta``s into cumulative ``RequestOutput``s.
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason", "stop_reason",
-                 "cumulative_logprob", "logprobs", "finished", "times")
+    An update costs what its deltas changed: a completion a delta names gets a fresh
+    ``CompletionOutput`` (so an output handed out earlier never changes under its holder), the
+    others keep the object they had, and ``output()`` only copies the list of ``n`` references.
+    A caller can tell an unchanged completion by identity (``is``)."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "_token_ids", "_logprobs",
+                 "_dirty", "finished", "times")
 
     def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams):
         n = params.n
         self.request_id = request_id
         self.prompt = prompt if isinstance(prompt, str) else None
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids: list[list[int]] = [[] for _ in range(n)]
-        self.text = [""] * n
-        self.finish_reason: list[Optional[str]] = [None] * n
-        self.stop_reason: list[Union[int, str, None]] = [None] * n
-        self.cumulative_logprob: list[Optional[float]] = [None] * n
-        self.logprobs: list[Optional[list]] = [[] if params.logprobs is not None else None for _ in range(n)]
+        want_lps = params.logprobs is not None
+        self.outputs = [CompletionOutput(i, "", [], logprobs=[] if want_lps else None) for i in range(n)]
+        # Growing lists per completion, copied into a fresh CompletionOutput when it changes.
+        self._token_ids: list[list[int]] = [[] for _ in range(n)]
+        self._logprobs: list[Optional[list]] = [[] if want_lps else None for _ in range(n)]
+        self._dirty: dict[int, None] = {}
         self.finished = False
         self.times: tuple = (0.0, None, None)
 
     def apply(self, delta: RequestDelta) -> list[int]:
-        """Fold in one delta; returns its new token ids over all completions in index order."""
+        """Fold in one delta; returns its new token ids over its completions in index order."""
         new: list[int] = []
         for c in delta.completions:
             i = c.index
-            self.token_ids[i].extend(c.token_ids)
+            self._token_ids[i].extend(c.token_ids)
             new.extend(c.token_ids)
-            self.text[i] += c.text
-            self.finish_reason[i], self.stop_reason[i] = c.finish_reason, c.stop_reason
-            self.cumulative_logprob[i] = c.cumulative_logprob
-            if c.logprobs is not None and self.logprobs[i] is not None:
-                self.logprobs[i].extend(c.logprobs)
+            lps = self._logprobs[i]
+            if c.logprobs is not None and lps is not None:
+                lps.extend(c.logprobs)
+            old = self.outputs[i]
+            # A fresh object per change (never mutate one a caller may hold); the lists are copied
+            # once per fold, not once per delta, by output().
+            self.outputs[i] = CompletionOutput(i, old.text + c.text, old.token_ids, c.finish_reason, c.stop_reason,
+                                               c.cumulative_logprob, old.logprobs)
+            self._dirty[i] = None
         self.finished = delta.finished
         self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time)
         return new
 
     def output(self, new_token_ids: list[int]) -> RequestOutput:
-        outs = [CompletionOutput(i, self.text[i], list(self.token_ids[i]), self.finish_reason[i], self.stop_reason[i],
-                                 self.cumulative_logprob[i], None if self.logprobs[i] is None else list(self.logprobs[i]))
-                for i in range(len(self.text))]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
-                             new_token_ids, metrics=RequestMetrics(*self.times))
+        for i in self._dirty:
+            out = self.outputs[i]
+            out.token_ids = list(self._token_ids[i])
+            if self._logprobs[i] is not None:
+                out.logprobs = list(self._logprobs[i])
+        self._dirty.clear()
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.outputs),
+                             self.finished, new_token_ids, metrics=RequestMetrics(*self.times))
 
 
 class CompletionState:
@@ -187,6 +199,10 @@ class CompletionState:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def visible_text(self, finished: bool) -> str:
+        return self.text[:self.visible_len(finished)]
+
+    def visible_len(self, finished: bool) -> int:
+        """How many characters of ``text`` may be shown (a delta slices only what is new)."""
         if finished or not self._hold:
-            return self.text
-        return self.text[:max(0, len(self.text) - self._hold)]
+            return len(self.text)
+        return max(0, len(self.text) - self._hold)

@@ -3,6 +3,8 @@
 Names follow vLLM's with the ``qwen_ops:`` prefix. Engine state (running, waiting, KV blocks,
 preemptions, prefix-cache lookups) is read from ``engine.stats()`` when ``/metrics`` is scraped;
 token counts and latencies are measured in the server around each engine stream (``RequestTiming``).
+``qwen_ops:engine_up`` is 1 while the engine runs; once it has died it is 0 and the engine's
+figures are left out (its last report is not live state and must not read as such).
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 class _EngineCollector(Collector):
     """Gauges and the preemption counter, read from ``stats()`` at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool]):
         self._stats = stats
         self._model = model_name
+        self._is_up = is_up
 
-    def _families(self, s: Optional[dict]):
+    def _families(self, s: Optional[dict], up: Optional[bool] = None):
         labels = ["model_name"]
+        g = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs, 0 once it has stopped.", labels=labels)
+        if up is not None:
+            g.add_metric([self._model], 1.0 if up else 0.0)
+        yield g
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
@@ -61,17 +68,18 @@ class _EngineCollector(Collector):
         return list(self._families(None))
 
     def collect(self):
-        return list(self._families(self._stats()))
+        up = self._is_up()
+        return list(self._families(self._stats() if up else None, up))
 
 
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool] = lambda: True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, is_up))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.",
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",

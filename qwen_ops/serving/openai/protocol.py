@@ -19,11 +19,21 @@ from typing import Any, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 MAX_TOP_LOGPROBS = 20          # vLLM's default max_logprobs
+# Bounds on what one request may ask for. Each completion is a scheduler request, and the server
+# and engine do work per completion, so one request must not be able to ask for an unbounded
+# number of them (an n = 10**6 request stalled every other client for minutes).
+MAX_N = 128                    # OpenAI's own cap on n (and best_of)
+MAX_PROMPTS = 128              # prompts in one /v1/completions request
+MAX_CHOICES = 1024             # completions in one request: prompts x n
+# Each stop string is searched for in every completion's new text at every token: bound their
+# number (OpenAI allows 4; vLLM none; 64 leaves room for real use) and length.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
 class APIError(Exception):
@@ -119,6 +129,9 @@ def parse_request(model_cls: type[_Strict], body: bytes) -> Any:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:           # json's C parser refuses nesting past the interpreter's limit
+        raise bad_request("the request body nests arrays or objects too deeply to parse; expected a flat "
+                          "OpenAI request") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body is a JSON {type(data).__name__}, expected an object")
     try:
@@ -156,24 +169,45 @@ def _is_token_ids(value: Any) -> bool:
                                                             for t in value)
 
 
+def check_text(value: str, where: str, param: Optional[str] = None) -> str:
+    """A 400 for text that is not Unicode (JSON lets a lone UTF-16 surrogate, ``"\\ud800"``, through;
+    the tokenizer cannot encode it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{where} holds a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}); "
+                          "expected valid Unicode text", param or where) from None
+    return value
+
+
 def completion_prompts(value: Any) -> list[PromptInput]:
     """``prompt`` as a list of prompts: a str, a list of str, token ids, or a list of token-id lists."""
     expected = "expected a string, an array of strings, an array of token ids or an array of token-id arrays"
     if isinstance(value, str):
-        return [value]
+        return [check_text(value, "prompt")]
     if value is None:
         raise bad_request(f"prompt is missing; {expected}", "prompt")
     if not isinstance(value, list) or not value:
         raise bad_request(f"prompt = {_show(value)}, {expected}", "prompt")
     if _is_token_ids(value):
         return [value]
+    if len(value) > MAX_PROMPTS:
+        raise bad_request(f"prompt has {len(value)} prompts, expected at most {MAX_PROMPTS} per request", "prompt")
     out: list[PromptInput] = []
     for i, p in enumerate(value):
-        if isinstance(p, str) or _is_token_ids(p):
+        if isinstance(p, str):
+            out.append(check_text(p, f"prompt[{i}]", "prompt"))
+        elif _is_token_ids(p):
             out.append(p)
         else:
             raise bad_request(f"prompt[{i}] = {_show(p)}, {expected}", "prompt")
     return out
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise bad_request(f"{num_prompts} prompts x n = {n} is {num_prompts * n} completions, expected at most "
+                          f"{MAX_CHOICES} per request", "n")
 
 
 def stop_strings(value: Any) -> Optional[list[str]]:
@@ -182,6 +216,12 @@ def stop_strings(value: Any) -> Optional[list[str]]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise bad_request(f"stop = {_show(value)}, expected a non-empty string or an array of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop has {len(items)} strings, expected at most {MAX_STOP_STRINGS}", "stop")
+    for i, s in enumerate(items):
+        if len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"stop[{i}] has {len(s)} characters, expected at most {MAX_STOP_CHARS}", "stop")
+        check_text(s, f"stop[{i}]", "stop")
     return items or None
 
 
@@ -213,10 +253,11 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise bad_request(f"{where}.content = {_show(content)}, expected a string or an array of text parts",
                               f"{where}.content")
+        check_text(content, f"{where}.content")
         msg = {"role": role, "content": content}
         for key in ("name", "tool_call_id"):
             if isinstance(m.get(key), str):
-                msg[key] = m[key]
+                msg[key] = check_text(m[key], f"{where}.{key}")
         out.append(msg)
     return out
 
@@ -229,7 +270,11 @@ def check_unsupported(req: _SamplingFields) -> None:
         if name in type(req).model_fields and getattr(req, name) not in allowed:
             raise bad_request(f"{name} = {_show(getattr(req, name))} is not supported by this server; "
                               f"leave it out (or {allowed[1]!r})", name)
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n = {req.n}, expected an integer in [1, {MAX_N}]", "n")
     best_of = getattr(req, "best_of", None)
+    if best_of is not None and not 1 <= best_of <= MAX_N:
+        raise bad_request(f"best_of = {best_of}, expected an integer in [1, {MAX_N}]", "best_of")
     if best_of is not None and best_of != req.n:
         raise bad_request(f"best_of = {best_of} is not supported; leave it out or set it equal to n = {req.n}",
                           "best_of")
@@ -239,8 +284,6 @@ def check_unsupported(req: _SamplingFields) -> None:
                           "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream = true", "stream_options")
-    if req.n < 1:
-        raise bad_request(f"n = {req.n}, expected an integer >= 1", "n")
 
 
 def check_positive(name: str, value: Optional[int]) -> None:

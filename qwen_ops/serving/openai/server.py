@@ -14,10 +14,12 @@ going away) aborts the engine requests it still holds, which frees their KV bloc
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -31,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
 from qwen_ops.serving.openai.metrics import ServerMetrics
@@ -41,6 +44,20 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 EMBEDDED_MODEL_NAME = "qwen-ops-default"
 RETRY_AFTER_SECONDS = 1
 API_KEY_ENV = "QWEN_OPS_API_KEY"
+# /health says 503 when the engine has work and has finished no iteration for this long (a
+# stopped or hung engine process). One step of a big prefill, or a first step that compiles,
+# can take seconds: the default leaves a wide margin.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5          # uvicorn's default
+# Request preparation (JSON parse, chat template, tokenize) of a body above this size runs on a
+# thread pool, at most PREPARE_THREADS at once, so that one huge prompt does not stall the event
+# loop (and every other stream and /health with it). A small body costs less than the thread hop.
+INLINE_PREPARE_BYTES = 32 << 10
+PREPARE_THREADS = 2
+# A token stands for at most max_token_chars characters of (normalized) text: the longest vocabulary
+# entry (byte-level BPE: one character per byte, and a character is at least one byte). NFC/NFD
+# normalization can merge a character's canonical decomposition, at most 4 code points, into one.
+_NORMALIZER_SHRINK = {"None": 1, "NFC": 4, "NFD": 1}
 
 
 def default_served_model_name(model: Union[str, Path, None]) -> str:
@@ -93,6 +110,7 @@ class _Generation:
         self.latest: dict[int, Any] = {}           # stream index -> newest output not yet consumed
         self.last: list[Any] = [None] * len(prompts)
         self.finished = [False] * len(prompts)
+        self.generated = [0] * len(prompts)       # tokens over all n completions, summed from the updates
         self._timings = [serving.metrics.timing(len(p)) for p in prompts]
         self._tasks: list[asyncio.Task] = []
         self._opened: list[asyncio.Future] = []
@@ -103,7 +121,9 @@ class _Generation:
         self._closed = False
 
     def _record(self, i: int, out) -> None:
-        generated = sum(len(c.token_ids) for c in out.outputs)
+        # new_token_ids, not the n completions' lengths: an update costs what changed, not n.
+        self.generated[i] += len(out.new_token_ids)
+        generated = self.generated[i]
         self._timings[i].update(generated, time.perf_counter())
         if getattr(out, "error", None):
             raise RuntimeError(f"engine request {self.ids[i]} failed: {out.error}")
@@ -141,10 +161,12 @@ class _Generation:
 
     async def start(self, waiting_limit: Optional[int], wait_first: bool = True) -> None:
         s = self._s
-        if waiting_limit is not None and s.num_starting + len(self.prompts) > waiting_limit:
-            raise P.APIError(503, f"the server is at its limit of {waiting_limit} waiting requests; retry later",
+        cost = len(self.prompts) * self.params.n        # completions: each is a scheduler request
+        if waiting_limit is not None and s.num_starting + cost > waiting_limit:
+            raise P.APIError(503, f"the server is at its limit of {waiting_limit} waiting completions "
+                                  f"({s.num_starting} waiting, this request adds {cost}); retry later",
                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        s.num_starting += len(self.prompts)
+        s.num_starting += cost
         try:
             if len(self.prompts) == 1:
                 self._gen = s.engine.generate(self.prompts[0], self.params, request_id=self.ids[0])
@@ -165,7 +187,7 @@ class _Generation:
             for fut in self._opened:
                 await asyncio.shield(fut)
         finally:
-            s.num_starting -= len(self.prompts)
+            s.num_starting -= cost
 
     async def updates(self) -> AsyncIterator[dict[int, Any]]:
         """Batches of ``{stream index: newest output}``, until every stream has finished."""
@@ -202,9 +224,7 @@ class _Generation:
                     self._s.engine.abort(rid)
                 except Exception:            # noqa: BLE001 - already gone is fine
                     logger.debug("abort(%s) failed", rid, exc_info=True)
-                last = self.last[i]
-                self._timings[i].finish([None] * self.params.n,
-                                        sum(len(c.token_ids) for c in last.outputs) if last else 0)
+                self._timings[i].finish([None] * self.params.n, self.generated[i])
         for task in self._tasks:
             task.cancel()
         if self._first is not None:
@@ -216,11 +236,12 @@ class _Generation:
 
 class _Cursor:
     """What one choice's stream has sent so far."""
-    __slots__ = ("chars", "tokens", "offset", "started", "done")
+    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen")
 
     def __init__(self) -> None:
         self.chars = self.tokens = self.offset = 0
         self.started = self.done = False
+        self.seen = None          # the CompletionOutput last looked at (an unchanged one is the same object)
 
 
 class _StreamResponse(StreamingResponse):
@@ -261,9 +282,41 @@ async def _until_disconnect(request: Request, awaitable) -> Any:
     raise _ClientGone
 
 
+async def _by(deadline: Optional[float], awaitable):
+    """Await ``awaitable``; with a ``deadline`` (``time.monotonic()``), ``asyncio.TimeoutError`` past it."""
+    if deadline is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+
+
 # ----------------------------------------------------------------------------- the routes' logic
+def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
+    """The most characters a text prompt can have and still fit ``max_model_len`` tokens, or None
+    when the tokenizer gives no sound bound. Longer text is refused before it is tokenized."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    try:
+        longest = max(len(t) for t in backend.get_vocab(with_added_tokens=True))
+    except Exception:                  # noqa: BLE001 - not a tokenizers.Tokenizer: no bound
+        return None
+    normalizer = backend.normalizer
+    shrink = _NORMALIZER_SHRINK.get("None" if normalizer is None else type(normalizer).__name__)
+    return None if shrink is None else max_model_len * longest * shrink
+
+
+class _Prepared:
+    """One request, parsed and tokenized (off the event loop for a big body)."""
+    __slots__ = ("req", "prompts", "params", "echoes", "k", "field")
+
+    def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
+        self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
+
+
 class _Serving:
-    def __init__(self, engine, served_names: list[str], max_waiting: Optional[int]):
+    def __init__(self, engine, served_names: list[str], max_waiting: Optional[int], *,
+                 heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 request_timeout: Optional[float] = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
@@ -271,9 +324,51 @@ class _Serving:
         self.names = served_names
         self.max_waiting = max_waiting
         self.num_starting = 0
+        self.heartbeat_timeout = heartbeat_timeout
+        self.request_timeout = request_timeout
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.chat_template = ChatTemplate.for_checkpoint(engine.model_path)
-        self.metrics = ServerMetrics(engine.stats, served_names[0])
+        self.metrics = ServerMetrics(engine.stats, served_names[0], is_up=self.engine_up)
         self.created = int(time.time())
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
+                                                                   thread_name_prefix="qwen-ops-prepare")
+        self._prepare_slots: Optional[asyncio.Semaphore] = None     # made on the serving event loop
+
+    # -- engine state
+    def engine_up(self) -> bool:
+        return bool(getattr(self.engine, "is_running", True))
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has had work and finished no iteration (0 if it is idle or keeps up)."""
+        age = getattr(self.engine, "heartbeat_age", None)
+        return float(age()) if age is not None else 0.0
+
+    def engine_down_error(self) -> P.APIError:
+        # No Retry-After: a dead engine does not restart; the server must be restarted (by its supervisor).
+        reason = getattr(self.engine, "dead_reason", None)
+        return P.APIError(503, "the engine is not running" + (f" ({reason})" if reason else "")
+                          + "; this server cannot serve requests until it is restarted")
+
+    def check_engine(self) -> None:
+        if not self.engine_up():
+            raise self.engine_down_error()
+
+    def deadline(self) -> Optional[float]:
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
+
+    def timeout_error(self) -> P.APIError:
+        return P.APIError(504, f"the request did not finish within the server's --request-timeout of "
+                               f"{self.request_timeout:g} s; it was aborted")
+
+    async def prepare(self, fn, body: bytes) -> "_Prepared":
+        """``fn(body)``: inline for a small body, else on the preparation pool (at most
+        PREPARE_THREADS at once; the rest wait here, without holding the event loop)."""
+        if len(body) <= INLINE_PREPARE_BYTES:
+            return fn(body)
+        if self._prepare_slots is None:
+            self._prepare_slots = asyncio.Semaphore(PREPARE_THREADS)
+        async with self._prepare_slots:
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, body)
 
     # -- shared checks
     def check_model(self, name: Optional[str]) -> None:
@@ -287,6 +382,10 @@ class _Serving:
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise P.bad_request(f"{param} is text, but this model has no tokenizer; send token ids", param)
+        bound = self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise P.bad_request(f"{param} has {len(text)} characters; this model's maximum context length is "
+                                f"{self.max_model_len} tokens, which no text over {bound} characters fits", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_ids(self, ids: list[int], where: str, param: str) -> None:
@@ -309,44 +408,66 @@ class _Serving:
                                 f"in the completion). Please reduce the {param} or {field}.", field)
         return requested
 
-    async def start(self, gen: _Generation, param: str, stream: bool = False) -> None:
+    async def start(self, gen: _Generation, param: str, stream: bool, deadline: Optional[float]) -> None:
         from qwen_ops.serving.async_llm import QueueFullError
 
         try:
-            await gen.start(self.max_waiting, wait_first=not stream)
+            await _by(deadline, gen.start(self.max_waiting, wait_first=not stream))
         except BaseException as e:
             gen.close()
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, str(e) or "too many waiting requests; retry later",
                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            if isinstance(e, EngineDeadError):
+                raise self.engine_down_error() from None
+            if isinstance(e, asyncio.TimeoutError) and deadline is not None:
+                raise self.timeout_error() from None
             if isinstance(e, ValueError):
                 message = str(e)
                 head = message.split(" ", 1)[0].split("[", 1)[0]
                 raise P.bad_request(message, param if head in ("prompts", "prompt") else head) from None
             raise
 
-    async def respond(self, request: Request, gen: _Generation, stream: bool, render_full, render_stream):
+    async def respond(self, request: Request, gen: _Generation, stream: bool, render_full, render_stream,
+                      deadline: Optional[float]):
         if stream:
-            return _StreamResponse(self._guard_stream(render_stream(gen)), gen.close)
+            return _StreamResponse(self._guard_stream(render_stream(gen), deadline), gen.close)
         try:
-            outputs = await _until_disconnect(request, gen.final())
+            outputs = await _until_disconnect(request, _by(deadline, gen.final()))
         except _ClientGone:
             return Response(status_code=499)
+        except EngineDeadError:
+            raise self.engine_down_error() from None
+        except asyncio.TimeoutError:
+            if deadline is None:
+                raise
+            raise self.timeout_error() from None
         finally:
             gen.close()
         return JSONResponse(render_full(outputs))
 
-    async def _guard_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _guard_stream(self, chunks: AsyncIterator[str], deadline: Optional[float]) -> AsyncIterator[str]:
         try:
-            async for chunk in chunks:
+            while True:
+                try:
+                    chunk = await _by(deadline, chunks.__anext__())
+                except StopAsyncIteration:
+                    break
                 yield chunk
+        except EngineDeadError:                # the stream has started: report in-band, no traceback
+            logger.warning("a streaming request ended: %s", getattr(self.engine, "dead_reason", None))
+            yield _sse(self.engine_down_error().body())
+        except asyncio.TimeoutError:
+            if deadline is None:
+                raise
+            yield _sse(self.timeout_error().body())
         except Exception:                     # noqa: BLE001 - the stream has started: report in-band
             logger.exception("a streaming request failed")
             yield _sse(P.APIError(500, "internal server error").body())
         yield "data: [DONE]\n\n"
 
     # -- /v1/completions
-    async def completions(self, request: Request, body: bytes):
+    def _prepare_completion(self, body: bytes) -> _Prepared:
         req = P.parse_request(P.CompletionRequest, body)
         self.check_model(req.model)
         P.check_unsupported(req)
@@ -356,6 +477,8 @@ class _Serving:
             raise P.bad_request("echo = true with logprobs is not supported (no prompt logprobs); "
                                 "leave out one of them", "echo")
         raw = P.completion_prompts(req.prompt)
+        P.check_choices(len(raw), req.n)
+        P.stop_strings(req.stop)
         prompts = []
         for i, p in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -365,12 +488,18 @@ class _Serving:
         max_tokens = self.max_tokens_for(prompts, req.max_tokens, "max_tokens", "prompt")
         params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs),
                                    max_tokens_field="max_tokens")
-        rid = f"cmpl-{uuid.uuid4().hex}"
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
+        return _Prepared(req, prompts, params, echoes, req.logprobs)
+
+    async def completions(self, request: Request, body: bytes):
+        deadline = self.deadline()
+        self.check_engine()
+        prep = await self.prepare(self._prepare_completion, body)
+        req, prompts, params, echoes, k = prep.req, prep.prompts, prep.params, prep.echoes, prep.k
+        rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
-        k = req.logprobs
         gen = _Generation(self, prompts, params, rid)
-        await self.start(gen, "prompt", req.stream)
+        await self.start(gen, "prompt", req.stream, deadline)
 
         def full(outputs):
             choices, generated = [], 0
@@ -393,8 +522,9 @@ class _Serving:
                 for i, out in sorted(batch.items()):
                     for c in out.outputs:
                         cur = cursors.setdefault((i, c.index), _Cursor())
-                        if cur.done:
+                        if cur.done or c is cur.seen:     # unchanged since the last batch: nothing to send
                             continue
+                        cur.seen = c
                         text = c.text[cur.chars:]
                         new_ids = c.token_ids[cur.tokens:]
                         if not (text or new_ids or c.finish_reason or not cur.started):
@@ -412,13 +542,12 @@ class _Serving:
                 if events:
                     yield "".join(events)
             if req.stream_options is not None and req.stream_options.include_usage:
-                generated = sum(len(c.token_ids) for out in g.last for c in out.outputs)
-                yield _sse({**meta, "choices": [], "usage": P.usage(sum(map(len, prompts)), generated)})
+                yield _sse({**meta, "choices": [], "usage": P.usage(sum(map(len, prompts)), sum(g.generated))})
 
-        return await self.respond(request, gen, req.stream, full, chunks)
+        return await self.respond(request, gen, req.stream, full, chunks, deadline)
 
     # -- /v1/chat/completions
-    async def chat(self, request: Request, body: bytes):
+    def _prepare_chat(self, body: bytes) -> _Prepared:
         req = P.parse_request(P.ChatCompletionRequest, body)
         self.check_model(req.model)
         P.check_unsupported(req)
@@ -429,6 +558,7 @@ class _Serving:
         if req.top_logprobs is not None and not req.logprobs:
             raise P.bad_request("top_logprobs needs logprobs = true", "top_logprobs")
         P.check_logprobs("top_logprobs", req.top_logprobs)
+        P.stop_strings(req.stop)
         try:
             text = self.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:
@@ -439,10 +569,17 @@ class _Serving:
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
                                    max_tokens_field=field, logprobs_field="top_logprobs")
+        return _Prepared(req, [ids], params, None, k, field)
+
+    async def chat(self, request: Request, body: bytes):
+        deadline = self.deadline()
+        self.check_engine()
+        prep = await self.prepare(self._prepare_chat, body)
+        req, (ids,), params, k = prep.req, prep.prompts, prep.params, prep.k
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, [ids], params, rid)
-        await self.start(gen, "messages", req.stream)
+        await self.start(gen, "messages", req.stream, deadline)
 
         def full(outputs):
             (out,) = outputs
@@ -471,8 +608,9 @@ class _Serving:
                 events = []
                 for c in batch[0].outputs:
                     cur = cursors[c.index]
-                    if cur.done:
+                    if cur.done or c is cur.seen:         # unchanged since the last batch: nothing to send
                         continue
+                    cur.seen = c
                     text = c.text[cur.chars:]
                     new_ids = c.token_ids[cur.tokens:]
                     if text or (new_ids and k is not None):
@@ -487,10 +625,9 @@ class _Serving:
                 if events:
                     yield "".join(events)
             if req.stream_options is not None and req.stream_options.include_usage:
-                generated = sum(len(c.token_ids) for c in g.last[0].outputs)
-                yield _sse({**chunk_meta, "choices": [], "usage": P.usage(len(ids), generated)})
+                yield _sse({**chunk_meta, "choices": [], "usage": P.usage(len(ids), g.generated[0])})
 
-        return await self.respond(request, gen, req.stream, full, chunks)
+        return await self.respond(request, gen, req.stream, full, chunks, deadline)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
@@ -561,28 +698,44 @@ class _CatchAll:
                 await _error_response(P.APIError(500, "internal server error"))(scope, receive, send)
 
 
+def _check_seconds(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not value > 0 or value == float("inf")):
+        raise ValueError(f"{name} = {value!r}, expected a finite number of seconds > 0 or None")
+
+
 def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None,
+              heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
+              request_timeout: Optional[float] = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
 
     ``served_model_name``: the name (or names; the first is reported) requests must use.
-    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
-    ``max_body_bytes``: larger request bodies get 413. ``max_waiting``: the most requests this
-    app lets wait for their first output at once before answering 503 (None: no bound here; the
-    engine's own ``max_waiting_requests`` still applies).
+    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``; an empty
+    or blank key is an error, never "no authentication" (leave it None for that).
+    ``max_body_bytes``: larger request bodies get 413. ``max_waiting``: the most completions
+    (``n`` per prompt) this app lets wait for their first output at once before answering 503
+    (None: no bound here; the engine's own ``max_waiting_requests`` still applies).
+    ``heartbeat_timeout``: ``/health`` answers 503 while the engine has work and has finished no
+    iteration for this many seconds (None: never). ``request_timeout``: a request still running
+    after this many seconds is aborted and answered 504 (in-band once a stream has started).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name = {served_model_name!r}, expected a non-empty str or list of them")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key is empty; expected a non-empty str or None")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError(f"api_key = {api_key!r} is empty or blank; expected a non-empty key, or None for "
+                         "no authentication")
+    _check_seconds("heartbeat_timeout", heartbeat_timeout)
+    _check_seconds("request_timeout", request_timeout)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes = {max_body_bytes!r}, expected an int >= 1")
     if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
                                     or max_waiting < 0):
         raise ValueError(f"max_waiting = {max_waiting!r}, expected an int >= 0 or None")
 
-    serving = _Serving(engine, names, max_waiting)
+    serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
+                       request_timeout=request_timeout)
     expected_key = api_key.encode() if api_key is not None else None
 
     async def check_api_key(request: Request) -> None:
@@ -611,8 +764,13 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
 
     @app.get("/health")
     async def health() -> Response:
-        if not getattr(engine, "is_running", True):       # AsyncLLM's loop has stopped
+        if not serving.engine_up():       # AsyncLLM's loop has stopped
             return _error_response(P.APIError(503, "the engine is not running"))
+        stalled = serving.stalled_for()
+        if heartbeat_timeout is not None and stalled > heartbeat_timeout:
+            return _error_response(P.APIError(503, f"the engine has requests to run and has finished no "
+                                                   f"iteration for {stalled:.1f} s (heartbeat timeout "
+                                                   f"{heartbeat_timeout:g} s)"))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -637,6 +795,105 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
 
 
 # ----------------------------------------------------------------------------- running it
+def _idle_guarded(base: type) -> type:
+    """``base`` (uvicorn's HTTP protocol) that also closes a connection which sends no complete
+    request head within ``timeout_keep_alive`` seconds of opening, or of its previous response.
+
+    uvicorn arms its keep-alive timer only after a response, and the first byte of a new request
+    cancels it: a connection that never sends a request, or sends half a request line and stops,
+    would stay open forever (a handful of idle sockets could hold every file descriptor)."""
+
+    class IdleGuardedProtocol(base):
+        _idle_timer = None
+
+        def _arm_idle(self) -> None:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_timeout)
+
+        def _idle_timeout(self) -> None:
+            self._idle_timer = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return                         # its head arrived: a request is being served
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_idle()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_idle()
+
+        def connection_lost(self, exc) -> None:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+            super().connection_lost(exc)
+
+    IdleGuardedProtocol.__name__ = IdleGuardedProtocol.__qualname__ = f"IdleGuarded{base.__name__}"
+    return IdleGuardedProtocol
+
+
+def _http_protocol() -> type:
+    # The class uvicorn's http="auto" picks: httptools when installed (the serve extra), else h11.
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return _idle_guarded(base)
+
+
+def uvicorn_config(app, host: str, port: int, *, log_level: str = "info",
+                   timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S, **options):
+    """uvicorn's Config for this app, with the idle-connection guard (``_idle_guarded``)."""
+    import uvicorn
+
+    _check_seconds("timeout_keep_alive", timeout_keep_alive)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=timeout_keep_alive, http=_http_protocol(), **options)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (as uvicorn would bind it), or a RuntimeError naming them.
+
+    ``serve`` binds before it loads the model, so a port in use is one line at once, not a model
+    load followed by uvicorn's log, and the port stays ours while the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn (and asyncio) do
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        reason = (e.strerror or str(e)).lower()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server on a socket we bound; it logs where it listens, as it does when it binds."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if sockets is not None and self.started:
+                self._log_started_message(sockets)
+
+    return Server
+
+
 class ServerThread:
     """Run ``app`` with uvicorn in a background thread on ``host:port`` (port 0: a free one).
 
@@ -648,8 +905,7 @@ class ServerThread:
                  start_timeout: float = 30.0, **uvicorn_options):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=5, **uvicorn_options))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, **uvicorn_options))
         self.host = host
         self.port: Optional[int] = None
         self._start_timeout = start_timeout
@@ -697,17 +953,45 @@ def run_server(args) -> int:
         raise ValueError(f"--max-body-bytes = {args.max_body_bytes}, expected >= 1")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests = {args.max_waiting_requests}, expected >= 1")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    for flag, value in (("--engine-heartbeat-timeout", args.engine_heartbeat_timeout),
+                        ("--request-timeout", args.request_timeout),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{flag} = {value}, expected a number of seconds > 0")
+    api_key = _api_key(args.api_key)
     names = args.served_model_name or [default_served_model_name(args.model)]
-    engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
-                                      dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                      max_model_len=args.max_model_len, compile=args.compile,
-                                      engine_process=args.engine_process)
+    sock = bind_socket(args.host, args.port)        # before the model load: a port in use fails at once
     try:
-        app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
-        server.run()
+        engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
+                                          dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                                          max_model_len=args.max_model_len, compile=args.compile,
+                                          engine_process=args.engine_process)
+        try:
+            app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                            heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout)
+            port = sock.getsockname()[1]
+            server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
+                                                    timeout_keep_alive=args.timeout_keep_alive))
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        sock.close()
     return 0
+
+
+def _api_key(flag: Optional[str]) -> Optional[str]:
+    """The key from --api-key, else QWEN_OPS_API_KEY; None when neither is given. A given but empty
+    or blank key (``--api-key "$KEY"`` with KEY unset) is an error, never "no authentication"."""
+    if flag is not None:
+        if not flag.strip():
+            raise ValueError(f"--api-key = {flag!r} is empty or blank; give a key, or leave out --api-key "
+                             f"(and {API_KEY_ENV}) to serve without authentication")
+        return flag
+    env = os.environ.get(API_KEY_ENV)
+    if env is not None:
+        if not env.strip():
+            raise ValueError(f"{API_KEY_ENV} = {env!r} is empty or blank; give a key, or unset it "
+                             "to serve without authentication")
+        return env
+    return None
