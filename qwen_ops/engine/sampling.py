@@ -31,6 +31,9 @@ MAX_LOGPROBS = 20              # vLLM's default max_logprobs (top-k log-probabil
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024   # each stop string; the stream holds back up to this many characters
 MAX_STOP_TOKEN_IDS = 1024
+# Completions per prompt: each is a scheduler request with its own KV and detokenizer, so one
+# SamplingParams must not ask for an unbounded number (the server's own cap is OpenAI's 128).
+MAX_N = 1024
 
 
 @dataclass(frozen=True, init=False)
@@ -100,8 +103,8 @@ class SamplingParams:
         for i, t in enumerate(stops):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids[{i}] = {t!r}, expected an int >= 0")
-        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-            raise ValueError(f"n = {num!r}, expected an int >= 1")
+        if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= MAX_N:
+            raise ValueError(f"n = {num!r}, expected an int in [1, {MAX_N}] (MAX_N)")
         if stop is None:
             stop_strs: tuple[str, ...] = ()
         elif isinstance(stop, str):
