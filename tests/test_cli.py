@@ -177,3 +177,12 @@ def test_bench_without_generated_tokens_prints_no_throughput(ckpt, capsys, monke
 def test_bench_sizes_are_bounded_before_anything_is_built(argv, expected, capsys, no_debug_env):
     assert main(["bench", *argv]) == 2                   # the embedded model
     assert expected in _one_error_line(capsys.readouterr())
+
+
+def test_help_does_not_import_torch():
+    # qwen-ops --help answers from qwen_ops_cli before torch loads (2 s, 6-9 s on a busy machine).
+    probe = ("import sys, qwen_ops_cli\ntry:\n    qwen_ops_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("no torch"), out.stdout + out.stderr
+    assert "usage: qwen-ops" in out.stdout

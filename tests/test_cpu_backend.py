@@ -25,14 +25,21 @@ def fresh_library(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_builds_once_into_the_cache_dir_and_reuses_it(fresh_library, monkeypatch):
+def test_builds_once_into_the_cache_dir_and_reuses_it(fresh_library, monkeypatch, caplog):
     if cpu._compiler() is None:
         pytest.skip("no C compiler here")
-    lib = cpu.library.__wrapped__()
+    with caplog.at_level("WARNING", logger=cpu.__name__):
+        lib = cpu.library.__wrapped__()
+    # The first-use build says what it is doing (it takes seconds), and then that it is done.
+    said = [r.getMessage() for r in caplog.records if r.name == cpu.__name__]
+    assert len(said) == 2 and "compiling the CPU kernels" in said[0] and str(fresh_library) in said[0]
+    assert said[1].startswith("qwen_ops: CPU kernels compiled in ")
+    caplog.clear()
     built = list(fresh_library.glob("qwen_cpu_*.so"))
     assert len(built) == 1 and hasattr(lib, "qwen_slot_attention")
     monkeypatch.setattr(cpu, "_build", lambda cc, out: pytest.fail("rebuilt although the cache holds the library"))
     cpu.library.__wrapped__()
+    assert not caplog.records                       # a cached library loads silently
     assert list(fresh_library.glob("qwen_cpu_*.so")) == built
     assert not list(fresh_library.glob("*.so.tmp*")) and len(list(fresh_library.iterdir())) == 1  # no leftovers
 

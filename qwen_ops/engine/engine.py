@@ -34,6 +34,7 @@ from qwen_ops.engine.block_manager import BlockAllocator, PrefixCachingAllocator
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, sample
+from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.ops.memory import check_fits
 
@@ -134,6 +135,8 @@ class QwenEngine:
         self.model = model.eval()
         self.config = config
         self.device = param.device
+        if self.device.type == "cpu":
+            configure_cpu_threads()          # once, here: see engine/threads.py
         self.dtype = param.dtype
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)

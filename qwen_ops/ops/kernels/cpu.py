@@ -24,10 +24,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import time
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -37,6 +39,7 @@ import torch
 from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta_rule_reference,
                                         slot_attention_reference)
 
+logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qwen_cpu.c")
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -132,7 +135,12 @@ def library() -> ctypes.CDLL:
                                     platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"qwen_cpu_{key}.so"
     if not path.exists():
+        # Say so: the first use on a machine waits a few seconds here, which should not look like a hang.
+        logger.warning("qwen_ops: compiling the CPU kernels with %s (first use on this machine, a few seconds) "
+                       "into %s", cc, path)
+        start = time.perf_counter()
         _build(cc, path)
+        logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
     lib = ctypes.CDLL(str(path))
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(lib, name)
