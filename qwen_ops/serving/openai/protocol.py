@@ -18,17 +18,18 @@ from typing import Any, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-MAX_TOP_LOGPROBS = 20          # vLLM's default max_logprobs
+from qwen_ops.engine.sampling import MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+MAX_TOP_LOGPROBS = MAX_LOGPROBS   # vLLM's default max_logprobs: the engine's own bound
 # Bounds on what one request may ask for. Each completion is a scheduler request, and the server
 # and engine do work per completion, so one request must not be able to ask for an unbounded
 # number of them (an n = 10**6 request stalled every other client for minutes).
 MAX_N = 128                    # OpenAI's own cap on n (and best_of)
 MAX_PROMPTS = 128              # prompts in one /v1/completions request
 MAX_CHOICES = 1024             # completions in one request: prompts x n
-# Each stop string is searched for in every completion's new text at every token: bound their
-# number (OpenAI allows 4; vLLM none; 64 leaves room for real use) and length.
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024
+# Stop strings (searched for in every completion's new text at every token) are bounded by the
+# engine's MAX_STOP_STRINGS and MAX_STOP_STRING_CHARS (64 and 1024; OpenAI allows 4, vLLM any),
+# checked here first so the 400 names the request field.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -219,8 +220,8 @@ def stop_strings(value: Any) -> Optional[list[str]]:
     if len(items) > MAX_STOP_STRINGS:
         raise bad_request(f"stop has {len(items)} strings, expected at most {MAX_STOP_STRINGS}", "stop")
     for i, s in enumerate(items):
-        if len(s) > MAX_STOP_CHARS:
-            raise bad_request(f"stop[{i}] has {len(s)} characters, expected at most {MAX_STOP_CHARS}", "stop")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"stop[{i}] has {len(s)} characters, expected at most {MAX_STOP_STRING_CHARS}", "stop")
         check_text(s, f"stop[{i}]", "stop")
     return items or None
 
