@@ -92,9 +92,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-requests = {args.num_requests}, expected at most {MAX_BENCH_REQUESTS}")
     llm = _llm(args)
     max_len = llm.scheduler.config.max_model_len
-    if args.prompt_len + args.output_len > max_len:     # before building prompts of that length
-        raise ValueError(f"--prompt-len + --output-len = {args.prompt_len} + {args.output_len}, expected at most "
-                         f"--max-model-len = {max_len}")
+    if args.prompt_len >= max_len:     # said before building prompts of that length (as prepare_requests says it)
+        raise ValueError(f"prompts[0] has {args.prompt_len} tokens; max_model_len = {max_len} leaves no room "
+                         "to generate")
     rng = random.Random(args.seed)
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
