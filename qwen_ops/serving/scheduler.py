@@ -43,7 +43,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-
 from qwen_ops.engine.batch import BatchedRequest, RequestId
 from qwen_ops.serving.batch import IterationPlan, TokenBudget
 from qwen_ops.engine.engine import QwenEngine, SwappedSlot
