@@ -515,6 +515,9 @@ def test_serve_flags_and_defaults():
     (["serve", "--port", "70000"], "--port = 70000, expected 0..65535"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes = 0, expected >= 1"),
     (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests = 0, expected >= 1"),
+    (["serve", "--engine-heartbeat-timeout", "0"], "--engine-heartbeat-timeout = 0.0, expected a number of seconds > 0"),
+    (["serve", "--request-timeout", "-1"], "--request-timeout = -1.0, expected a number of seconds > 0"),
+    (["serve", "--timeout-keep-alive", "inf"], "--timeout-keep-alive = inf, expected a number of seconds > 0"),
 ])
 def test_serve_rejects_bad_flags_before_loading(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("QWEN_OPS_DEBUG", raising=False)

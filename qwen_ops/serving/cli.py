@@ -1,14 +1,7 @@
 """The ``qwen-ops`` commands: ``generate`` streams a completion, ``bench`` measures serving,
 ``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra). The parser and ``main``
-are in the top-level ``qwen_ops_cli`` (importable without torch, so ``--help`` is instant).
-
-    qwen-ops generate "def fibonacci(n):"            # the embedded default model
-    qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
-    qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
-    qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
-
-An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
-``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
+are in the top-level ``qwen_ops_cli`` (importable without torch, so ``--help`` is instant), with
+the usage examples and the error convention; each command here is ``_<name>(args)``.
 """
 
 from __future__ import annotations
