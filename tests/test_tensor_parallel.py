@@ -285,7 +285,15 @@ def test_bad_configurations(qwen3, tmp_path):
 
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import atexit, json, os, signal, sys
+
+    def threads_left():        # registered first, so it runs after qwen_ops's exit handler
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        with open(os.path.join(sys.argv[2], f"threads{os.environ['RANK']}.json"), "w") as f:
+            json.dump(names, f)
+
+    if os.path.isdir("/proc/self/task"):
+        atexit.register(threads_left)
     from qwen_ops import LLM, SamplingParams
     llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=64, block_size=4)
     prompts = [[3 + i + j for j in range(5 + 3 * i)] for i in range(6)]
@@ -294,6 +302,10 @@ SCRIPT = textwrap.dedent("""
     tokens = [o.outputs[0].token_ids for o in outs]
     with open(os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(tokens, f)
+    if os.environ["RANK"] == "1" and len(sys.argv) > 3:      # a peer that dies after its work
+        if sys.argv[3] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("rank 1 fails after generating")
 """)
 
 
@@ -308,29 +320,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(tmp_path, qwen3, nodes: int, *script_args: str, env: dict | None = None,
+            grace_s: float = 30.0, limit_s: float = 240.0) -> tuple[list[int], str, float]:
+    """Run SCRIPT under torchrun (``nodes`` launchers on loopback, 2 ranks in all): each
+    launcher's exit code, their output, and the seconds until the last one exited. Once one
+    launcher has failed, the others get ``grace_s`` before they are killed (exit code None):
+    torchrun's agent would otherwise wait 300 s at its exit barrier for a failed node."""
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    port = _free_port()
+    args = [str(script), str(qwen3), str(tmp_path), *script_args]
+    if nodes == 1:
+        cmds = [_torchrun() + ["--nproc-per-node=2", f"--master-port={port}", *args]]
+    else:   # two "nodes" on loopback, one process each, through torchrun's c10d rendezvous
+        cmds = [_torchrun() + ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=qwen-ops-test", *args]
+                for r in range(nodes)]
+    logs = [open(tmp_path / f"launcher{k}.log", "w+") for k in range(len(cmds))]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT) for c, log in zip(cmds, logs)]
+    killed = set()
+    try:
+        failed_at = None
+        while any(p.poll() is None for p in procs) and time.monotonic() - t0 < limit_s:
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                break
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+    finally:
+        for k, p in enumerate(procs):
+            if p.poll() is None:
+                killed.add(k)
+                p.kill()
+                p.wait()
+    codes = [None if k in killed else p.returncode for k, p in enumerate(procs)]
+    out = ""
+    for k, log in enumerate(logs):
+        log.seek(0)
+        out += f"--- launcher {k} (exit code {codes[k]}) ---\n" + log.read()[-3000:]
+        log.close()
+    return codes, out, elapsed
+
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_torchrun_launch(qwen3, tmp_path, nodes):
     """Every rank runs the same LLM(...) call; all ranks produce rank 0's tokens (the unseeded
-    sampled ones included: rank 0's tokens are broadcast)."""
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = _free_port()
-    if nodes == 1:
-        cmds = [_torchrun() + ["--nproc-per-node=2", f"--master-port={port}", str(script), str(qwen3), str(tmp_path)]]
-    else:   # two "nodes" on loopback, one process each, through torchrun's c10d rendezvous
-        cmds = [_torchrun() + ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}", "--rdzv-backend=c10d",
-                               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=qwen-ops-test", str(script),
-                               str(qwen3), str(tmp_path)] for r in range(2)]
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        finally:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    sampled ones included: rank 0's tokens are broadcast). No gloo thread outlives the exit
+    handler: one that did could be ended by the interpreter's finalization in a noexcept
+    destructor (SIGABRT, "terminate called without an active exception")."""
+    codes, out, _ = _launch(tmp_path, qwen3, nodes)
+    assert codes == [0] * nodes, out
     import json
 
     r0 = json.loads((tmp_path / "rank0.json").read_text())
@@ -338,6 +380,22 @@ def test_torchrun_launch(qwen3, tmp_path, nodes):
     assert r0 == r1
     want = _tokens(LLM(qwen3, max_model_len=64, block_size=4).generate(PROMPTS[:3], GREEDY))
     assert r0[:3] == want
+    for rank in range(2):
+        if (tmp_path / f"threads{rank}.json").exists():
+            names = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            assert not [n for n in names if "gloo" in n], f"rank {rank}'s threads at exit: {names}"
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_torchrun_peer_dies_at_exit(qwen3, tmp_path, how):
+    """Rank 1 dies (SIGKILL) or raises after its work, on the other node: rank 0 cannot meet it
+    at exit and says so, and both launchers fail within seconds instead of rank 0's launcher
+    exiting 0 after torchrun's 300 s exit barrier."""
+    codes, out, elapsed = _launch(tmp_path, qwen3, 2, how, env={"QWEN_OPS_TP_TIMEOUT_S": "20"})
+    assert None not in codes, f"a launcher was still running {elapsed:.0f} s in, 30 s after the other failed:\n{out}"
+    assert 0 not in codes, out
+    assert "the other tensor-parallel ranks did not meet this one at exit" in out, out
+    assert elapsed < 60, out
 
 
 def test_shm_collectives_single_process():

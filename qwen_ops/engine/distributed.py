@@ -20,7 +20,8 @@ Faults: the process group has a timeout (``QWEN_OPS_TP_TIMEOUT_S``, default 60 s
 worker makes the driver raise within it (gloo usually notices a closed socket at once). Workers
 ignore SIGINT (Ctrl-C reaches the whole process group; the driver shuts them down), are daemon
 processes (they die with the driver), and are stopped by ``shutdown()``, which ``LLM`` and the
-engine also run when they are garbage collected.
+engine also run when they are garbage collected. Under torchrun, a rank that cannot meet the
+others at exit exits with status 1 at once (``_leave_external_group``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import mmap
 import os
 import signal
 import socket
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -88,6 +90,19 @@ def check_devices(size: int, device: torch.device) -> None:
 
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_group(device: torch.device, init_method: str, **kwargs) -> None:
+    """``torch.distributed.init_process_group`` with this module's backend and timeout.
+
+    torch._dynamo is imported first: importing it after the group exists leaves references to the
+    group in dynamo's tables (torch 2.13), and then ``destroy_process_group`` cannot free it (and
+    join gloo's threads) at exit; see ``_leave_external_group``."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+
+    dist.init_process_group(_backend(device), init_method=init_method,
+                            timeout=datetime.timedelta(seconds=tp_timeout_s()), **kwargs)
 
 
 class SharedSegment:
@@ -219,11 +234,11 @@ def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
         if device.type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
-                                world_size=spec.size, timeout=datetime.timedelta(seconds=tp_timeout_s()))
+        init_group(device, f"tcp://127.0.0.1:{spec.port}", rank=rank, world_size=spec.size)
         segments = [SharedSegment(n, name) if name else None for name, n in (spec.workspace or (None, 0),
                                                                              spec.channel or (None, 0))]
-        tp = TPGroup(rank, spec.size, dist.group.WORLD, segments[0].tensor if segments[0] else None, segments)
+        tp = TPGroup(rank, spec.size, dist.group.WORLD.group_name, segments[0].tensor if segments[0] else None,
+                     segments)
         ckpt = load_checkpoint(spec.path, dtype=spec.dtype, device=device, tp=tp)
         engine = QwenEngine(ckpt.model, ckpt.config, **spec.engine_kwargs)
         channel = ShmChannel(segments[1], spec.size) if segments[1] else None
@@ -375,13 +390,12 @@ class TPWorkers:
             p.start()
             self.procs.append(p)
         try:
-            dist.init_process_group(_backend(torch.device(spec.device)), init_method=f"tcp://127.0.0.1:{spec.port}",
-                                    rank=0, world_size=spec.size, timeout=datetime.timedelta(seconds=tp_timeout_s()))
+            init_group(torch.device(spec.device), f"tcp://127.0.0.1:{spec.port}", rank=0, world_size=spec.size)
         except Exception as e:
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel workers did not start: {self._first_error() or e}") from e
-        self.group = TPGroup(0, spec.size, dist.group.WORLD, segments[0].tensor if segments[0] is not None else None,
-                             list(segments))
+        self.group = TPGroup(0, spec.size, dist.group.WORLD.group_name,
+                             segments[0].tensor if segments[0] is not None else None, list(segments))
 
     def _first_error(self) -> Optional[str]:
         try:
@@ -492,10 +506,7 @@ def init_external(device: torch.device, config=None, engine_kwargs: Optional[dic
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group(_backend(device), init_method="env://",
-                                timeout=datetime.timedelta(seconds=tp_timeout_s()))
-        # At exit, meet the other ranks before closing: a rank that tore its sockets down while
-        # another still ran would make that one abort.
+        init_group(device, "env://")
         atexit.register(_leave_external_group)
     workspace = None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == size
@@ -514,24 +525,46 @@ def init_external(device: torch.device, config=None, engine_kwargs: Optional[dic
         dist.barrier()
         if rank == 0:
             segment.close()            # every rank has it mapped: the name is no longer needed
-        return TPGroup(rank, size, dist.group.WORLD, segment.tensor, segment)
-    return TPGroup(rank, size, dist.group.WORLD, workspace)
+        return TPGroup(rank, size, dist.group.WORLD.group_name, segment.tensor, segment)
+    return TPGroup(rank, size, dist.group.WORLD.group_name, workspace)
 
 
 def _leave_external_group() -> None:
+    """At exit under torchrun: meet the other ranks, then free the process group.
+
+    Freeing it here, while the interpreter still runs, joins gloo's worker threads. They release
+    a finished collective's tensors after its caller has moved on, and on torch 2.13 dropping a
+    tensor's last C++ reference takes the GIL (to release its Python object); a thread that asks
+    for the GIL once the interpreter is finalizing is ended by ``pthread_exit``, whose unwinding
+    through gloo's noexcept work destructor calls ``std::terminate`` (SIGABRT, "terminate called
+    without an active exception"). ``TPGroup`` holds the group's name, not the group, and
+    ``init_group`` imports dynamo first, so that ``destroy_process_group`` drops the last
+    reference.
+
+    If the meeting fails (a peer died, or did not come within ``tp_timeout_s()``), this rank exits
+    with status 1 at once, naming the cause: had it exited 0, its torchrun agent would wait 300 s
+    (the agent's exit barrier, which torchrun has no flag for) for the node whose rank failed. A
+    rank whose script raised skips the meeting (its peers may be inside another collective) and
+    closes its sockets, so that the others fail at once too."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    if getattr(sys, "last_value", None) is None:          # set when the script ended by an uncaught exception
         try:
             dist.barrier()
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as e:
+            print(f"qwen_ops: rank {rank}: the other tensor-parallel ranks did not meet this one at exit "
+                  f"({type(e).__name__}: {e}); a peer rank died or hangs. Exiting with status 1 now, so that "
+                  "torchrun stops this node instead of waiting for the failed one.", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)        # the group cannot be left cleanly, and the status must say so
+    dist.destroy_process_group()
 
 
 def broadcast_tokens(tokens: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Rank 0's sampled tokens on every rank (external launch: random sampling must not diverge)."""
-    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
-    dist.broadcast(tokens, src=0, group=tp.group)
-    return tokens
+    return tokens.copy_(funcol.broadcast(tokens, 0, tp.group))

@@ -44,8 +44,10 @@ from qwen_ops.ops import shm_collectives  # noqa: F401  (registers torch.ops.qwe
 
 @dataclass(frozen=True, eq=False)
 class TPGroup:
-    """This process's place in a tensor-parallel group: ``rank`` of ``size``, the
-    ``torch.distributed`` process group (None when ``size == 1``), and, when every rank is on
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``, the name of the
+    ``torch.distributed`` process group (None when ``size == 1``; a name, which the functional
+    collectives take, not the group, so that ``destroy_process_group`` frees the group and joins
+    gloo's threads: ``engine/distributed.py``), and, when every rank is on
     this host, the shared-memory workspace of ``torch.ops.qwen.shm_all_reduce`` (else None: the
     collectives go through ``torch.distributed``)."""
     rank: int
