@@ -115,7 +115,7 @@ def test_long_prefills_go_to_the_reference(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers of the native CPU executor and of sampling (the executor itself: test_executors.py)
+# The packed product under linear_packed, and sampling's argmax (the fast ops: test_ops_fused.py)
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -3,8 +3,8 @@
 Greedy tokens equal transformers' ``generate`` over 32 steps through the seed's engine API
 (``prefill`` / ``decode_step``, ``batch_prefill`` / ``batch_decode_step``) and through
 ``LLM.generate``, also when a small KV pool forces preemption (recompute, and swap for the
-hybrids' slot state). The engine runs MoE models on the eager op path: the native CPU executor
-declines them.
+hybrids' slot state). On the CPU, qwen3_moe's layers take the fast ops (the routed experts on
+packed weights, ``moe_packed``); the hybrid MoE models keep their plain forward.
 """
 
 from __future__ import annotations
@@ -90,11 +90,14 @@ def test_llm_preemption_matches_transformers(model_case, mode):
 
 
 def test_engine_executor_for_moe(model_case):
-    """qwen3_moe steps on the native CPU executor (MoE blocks called back from C; the tokens
-    above equal transformers'), the hybrid MoE models on the op path."""
+    """qwen3_moe's layers on the fast ops (experts packed; the tokens above equal transformers'),
+    the hybrid MoE models on their plain forward."""
+    from qwen_ops.models.layers import forward_choices
+
     path, _, _ = model_case
     eng = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=64, block_size=4)
-    assert (eng.runner.native is not None) == ("qwen3_moe" in path.name)
+    choices = forward_choices(eng.model)
+    assert set(choices.values()) == ({"cpu"} if "qwen3_moe" in path.name else {"native"}), choices
 
 
 def test_compiled_decode_has_no_graph_break(model_case):

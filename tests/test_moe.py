@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops.engine.executors import NativeCPUExecutor
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import FusedProjectionGatedDeltaNet, GatedDeltaNet, Qwen3_5ForCausalLM
@@ -289,7 +288,7 @@ def test_multimodal_qwen3_5_moe_loads_language_model_only(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Backends, compile, executors, configs
+# Backends, compile, the CPU fast path, configs
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
@@ -328,40 +327,34 @@ def test_compile_fullgraph_no_graph_break(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-top2", "qwen3_moe-top4-norm-tied-sparse2"])
-def test_native_cpu_executor_runs_moe(checkpoints, name, monkeypatch):
-    """qwen3_moe on the native executor (the C forward calling back for each MoE block; layer 3 of
-    the second case keeps a dense MLP in C) against the op path: greedy tokens equal, logits within
-    1e-5, and the callback ran once per sparse layer and step. The hybrid MoE models stay on the op path."""
+def test_native_cpu_executor_runs_moe(checkpoints, name):
+    """qwen3_moe on the fast ops (every sparse layer's experts on moe_packed, the router in torch;
+    layer 3 of the second case keeps a dense MLP, packed too) against the op path: greedy tokens
+    equal, logits within 1e-5. The hybrid MoE models keep their plain forward."""
+    from qwen_ops.models.layers import forward_choices
     from qwen_ops.ops.kernels import cpu
 
     if cpu.why_unavailable() is not None:
         pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
     path, ckpt, _ = checkpoints[name]
-    assert NativeCPUExecutor.why_not(ckpt.model) is None
-    assert NativeCPUExecutor.why_not(checkpoints["qwen3_5_moe-shared"][1].model) is not None
-    sparse = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in ckpt.model.model.layers)
-    calls = []
-    real = cpu.dense_forward
-
-    def counting(*a, **k):
-        inner = k["mlp"]
-        return real(*a, **{**k, "mlp": lambda layer, x, out: calls.append(layer) or inner(layer, x, out)})
-
     prompt = _prompts(ckpt.config.vocab_size, 5, (13,))[0]
     runs = {}
     for native in (True, False):
         eng = qwen_ops.QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=64, block_size=BLOCK_SIZE,
                                                   native_cpu=native)
-        assert (eng.runner.native is not None) == native
-        monkeypatch.setattr(cpu, "dense_forward", counting)
+        choices = forward_choices(eng.model)
+        sparse = [n for n in choices if n.endswith("mlp.experts")]
+        assert len(sparse) == sum(isinstance(layer.mlp, SparseMoeBlock) for layer in ckpt.model.model.layers) > 0
+        assert set(choices.values()) == {"cpu" if native else "native"}
         res = eng.prefill(prompt, slot_id=0)
         out = [(res.next_token, res.logits)]
         for _ in range(6):
             res = eng.decode_step(out[-1][0], slot_id=0)
             out.append((res.next_token, res.logits))
-        monkeypatch.setattr(cpu, "dense_forward", real)
         runs[native] = out
-    assert len(calls) == 7 * sparse
+    hybrid = qwen_ops.QwenEngine.from_pretrained(checkpoints["qwen3_5_moe-shared"][0], max_slots=2, max_seq_len=64,
+                                                 block_size=BLOCK_SIZE)
+    assert set(forward_choices(hybrid.model).values()) == {"native"}
     for (tn, ln), (to, lo) in zip(runs[True], runs[False]):
         assert tn == to
         assert (ln - lo).abs().max() / lo.abs().max() < 1e-5

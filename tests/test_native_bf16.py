@@ -1,12 +1,13 @@
-"""The native CPU executor on bf16 models: bf16 packed weights and bf16 KV caches, activations
-rounded to bf16 where the model's forward rounds them.
+"""The CPU fast path on bf16 models: the layers' ops on bf16 packed weights and bf16 KV caches,
+activations rounded to bf16 where the model's plain forward rounds them.
 
 The error-bound rule of the repo (flash-attention's, ``tolerances.assert_within_flash_bound``):
-the executor's distance from the fp32 truth (the same bf16 weights run in fp32, with the same
+the fast path's distance from the fp32 truth (the same bf16 weights run in fp32, with the same
 starting caches) is at most twice that of a same-dtype torch run plus a small floor. The
 same-dtype runs are the model's own bf16 forward (the eager op path, ``native_cpu=False``) and
 transformers' bf16 model. Covered: Qwen3 (q/k norms) and Qwen2 (q/k/v biases), prefill, decode,
 a chunk mixed with a decode, padding, the portable (no AVX-512) build, and the engine's choice.
+The packed model is a copy that ran ``process_weights_after_loading()`` (the runner's packing).
 
 On a CPU with AVX512-BF16 the products run as bf16 dot products (``cpu.bf16_products()``),
 elsewhere as widening loads into fp32 FMAs: these tests cover whichever this machine runs.
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import qwen_ops
-from qwen_ops.engine.executors import NativeCPUExecutor
+from qwen_ops.models.layers import forward_choices
 from qwen_ops.ops.kernels import cpu
 
 from qwen_tiny import load_hf, new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
@@ -57,6 +58,12 @@ def _load(path, dtype):
     return load_checkpoint(path, dtype=dtype).model
 
 
+def _packed(model):
+    fast = copy.deepcopy(model)
+    fast.process_weights_after_loading()
+    return fast
+
+
 def _run_steps(forward, config, steps, table, dtype):
     """Logits (fp32) of each step and the caches after them, on caches that start random (the same
     bf16 values for every dtype) and the same random token ids."""
@@ -88,10 +95,11 @@ def test_native_bf16_matches_the_op_path(model_type, tmp_path):
     """Against the model's own bf16 forward (reference ops), relative to the fp32 truth."""
     path = _save(tmp_path, model_type)
     model = _load(path, torch.bfloat16)
-    executor = NativeCPUExecutor(model)
-    assert executor._lm_head.dtype == torch.bfloat16, "bf16 weights are packed as bf16"
+    fast = _packed(model)
+    assert set(forward_choices(fast).values()) == {"cpu"}
+    assert fast.lm_head_packed.dtype == torch.bfloat16, "bf16 weights are packed as bf16"
     table = shuffled_block_table(3, 5)
-    got, got_caches = _run_steps(executor.run, model.config, STEPS, table, torch.bfloat16)
+    got, got_caches = _run_steps(fast, model.config, STEPS, table, torch.bfloat16)
     with qwen_ops.use_backend("reference"):
         op_path, op_caches = _run_steps(model, model.config, STEPS, table, torch.bfloat16)
         exact, exact_caches = _run_steps(_load(path, torch.float32), model.config, STEPS, table, torch.float32)
@@ -104,23 +112,20 @@ def test_native_bf16_matches_the_op_path(model_type, tmp_path):
     assert same > 0.5, f"only {same:.0%} of the logits equal the op path's"
 
 
-def test_native_bf16_moe_matches_the_op_path(tmp_path, monkeypatch):
-    """qwen3_moe in bf16: the C forward calls back for the MoE blocks, which run as the model's own
-    bf16 ``SparseMoeBlock``; within the bound of the op path, relative to the fp32 truth (the same
-    bf16 weights in fp32)."""
+def test_native_bf16_moe_matches_the_op_path(tmp_path):
+    """qwen3_moe in bf16: the fast ops around the MoE blocks, whose routed experts stay on
+    ``fused_moe`` (moe_packed is fp32); within the bound of the op path, relative to the fp32 truth
+    (the same bf16 weights in fp32)."""
     from checkpoints import make_moe_checkpoint
 
     model = _load(make_moe_checkpoint(tmp_path, "qwen3_moe"), torch.bfloat16)
     exact_model = copy.deepcopy(model).float()
-    executor = NativeCPUExecutor(model)
-    assert executor._experts == [None] * len(model.model.layers), "bf16 experts are not packed"
-    calls = []
-    real = cpu.dense_forward
-    monkeypatch.setattr(cpu, "dense_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fast = _packed(model)
+    choices = forward_choices(fast)
+    assert {c for name, c in choices.items() if name.endswith("experts")} == {"native"}, "bf16 experts are not packed"
+    assert choices["model.layers.0.self_attn"] == "cpu"
     table = shuffled_block_table(3, 5)
-    got, got_caches = _run_steps(executor.run, model.config, STEPS, table, torch.bfloat16)
-    monkeypatch.setattr(cpu, "dense_forward", real)
-    assert len(calls) == len(STEPS)
+    got, got_caches = _run_steps(fast, model.config, STEPS, table, torch.bfloat16)
     with qwen_ops.use_backend("reference"):
         op_path, op_caches = _run_steps(model, model.config, STEPS, table, torch.bfloat16)
         exact, exact_caches = _run_steps(exact_model, model.config, STEPS, table, torch.float32)
@@ -133,8 +138,7 @@ def test_native_bf16_matches_transformers(model_type, tmp_path):
     """Teacher-forced logits of a 16-token sequence (a 6-token prefill, a 3-token chunk, then
     decode steps) against transformers' bf16 and fp32 forwards of the whole sequence."""
     path = _save(tmp_path, model_type)
-    model = _load(path, torch.bfloat16)
-    executor = NativeCPUExecutor(model)
+    model = _packed(_load(path, torch.bfloat16))
     ids = torch.randint(3, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5))
     table = shuffled_block_table(1, 5)
     caches = new_kv_caches(model.config, table.numel() + 1, BLOCK_SIZE, torch.bfloat16)
@@ -142,8 +146,8 @@ def test_native_bf16_matches_transformers(model_type, tmp_path):
     with torch.inference_mode():
         for n in [6, 3] + [1] * 7:
             pos, attn, _ = step_metadata([(0, done, n)], table)
-            rows = torch.arange(n)        # every row's logits (the C code normalizes only these)
-            got.append(executor.run(ids[done:done + n], pos, attn, caches, rows))
+            rows = torch.arange(n)        # every row's logits
+            got.append(model(ids[done:done + n], pos, attn, caches, rows).float())
             done += n
         hf_bf16 = load_hf(path, torch.bfloat16)(ids[None]).logits[0].float()
         exact = load_hf(path, torch.float32)(ids[None]).logits[0]
@@ -153,7 +157,8 @@ def test_native_bf16_matches_transformers(model_type, tmp_path):
 
 def test_portable_build_matches(tmp_path, monkeypatch):
     """The C file's AVX-512 paths off (the scalar bf16 products), on shapes off the vector widths
-    and an odd inner dim (a bf16 pair without a partner)."""
+    and an odd inner dim (a bf16 pair without a partner): the ctypes kernels, which read the
+    rebuilt library (the C++ kernels stay linked to the one loaded first), registered for this test."""
     if cpu._compiler() is None:
         pytest.skip("no C compiler here")
     path = _save(tmp_path, "qwen3", hidden_size=40, intermediate_size=57, head_dim=16)
@@ -167,38 +172,43 @@ def test_portable_build_matches(tmp_path, monkeypatch):
     portable = cpu.library.__wrapped__()
     monkeypatch.setattr(cpu, "library", lambda: portable)
     assert cpu.bf16_products() == "widening"
-    got, got_caches = _run_steps(NativeCPUExecutor(model).run, model.config, STEPS, table, torch.bfloat16)
+    from qwen_ops.ops import registry
+
+    lib = torch.library.Library("qwen", "IMPL")       # the ctypes kernels, for this test's lifetime
+    for name, fn in registry._CTYPES_FAST_OPS.items():
+        lib.impl(name, fn, "CPU")
+    try:
+        got, got_caches = _run_steps(_packed(model), model.config, STEPS, table, torch.bfloat16)
+    finally:
+        lib._destroy()
     _assert_steps_within_bound(got, got_caches, op_path, op_caches, exact, exact_caches)
 
 
-def test_the_engine_runs_bf16_models_natively(tmp_path, monkeypatch):
-    """A bf16 engine takes the native executor for prefill and decode, with bf16 caches, and its
-    greedy tokens equal the op path's (``native_cpu=False``)."""
+def test_the_engine_runs_bf16_models_natively(tmp_path):
+    """A bf16 engine's layers take the fast ops, with bf16 caches, and its greedy tokens equal the
+    op path's (``native_cpu=False``)."""
     from qwen_ops.engine.engine import QwenEngine
 
     path = _save(tmp_path, "qwen3", max_position_embeddings=256)
-    calls = []
-    native = cpu.dense_forward
-    monkeypatch.setattr(cpu, "dense_forward", lambda *a, **k: calls.append(1) or native(*a, **k))
     outputs = {}
     for native_cpu in (True, False):
         eng = QwenEngine.from_pretrained(path, dtype=torch.bfloat16, max_slots=2, max_seq_len=64,
                                          native_cpu=native_cpu)
-        assert (eng.runner.native is not None) == native_cpu
+        assert set(forward_choices(eng.model).values()) == {"cpu" if native_cpu else "native"}
         assert eng.runner.kv_caches[0][0].dtype == torch.bfloat16
         tokens = [eng.prefill([5, 6, 7, 8], slot_id=0).next_token]
         for _ in range(8):
             tokens.append(eng.decode_step(tokens[-1], slot_id=0).next_token)
         outputs[native_cpu] = tokens
-    assert len(calls) == 9, "every step of the native engine runs the C forward"
     assert outputs[True] == outputs[False]
 
 
-def test_mixed_dtypes_are_refused(tmp_path):
+def test_mixed_dtypes_keep_the_plain_forward(tmp_path):
+    """A model whose parameters mix dtypes keeps every layer on its plain forward (the ops take one
+    dtype), and still runs."""
     model = _load(_save(tmp_path, "qwen3"), torch.bfloat16)
     mixed = copy.deepcopy(model)
     mixed.model.norm.float()
-    assert "model.norm.weight is torch.float32" in NativeCPUExecutor.why_not(mixed)
-    executor = NativeCPUExecutor(model)
-    assert not executor.supports(4, 4, new_kv_caches(model.config, 8, BLOCK_SIZE, torch.float32))
-    assert executor.supports(4, 4, new_kv_caches(model.config, 8, BLOCK_SIZE, torch.bfloat16))
+    mixed.process_weights_after_loading()
+    assert set(forward_choices(mixed).values()) == {"native"}
+    assert set(forward_choices(_packed(model)).values()) == {"cpu"}

@@ -345,26 +345,24 @@ def test_cpu_backend_both_gemm_paths(grouped, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (7, 3, 8), (33, 4, 16)])
-def test_native_packed_experts_match_the_oracle(num_tokens, top_k, num_experts):
-    """``cpu.moe_packed`` (the native executor's MoE experts on packed weights) against the loop
-    oracle, into a NaN-poisoned output; unused experts' NaN weights never read; bad ids refused
-    before anything is written."""
+def test_native_packed_experts_match_the_oracle(num_tokens, top_k, num_experts, monkeypatch):
+    """``torch.ops.qwen.moe_packed`` (the experts on packed weights, the CPU fast path) against the
+    loop oracle, its output poisoned (NaN); bad ids refused with the argument named."""
     from qwen_ops.ops.kernels import cpu
 
     if cpu.why_unavailable() is not None:
         pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    cpu.op_library()
+    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
     case = make_case(num_tokens, top_k, num_experts, dtype=torch.float32, device="cpu", seed=num_tokens)
-    packed13 = [cpu.pack_panels(w.contiguous()) for w in case.w13]
-    packed2 = [cpu.pack_panels(w.contiguous()) for w in case.w2]
-    a13, a2 = cpu.addresses(packed13), cpu.addresses(packed2)
-    out = torch.full((num_tokens, HIDDEN), float("nan"))
-    cpu.moe_packed(case.x.contiguous(), case.topk_ids, case.topk_weights, a13, a2, INTER, out)
+    packed13 = torch.stack([cpu.pack_panels(w.contiguous()) for w in case.w13])
+    packed2 = torch.stack([cpu.pack_panels(w.contiguous()) for w in case.w2])
+    out = torch.ops.qwen.moe_packed(case.x, packed13, packed2, case.topk_weights, case.topk_ids)
+    assert not out.isnan().any()
     assert_moe_close(out, loop_oracle(case).float(), torch.float32)
     bad = case.topk_ids.clone()
     bad[0, 0] = num_experts
-    sentinel = torch.full_like(out, 7.0)
-    with pytest.raises(IndexError, match=f"expected expert ids in \\[0, {num_experts}\\)"):
-        cpu.moe_packed(case.x.contiguous(), bad, case.topk_weights, a13, a2, INTER, sentinel)
-    assert torch.all(sentinel == 7.0)
-    with pytest.raises(ValueError, match="moe_packed"):
-        cpu.moe_packed(case.x.contiguous().double(), case.topk_ids, case.topk_weights, a13, a2, INTER, out)
+    with pytest.raises(ValueError, match=f"expected 0 <= expert id < {num_experts}"):
+        torch.ops.qwen.moe_packed(case.x, packed13, packed2, case.topk_weights, bad)
+    with pytest.raises(ValueError, match="hidden_states has shape"):
+        torch.ops.qwen.moe_packed(case.x.double(), packed13, packed2, case.topk_weights, case.topk_ids)

@@ -20,9 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_ops.engine.batch import BatchedRequest
-from qwen_ops.engine.executors import NativeCPUExecutor
 from qwen_ops.ops.metadata import AttentionMetadata
-from qwen_ops.ops.backend import resolve_backend, trusted_metadata
+from qwen_ops.ops.backend import resolve_backend, trusted_metadata, use_backend
 from qwen_ops.torch_library import SCHEMAS
 
 
@@ -129,10 +128,11 @@ class ModelRunner:
         # once per machine), which the first request would otherwise wait for.
         for op in ("kv_write", "slot_attention"):
             resolve_backend(device, op, "decode")
-        # The native CPU executor packs its weights now, not on the first request.
-        # ``native_cpu=False`` keeps every eager step on the model's forward (the op path).
-        self.native = (NativeCPUExecutor(model)
-                       if native_cpu and device.type == "cpu" and NativeCPUExecutor.why_not(model) is None else None)
+        # The model's layers choose their forward for this device, dtype and backend now, and pack
+        # the weights it reads (on the CPU: the cpu backend's ops; models/layers.py), not on the first
+        # request. ``native_cpu=False`` keeps every layer on its plain-torch forward (the reference op path).
+        self.native_cpu = native_cpu
+        self.refresh_weights()
         self._alloc_decode_buffers()
         # The step that CUDA graphs capture: compiled, or the model's forward as written.
         self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device,
@@ -169,8 +169,6 @@ class ModelRunner:
 
         - "cuda_graph": a static decode batch, with CUDA graphs on;
         - "compiled": the same without CUDA graphs, with ``compile=True``;
-        - "native": other steps on the CPU that the native executor covers (fp32 or bf16 dense model,
-          the cpu op backend, small enough chunks);
         - "eager": the model's forward as written.
         """
         if self.is_static_decode(chunks):
@@ -178,16 +176,11 @@ class ModelRunner:
                 return "cuda_graph"
             if self.compiled:
                 return "compiled"
-        if self.native is not None and self.native.supports(
-                sum(len(c.token_ids) for c in chunks), max(len(c.token_ids) for c in chunks), self.kv_caches):
-            return "native"
         return "eager"
 
     def _run_uncompiled(self, executor: str, input_ids: torch.Tensor, positions: torch.Tensor,
                         attn: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """A step on the executor ``executor_for`` chose: the native CPU one, or the model's forward."""
-        if executor == "native":
-            return self.native.run(input_ids, positions, attn, self.kv_caches, logits_indices)
+        """An eager step: the model's forward (``executor`` is "eager" or the static path's fallback)."""
         return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
 
     def _decode_attn(self, slots: torch.Tensor, query_start_loc: torch.Tensor,
@@ -203,9 +196,15 @@ class ModelRunner:
                           self.kv_caches, logits_indices)
 
     def refresh_weights(self) -> None:
-        """Repack the native executor's weights from the model (after the weights changed)."""
-        if self.native is not None:
-            self.native.refresh()
+        """Let the model's layers choose their forward and repack their weights (after the weights changed)."""
+        pack = getattr(self.model, "process_weights_after_loading", None)
+        if pack is None:
+            return
+        if self.native_cpu:
+            pack()
+        else:
+            with use_backend("reference"):     # every layer on its plain-torch forward
+                pack()
 
     def fill_decode_buffers(self, chunks: Sequence[BatchedRequest], bucket: int) -> None:
         """Copy a decode batch into the static buffers; rows n..bucket-1 become slot -1 padding."""

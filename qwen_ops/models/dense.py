@@ -15,9 +15,9 @@ MLP (``qwen_ops.models.moe``: routing in torch, experts in ``torch.ops.qwen.fuse
 layer at construction; the forward is the same. Numerics follow transformers: RMSNorm and RoPE tables in
 fp32, cast back to the model dtype at the same points.
 
-This is the model's only forward: eager, compiled and CUDA-graph captured runs all execute it.
-Faster ways to run the same math live outside the model, in the engine's executors
-(``qwen_ops/engine/executors.py``: the one-call native CPU forward).
+This is the model's only forward: eager, compiled and CUDA-graph captured runs all execute it, on
+every device. On the CPU its layers run the cpu backend's fused ops on packed weights, each layer
+having chosen them once in ``process_weights_after_loading()`` (``qwen_ops/models/layers.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, SlotAttention
+from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, pack_linears, uses_cpu_kernels
 from qwen_ops.models.moe import make_mlp
+from qwen_ops.ops.backend import use_backend
 from qwen_ops.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -51,8 +52,9 @@ class QwenDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, positions32, attn, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, positions32, attn,
+                                                            kv_cache), h)   # h + attention, and its norm
+        return h + self.mlp(x)
 
 
 class QwenModel(nn.Module):
@@ -81,6 +83,42 @@ class QwenForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._lm_head = self._lm_head_native
+        self._rope = self.model.rotary_emb.forward
+
+    def process_weights_after_loading(self) -> None:
+        """Every layer picks its forward for the device, dtype and backend it now has, and packs what
+        that forward reads (models/layers.py); call again after changing weights. A model whose
+        parameters mix dtypes keeps every layer on its plain forward (the ops take one dtype)."""
+        if len({p.dtype for p in self.parameters()}) > 1:
+            with use_backend("reference"):
+                return self._choose_forwards()
+        return self._choose_forwards()
+
+    def _choose_forwards(self) -> None:
+        for module in self.modules():
+            if isinstance(module, SlotAttention):
+                module.process_weights_after_loading(self.model.rotary_emb.cos_sin)
+            elif module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+        self._lm_head = self._lm_head_native
+        # No cos / sin tables per step when every attention layer reads the table itself (its op).
+        fast = all(layer.self_attn._forward_method == layer.self_attn.forward_cpu for layer in self.model.layers)
+        self._rope = self._no_rope if fast else self.model.rotary_emb.forward
+        if uses_cpu_kernels(self.lm_head.weight):
+            packed, _, self._vocab_rows, self._lm_head_finish = pack_linears(self.lm_head)
+            self.register_buffer("lm_head_packed", packed, persistent=False)
+            self._lm_head = self._lm_head_cpu
+
+    @staticmethod
+    def _no_rope(positions: torch.Tensor, dtype: torch.dtype) -> tuple[None, None]:
+        return None, None
+
+    def _lm_head_native(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+    def _lm_head_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._lm_head_finish(LINEAR_PACKED(x, self.lm_head_packed, None, self._vocab_rows))
 
     @property
     def layer_kinds(self) -> list[str]:
@@ -110,10 +148,10 @@ class QwenForCausalLM(nn.Module):
         # kv_write takes int32 positions; .to is a no-op when the engine already passes int32.
         positions32 = positions.to(torch.int32)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        cos, sin = self._rope(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, positions32, attn, kv_cache)
         # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
         # skips the lm_head matmul on every other row.
         h = torch.index_select(h, 0, logits_indices)
-        return self.lm_head(self.model.norm(h))
+        return self._lm_head(self.model.norm(h))

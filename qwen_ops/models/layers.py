@@ -16,8 +16,77 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops.backend import resolve_backend
 from qwen_ops.ops.memory import check_fits
 from qwen_ops.ops.metadata import AttentionMetadata
+
+# ----------------------------------------------------------------------------------------------
+# The CPU fast path, chosen once per layer (vLLM's CustomOp.dispatch_forward). Each layer below
+# starts on its plain-torch forward (``forward_native``); ``process_weights_after_loading()``
+# (vLLM's name; the runner calls it on the model once its weights are loaded and placed, and again
+# from ``QwenEngine.refresh_weights()``) picks the layer's forward from its device, dtype and the
+# backend setting, read then, and packs the weights that forward reads: on CPU tensors in fp32 or
+# bf16 with the cpu backend selected (QWEN_OPS_BACKEND=auto|cpu and a C compiler), the ops
+# torch.ops.qwen.linear_packed / rms_norm / add_rms_norm / qk_norm_rope / silu_mul on weights
+# packed into panels (q|k|v and gate|up fused into one product each). The packed copies are what
+# those forwards read: after changing a weight, call ``process_weights_after_loading()`` again.
+# ----------------------------------------------------------------------------------------------
+
+
+# The ops' default overloads, looked up once: ``torch.ops.qwen.<op>(...)`` resolves its overload on
+# every call (about 6 us each, measured; a CPU decode step of the embedded model makes ~50 calls).
+LINEAR_PACKED = torch.ops.qwen.linear_packed.default
+RMS_NORM = torch.ops.qwen.rms_norm.default
+ADD_RMS_NORM = torch.ops.qwen.add_rms_norm.default
+QK_NORM_ROPE = torch.ops.qwen.qk_norm_rope.default
+SILU_MUL = torch.ops.qwen.silu_mul.default
+ATTENTION_BLOCK = torch.ops.qwen.attention_block.default
+
+
+def uses_cpu_kernels(weight: torch.Tensor) -> bool:
+    """Whether a layer holding ``weight`` takes the CPU fast path's ops (the one choice, read once;
+    it registers the ops' CPU kernels, built on first use: kernels/cpu.py ``op_library``)."""
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and resolve_backend(weight.device, "kv_write") == "cpu"):
+        return False
+    from qwen_ops.ops.kernels import cpu
+
+    cpu.op_library()
+    return True
+
+
+def forward_choices(model: nn.Module) -> dict[str, str]:
+    """``{module name: "cpu" | "native"}``: the forward each layer of ``model`` chose (the CPU fast
+    path's ops, or its plain-torch forward); the gate and the tests read it."""
+    choices = {name: m._forward_method.__name__.removeprefix("forward_")
+               for name, m in model.named_modules() if "_forward_method" in m.__dict__}
+    head = getattr(model, "_lm_head", None)
+    if head is not None:
+        choices["lm_head"] = head.__name__.removeprefix("_lm_head_")
+    return choices
+
+
+def _identity(y: torch.Tensor) -> torch.Tensor:
+    return y
+
+
+def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
+    """``(packed, bias, out_features, finish)`` of one product over ``linears`` concatenated by
+    output features: ``cpu.pack_panels`` of their weights, their biases as one fp32 vector (None
+    without any), and ``finish``, what follows the product: a row-parallel projection's
+    ``reduce_partial`` (all-reduce, then its bias), else the identity."""
+    from qwen_ops.ops.kernels import cpu
+
+    finish = getattr(linears[0], "reduce_partial", None)
+    if finish is not None and len(linears) != 1:
+        raise ValueError("a row-parallel projection is packed on its own")
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+        bias = None
+        if finish is None and any(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias.detach().float() if m.bias is not None else
+                              torch.zeros(m.out_features, device=m.weight.device) for m in linears]).contiguous()
+        return cpu.pack_panels(weight), bias, weight.shape[0], finish or _identity
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,15 +96,33 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))``, the mean square taken in fp32 as in transformers' Qwen2RMSNorm."""
+    """``weight * (x / rms(x))``, the mean square taken in fp32 as in transformers' Qwen2RMSNorm.
+
+    ``norm(x, residual)`` first adds: returns ``(norm(x + residual), x + residual)`` (one op on the
+    CPU fast path, vLLM's fused_add_rms_norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._forward_method = self.forward_native
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return self._forward_method(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        x = x + residual
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return RMS_NORM(x, self.weight, self.eps)
+        return ADD_RMS_NORM(x, residual, self.weight, self.eps)
+
+    def process_weights_after_loading(self) -> None:
+        self._forward_method = self.forward_cpu if uses_cpu_kernels(self.weight) else self.forward_native
 
 
 class OffsetRMSNorm(nn.Module):
@@ -129,9 +216,31 @@ class QwenMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self._forward_method = self.forward_native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_method(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = LINEAR_PACKED(x, self.gate_up_packed, self.gate_up_bias, self._gate_up_features)
+        down = LINEAR_PACKED(SILU_MUL(gate_up), self.down_packed, self.down_bias,
+                                            self.down_proj.out_features)
+        return self._down_finish(down)
+
+    def process_weights_after_loading(self) -> None:
+        if uses_cpu_kernels(self.gate_proj.weight):
+            packed, bias, self._gate_up_features, _ = pack_linears(self.gate_proj, self.up_proj)
+            self.register_buffer("gate_up_packed", packed, persistent=False)
+            self.register_buffer("gate_up_bias", bias, persistent=False)
+            packed, bias, _, self._down_finish = pack_linears(self.down_proj)
+            self.register_buffer("down_packed", packed, persistent=False)
+            self.register_buffer("down_bias", bias, persistent=False)
+            self._forward_method = self.forward_cpu
+        else:
+            self._forward_method = self.forward_native
 
 
 class SlotAttention(nn.Module):
@@ -160,9 +269,46 @@ class SlotAttention(nn.Module):
             self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.eps = config.rms_norm_eps
+        self._forward_method = self.forward_native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self._forward_method(x, cos, sin, positions32, attn, kv_cache)
+
+    def process_weights_after_loading(self, rope_table: Optional[torch.Tensor] = None) -> None:
+        """The CPU fast path (module comment above) when the layer is plain enough for it: no
+        output gate, RMSNorm q/k norms or none, and ``rope_table`` (the model's fp32 cos | sin
+        table) rotating the whole head; q|k|v become one packed product."""
+        fits = (not self.output_gate and type(self.q_norm) in (RMSNorm, type(None)) and rope_table is not None
+                and rope_table.shape[1] == self.head_dim and rope_table.dtype == torch.float32)
+        if fits and uses_cpu_kernels(self.q_proj.weight):
+            packed, bias, self._qkv_features, _ = pack_linears(self.q_proj, self.k_proj, self.v_proj)
+            self.register_buffer("qkv_packed", packed, persistent=False)
+            self.register_buffer("qkv_bias", bias, persistent=False)
+            packed, bias, _, self._o_finish = pack_linears(self.o_proj)
+            self.register_buffer("o_packed", packed, persistent=False)
+            self.register_buffer("o_bias", bias, persistent=False)
+            self.register_buffer("rope_cos_sin", rope_table, persistent=False)
+            self._forward_method = self.forward_cpu
+        else:
+            self._forward_method = self.forward_native
+
+    def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
+                    attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
+        (``cos``/``sin`` unused: it reads the table by position); the o product."""
+        qkv = LINEAR_PACKED(x, self.qkv_packed, self.qkv_bias, self._qkv_features)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        key_cache, value_cache = kv_cache
+        o = ATTENTION_BLOCK(qkv, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                            self.eps, self.rope_cos_sin, positions32, key_cache, value_cache, attn.slot_ids,
+                            attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, self.scale,
+                            attn.max_query_len, self.num_heads)
+        return self._o_finish(LINEAR_PACKED(o, self.o_packed, self.o_bias, self.o_proj.out_features))
+
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
+                       attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         gate = None
         if self.output_gate:   # module attributes, fixed at construction: not data-dependent

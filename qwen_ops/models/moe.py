@@ -22,15 +22,13 @@ and ``mlp_only_layers``); the others keep a dense :class:`~qwen_ops.models.layer
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import QwenMLP
+from qwen_ops.models.layers import QwenMLP, uses_cpu_kernels
 
 INIT_STD = 0.02   # transformers' initializer_range, for models built without a checkpoint
 
@@ -71,8 +69,31 @@ class MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(_init_normal(torch.empty(E, 2 * I, H)))   # w13: gate rows, then up rows
         self.down_proj = nn.Parameter(_init_normal(torch.empty(E, H, I)))          # w2
 
+        self._forward_method = self.forward_native
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward_method(x, weights, ids)
+
+    def forward_native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.qwen.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def forward_cpu(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qwen.moe_packed.default(x, self.w13_packed, self.w2_packed, weights, ids)
+
+    def process_weights_after_loading(self) -> None:
+        """fp32 on the CPU fast path (models/layers.py): every expert's matrices packed, for
+        ``torch.ops.qwen.moe_packed``; otherwise (bf16 too) ``fused_moe`` on the stacked weights."""
+        if self.gate_up_proj.dtype == torch.float32 and uses_cpu_kernels(self.gate_up_proj):
+            from qwen_ops.ops.kernels import cpu
+
+            with torch.no_grad():
+                self.register_buffer("w13_packed", torch.stack([cpu.pack_panels(w.detach().contiguous())
+                                                                for w in self.gate_up_proj]), persistent=False)
+                self.register_buffer("w2_packed", torch.stack([cpu.pack_panels(w.detach().contiguous())
+                                                               for w in self.down_proj]), persistent=False)
+            self._forward_method = self.forward_cpu
+        else:
+            self._forward_method = self.forward_native
 
 
 class SparseMoeBlock(nn.Module):
@@ -89,11 +110,10 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def forward(self, x: torch.Tensor, experts: Optional[Callable] = None) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]`` in x's dtype. ``experts(x, weights, ids)`` runs the
-        routed experts (default ``self.experts``; the native CPU executor passes its packed ones)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]`` in x's dtype."""
         weights, ids = self.gate(x)
-        out = (self.experts if experts is None else experts)(x, weights, ids)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:   # fixed at construction
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

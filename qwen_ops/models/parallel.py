@@ -152,7 +152,12 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(F.linear(x, self.weight), self.tp)
+        return self.reduce_partial(F.linear(x, self.weight))
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``y`` summed over the ranks, then the bias (also what follows
+        the CPU fast path's packed product: models/layers.py ``pack_linears``)."""
+        y = _all_reduce(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -184,7 +189,11 @@ class ParallelLMHead(nn.Linear):
         self.tp, self.vocab_size = tp, vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_gather_last(F.linear(x, self.weight), self.tp)[:, :self.vocab_size]
+        return self.reduce_partial(F.linear(x, self.weight))
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits ``y`` of its vocabulary rows, gathered and trimmed to the vocabulary."""
+        return _all_gather_last(y, self.tp)[:, :self.vocab_size]
 
 
 def _meta_like(make):
@@ -263,6 +272,7 @@ class ParallelMoeExperts(MoeExperts):
                                          [(start, start + per), (I + start, I + start + per)], 2 * I)
         self.down_proj = _mark(nn.Parameter(torch.empty(E, H, per)), 2, start, start + per, I)
         self.tp = tp
+        self._forward_method = self.forward_native
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return _all_reduce(super().forward(x, weights, ids), self.tp)

@@ -214,3 +214,136 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     ``e = topk_ids[t, j]``, accumulated in fp32. Routing (softmax, top-k) is the caller's.
     """
     return torch.ops.qwen.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU fast path: linear_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed
+# --------------------------------------------------------------------------------------------
+# A layer chooses these once, when its weights are packed (qwen_ops/models/layers.py: on the CPU,
+# fp32 or bf16, the cpu backend selected and its C kernels built); nothing is chosen per call.
+# On CPU tensors they run the C kernels (kernels/cpu.py), on any other device the plain-torch
+# references (kernels/reference_fused.py), which are also the test oracle.
+
+from qwen_ops.ops.kernels import reference_fused as R  # noqa: E402
+
+
+def _cpu():
+    from qwen_ops.ops.kernels import cpu
+    return cpu
+
+
+def _linear_packed_cpu(x, packed, bias, out_features):
+    V.check_linear_packed(x, packed, bias, out_features)
+    return _cpu().linear_packed_cpu(x, packed, bias, out_features)
+
+
+def _rms_norm_cpu(x, weight, eps):
+    V.check_rms_norm(x, weight)
+    return _cpu().rms_norm_cpu(x, weight, eps)
+
+
+def _add_rms_norm_cpu(x, residual, weight, eps):
+    V.check_rms_norm(x, weight, residual)
+    return _cpu().add_rms_norm_cpu(x, residual, weight, eps)
+
+
+def _qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions):
+    V.check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
+    if value_checks_enabled("cpu"):
+        V.check_qk_norm_rope_values(cos_sin, positions)
+    return _cpu().qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions)
+
+
+def _silu_mul_cpu(gate_up):
+    V.check_silu_mul(gate_up)
+    return _cpu().silu_mul_cpu(gate_up)
+
+
+def _moe_packed_cpu(hidden_states, w13, w2, topk_weights, topk_ids):
+    V.check_moe_packed(hidden_states, w13, w2, topk_weights, topk_ids)
+    if value_checks_enabled("cpu"):
+        V.check_fused_moe_values(topk_ids, w13.shape[0])
+    return _cpu().moe_packed_cpu(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+def _attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
+                         block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+    _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
+                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads)
+    if value_checks_enabled("cpu"):
+        V.check_qk_norm_rope_values(cos_sin, positions)
+        V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
+        q = qkv.new_empty((qkv.shape[0], num_heads, key_cache.shape[3]))
+        V.check_slot_attention_values(q, key_cache, block_table, seq_slots, query_start_loc, seq_lens, max_query_len)
+    return _cpu().attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache,
+                                      slot_ids, block_table, seq_slots, query_start_loc, seq_lens, scale,
+                                      max_query_len, num_heads)
+
+
+# The ctypes kernels: the fallback where the C++ ones (kernels/qwen_cpu_ops.cpp) do not build.
+_CTYPES_FAST_OPS = {
+    "linear_packed": _linear_packed_cpu, "rms_norm": _rms_norm_cpu, "add_rms_norm": _add_rms_norm_cpu,
+    "qk_norm_rope": _qk_norm_rope_cpu, "silu_mul": _silu_mul_cpu, "attention_block": _attention_block_cpu,
+    "moe_packed": _moe_packed_cpu,
+}
+_REFERENCES = {
+    "linear_packed": R.linear_packed_reference, "rms_norm": R.rms_norm_reference,
+    "add_rms_norm": R.add_rms_norm_reference, "qk_norm_rope": R.qk_norm_rope_reference,
+    "silu_mul": R.silu_mul_reference, "attention_block": R.attention_block_reference,
+    "moe_packed": R.moe_packed_reference,
+}
+# Their CPU kernels are registered on first use (kernels/cpu.py op_library: the C++ kernels, built
+# then; or the ctypes ones); on other devices the references run.
+_FAST_LIB = torch.library.Library(NAMESPACE, "IMPL")
+for _name, _reference in _REFERENCES.items():
+    _FAST_LIB.impl(_name, _reference, "CUDA")
+
+
+def register_ctypes_fast_ops() -> None:
+    """Registers the ctypes CPU kernels of the fast ops (called once, by kernels/cpu.py op_library)."""
+    for name, fn in _CTYPES_FAST_OPS.items():
+        _FAST_LIB.impl(name, fn, "CPU")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_packed", lib=_LIB)
+def _linear_packed_fake(x, packed, bias, out_features):
+    V.check_linear_packed(x, packed, bias, out_features)
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::rms_norm", lib=_LIB)
+def _rms_norm_fake(x, weight, eps):
+    V.check_rms_norm(x, weight)
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::add_rms_norm", lib=_LIB)
+def _add_rms_norm_fake(x, residual, weight, eps):
+    V.check_rms_norm(x, weight, residual)
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::qk_norm_rope", lib=_LIB)
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos_sin, positions):
+    V.check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::silu_mul", lib=_LIB)
+def _silu_mul_fake(gate_up):
+    V.check_silu_mul(gate_up)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_packed", lib=_LIB)
+def _moe_packed_fake(hidden_states, w13, w2, topk_weights, topk_ids):
+    V.check_moe_packed(hidden_states, w13, w2, topk_weights, topk_ids)
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attention_block", lib=_LIB)
+def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
+                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+    V.check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache, value_cache, slot_ids,
+                            block_table, seq_slots, query_start_loc, seq_lens, max_query_len, num_heads)
+    return qkv.new_empty((qkv.shape[0], num_heads * key_cache.shape[3]))

@@ -348,3 +348,138 @@ def check_fused_moe_values(topk_ids, num_experts: int) -> None:
         t, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"topk_ids[{t}, {j}] = {int(topk_ids[t, j])}, but w13 has {num_experts} experts; "
                          f"expected 0 <= expert id < {num_experts}")
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU fast path's ops (linear_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed)
+# --------------------------------------------------------------------------------------------
+
+FAST_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _fast(name: str, t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> None:
+    if t.dtype not in FAST_DTYPES or (dtype is not None and t.dtype != dtype):
+        want = f"{dtype}" if dtype is not None else "float32 or bfloat16"
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {want}")
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} has stride {t.stride()}: its last dimension must be contiguous (stride 1)")
+
+
+def packed_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape of ``pack_panels`` of a ``[out_features, in_features]`` weight of ``dtype``."""
+    panels = (out_features + 31) // 32
+    if dtype == torch.bfloat16:
+        return (panels, (in_features + 1) // 2, 32, 2)
+    return (panels, in_features, 32)
+
+
+def check_linear_packed(x, packed, bias, out_features) -> None:
+    if packed.device != x.device or (bias is not None and bias.device != x.device):
+        _same_device(x=x, packed=packed, bias=bias)
+    _rank("x", x, 2, "[rows, in_features]")
+    _fast("x", x)
+    want = packed_shape(out_features, x.shape[1], x.dtype)
+    if packed.dtype != x.dtype or tuple(packed.shape) != want or not packed.is_contiguous():
+        raise ValueError(f"packed has shape {tuple(packed.shape)} and dtype {packed.dtype}, expected a contiguous "
+                         f"{list(want)} {x.dtype} tensor (pack_panels of a [{out_features}, {x.shape[1]}] weight "
+                         f"of x's dtype)")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}, expected contiguous "
+                         f"float32 [{out_features}]")
+
+
+def check_rms_norm(x, weight, residual=None) -> None:
+    if weight.device != x.device or (residual is not None and residual.device != x.device):
+        _same_device(x=x, weight=weight, residual=residual)
+    _fast("x", x)
+    if x.dim() < 1 or not x.is_contiguous():
+        raise ValueError(f"x has shape {tuple(x.shape)} and strides {x.stride()}, expected a contiguous [..., dim]")
+    if weight.dtype != x.dtype or tuple(weight.shape) != (x.shape[-1],) or not weight.is_contiguous():
+        raise ValueError(f"weight has shape {tuple(weight.shape)} and dtype {weight.dtype}, expected contiguous "
+                         f"[{x.shape[-1]}] {x.dtype} (x's last dim and dtype)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual has shape {tuple(residual.shape)} and dtype {residual.dtype}, expected "
+                         f"x's {tuple(x.shape)} {x.dtype}, contiguous")
+
+
+def check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions) -> None:
+    _same_device(q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos_sin=cos_sin, positions=positions)
+    for name, t in (("q", q), ("k", k)):
+        _rank(name, t, 3, "[num_tokens, heads, head_dim]")
+        _fast(name, t, q.dtype)
+    T, _, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or D % 2:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected [{T}, kv_heads, {D}] (q's tokens and even "
+                         f"head_dim)")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.dtype != q.dtype or tuple(w.shape) != (D,) or not w.is_contiguous()):
+            raise ValueError(f"{name} has shape {tuple(w.shape)} and dtype {w.dtype}, expected contiguous "
+                             f"[{D}] {q.dtype}")
+    if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != D or cos_sin.stride(1) != 1:
+        raise ValueError(f"cos_sin has shape {tuple(cos_sin.shape)} and dtype {cos_sin.dtype}, expected float32 "
+                         f"[max_positions, {D}] (cos | sin over the whole head) with contiguous rows")
+    _index("positions", positions, 1, "[num_tokens]")
+    if positions.shape[0] != T:
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [{T}] (q's tokens)")
+
+
+def check_qk_norm_rope_values(cos_sin, positions) -> None:
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
+        raise ValueError(f"positions span [{int(positions.min())}, {int(positions.max())}], expected "
+                         f"0 <= position < {cos_sin.shape[0]} (cos_sin's rows)")
+
+
+def check_silu_mul(gate_up) -> None:
+    _rank("gate_up", gate_up, 2, "[rows, 2 * intermediate_size] (gate | up)")
+    _fast("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up has shape {tuple(gate_up.shape)}, expected an even last dim (gate | up)")
+
+
+def check_moe_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+    _same_device(hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    _rank("hidden_states", hidden_states, 2, "[num_tokens, hidden_size]")
+    if hidden_states.dtype != torch.float32:
+        raise ValueError(f"hidden_states has dtype {hidden_states.dtype}, expected torch.float32")
+    hidden = hidden_states.shape[1]
+    _rank("w13", w13, 4, "[num_experts, panels, hidden_size, 32]")
+    _rank("w2", w2, 4, "[num_experts, panels, intermediate_size, 32]")
+    E, inter = w13.shape[0], w2.shape[2]
+    if (E < 1 or tuple(w13.shape[1:]) != packed_shape(2 * inter, hidden, torch.float32)
+            or tuple(w2.shape) != (E,) + packed_shape(hidden, inter, torch.float32)
+            or w13.dtype != torch.float32 or w2.dtype != torch.float32
+            or not (w13.is_contiguous() and w2.is_contiguous())):
+        raise ValueError(f"w13 {tuple(w13.shape)} {w13.dtype} and w2 {tuple(w2.shape)} {w2.dtype}: expected "
+                         f"contiguous float32 stacks of each expert's pack_panels of its [2 * I, {hidden}] and "
+                         f"[{hidden}, I] weights (I = w2.shape[2] = {inter})")
+    _rank("topk_weights", topk_weights, 2, "[num_tokens, top_k]")
+    _float("topk_weights", topk_weights)
+    _index("topk_ids", topk_ids, 2, "[num_tokens, top_k]")
+    if topk_weights.shape[0] != hidden_states.shape[0] or topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)}, expected "
+                         f"one shape [{hidden_states.shape[0]}, top_k] (hidden_states' tokens)")
+
+
+def check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache, value_cache, slot_ids, block_table,
+                          seq_slots, query_start_loc, seq_lens, max_query_len, num_heads) -> None:
+    _rank("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    nk, D = key_cache.shape[2], key_cache.shape[3]
+    if not isinstance(num_heads, int) or num_heads < 1 or num_heads % nk:
+        raise ValueError(f"num_heads = {num_heads!r}, expected a positive multiple of the caches' num_kv_heads = {nk}")
+    _rank("qkv", qkv, 2, "[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]")
+    _fast("qkv", qkv)
+    if qkv.shape[1] != (num_heads + 2 * nk) * D:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}, expected [num_tokens, {(num_heads + 2 * nk) * D}] "
+                         f"(q | k | v of {num_heads} + 2 x {nk} heads of {D})")
+    T = qkv.shape[0]
+    q = qkv[:, :num_heads * D].view(T, num_heads, D)
+    k = qkv[:, num_heads * D:(num_heads + nk) * D].view(T, nk, D)
+    v = qkv[:, (num_heads + nk) * D:].view(T, nk, D)
+    check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
+    if key_cache.dtype != qkv.dtype:
+        raise ValueError(f"key_cache has dtype {key_cache.dtype}, expected qkv's {qkv.dtype}")
+    check_kv_write(k, v, key_cache, value_cache, slot_ids, positions, block_table)
+    check_slot_attention(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, 1.0,
+                         max_query_len, None)

@@ -1,7 +1,7 @@
-"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, plus the
-pieces of the engine's native CPU executor (``qwen_ops/engine/executors.py``): the packed-panel
-matrix product, the dense model's whole forward in one call (``dense_forward``), and the greedy
-argmax that sampling uses.
+"""The ``cpu`` backend: native C kernels for kv_write and slot_attention on CPU tensors, the CPU
+fast path's ops that the model's layers choose when their weights are packed (linear_packed,
+rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed; ``qwen_ops/models/layers.py``), and
+the greedy argmax that sampling uses.
 
 ``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
@@ -32,7 +32,7 @@ import subprocess
 import time
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -47,28 +47,22 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
-_ARGMAX_ARGS = [_p, _i64, _i64, _i64, _p]
-_LINEAR_PACKED_ARGS = [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
-_DENSE_FORWARD_ARGS = ([_p, _i64, _p] + [_i64] * 5 + [_f32, _f32, _p, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i64]
-                       + [_p] * 3 + [_i64] * 5 + [_p, _i64, _p, _p, _i64, _p, _i32, _p, _i64, _p, _p])
-# qwen_dense_forward's reduce: sums a partial product over the tensor-parallel ranks in place.
-REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
-# qwen_dense_forward's mlp: a mixture-of-experts layer's MLP, (layer, x, out, rows) -> 0.
-MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
-    "qwen_argmax_rows": (_ARGMAX_ARGS, None),
-    "qwen_linear_packed": (_LINEAR_PACKED_ARGS, None),
+    "qwen_argmax_rows": ([_p, _i64, _i64, _i64, _p], None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
-    "qwen_linear_packed_bf16": (_LINEAR_PACKED_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
     "qwen_bf16_dot_products": ([], ctypes.c_int),
-    "qwen_openmp": ([], ctypes.c_int),
-    "qwen_dense_forward": (_DENSE_FORWARD_ARGS, ctypes.c_int),
-    "qwen_dense_weights_per_layer": ([], ctypes.c_int64),
+    "qwen_linear_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
+    "qwen_linear_packed_bf16": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
+    "qwen_linear": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32, _i64], ctypes.c_int),
+    "qwen_rms_norm": ([_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _f32, _i32], ctypes.c_int),
+    "qwen_qk_norm_rope": ([_p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _p, _f32, _p, _i64, _p, _p, _p, _i64,
+                           _i64, _i32], ctypes.c_int),
+    "qwen_silu_mul": ([_p, _i64, _p, _i64, _p, _i64, _i64, _i32], ctypes.c_int),
     "qwen_moe_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64], ctypes.c_int),
 }
 
@@ -141,13 +135,59 @@ def library() -> ctypes.CDLL:
         start = time.perf_counter()
         _build(cc, path)
         logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
-    lib = ctypes.CDLL(str(path))
+    # RTLD_GLOBAL: the fast ops' C++ kernels (op_library) resolve qwen_* against this library.
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    if lib.qwen_dense_weights_per_layer() != len(DENSE_LAYER_WEIGHTS):
-        raise RuntimeError(f"{path} does not match {__file__} (DENSE_LAYER_WEIGHTS); delete it to rebuild")
     return lib
+
+
+CXX_SOURCE = Path(__file__).with_name("qwen_cpu_ops.cpp")
+
+
+def _cxx_compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def op_library() -> str:
+    """Registers the fast ops' dispatcher kernels (qwen_cpu_ops.cpp, built on first use against
+    torch's headers, cached like the C library) and returns "c++"; or, without a C++ compiler or
+    torch headers, registers the ctypes kernels of this module (~20 us more per call) and returns
+    "ctypes". Either way the kernels run this file's C library's arithmetic."""
+    lib = library()
+    from qwen_ops.ops import registry
+
+    include = Path(torch.__file__).parent / "include"
+    cxx = _cxx_compiler()
+    if cxx is None or not (include / "torch" / "library.h").exists():
+        registry.register_ctypes_fast_ops()
+        return "ctypes"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-I{include}", f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    key = hashlib.sha256("\0".join([CXX_SOURCE.read_text(), cxx, " ".join(flags), torch.__version__, lib._name]
+                                    ).encode()).hexdigest()[:16]
+    path = cache_dir() / f"qwen_cpu_ops_{key}.so"
+    if not path.exists():
+        logger.warning("qwen_ops: compiling the CPU fast path's op kernels with %s (first use, ~10 s) into %s", cxx, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        proc = subprocess.run([cxx, str(CXX_SOURCE), "-o", tmp, *flags], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("qwen_ops: the C++ op kernels did not build (%s); using the ctypes kernels",
+                           proc.stderr.strip()[-2000:])
+            registry.register_ctypes_fast_ops()
+            return "ctypes"
+        os.replace(tmp, path)
+    torch.ops.load_library(str(path))
+    return "c++"
 
 
 @functools.lru_cache(maxsize=1)
@@ -221,12 +261,10 @@ from qwen_ops.ops.kernels.reference_moe import fused_moe_cpu  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------------------------
-# Fused fp32 pieces of the dense model's eager CPU forward (qwen_ops/models/dense.py calls them when the
-# cpu backend is selected; not torch ops: under torch.compile the model keeps its torch code).
+# The CPU fast path's ops (torch.ops.qwen.linear_packed, rms_norm, add_rms_norm, qk_norm_rope,
+# silu_mul, moe_packed; registry.py). The layers choose them once, when their weights are packed
+# (qwen_ops/models/layers.py); registry.py has validated the arguments.
 # --------------------------------------------------------------------------------------------
-
-
-
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (int64) of fp32 ``x [rows, cols]`` with contiguous rows and cols >= 1:
@@ -238,18 +276,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def threaded_products() -> bool:
-    """Whether the packed products split across ``torch.get_num_threads()`` threads (the library
-    was built with OpenMP); without, they run on one thread whatever the setting, which still
-    measured faster than torch's threaded products in most real-size runs (benchmarks/README.md),
-    and never slower than one thread."""
-    return bool(library().qwen_openmp())
-
-
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """A contiguous fp32 or bf16 ``weight [N, K]`` packed for ``linear_packed``, 32 output features
     per panel, zero past N: fp32 ``[ceil(N / 32), K, 32]`` (k-major), bf16 ``[ceil(N / 32),
-    ceil(K / 2), 32, 2]`` (k in pairs, zero past K: the layout of AVX512-BF16 dot products)."""
+    ceil(K / 2), 32, 2]`` (k in pairs, zero past K: the layout of AVX512-BF16 dot products).
+    ``pack_panels_reference`` (kernels/reference_fused.py) is the same layout in torch."""
     if weight.dim() != 2 or not weight.is_contiguous() or weight.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, dtype {weight.dtype} and strides "
                          f"{weight.stride()}, expected a contiguous [N, K] float32 or bfloat16 tensor")
@@ -270,10 +301,10 @@ def bf16_products() -> str:
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in fp32 for fp32 ``x [rows, K]`` with contiguous rows and an
-    fp32 ``bias``, from ``packed = pack_panels(weight)`` (fp32 rounding of a different summation
-    order than BLAS). For a bf16 weight, the products accumulate in fp32 and ``x`` should hold
-    bf16 values (as a bf16 model's activations do): the AVX512-BF16 path rounds it to bf16."""
+    """The product under torch.ops.qwen.linear_packed, without the op: ``F.linear(x, weight, bias)``
+    in fp32 for fp32 ``x [rows, K]`` with contiguous rows and an fp32 ``bias``, from ``packed =
+    pack_panels(weight)`` of an fp32 or bf16 weight (fp32 accumulation; for a bf16 weight ``x``
+    should hold bf16 values: the AVX512-BF16 path rounds it to bf16)."""
     rows, k = x.shape
     out = torch.empty((rows, out_features), dtype=torch.float32)
     fn = library().qwen_linear_packed_bf16 if packed.dtype == torch.bfloat16 else library().qwen_linear_packed
@@ -282,150 +313,97 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return out
 
 
-# Batches up to this many tokens take dense_forward in the dense model's eager CPU forward (its
-# scratch holds every activation of a layer for all tokens at once); larger ones walk the modules.
-DENSE_FORWARD_MAX_TOKENS = 1024
-
-# What qwen_dense_forward's timings add up, in order (T_PRODUCTS .. in qwen_cpu.c): the layers'
-# matrix products, the lm_head product, attention (q/k norm, RoPE, kv write, attention), the rest.
-DENSE_FORWARD_TIMINGS = ("products", "lm_head", "attention", "other")
-
-# The order of qwen_dense_forward's per-layer weight addresses (the enum in qwen_cpu.c).
-DENSE_LAYER_WEIGHTS = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
-                       "post_norm", "gate", "up", "down")
-
-
-def position_error(positions32: torch.Tensor, table_rows: int) -> ValueError:
-    """The error for positions outside the RoPE table ``[0, table_rows)`` that the C code reads by position."""
-    return ValueError(f"positions span [{int(positions32.min())}, {int(positions32.max())}], expected "
-                      f"0 <= position < max_position_embeddings = {table_rows}")
-
-
-def addresses(tensors) -> torch.Tensor:
-    """int64 tensor of the tensors' data pointers (0 for None), for C code taking address tables."""
-    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
-
-
-def _c_floats(address: int, n: int) -> torch.Tensor:
-    """The ``n`` fp32 values at ``address`` (C scratch) as a tensor, without a copy."""
-    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
-
-
-def _guarded(fn: Callable, errors: list) -> Callable:
-    """``fn`` as a C callback: 0 when it returns, 1 when it raises (the exception appended to
-    ``errors``, for the caller to raise after the C call: ctypes would only print it)."""
-    def call(*args) -> int:
-        try:
-            fn(*args)
-            return 0
-        except BaseException as e:          # noqa: BLE001 - raised by the caller after the C call returns
-            errors.append(e)
-            return 1
-    return call
-
-
-def moe_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               inter: int, out: torch.Tensor) -> torch.Tensor:
-    """A mixture-of-experts layer's routed experts into ``out [T, H]`` (fp32, overwritten):
-    ``torch.ops.qwen.fused_moe``'s math on weights packed once (``pack_panels`` of each expert's
-    ``w13 [2I, H]`` and ``w2 [H, I]``; ``w13`` / ``w2`` hold their addresses, int64 ``[E]``).
-    ``x [T, H]`` fp32 contiguous, ``ids [T, k]`` int32, ``weights [T, k]`` fp32. The products split
-    across torch's threads like ``dense_forward``'s."""
-    T, H = x.shape
-    k = ids.shape[1]
-    if not (x.dtype == weights.dtype == out.dtype == torch.float32 and ids.dtype == torch.int32
-            and x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and weights.shape == ids.shape
-            and ids.shape[0] == T and w13.shape == w2.shape and w13.dtype == torch.int64 and w13.dim() == 1):
-        raise ValueError(f"moe_packed: x {tuple(x.shape)} {x.dtype}, ids {tuple(ids.shape)} {ids.dtype}, weights "
-                         f"{tuple(weights.shape)} {weights.dtype}, out {tuple(out.shape)} {out.dtype}, w13/w2 "
-                         f"{tuple(w13.shape)}/{tuple(w2.shape)}: expected fp32 contiguous x and out of one shape, "
-                         "int32 ids and fp32 weights [T, k], int64 address vectors [E]")
-    ids, weights = ids.contiguous(), weights.contiguous()
-    status = library().qwen_moe_packed(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), k, w13.shape[0],
-                                       w13.data_ptr(), w2.data_ptr(), inter, out.data_ptr(), torch.get_num_threads())
-    if status == -3:
-        raise IndexError(f"ids span [{int(ids.min())}, {int(ids.max())}], expected expert ids in [0, {w13.shape[0]})")
+def _status(status: int, op: str) -> None:
     if status != 0:
-        raise MemoryError("qwen_ops cpu moe_packed could not allocate its scratch memory")
+        raise MemoryError(f"qwen_ops cpu {op} could not allocate its scratch memory")
+
+
+def linear_packed_cpu(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                      out_features: int) -> torch.Tensor:
+    rows, k = x.shape
+    out = x.new_empty((rows, out_features))
+    if library().qwen_linear(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), bias if bias is None else bias.data_ptr(),
+                             out_features, k, out.data_ptr(), out_features, x.dtype == torch.bfloat16 and 2,
+                             torch.get_num_threads()):
+        _status(-1, "linear_packed")
     return out
 
 
-def dense_forward(h: torch.Tensor, weight_addresses: torch.Tensor, caches: list, num_heads: int, head_dim: int,
-                  inter: int, eps: float, scale: float, positions32: torch.Tensor, rope: torch.Tensor,
-                  slot_ids: torch.Tensor, block_table: torch.Tensor, seq_slots: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, final_norm: torch.Tensor,
-                  lm_head: torch.Tensor, vocab: int, timings: Optional[torch.Tensor] = None,
-                  reduce: Optional[Callable[[torch.Tensor], None]] = None,
-                  mlp: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None) -> torch.Tensor:
-    """The whole dense forward of a batch in one C call; returns fp32 logits ``[len(rows), vocab]``.
+def _norm(x, residual, weight, eps):
+    """x, residual: contiguous (checked by the op), so rows of dim = x.shape[-1] follow each other."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    if library().qwen_rms_norm(x.data_ptr(), dim, None if residual is None else residual.data_ptr(), dim,
+                               None if total is None else total.data_ptr(), dim, weight.data_ptr(), out.data_ptr(),
+                               dim, rows, dim, eps, x.dtype == torch.bfloat16 and 2):
+        _status(-1, "rms_norm")
+    return out, total
 
-    The model's dtype is that of the packed ``lm_head``: float32, or bfloat16, where every
-    activation is rounded to bf16 where the model's bf16 forward rounds it (so ``h`` and the logits
-    hold bf16 values in fp32) and the products accumulate in fp32.
-    ``h [T, hidden]`` (fp32) holds the embeddings and is overwritten (the residual stream).
-    ``weight_addresses`` (``addresses(...)``) lists each layer's tensors (or None) in
-    ``DENSE_LAYER_WEIGHTS`` order, the matrices packed (``pack_panels``, the model's dtype;
-    ``lm_head`` is the packed ``[vocab, hidden]`` weight too), the vectors fp32; one layer per
-    entry of ``caches``, which holds each layer's ``(key_cache, value_cache)``, all in the model's
-    dtype with one shape and one set of strides. ``rope``: the fp32 cos | sin table, rounded to
-    bf16 for a bf16 model (as the model casts it). The caller checks all of that and the attention
-    metadata (as the ops do); the C code checks ``positions32`` against ``rope`` and ``rows``
-    against T. ``timings``: None, or a float64 tensor that the seconds spent in each part of
-    ``DENSE_FORWARD_TIMINGS`` are added to. The products split across ``torch.get_num_threads()``
-    threads (``threaded_products()``); the results do not depend on the thread count.
 
-    Tensor parallelism: with one rank's slices (``qwen_cpu.c``), ``reduce(buf)`` sums the fp32
-    1-D ``buf`` (a view of the C scratch: the o and down products) over the ranks in place, twice
-    a layer; an exception it raises stops the forward and is raised here. The logits are then
-    this rank's ``vocab`` rows of the vocabulary, for the caller to gather.
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[0]
 
-    Mixture-of-experts layers (their gate, up and down addresses 0): ``mlp(layer, x, out)`` writes
-    the layer's MLP of the normed rows ``x`` into ``out`` (fp32 ``[T, hidden]`` views of the C
-    scratch); an exception it raises is raised here.
-    """
-    lib = library()
-    T, hidden = h.shape
-    dtype = caches[0][0].dtype
-    if lm_head.dtype != dtype or dtype not in (torch.float32, torch.bfloat16) or h.dtype != torch.float32:
-        raise ValueError(f"lm_head is {lm_head.dtype}, the caches {dtype} and h {h.dtype}, expected float32 h "
-                         "and a float32 or bfloat16 lm_head and caches of one dtype")
-    if timings is not None and (timings.dtype != torch.float64 or timings.shape != (len(DENSE_FORWARD_TIMINGS),)):
-        raise ValueError(f"timings has shape {tuple(timings.shape)} and dtype {timings.dtype}, expected float64 "
-                         f"[{len(DENSE_FORWARD_TIMINGS)}]")
-    if weight_addresses.shape != (len(DENSE_LAYER_WEIGHTS) * len(caches),) or weight_addresses.dtype != torch.int64:
-        raise ValueError(f"weight_addresses has shape {tuple(weight_addresses.shape)} and dtype "
-                         f"{weight_addresses.dtype}, expected int64 [{len(DENSE_LAYER_WEIGHTS)} x {len(caches)} layers]")
-    cache_addresses = (ctypes.c_int64 * (2 * len(caches)))(*(t.data_ptr() for pair in caches for t in pair))
-    kc = caches[0][0]
-    positions32, slot_ids = _i32_vector(positions32), _i32_vector(slot_ids)
-    seq_slots, query_start_loc, seq_lens = _i32_vector(seq_slots), _i32_vector(query_start_loc), _i32_vector(seq_lens)
-    rows = rows if rows.is_contiguous() else rows.contiguous()
-    logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32)
-    errors: list[BaseException] = []
-    callback = None if reduce is None else REDUCE_FN(_guarded(
-        lambda address, n: reduce(_c_floats(address, n)), errors))
-    mlp_callback = None if mlp is None else MLP_FN(_guarded(
-        lambda layer, x, out, rows: mlp(layer, _c_floats(x, rows * hidden).view(rows, hidden),
-                                        _c_floats(out, rows * hidden).view(rows, hidden)), errors))
-    status = lib.qwen_dense_forward(
-        weight_addresses.data_ptr(), len(caches), cache_addresses, hidden, num_heads, kc.shape[2], head_dim, inter,
-        float(eps), float(scale), h.data_ptr(), T, positions32.data_ptr(), rope.data_ptr(), rope.stride(0), rope.shape[0],
-        slot_ids.data_ptr(), block_table.data_ptr(), block_table.stride(0), block_table.stride(1),
-        seq_slots.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_slots.shape[0], kc.shape[1],
-        kc.stride(0), kc.stride(1), kc.stride(2), rows.data_ptr(), rows.shape[0], final_norm.data_ptr(),
-        lm_head.data_ptr(), vocab, logits.data_ptr(), _DTYPE_CODES[dtype],
-        None if timings is None else timings.data_ptr(), torch.get_num_threads(),
-        None if callback is None else ctypes.cast(callback, ctypes.c_void_p),
-        None if mlp_callback is None else ctypes.cast(mlp_callback, ctypes.c_void_p))
-    if status == -5:
-        if not errors:
-            raise ValueError("a layer has no MLP weights (a mixture-of-experts layer) and no mlp was given")
-        raise errors[0]
-    if status == -2:
-        raise position_error(positions32, rope.shape[0])
+
+def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm(x, residual, weight, eps)
+
+
+def qk_norm_rope_cpu(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
+                     k_weight: Optional[torch.Tensor], eps: float, cos_sin: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    T, nq, D = q.shape
+    nk = k.shape[1]
+    qo, ko = torch.empty((T, nq, D), dtype=q.dtype), torch.empty((T, nk, D), dtype=k.dtype)
+    positions = _i32_vector(positions)
+    qs, ks = q.stride(), k.stride()
+    _status(library().qwen_qk_norm_rope(
+        q.data_ptr(), qs[0], qs[1], nq, k.data_ptr(), ks[0], ks[1], nk,
+        None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions.data_ptr(), qo.data_ptr(), ko.data_ptr(),
+        T, D, _DTYPE_CODES[q.dtype]), "qk_norm_rope")
+    return qo, ko
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    s0 = gate_up.stride(0)
+    _status(library().qwen_silu_mul(gate_up.data_ptr(), s0, gate_up.data_ptr() + inter * gate_up.element_size(), s0,
+                                    out.data_ptr(), rows, inter, _DTYPE_CODES[gate_up.dtype]), "silu_mul")
+    return out
+
+
+def attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
+                        block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+    """The ctypes fallback of attention_block: its three parts as this module's kernels."""
+    T = qkv.shape[0]
+    nk, D = key_cache.shape[2], key_cache.shape[3]
+    q, k, v = qkv.view(T, -1, D).split([num_heads, nk, nk], 1)
+    q, k = qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions)
+    kv_write_cpu(k, v, key_cache, value_cache, slot_ids, positions, block_table)
+    return slot_attention_cpu(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale,
+                              max_query_len).view(T, num_heads * D)
+
+
+def moe_packed_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 only: ``w13 [E, ceil(2I / 32), H, 32]`` and ``w2 [E, ceil(H / 32), I, 32]`` stacked
+    ``pack_panels`` of each expert's matrices."""
+    x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    T, H = x.shape
+    E, inter = w13.shape[0], w2.shape[2]
+    out = torch.empty((T, H), dtype=torch.float32)
+    ids = topk_ids.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    a13 = torch.arange(E, dtype=torch.int64) * (w13.stride(0) * 4) + w13.data_ptr()
+    a2 = torch.arange(E, dtype=torch.int64) * (w2.stride(0) * 4) + w2.data_ptr()
+    status = library().qwen_moe_packed(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1], E,
+                                       a13.data_ptr(), a2.data_ptr(), inter, out.data_ptr(), torch.get_num_threads())
     if status == -3:
-        raise IndexError(f"logits_indices span [{int(rows.min())}, {int(rows.max())}], expected rows of "
-                         f"the batch, 0 <= index < {T}")
-    if status != 0:
-        raise MemoryError("qwen_ops cpu dense_forward could not allocate its scratch memory")
-    return logits
+        raise IndexError(f"topk_ids span [{int(ids.min())}, {int(ids.max())}], expected expert ids in [0, {E})")
+    _status(status, "moe_packed")
+    return out

@@ -1,7 +1,7 @@
-/* Native CPU kernels of torch.ops.qwen.kv_write and torch.ops.qwen.slot_attention, and the
- * pieces of the engine's native CPU executor (from the middle of the file on): fused norms, RoPE
- * and SiLU * up, packed-panel matrix products on fp32 or bf16 weights, one layer's attention
- * block, and the whole dense forward (fp32 or bf16 model) in one call.
+/* Native CPU kernels of torch.ops.qwen.*: kv_write and slot_attention, and (from the middle of
+ * the file on) the CPU fast path's ops that the model's layers choose on the CPU: fused norms
+ * (with the residual add), q/k norm + RoPE, SiLU * up, packed-panel matrix products on fp32 or
+ * bf16 weights, and the packed mixture-of-experts experts.
  *
  * Plain C, no torch headers: qwen_ops/kernels/cpu.py compiles this file with the system C
  * compiler on first use (a few seconds), caches the shared library, and calls it through
@@ -18,13 +18,10 @@
  * Dtype codes: 0 = float32, 1 = float16, 2 = bfloat16.
  */
 
-#define _POSIX_C_SOURCE 200809L   /* clock_gettime */
-
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -449,15 +446,10 @@ static void silu_mul_rows(const float *gate, int64_t g_s0, const float *up, int6
     }
 }
 
-void qwen_silu_mul(const float *gate, int64_t g_s0, const float *up, int64_t u_s0, float *out, int64_t rows,
-                   int64_t dim) {
-    silu_mul_rows(gate, g_s0, up, u_s0, out, rows, dim, 0);
-}
-
 /* ----------------------------------------------------------------------------------------------
- * Fused fp32 pieces of a dense Qwen decoder layer for eager CPU decode, where each torch op
- * costs microseconds of dispatch: RMSNorm (optionally after a residual add) replaces ~9 ops,
- * q/k RMSNorm + RoPE replaces ~34 per layer. Same math as qwen_ops/model.py (mean square in
+ * Fused pieces of a dense Qwen decoder layer, where each torch op costs microseconds of
+ * dispatch: RMSNorm (optionally after a residual add) replaces ~9 ops, q/k RMSNorm + RoPE ~34
+ * per layer. Same math as qwen_ops/models/layers.py (mean square in
  * fp32, x * rsqrt(ms + eps) then * weight; RoPE halves: x1 cos - x2 sin, x2 cos + x1 sin);
  * summation order differs from torch's, so results agree to fp32 rounding.
  * ---------------------------------------------------------------------------------------------- */
@@ -506,11 +498,6 @@ static void rms_norm_rows(const float *x, int64_t x_s0, const float *add, int64_
             for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (s[d] * inv);
         }
     }
-}
-
-void qwen_rms_norm(const float *x, int64_t x_s0, const float *add, int64_t add_s0, float *sum, int64_t sum_s0,
-                   const float *w, float *out, int64_t out_s0, int64_t rows, int64_t dim, float eps) {
-    rms_norm_rows(x, x_s0, add, add_s0, sum, sum_s0, w, out, out_s0, rows, dim, eps, 0);
 }
 
 /* One head row: optional RMSNorm (w != NULL), then RoPE with cs = [cos | sin] of the position.
@@ -563,29 +550,18 @@ static void qk_norm_rope_rows(const float *q, int64_t q_s0, int64_t q_s1, int64_
     }
 }
 
-void qwen_qk_norm_rope(const float *q, int64_t q_s0, int64_t q_s1, int64_t nq,
-                       const float *k, int64_t k_s0, int64_t k_s1, int64_t nk,
-                       const float *q_w, const float *k_w, float eps,
-                       const float *table, int64_t table_s0, const int32_t *positions,
-                       float *qo, float *ko, int64_t T, int64_t D, float *tmp) {
-    qk_norm_rope_rows(q, q_s0, q_s1, nq, k, k_s0, k_s1, nk, q_w, k_w, eps, table, table_s0, positions, qo, ko, T, D,
-                      tmp, 0);
-}
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
 
 /* ----------------------------------------------------------------------------------------------
- * Linear layers on packed weights, and the whole dense forward of a batch in one call.
+ * Linear layers on packed weights (torch.ops.qwen.linear_packed).
  *
  * A decode step of a small model on one CPU core is a chain of matrix-vector products over
- * weights that live in the L2/L3 caches, with ~150 torch ops around them whose dispatch costs
- * more than their arithmetic. qwen_dense_forward runs the complete stack (norms, projections,
- * q/k-norm + RoPE, kv write, attention, MLP, final norm, lm_head) in one call, with the same
- * math as qwen_ops/models/dense.py and the kernels above; qwen_linear_packed is its matrix product, on
- * weights packed once into 32-feature panels: at 1 row it streams the weight at about 70 GB/s
- * (MKL's sgemv on these AMD CPUs: about 25), at 16+ rows it runs at oneDNN's speed.
+ * weights that live in the L2/L3 caches or stream from DRAM. qwen_linear_packed runs them on
+ * weights packed once (the layer's process_weights_after_loading) into 32-feature panels: at 1
+ * row it streams the weight at about 70 GB/s (MKL's sgemv on these AMD CPUs: about 25), at 16+
+ * rows it runs at oneDNN's speed.
  * ---------------------------------------------------------------------------------------------- */
 
 /* Linear layers on prepacked weights. A weight [N, K] is packed into panels of 32 output features,
@@ -841,15 +817,6 @@ static void linear_packed_avx512(const float *x, int64_t xs, int64_t M, const vo
 }
 #endif
 
-/* 1 when this library was built with OpenMP (the products then split across threads), else 0. */
-int qwen_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N, from the packed wp (qwen_pack_panels);
  * x rows of stride xs, y rows of stride ys; on up to `threads` threads (AVX-512 OpenMP builds). */
 void qwen_linear_packed(const float *x, int64_t xs, int64_t M, const float *wp, const float *bias, int64_t N,
@@ -1023,230 +990,110 @@ void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16
 #endif
 }
 
-/* The attention of one layer after its q/k/v projections: per-head q/k RMSNorm (q_w / k_w; none
- * when NULL) and RoPE at positions (checked by the caller against the table), the keys and values
- * written to the caches (qwen_kv_write), then qwen_slot_attention into out [T, num_heads *
- * head_dim], contiguous fp32. q, k, v: fp32 rows of the projections (strides q_s0, k_s0, v_s0;
- * heads contiguous within a row). Both caches have the strides (c_sb, c_sr, c_sh) and hold fp32,
- * or bf16 when bf16 != 0: q, k, v then hold bf16 values, the norms and RoPE round as a bf16
- * model does, and q, k, v and the output go through bf16 rows, as the ops on bf16 tensors (the
- * same kernels) see them. Metadata trusted. Returns 0, or -1 when scratch memory could not be
- * allocated. */
-static int attention_block(const float *q, int64_t q_s0, const float *k, int64_t k_s0, const float *v, int64_t v_s0,
-                           int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           const float *q_w, const float *k_w, float eps, const float *rope, int64_t rope_s0,
-                           const int32_t *positions, void *key_cache, void *value_cache, int64_t block_size,
-                           int64_t c_sb, int64_t c_sr, int64_t c_sh, const int32_t *slot_ids,
-                           const int32_t *block_table, int64_t bt_s0, int64_t bt_s1, const int32_t *seq_slots,
-                           const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_seqs, float scale,
-                           float *out, int bf16) {
-    const int64_t D = head_dim, QD = num_heads * D, KD = num_kv_heads * D;
-    /* fp32: qr, kr, tmp; bf16 also: q, k, v and the output as bf16 rows */
-    const size_t floats = (size_t)(T * (QD + KD) + D), halves = bf16 ? (size_t)(T * (2 * QD + 2 * KD)) : 0;
-    float *buf = malloc(sizeof(float) * floats + sizeof(uint16_t) * halves);
+/* ----------------------------------------------------------------------------------------------
+ * The kernels of torch.ops.qwen.linear_packed, rms_norm, add_rms_norm, qk_norm_rope and silu_mul
+ * (qwen_ops/ops/kernels/cpu.py): the pieces above on tensors of the model's dtype. dtype 0: fp32
+ * in and out. dtype 2: bf16 tensors, widened to fp32 rows here, computed with the roundings of a
+ * bf16 model (bf16 != 0 above), and stored rounded to bf16 (round to nearest even, as torch).
+ * Each returns 0, or -1 when scratch memory could not be allocated (nothing written).
+ * ---------------------------------------------------------------------------------------------- */
+
+/* y [M, N] = x [M, K] w^T (+ bias, fp32) from packed weights of x's dtype; rows of strides xs, ys. */
+int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
+                void *y, int64_t ys, int dtype, int64_t threads) {
+    if (dtype == 0) {
+        qwen_linear_packed((const float *)x, xs, M, (const float *)wp, bias, N, K, (float *)y, ys, threads);
+        return 0;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(M * (K + N) > 0 ? M * (K + N) : 1));
     if (buf == NULL) return -1;
-    float *qr = buf, *kr = qr + T * QD, *tmp = kr + T * KD;
-    qk_norm_rope_rows(q, q_s0, D, num_heads, k, k_s0, D, num_kv_heads, q_w, k_w, eps, rope, rope_s0, positions,
-                      qr, kr, T, D, tmp, bf16);
-    int status;
-    if (!bf16) {
-        qwen_kv_write(kr, v, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 4,
-                      KD, D, v_s0, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-        status = qwen_slot_attention(qr, out, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                                     seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 0,
-                                     scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-    } else {
-        uint16_t *qb = (uint16_t *)(buf + floats), *kb = qb + T * QD, *vb = kb + T * KD, *ob = vb + T * KD;
-        for (int64_t t = 0; t < T; ++t) {
-            store_row(qb, t * QD, 2, QD, qr + t * QD);
-            store_row(kb, t * KD, 2, KD, kr + t * KD);
-            store_row(vb, t * KD, 2, KD, v + t * v_s0);
-        }
-        qwen_kv_write(kb, vb, key_cache, value_cache, slot_ids, positions, block_table, T, num_kv_heads, D, 2,
-                      KD, D, KD, D, block_size, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-        status = qwen_slot_attention(qb, ob, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                                     seq_lens, NULL, num_seqs, num_heads, num_kv_heads, D, block_size, 2,
-                                     scale, QD, D, 0, 0, c_sb, c_sr, c_sh, c_sb, c_sr, c_sh, bt_s0, bt_s1);
-        if (status == 0)
-            for (int64_t t = 0; t < T; ++t) load_row(ob, t * QD, 2, QD, out + t * QD);
+    float *xf = buf, *yf = buf + M * K;
+    for (int64_t m = 0; m < M; ++m) load_row(x, m * xs, 2, K, xf + m * K);
+    qwen_linear_packed_bf16(xf, K, M, (const uint16_t *)wp, bias, N, K, yf, N, threads);
+    for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);   /* one rounding, as torch */
+    free(buf);
+    return 0;
+}
+
+/* out = w * (s / rms(s)) per row of dim, s = x (+ add, written to sum when add is given); x, add,
+ * sum, out and w all of dtype; row strides x_s0, add_s0, sum_s0, out_s0. */
+int qwen_rms_norm(const void *x, int64_t x_s0, const void *add, int64_t add_s0, void *sum, int64_t sum_s0,
+                  const void *w, void *out, int64_t out_s0, int64_t rows, int64_t dim, float eps, int dtype) {
+    if (dtype == 0) {
+        rms_norm_rows(x, x_s0, add, add_s0, sum, sum_s0, w, out, out_s0, rows, dim, eps, 0);
+        return 0;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(5 * dim));
+    if (buf == NULL) return -1;
+    float *wf = buf, *xf = wf + dim, *af = xf + dim, *sf = af + dim, *of = sf + dim;
+    load_row(w, 0, 2, dim, wf);
+    for (int64_t r = 0; r < rows; ++r) {
+        load_row(x, r * x_s0, 2, dim, xf);
+        if (add != NULL) load_row(add, r * add_s0, 2, dim, af);
+        rms_norm_rows(xf, dim, add == NULL ? NULL : af, dim, sf, dim, wf, of, dim, 1, dim, eps, 1);
+        if (add != NULL) store_row(sum, r * sum_s0, 2, dim, sf);   /* already bf16 values: exact */
+        store_row(out, r * out_s0, 2, dim, of);
     }
     free(buf);
-    return status;
+    return 0;
 }
 
-int qwen_attention_block(const float *q, int64_t q_s0, const float *k, int64_t k_s0, const float *v, int64_t v_s0,
-                         int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         const float *q_w, const float *k_w, float eps, const float *rope, int64_t rope_s0,
-                         const int32_t *positions, float *key_cache, float *value_cache, int64_t block_size,
-                         int64_t c_sb, int64_t c_sr, int64_t c_sh, const int32_t *slot_ids,
-                         const int32_t *block_table, int64_t bt_s0, int64_t bt_s1, const int32_t *seq_slots,
-                         const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_seqs, float scale,
-                         float *out) {
-    return attention_block(q, q_s0, k, k_s0, v, v_s0, T, num_heads, num_kv_heads, head_dim, q_w, k_w, eps, rope,
-                           rope_s0, positions, key_cache, value_cache, block_size, c_sb, c_sr, c_sh, slot_ids,
-                           block_table, bt_s0, bt_s1, seq_slots, query_start_loc, seq_lens, num_seqs, scale, out, 0);
-}
-
-/* Per-layer weight addresses, in this order, NULL where the model has none (biases of Qwen3,
- * q/k norms of Qwen2). Every matrix [out_features, in_features] is packed (qwen_pack_panels, or
- * qwen_pack_panels_bf16 for a bf16 model); vectors (norm weights, biases) are fp32. */
-enum {
-    W_INPUT_NORM, W_Q, B_Q, W_K, B_K, W_V, B_V, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE, W_UP, W_DOWN,
-    W_PER_LAYER
-};
-
-int64_t qwen_dense_weights_per_layer(void) { return W_PER_LAYER; }
-
-/* Where qwen_dense_forward's time goes, in seconds, accumulated into timings[] when given. */
-enum { T_PRODUCTS, T_LM_HEAD, T_ATTENTION, T_OTHER, T_COUNT };
-
-static inline double seconds_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Adds the time since *t0 to timings[slot] (when timings is given) and restarts the clock. */
-static inline void lap(double *timings, int slot, double *t0) {
-    if (timings == NULL) return;
-    const double t = seconds_now();
-    timings[slot] += t - *t0;
-    *t0 = t;
-}
-
-/* y = x w^T (+ bias) on packed weights of either dtype; bf16 != 0: the result rounded to bf16, as
- * torch's bf16 linear rounds its fp32 accumulation (bias included) once. */
-static void linear(const float *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
-                   float *y, int64_t ys, int bf16, int64_t threads) {
-    if (!bf16) {
-        qwen_linear_packed(x, xs, M, (const float *)wp, bias, N, K, y, ys, threads);
-        return;
-    }
-    qwen_linear_packed_bf16(x, xs, M, (const uint16_t *)wp, bias, N, K, y, ys, threads);
-    for (int64_t m = 0; m < M; ++m) {
-        float *row = y + m * ys;
-#pragma omp simd
-        for (int64_t n = 0; n < N; ++n) row[n] = round_bf16(row[n]);
-    }
-}
-
-/* The dense Qwen2/Qwen3 forward of T tokens, in place on the residual stream h [T, hidden] (the
- * embeddings in, fp32; overwritten), ending in the fp32 logits [num_rows, vocab] of the rows
- * h[rows[r]]. dtype 0: fp32 weights and caches. dtype 2: a bf16 model: bf16 packed matrices and
- * caches, and every activation rounded to bf16 where the model's bf16 forward rounds it (h and
- * the logits then hold bf16 values); products and norms compute in fp32 as torch's do.
- * weights: [num_layers, W_PER_LAYER] addresses; caches: [num_layers, 2] addresses of each layer's
- * key and value cache, all of one shape and these strides (elements): [num_blocks, block_size,
- * num_kv_heads, head_dim]. rope: fp32 [max_pos, head_dim] (cos | sin), already rounded to bf16
- * for dtype 2. Attention metadata as for qwen_kv_write and qwen_slot_attention, trusted (the
- * caller validates it). timings: NULL, or T_COUNT doubles that the seconds spent in the layers'
- * products, the lm_head, attention and everything else are added to. threads: how many threads
- * the products split across (OpenMP builds; the rest runs on the calling thread).
- *
- * Returns 0; -1 when scratch memory could not be allocated, -2 when a position is outside the
- * RoPE table [0, max_pos), -3 when a row index is outside [0, T), -4 for a dtype other than 0 or
- * 2: all checked before anything is written; -5 when reduce (below) failed.
- *
- * Tensor parallelism: with the weights of one rank's slice (q/k/v and gate/up split by output
- * features, o and down by input features, the lm_head by vocabulary rows) the o and down products
- * are partial sums; reduce (NULL without tensor parallelism) sums them over the ranks in place,
- * reduce(proj, T * hidden), after each, before the residual add, and returns 0 (else the forward
- * stops with -5). The logits are then this rank's vocabulary rows: the caller gathers them.
- *
- * Mixture-of-experts layers: a layer whose gate weight address is 0 has an MLP this code does
- * not run; mlp(layer, x, out, T) computes it from the normed rows x [T, hidden] into out
- * [T, hidden] (both fp32, bf16 values for dtype 2) and returns 0 (else the forward stops with
- * -5); the residual add follows as for a dense MLP. */
-int qwen_dense_forward(const int64_t *weights, int64_t num_layers, const int64_t *caches,
-                       int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
-                       float eps, float scale, float *h, int64_t T, const int32_t *positions,
-                       const float *rope, int64_t rope_s0, int64_t max_pos,
-                       const int32_t *slot_ids, const int32_t *block_table, int64_t bt_s0, int64_t bt_s1,
-                       const int32_t *seq_slots, const int32_t *query_start_loc, const int32_t *seq_lens,
-                       int64_t num_seqs, int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
-                       const int64_t *rows, int64_t num_rows, const float *final_norm, const void *lm_head,
-                       int64_t vocab, float *logits, int dtype, double *timings, int64_t threads,
-                       int (*reduce)(float *, int64_t),
-                       int (*mlp)(int64_t, const float *, float *, int64_t)) {
-    for (int64_t t = 0; t < T; ++t)
-        if (positions[t] < 0 || positions[t] >= max_pos) return -2;
-    for (int64_t r = 0; r < num_rows; ++r)
-        if (rows[r] < 0 || rows[r] >= T) return -3;
-    if (dtype != 0 && dtype != 2) return -4;
-    const int bf16 = dtype == 2;
-    double t0 = timings == NULL ? 0.0 : seconds_now();
-    const int64_t H = hidden, QD = num_heads * head_dim, KD = num_kv_heads * head_dim, I = inter;
-    /* x: normed rows; q, k, v: projections; o: attention out; proj: o_proj / down_proj out; g, u: MLP */
-    const int64_t need = T * (2 * H + 2 * QD + 2 * KD + 2 * I) + num_rows * H;
-    float *buf = malloc(sizeof(float) * (size_t)(need > 0 ? need : 1));
+/* q [T, nq, D], k [T, nk, D] (strides in elements, head rows contiguous) -> contiguous qo, ko of
+ * dtype: per head RMSNorm with q_w / k_w (dtype; skipped when NULL), then RoPE at positions[t]
+ * from the fp32 table [max_pos, D] (cos | sin), whose values a bf16 model rounds to bf16 first. */
+int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq,
+                      const void *k, int64_t k_s0, int64_t k_s1, int64_t nk,
+                      const void *q_w, const void *k_w, float eps,
+                      const float *table, int64_t table_s0, const int32_t *positions,
+                      void *qo, void *ko, int64_t T, int64_t D, int dtype) {
+    float *buf = malloc(sizeof(float) * (size_t)(6 * D));
     if (buf == NULL) return -1;
-    float *x = buf, *q = x + T * H, *k = q + T * QD, *v = k + T * KD, *o = v + T * KD;
-    float *proj = o + T * QD, *g = proj + T * H, *u = g + T * I, *xf = u + T * I;
-    int status = 0;
-    for (int64_t l = 0; l < num_layers && status == 0; ++l) {
-        const void *const *W = (const void *const *)(weights + l * W_PER_LAYER);
-        void *kc = (void *)caches[2 * l], *vc = (void *)caches[2 * l + 1];
-        rms_norm_rows(h, H, NULL, 0, NULL, 0, W[W_INPUT_NORM], x, H, T, H, eps, bf16);
-        lap(timings, T_OTHER, &t0);
-        linear(x, H, T, W[W_Q], W[B_Q], QD, H, q, QD, bf16, threads);
-        linear(x, H, T, W[W_K], W[B_K], KD, H, k, KD, bf16, threads);
-        linear(x, H, T, W[W_V], W[B_V], KD, H, v, KD, bf16, threads);
-        lap(timings, T_PRODUCTS, &t0);
-        status = attention_block(q, QD, k, KD, v, KD, T, num_heads, num_kv_heads, head_dim, W[W_Q_NORM],
-                                 W[W_K_NORM], eps, rope, rope_s0, positions, kc, vc, block_size, c_sb, c_sr,
-                                 c_sh, slot_ids, block_table, bt_s0, bt_s1, seq_slots, query_start_loc,
-                                 seq_lens, num_seqs, scale, o, bf16);
-        lap(timings, T_ATTENTION, &t0);
-        linear(o, QD, T, W[W_O], W[B_O], H, QD, proj, H, bf16, threads);
-        lap(timings, T_PRODUCTS, &t0);
-        if (reduce != NULL && reduce(proj, T * H) != 0) {
-            status = -5;
-            break;
-        }
-        lap(timings, T_OTHER, &t0);
-        rms_norm_rows(proj, H, h, H, h, H, W[W_POST_NORM], x, H, T, H, eps, bf16);   /* h = h + attn, x = norm(h) */
-        lap(timings, T_OTHER, &t0);
-        if (W[W_GATE] == NULL) {                  /* a mixture-of-experts MLP: the caller's */
-            if (mlp == NULL || mlp(l, x, proj, T) != 0) {
-                status = -5;
-                break;
-            }
-            lap(timings, T_PRODUCTS, &t0);
-        } else {
-            linear(x, H, T, W[W_GATE], NULL, I, H, g, I, bf16, threads);
-            linear(x, H, T, W[W_UP], NULL, I, H, u, I, bf16, threads);
-            lap(timings, T_PRODUCTS, &t0);
-            silu_mul_rows(g, I, u, I, g, T, I, bf16);
-            lap(timings, T_OTHER, &t0);
-            linear(g, I, T, W[W_DOWN], NULL, H, I, proj, H, bf16, threads);
-            lap(timings, T_PRODUCTS, &t0);
-            if (reduce != NULL && reduce(proj, T * H) != 0) {
-                status = -5;
-                break;
-            }
-        }
-        lap(timings, T_OTHER, &t0);
-        if (bf16) {
-#pragma omp simd
-            for (int64_t i = 0; i < T * H; ++i) h[i] = round_bf16(h[i] + proj[i]);
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < T * H; ++i) h[i] += proj[i];
-        }
+    float *tmp = buf, *qw = tmp + D, *kw = qw + D, *cs = kw + D, *row = cs + D, *res = row + D;
+    if (dtype == 0) {
+        qk_norm_rope_rows(q, q_s0, q_s1, nq, k, k_s0, k_s1, nk, q_w, k_w, eps, table, table_s0, positions,
+                          qo, ko, T, D, tmp, 0);
+        free(buf);
+        return 0;
     }
-    if (status == 0) {
-        for (int64_t r = 0; r < num_rows; ++r)
-            rms_norm_rows(h + rows[r] * H, H, NULL, 0, NULL, 0, final_norm, xf + r * H, H, 1, H, eps, bf16);
-        lap(timings, T_OTHER, &t0);
-        linear(xf, H, num_rows, lm_head, NULL, vocab, H, logits, vocab, bf16, threads);
-        lap(timings, T_LM_HEAD, &t0);
+    if (q_w != NULL) load_row(q_w, 0, 2, D, qw);
+    if (k_w != NULL) load_row(k_w, 0, 2, D, kw);
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = table + (int64_t)positions[t] * table_s0;
+        for (int64_t d = 0; d < D; ++d) cs[d] = round_bf16(c[d]);
+        for (int64_t h = 0; h < nq + nk; ++h) {
+            const int is_q = h < nq;
+            const int64_t hh = is_q ? h : h - nq;
+            load_row(is_q ? q : k, is_q ? t * q_s0 + hh * q_s1 : t * k_s0 + hh * k_s1, 2, D, row);
+            const void *w = is_q ? q_w : k_w;
+            norm_rope_row(row, w == NULL ? NULL : (is_q ? qw : kw), eps, cs, D, tmp, res, 1);
+            store_row(is_q ? qo : ko, (t * (is_q ? nq : nk) + hh) * D, 2, D, res);
+        }
     }
     free(buf);
-    return status == 0 ? 0 : status == -5 ? -5 : -1;
+    return 0;
 }
 
-/* A mixture-of-experts layer's routed experts on packed fp32 weights (the native executor's MoE
- * blocks): out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j],
+/* out [rows, dim] (contiguous) = silu(gate) * up, gate and up rows of strides g_s0, u_s0, all of dtype. */
+int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, void *out, int64_t rows, int64_t dim,
+                  int dtype) {
+    if (dtype == 0) {
+        silu_mul_rows(gate, g_s0, up, u_s0, out, rows, dim, 0);
+        return 0;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(3 * dim));
+    if (buf == NULL) return -1;
+    float *g = buf, *u = g + dim, *o = u + dim;
+    for (int64_t r = 0; r < rows; ++r) {
+        load_row(gate, r * g_s0, 2, dim, g);
+        load_row(up, r * u_s0, 2, dim, u);
+        silu_mul_rows(g, dim, u, dim, o, 1, dim, 1);
+        store_row(out, r * dim, 2, dim, o);
+    }
+    free(buf);
+    return 0;
+}
+
+/* A mixture-of-experts layer's routed experts on packed fp32 weights (torch.ops.qwen.moe_packed): out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j],
  * over the k choices of each of the T rows. w13[e]: the address of expert e's packed [2 I, H]
  * panels (gate rows, then up rows); w2[e]: its packed [H, I]. The rows routed to an expert are
  * gathered (a counting sort by expert, rows in order), run through its two products as one

@@ -1,0 +1,382 @@
+// The CPU fast path's ops as dispatcher kernels: TORCH_LIBRARY_IMPL(qwen, CPU) for linear_packed,
+// rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block and moe_packed (schemas in
+// torch_library/qwen.schema, defined by Python; references in kernels/reference_fused.py).
+//
+// Why C++: these ops run ~50 times in a CPU decode step of the embedded model, and a Python kernel
+// behind torch.ops (dispatcher -> Python -> ctypes) costs ~20 us a call against ~3 us here. The
+// arithmetic is qwen_cpu.c's (linked at load time: kernels/cpu.py loads that library with
+// RTLD_GLOBAL first, then this one). Built on first use by kernels/cpu.py with the system C++
+// compiler against torch's headers; without one, kernels/cpu.py registers the ctypes kernels.
+// The checks mirror qwen_ops/ops/validation.py (which the fake kernels run): every error names the
+// argument, the value and what was expected, before anything is written.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <vector>
+
+extern "C" {
+int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
+                void *y, int64_t ys, int dtype, int64_t threads);
+int qwen_rms_norm(const void *x, int64_t x_s0, const void *add, int64_t add_s0, void *sum, int64_t sum_s0,
+                  const void *w, void *out, int64_t out_s0, int64_t rows, int64_t dim, float eps, int dtype);
+int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq, const void *k, int64_t k_s0,
+                      int64_t k_s1, int64_t nk, const void *q_w, const void *k_w, float eps, const float *table,
+                      int64_t table_s0, const int32_t *positions, void *qo, void *ko, int64_t T, int64_t D,
+                      int dtype);
+int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, void *out, int64_t rows,
+                  int64_t dim, int dtype);
+void qwen_kv_write(const void *key, const void *value, void *key_cache, void *value_cache, const int32_t *slot_ids,
+                   const int32_t *positions, const int32_t *block_table, int64_t num_tokens, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t elem_size, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
+                   int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh, int64_t vc_sb, int64_t vc_sr,
+                   int64_t vc_sh, int64_t bt_s0, int64_t bt_s1);
+int qwen_slot_attention(const void *query, void *out, const void *key_cache, const void *value_cache,
+                        const int32_t *block_table, const int32_t *seq_slots, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const void *gate, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, float scale,
+                        int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1, int64_t k_sb, int64_t k_sr,
+                        int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh, int64_t bt_s0, int64_t bt_s1);
+int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights, int64_t k,
+                    int64_t E, const int64_t *w13, const int64_t *w2, int64_t I, float *out, int64_t threads);
+}
+
+namespace {
+
+// Above this many query rows a sequence's attention runs the reference op (kernels/cpu.py's
+// REFERENCE_ABOVE_QUERY_LEN: SDPA is faster there than the row-by-row C kernel).
+constexpr int64_t kReferenceAboveQueryLen = 96;
+
+int dtype_code(const at::Tensor &t, const char *name) {
+  if (t.scalar_type() == at::kFloat) return 0;
+  if (t.scalar_type() == at::kBFloat16) return 2;
+  TORCH_CHECK_VALUE(false, name, " has dtype ", t.scalar_type(), ", expected float32 or bfloat16");
+}
+
+void check_rows(const at::Tensor &t, const char *name) {
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " has stride ", t.strides(),
+                    ": its last dimension must be contiguous (stride 1)");
+}
+
+void check_alloc(int status, const char *op) {
+  TORCH_CHECK(status == 0, "qwen_ops cpu ", op, " could not allocate its scratch memory");
+}
+
+// A new output. QWEN_OPS_POISON_OUTPUTS=1 (the tests) fills it with NaN first, so an element a
+// kernel skips shows (torch.empty in Python is patched for the same purpose).
+at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions &options) {
+  at::Tensor t = at::empty(sizes, options);
+  const char *poison = std::getenv("QWEN_OPS_POISON_OUTPUTS");
+  if (poison != nullptr && poison[0] != '\0' && poison[0] != '0') t.fill_(NAN);
+  return t;
+}
+
+std::vector<int64_t> packed_shape(int64_t n, int64_t k, bool bf16) {
+  if (bf16) return {(n + 31) / 32, (k + 1) / 2, 32, 2};
+  return {(n + 31) / 32, k, 32};
+}
+
+at::Tensor linear_packed(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                         int64_t out_features) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x has shape ", x.sizes(), " (rank ", x.dim(), "), expected rank 2: [rows, in_features]");
+  const int code = dtype_code(x, "x");
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const auto want = packed_shape(out_features, k, code == 2);
+  TORCH_CHECK_VALUE(packed.scalar_type() == x.scalar_type() && packed.sizes() == at::IntArrayRef(want) &&
+                        packed.is_contiguous(),
+                    "packed has shape ", packed.sizes(), " and dtype ", packed.scalar_type(), ", expected a contiguous ",
+                    at::IntArrayRef(want), " ", x.scalar_type(), " tensor (pack_panels of a [", out_features, ", ", k,
+                    "] weight of x's dtype)");
+  const float *b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features &&
+                          bias->is_contiguous(),
+                      "bias has shape ", bias->sizes(), " and dtype ", bias->scalar_type(), ", expected contiguous float32 [",
+                      out_features, "]");
+    b = bias->const_data_ptr<float>();
+  }
+  at::Tensor out = fresh({rows, out_features}, x.options());
+  check_alloc(qwen_linear(x.const_data_ptr(), x.stride(0), rows, packed.const_data_ptr(), b, out_features, k,
+                          out.mutable_data_ptr(), out_features, code, at::get_num_threads()), "linear_packed");
+  return out;
+}
+
+void check_norm(const at::Tensor &x, const at::Tensor &weight, const at::Tensor *residual) {
+  dtype_code(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), "x has shape ", x.sizes(), " and strides ", x.strides(),
+                    ", expected a contiguous [..., dim]");
+  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+                        weight.is_contiguous(),
+                    "weight has shape ", weight.sizes(), " and dtype ", weight.scalar_type(), ", expected contiguous [",
+                    x.size(-1), "] ", x.scalar_type(), " (x's last dim and dtype)");
+  if (residual != nullptr)
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                          residual->is_contiguous(),
+                      "residual has shape ", residual->sizes(), " and dtype ", residual->scalar_type(), ", expected x's ",
+                      x.sizes(), " ", x.scalar_type(), ", contiguous");
+}
+
+void norm(const at::Tensor &x, const at::Tensor *residual, const at::Tensor &weight, double eps, at::Tensor &out,
+          at::Tensor *total) {
+  const int64_t dim = x.size(-1), rows = dim == 0 ? 0 : x.numel() / dim;
+  check_alloc(qwen_rms_norm(x.const_data_ptr(), dim, residual ? residual->const_data_ptr() : nullptr, dim,
+                            total ? total->mutable_data_ptr() : nullptr, dim, weight.const_data_ptr(),
+                            out.mutable_data_ptr(), dim, rows, dim, (float)eps, dtype_code(x, "x")),
+              "rms_norm");
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+  check_norm(x, weight, nullptr);
+  at::Tensor out = fresh(x.sizes(), x.options());
+  norm(x, nullptr, weight, eps, out, nullptr);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x, const at::Tensor &residual,
+                                                const at::Tensor &weight, double eps) {
+  check_norm(x, weight, &residual);
+  at::Tensor out = fresh(x.sizes(), x.options()), total = fresh(x.sizes(), x.options());
+  norm(x, &residual, weight, eps, out, &total);
+  return {out, total};
+}
+
+void check_positions(const at::Tensor &positions, int64_t T, const at::Tensor &cos_sin) {
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == T,
+                    "positions has shape ", positions.sizes(), " and dtype ", positions.scalar_type(),
+                    ", expected int32 [", T, "]");
+  const int32_t *p = positions.const_data_ptr<int32_t>();   // contiguous: checked by the caller
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < cos_sin.size(0), "positions[", t, "] = ", p[t], ", expected 0 <= position < ",
+                      cos_sin.size(0), " (cos_sin's rows)");
+}
+
+void check_rope(const at::Tensor &q, const at::Tensor &k, const std::optional<at::Tensor> &q_weight,
+                const std::optional<at::Tensor> &k_weight, const at::Tensor &cos_sin) {
+  const int64_t D = q.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == D && D % 2 == 0, "k has shape ", k.sizes(), ", expected [",
+                    q.size(0), ", kv_heads, ", D, "] (q's tokens and an even head_dim)");
+  for (const auto *w : {&q_weight, &k_weight})
+    if (w->has_value())
+      TORCH_CHECK_VALUE((*w)->scalar_type() == q.scalar_type() && (*w)->dim() == 1 && (*w)->size(0) == D &&
+                            (*w)->is_contiguous(),
+                        (w == &q_weight ? "q_weight" : "k_weight"), " has shape ", (*w)->sizes(), " and dtype ",
+                        (*w)->scalar_type(), ", expected contiguous [", D, "] ", q.scalar_type());
+  TORCH_CHECK_VALUE(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == D &&
+                        cos_sin.stride(1) == 1,
+                    "cos_sin has shape ", cos_sin.sizes(), " and dtype ", cos_sin.scalar_type(),
+                    ", expected float32 [max_positions, ", D, "] (cos | sin over the whole head) with contiguous rows");
+}
+
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor &q, const at::Tensor &k,
+                                                const std::optional<at::Tensor> &q_weight,
+                                                const std::optional<at::Tensor> &k_weight, double eps,
+                                                const at::Tensor &cos_sin, const at::Tensor &positions) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3, "q has shape ", q.sizes(), " and k ", k.sizes(),
+                    ", expected rank 3: [num_tokens, heads, head_dim]");
+  const int code = dtype_code(q, "q");
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type(), "k has dtype ", k.scalar_type(), ", expected q's ", q.scalar_type());
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rope(q, k, q_weight, k_weight, cos_sin);
+  const at::Tensor pos = positions.contiguous();
+  check_positions(pos, q.size(0), cos_sin);
+  at::Tensor qo = fresh(q.sizes(), q.options()), ko = fresh(k.sizes(), k.options());
+  check_alloc(qwen_qk_norm_rope(q.const_data_ptr(), q.stride(0), q.stride(1), q.size(1), k.const_data_ptr(), k.stride(0),
+                                k.stride(1), k.size(1), q_weight ? q_weight->const_data_ptr() : nullptr,
+                                k_weight ? k_weight->const_data_ptr() : nullptr, (float)eps,
+                                cos_sin.const_data_ptr<float>(), cos_sin.stride(0), pos.const_data_ptr<int32_t>(),
+                                qo.mutable_data_ptr(), ko.mutable_data_ptr(), q.size(0), q.size(2), code),
+              "qk_norm_rope");
+  return {qo, ko};
+}
+
+at::Tensor silu_mul(const at::Tensor &gate_up) {
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up has shape ", gate_up.sizes(),
+                    ", expected [rows, 2 * intermediate_size] (gate | up)");
+  const int code = dtype_code(gate_up, "gate_up");
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = fresh({rows, inter}, gate_up.options());
+  const char *base = static_cast<const char *>(gate_up.const_data_ptr());
+  check_alloc(qwen_silu_mul(base, gate_up.stride(0), base + inter * gate_up.element_size(), gate_up.stride(0),
+                            out.mutable_data_ptr(), rows, inter, code),
+              "silu_mul");
+  return out;
+}
+
+// The slot metadata that the C kernels index memory with: every value in range (validation.py's
+// check_kv_write_values / check_slot_attention_values, the parts that guard memory).
+void check_slot_values(const at::Tensor &slot_ids, const at::Tensor &positions, const at::Tensor &block_table,
+                       const at::Tensor &seq_slots, const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
+                       int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
+  const int64_t max_slots = block_table.size(0), cols = block_table.size(1), num_seqs = seq_slots.size(0);
+  const int32_t *slots = slot_ids.const_data_ptr<int32_t>(), *pos = positions.const_data_ptr<int32_t>();
+  const int32_t *bt = block_table.const_data_ptr<int32_t>();
+  const int64_t bt0 = block_table.stride(0), bt1 = block_table.stride(1);
+  auto block_of = [&](int64_t slot, int64_t col, const char *what) {
+    const int32_t b = bt[slot * bt0 + col * bt1];
+    TORCH_CHECK_VALUE(b >= 0 && b < num_blocks, "block_table[", slot, ", ", col, "] = ", b, " (", what,
+                      "), expected 0 <= block id < ", num_blocks, " (key_cache's blocks)");
+  };
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t s = slots[t];
+    TORCH_CHECK_VALUE(s >= -1 && s < max_slots, "slot_ids[", t, "] = ", s, ", but only ", max_slots,
+                      " slots exist (block_table's rows); -1 marks padding");
+    if (s < 0) continue;
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] / block_size < cols, "positions[", t, "] = ", pos[t], ", expected 0 <= ",
+                      "position < ", cols * block_size, " (block_table's ", cols, " blocks of ", block_size, ")");
+    block_of(s, pos[t] / block_size, "a token's block");
+  }
+  const int32_t *ss = seq_slots.const_data_ptr<int32_t>(), *qsl = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t *lens = seq_lens.const_data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc spans [", qsl[0], ", ", qsl[num_seqs],
+                    "], expected [0, ", num_tokens, "] (the query's tokens)");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc[", i + 1, "] = ", qsl[i + 1], " < query_start_loc[", i, "] = ", qsl[i],
+                      ", expected a non-decreasing vector");
+    const int32_t s = ss[i];
+    TORCH_CHECK_VALUE(s >= -1 && s < max_slots, "seq_slots[", i, "] = ", s, ", but only ", max_slots,
+                      " slots exist (block_table's rows); -1 marks padding");
+    if (s < 0) continue;
+    TORCH_CHECK_VALUE(lens[i] >= q_len && (lens[i] + block_size - 1) / block_size <= cols, "seq_lens[", i, "] = ",
+                      lens[i], ", expected query rows ", q_len, " <= seq_len <= ", cols * block_size, " (the slot's capacity)");
+    for (int64_t c = 0; c < (lens[i] + block_size - 1) / block_size; ++c) block_of(s, c, "a sequence's block");
+  }
+}
+
+at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor> &q_weight,
+                           const std::optional<at::Tensor> &k_weight, double eps, const at::Tensor &cos_sin,
+                           const at::Tensor &positions, at::Tensor &key_cache, at::Tensor &value_cache,
+                           const at::Tensor &slot_ids, const at::Tensor &block_table, const at::Tensor &seq_slots,
+                           const at::Tensor &query_start_loc, const at::Tensor &seq_lens, double scale,
+                           int64_t max_query_len, int64_t num_heads) {
+  const int code = dtype_code(qkv, "qkv");
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                        key_cache.scalar_type() == qkv.scalar_type() && value_cache.scalar_type() == qkv.scalar_type() &&
+                        key_cache.strides() == value_cache.strides() && key_cache.stride(3) == 1,
+                    "key_cache ", key_cache.sizes(), " ", key_cache.scalar_type(), " and value_cache ", value_cache.sizes(),
+                    " ", value_cache.scalar_type(), ": expected one [num_blocks, block_size, num_kv_heads, head_dim] layout "
+                    "in qkv's dtype ", qkv.scalar_type(), ", last dim contiguous");
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), nk = key_cache.size(2),
+                D = key_cache.size(3);
+  TORCH_CHECK_VALUE(num_heads >= 1 && num_heads % nk == 0, "num_heads = ", num_heads,
+                    ", expected a positive multiple of the caches' num_kv_heads = ", nk);
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * nk) * D && qkv.stride(1) == 1, "qkv has shape ",
+                    qkv.sizes(), ", expected [num_tokens, ", (num_heads + 2 * nk) * D, "] (q | k | v of ", num_heads, " + 2 x ",
+                    nk, " heads of ", D, ") with contiguous rows");
+  const int64_t T = qkv.size(0), s0 = qkv.stride(0);
+  for (const auto *t : {&slot_ids, &positions, &seq_slots, &query_start_loc, &seq_lens})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+                      "slot metadata has shape ", t->sizes(), " and dtype ", t->scalar_type(),
+                      ", expected contiguous int32 vectors (slot_ids, positions, seq_slots, query_start_loc, seq_lens)");
+  TORCH_CHECK_VALUE(slot_ids.size(0) == T && positions.size(0) == T, "slot_ids ", slot_ids.sizes(), " and positions ",
+                    positions.sizes(), ", expected [", T, "] (qkv's tokens)");
+  const int64_t num_seqs = seq_slots.size(0);
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == num_seqs + 1 && seq_lens.size(0) == num_seqs, "query_start_loc ",
+                    query_start_loc.sizes(), " and seq_lens ", seq_lens.sizes(), ", expected [", num_seqs + 1, "] and [",
+                    num_seqs, "] (seq_slots has ", num_seqs, " sequences)");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "block_table has shape ",
+                    block_table.sizes(), " and dtype ", block_table.scalar_type(), ", expected int32 [max_slots, max_blocks]");
+  TORCH_CHECK_VALUE(max_query_len >= 1, "max_query_len = ", max_query_len, ", expected >= 1");
+  const char *base = static_cast<const char *>(qkv.const_data_ptr());
+  const int64_t es = qkv.element_size();
+  // q and k views: [T, heads, D] with row stride s0.
+  at::Tensor q = qkv.as_strided({T, num_heads, D}, {s0, D, 1});
+  at::Tensor k = qkv.as_strided({T, nk, D}, {s0, D, 1}, qkv.storage_offset() + num_heads * D);
+  check_rope(q, k, q_weight, k_weight, cos_sin);
+  check_positions(positions, T, cos_sin);
+  check_slot_values(slot_ids, positions, block_table, seq_slots, query_start_loc, seq_lens, T, num_blocks, block_size);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int32_t q_len = query_start_loc.const_data_ptr<int32_t>()[i + 1] - query_start_loc.const_data_ptr<int32_t>()[i];
+    TORCH_CHECK_VALUE(q_len <= max_query_len, "sequence ", i, " has ", q_len, " query rows, more than max_query_len = ",
+                      max_query_len);
+  }
+  at::Tensor qr = fresh({T, num_heads, D}, qkv.options()), kr = fresh({T, nk, D}, qkv.options());
+  check_alloc(qwen_qk_norm_rope(base, s0, D, num_heads, base + num_heads * D * es, s0, D, nk,
+                                q_weight ? q_weight->const_data_ptr() : nullptr,
+                                k_weight ? k_weight->const_data_ptr() : nullptr, (float)eps,
+                                cos_sin.const_data_ptr<float>(), cos_sin.stride(0), positions.const_data_ptr<int32_t>(),
+                                qr.mutable_data_ptr(), kr.mutable_data_ptr(), T, D, code),
+              "attention_block");
+  const auto cs = key_cache.strides();
+  qwen_kv_write(kr.const_data_ptr(), base + (num_heads + nk) * D * es, key_cache.mutable_data_ptr(),
+                value_cache.mutable_data_ptr(), slot_ids.const_data_ptr<int32_t>(), positions.const_data_ptr<int32_t>(),
+                block_table.const_data_ptr<int32_t>(), T, nk, D, es, nk * D, D, s0, D, block_size, cs[0], cs[1], cs[2],
+                cs[0], cs[1], cs[2], block_table.stride(0), block_table.stride(1));
+  if (max_query_len > kReferenceAboveQueryLen) {   // long prefills: the slot_attention op (its reference there)
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("qwen::slot_attention", "")
+                               .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                                                 const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                                                 const at::Tensor &, double, int64_t,
+                                                 const std::optional<at::Tensor> &)>();
+    return op.call(qr, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len,
+                   std::nullopt).view({T, num_heads * D});
+  }
+  at::Tensor out = fresh({T, num_heads * D}, qkv.options());
+  if (T == 0 || num_seqs == 0) return out.zero_();
+  check_alloc(qwen_slot_attention(qr.const_data_ptr(), out.mutable_data_ptr(), key_cache.const_data_ptr(),
+                                  value_cache.const_data_ptr(), block_table.const_data_ptr<int32_t>(),
+                                  seq_slots.const_data_ptr<int32_t>(), query_start_loc.const_data_ptr<int32_t>(),
+                                  seq_lens.const_data_ptr<int32_t>(), nullptr, num_seqs, num_heads, nk, D, block_size,
+                                  code, (float)scale, num_heads * D, D, 0, 0, cs[0], cs[1], cs[2], cs[0], cs[1], cs[2],
+                                  block_table.stride(0), block_table.stride(1)),
+              "attention_block");
+  return out;
+}
+
+at::Tensor moe_packed(const at::Tensor &hidden_states, const at::Tensor &w13, const at::Tensor &w2,
+                      const at::Tensor &topk_weights, const at::Tensor &topk_ids) {
+  TORCH_CHECK_VALUE(hidden_states.scalar_type() == at::kFloat && hidden_states.dim() == 2, "hidden_states has shape ",
+                    hidden_states.sizes(), " and dtype ", hidden_states.scalar_type(), ", expected float32 [num_tokens, hidden]");
+  const at::Tensor x = hidden_states.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK_VALUE(w13.dim() == 4 && w2.dim() == 4 && w13.size(0) == w2.size(0) && w13.size(0) >= 1, "w13 ", w13.sizes(),
+                    " and w2 ", w2.sizes(), ": expected [num_experts, panels, K, 32] stacks of one expert count");
+  const int64_t E = w13.size(0), I = w2.size(2);
+  const auto p13 = packed_shape(2 * I, H, false), p2 = packed_shape(H, I, false);
+  TORCH_CHECK_VALUE(w13.scalar_type() == at::kFloat && w2.scalar_type() == at::kFloat && w13.is_contiguous() &&
+                        w2.is_contiguous() && w13.sizes().slice(1) == at::IntArrayRef(p13) &&
+                        w2.sizes().slice(1) == at::IntArrayRef(p2),
+                    "w13 ", w13.sizes(), " ", w13.scalar_type(), " and w2 ", w2.sizes(), " ", w2.scalar_type(),
+                    ": expected contiguous float32 stacks of each expert's pack_panels of its [2 * I, ", H, "] and [", H,
+                    ", I] weights (I = w2.shape[2] = ", I, ")");
+  TORCH_CHECK_VALUE(topk_ids.scalar_type() == at::kInt && topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                        topk_weights.sizes() == topk_ids.sizes(),
+                    "topk_weights ", topk_weights.sizes(), " and topk_ids ", topk_ids.sizes(), " ", topk_ids.scalar_type(),
+                    ", expected one shape [", T, ", top_k], topk_ids int32");
+  const at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.to(at::kFloat).contiguous();
+  const int32_t *id = ids.const_data_ptr<int32_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < E, "topk_ids[", i / ids.size(1), ", ", i % ids.size(1), "] = ", id[i],
+                      ", but w13 has ", E, " experts; expected 0 <= expert id < ", E);
+  std::vector<int64_t> a13(E), a2(E);
+  for (int64_t e = 0; e < E; ++e) {
+    a13[e] = reinterpret_cast<int64_t>(w13.const_data_ptr<float>() + e * w13.stride(0));
+    a2[e] = reinterpret_cast<int64_t>(w2.const_data_ptr<float>() + e * w2.stride(0));
+  }
+  at::Tensor out = fresh({T, H}, x.options());
+  check_alloc(qwen_moe_packed(x.const_data_ptr<float>(), T, H, id, weights.const_data_ptr<float>(), ids.size(1), E,
+                              a13.data(), a2.data(), I, out.mutable_data_ptr<float>(), at::get_num_threads()),
+              "moe_packed");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qwen, CPU, m) {
+  m.impl("linear_packed", &linear_packed);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("attention_block", &attention_block);
+  m.impl("moe_packed", &moe_packed);
+}

@@ -1,0 +1,271 @@
+"""The CPU fast path's ops (torch.ops.qwen.linear_packed, rms_norm, add_rms_norm, qk_norm_rope,
+silu_mul, attention_block, moe_packed) against their plain-torch references
+(qwen_ops/ops/kernels/reference_fused.py), on fresh random inputs, with every output poisoned
+(NaN) before the kernel writes it (QWEN_OPS_POISON_OUTPUTS for the C++ kernels); opcheck on each;
+the panel layout against a torch packing; errors that name the argument; and the ctypes fallback
+kernels against the same references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from qwen_ops.ops import registry
+from qwen_ops.ops.kernels import cpu
+from qwen_ops.ops.kernels import reference_fused as R
+from qwen_ops.ops.kernels.reference_moe import fused_moe_reference
+
+from qwen_tiny import shuffled_block_table, step_metadata
+from tolerances import FUSED_TOLERANCE
+
+DTYPES = [torch.float32, torch.bfloat16]
+LINEAR_SHAPES = [(64, 256), (13, 40), (70, 7)]          # (out, in): off the 32-feature panels, odd K
+ROWS = [1, 5, 13]
+NORM_SHAPES = [(1, 64), (7, 40), (3, 4, 16)]
+# (slot, start, tokens) per sequence: a prefill, a decode, a chunk, and a padding sequence.
+ATTENTION_STEP = [(0, 0, 9), (2, 14, 1), (1, 5, 3), (-1, 0, 1)]
+
+
+@pytest.fixture(autouse=True)
+def _fast_ops(monkeypatch):
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    cpu.op_library()
+    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
+
+
+def _close(got, want, dtype):
+    tol = FUSED_TOLERANCE[dtype]
+    assert not got.isnan().any(), "an output element was never written"
+    torch.testing.assert_close(got.float(), want.float(), atol=tol.atol, rtol=tol.rtol)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _linear_case(rows, shape, dtype, bias):
+    n, k = shape
+    weight = _randn(n, k, dtype=dtype, seed=rows)
+    x = _randn(rows, k + 3, dtype=dtype, seed=rows + 1)[:, :k]          # strided rows
+    return x, cpu.pack_panels(weight), _randn(n, seed=3) if bias else None, n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_pack_panels_matches_the_torch_layout(shape, dtype):
+    weight = _randn(*shape, dtype=dtype)
+    packed = cpu.pack_panels(weight)
+    assert torch.equal(packed, R.pack_panels_reference(weight))
+    assert torch.equal(R.unpack_panels(packed, *shape), weight)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_linear_packed(rows, shape, dtype, bias):
+    args = _linear_case(rows, shape, dtype, bias)
+    got = torch.ops.qwen.linear_packed(*args)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    _close(got, R.linear_packed_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_and_add_rms_norm(shape, dtype):
+    x, residual = _randn(*shape, dtype=dtype, seed=1), _randn(*shape, dtype=dtype, seed=2)
+    weight = _randn(shape[-1], dtype=dtype, seed=3)
+    _close(torch.ops.qwen.rms_norm(x, weight, 1e-6), R.rms_norm_reference(x, weight, 1e-6), dtype)
+    normed, total = torch.ops.qwen.add_rms_norm(x, residual, weight, 1e-6)
+    want_normed, want_total = R.add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total), "the residual sum is one rounded add, as torch's"
+    _close(normed, want_normed, dtype)
+
+
+def _qkv(tokens, heads, kv_heads, head_dim, dtype, seed=0):
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, v = qkv.view(tokens, -1, head_dim).split([heads, kv_heads, kv_heads], 1)   # strided views
+    return qkv, q, k, v
+
+
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope(dtype, norms):
+    _, q, k, _ = _qkv(6, 4, 2, 16, dtype)
+    weights = (_randn(16, dtype=dtype, seed=4), _randn(16, dtype=dtype, seed=5)) if norms else (None, None)
+    cos_sin = _randn(40, 16, seed=6)
+    positions = torch.tensor([0, 3, 39, 7, 7, 12], dtype=torch.int32)
+    got = torch.ops.qwen.qk_norm_rope(q, k, *weights, 1e-6, cos_sin, positions)
+    for g, w in zip(got, R.qk_norm_rope_reference(q, k, *weights, 1e-6, cos_sin, positions), strict=True):
+        assert g.is_contiguous()
+        _close(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = _randn(5, 2 * 37 + 6, dtype=dtype)[:, :2 * 37]      # strided rows, odd intermediate size
+    _close(torch.ops.qwen.silu_mul(gate_up), R.silu_mul_reference(gate_up), dtype)
+
+
+def _attention_case(dtype, norms=True, num_heads=4, kv_heads=2, head_dim=16, block_size=4):
+    table = shuffled_block_table(3, 5)
+    positions, attn, _ = step_metadata(ATTENTION_STEP, table)
+    qkv, _, _, _ = _qkv(positions.shape[0], num_heads, kv_heads, head_dim, dtype, seed=8)
+    shape = (table.numel() + 1, block_size, kv_heads, head_dim)
+    caches = _randn(*shape, dtype=dtype, seed=9), _randn(*shape, dtype=dtype, seed=10)   # random, not zeros
+    weights = (_randn(head_dim, dtype=dtype, seed=11), _randn(head_dim, dtype=dtype, seed=12)) if norms else (None, None)
+    return (qkv, *weights, 1e-6, _randn(64, head_dim, seed=13), positions.to(torch.int32), *caches, attn.slot_ids,
+            attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, head_dim ** -0.5,
+            attn.max_query_len, num_heads)
+
+
+def _clone_caches(args):
+    args = list(args)
+    args[6], args[7] = args[6].clone(), args[7].clone()
+    return args
+
+
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_block(dtype, norms):
+    """q/k norm + RoPE + kv write + attention in one op: the output and both caches against the
+    reference (kv_write_reference and slot_attention_reference after the reference norm + RoPE)."""
+    args = _attention_case(dtype, norms)
+    got_args, want_args = _clone_caches(args), _clone_caches(args)
+    got = torch.ops.qwen.attention_block(*got_args)
+    want = R.attention_block_reference(*want_args)
+    _close(got, want, dtype)
+    assert not got[-1].any(), "the padding sequence's row is zero"
+    for i in (6, 7):
+        _close(got_args[i], want_args[i], dtype)
+
+
+def test_attention_block_long_prefill_takes_the_reference_attention():
+    """Above REFERENCE_ABOVE_QUERY_LEN query rows the attention part runs the slot_attention op."""
+    table = shuffled_block_table(1, 30)
+    positions, attn, _ = step_metadata([(0, 0, cpu.REFERENCE_ABOVE_QUERY_LEN + 5)], table)
+    qkv, _, _, _ = _qkv(positions.shape[0], 4, 2, 16, torch.float32)
+    shape = (table.numel() + 1, 4, 2, 16)
+    args = (qkv, None, None, 1e-6, _randn(128, 16), positions.to(torch.int32), _randn(*shape), _randn(*shape),
+            attn.slot_ids, table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, 0.25, attn.max_query_len, 4)
+    got_args, want_args = _clone_caches(args), _clone_caches(args)
+    _close(torch.ops.qwen.attention_block(*got_args), R.attention_block_reference(*want_args), torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 2, 4), (7, 3, 8), (33, 4, 16)])
+def test_moe_packed(num_tokens, top_k, num_experts):
+    hidden, inter = 40, 24
+    x = _randn(num_tokens, hidden, seed=1)
+    w13, w2 = _randn(num_experts, 2 * inter, hidden, seed=2), _randn(num_experts, hidden, inter, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    p13 = torch.stack([cpu.pack_panels(w.contiguous()) for w in w13])
+    p2 = torch.stack([cpu.pack_panels(w.contiguous()) for w in w2])
+    got = torch.ops.qwen.moe_packed(x, p13, p2, weights, ids)
+    _close(got, fused_moe_reference(x, w13, w2, weights, ids), torch.float32)
+    _close(R.moe_packed_reference(x, p13, p2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids),
+           torch.float32)
+    bad = ids.clone()
+    bad[0, 0] = num_experts
+    with pytest.raises(ValueError, match=f"topk_ids\\[0, 0\\] = {num_experts}, but w13 has {num_experts} experts"):
+        torch.ops.qwen.moe_packed(x, p13, p2, weights, bad)
+
+
+def _samples():
+    x, packed, bias, n = _linear_case(3, (40, 24), torch.float32, True)
+    _, q, k, _ = _qkv(3, 4, 2, 16, torch.float32)
+    norm_x = _randn(3, 24)
+    e = 4
+    p13 = torch.stack([cpu.pack_panels(_randn(32, 24, seed=i)) for i in range(e)])
+    p2 = torch.stack([cpu.pack_panels(_randn(24, 16, seed=i)) for i in range(e)])
+    return {
+        "linear_packed": (x.contiguous(), packed, bias, n),
+        "rms_norm": (norm_x, _randn(24, seed=1), 1e-6),
+        "add_rms_norm": (norm_x, _randn(3, 24, seed=2), _randn(24, seed=1), 1e-6),
+        "qk_norm_rope": (q, k, _randn(16), None, 1e-6, _randn(8, 16), torch.tensor([0, 5, 7], dtype=torch.int32)),
+        "silu_mul": (_randn(3, 20),),
+        "attention_block": tuple(_attention_case(torch.float32)),
+        "moe_packed": (_randn(3, 24), p13, p2, torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [3, 0]],
+                                                                             dtype=torch.int32)),
+    }
+
+
+@pytest.mark.parametrize("name", ["linear_packed", "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul",
+                                  "attention_block", "moe_packed"])
+def test_opcheck(name, monkeypatch):
+    monkeypatch.delenv("QWEN_OPS_POISON_OUTPUTS")      # opcheck compares runs; NaN never equals NaN
+    torch.library.opcheck(getattr(torch.ops.qwen, name).default, _samples()[name])
+
+
+def test_errors_name_the_argument_value_and_expectation():
+    x, packed, bias, n = _linear_case(3, (40, 24), torch.float32, True)
+    with pytest.raises(ValueError, match=r"packed has shape \[2, 24, 32\] and dtype Float, expected a "
+                                         r"contiguous \[1, 24, 32\] Float tensor \(pack_panels of a \[20, 24\]"):
+        torch.ops.qwen.linear_packed(x, packed, bias, 20)
+    with pytest.raises(ValueError, match="bias has shape"):
+        torch.ops.qwen.linear_packed(x, packed, bias[:10], n)
+    args = list(_attention_case(torch.float32))
+    bad_slots = args[8].clone()
+    bad_slots[0] = 3
+    keys = args[6].clone()
+    with pytest.raises(ValueError, match="slot_ids\\[0\\] = 3, but only 3 slots exist"):
+        torch.ops.qwen.attention_block(*args[:8], bad_slots, *args[9:])
+    bad_positions = args[5].clone()
+    bad_positions[2] = 64
+    with pytest.raises(ValueError, match="positions\\[2\\] = 64, expected 0 <= position < 64"):
+        torch.ops.qwen.attention_block(*args[:5], bad_positions, *args[6:])
+    assert torch.equal(args[6], keys), "nothing is written before the checks pass"
+    q = _randn(3, 4, 16)
+    with pytest.raises(ValueError, match="cos_sin has shape"):
+        torch.ops.qwen.qk_norm_rope(q, q, None, None, 1e-6, _randn(8, 8), torch.zeros(3, dtype=torch.int32))
+
+
+def test_fake_kernels_trace_without_data():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name, args in _samples().items():
+        mode = FakeTensorMode()
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with mode:
+            out = getattr(torch.ops.qwen, name)(*fake)
+        assert out is not None, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ctypes_fallback_kernels_match(dtype):
+    """The kernels registered where the C++ ones do not build (same C arithmetic, through ctypes)."""
+    k = registry._CTYPES_FAST_OPS
+    args = _linear_case(5, (70, 7), dtype, True)
+    _close(k["linear_packed"](*args), R.linear_packed_reference(*args), dtype)
+    x, w = _randn(7, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
+    _close(k["rms_norm"](x, w, 1e-6), R.rms_norm_reference(x, w, 1e-6), dtype)
+    got, want = k["add_rms_norm"](x, x, w, 1e-6), R.add_rms_norm_reference(x, x, w, 1e-6)
+    _close(got[0], want[0], dtype)
+    gate_up = _randn(5, 40, dtype=dtype)
+    _close(k["silu_mul"](gate_up), R.silu_mul_reference(gate_up), dtype)
+    case = _attention_case(dtype)
+    got_args, want_args = _clone_caches(case), _clone_caches(case)
+    _close(k["attention_block"](*got_args), R.attention_block_reference(*want_args), dtype)
+
+
+def test_compiled_graph_keeps_the_ops_whole():
+    """Opaque ops with fakes: torch.compile(fullgraph=True) traces them without a break."""
+    import torch._dynamo
+
+    args = _linear_case(3, (40, 24), torch.float32, True)
+    norm_w = _randn(40, seed=5)
+
+    def f(x, packed, bias, n):
+        y = torch.ops.qwen.linear_packed(x, packed, bias, n)
+        return torch.ops.qwen.rms_norm(y, norm_w, 1e-6)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = args[0].contiguous()
+    torch.testing.assert_close(compiled(x, *args[1:]), f(x, *args[1:]))
+    assert dataclasses.is_dataclass(FUSED_TOLERANCE[torch.float32])
