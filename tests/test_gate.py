@@ -32,9 +32,9 @@ def test_unmeasured_cpu_gets_the_lowest_floor_of_each_ratio(gate):
 
 
 def test_floors_stay_above_the_torch_path(gate):
-    """A floor below what the engine gets without its native CPU forward would not catch that regression."""
+    """A floor below what the engine gets without its fast CPU ops would not catch that regression."""
     for vendor, floors in gate.THRESHOLDS_BY_VENDOR.items():
-        for name in ("generate_vs_transformers", "single_vs_transformers"):
+        for name in ("generate_vs_transformers", "single_vs_transformers", "fast_vs_reference_decode"):
             assert floors[name] > 1.0, (vendor, name)
 
 
@@ -51,7 +51,8 @@ def test_realsize_runs_in_the_full_mode_only_and_never_fails_it(gate, monkeypatc
     """bench_realsize.py (minutes, gigabytes) runs in the full gate, not in CI's --short, and its
     figures have no floor: an error in it is reported, not a gate failure."""
     ratio = {"ratio": 100.0}
-    monkeypatch.setattr(gate, "compiled_vs_eager", lambda *a, **k: dict(ratio, op_path_ms=1.0, compiled_ms=0.01))
+    monkeypatch.setattr(gate, "compiled_vs_eager", lambda *a, **k: dict(ratio, op_path_ms=1.0, compiled_ms=0.01,
+                                                                         eager_ms=0.01))
     monkeypatch.setattr(gate, "batched_vs_loop", lambda *a, **k: ratio)
     monkeypatch.setattr(gate, "generate_vs_transformers", lambda *a, **k: {"batch": ratio, "single": ratio})
     calls = []
@@ -59,3 +60,49 @@ def test_realsize_runs_in_the_full_mode_only_and_never_fails_it(gate, monkeypatc
     assert gate.main(["--short"]) == 0 and calls == []
     assert gate.main([]) == 0 and calls == [1]
     assert gate.main(["--no-realsize"]) == 0 and calls == [1]
+
+
+def _stub_measurements(gate, monkeypatch, *, op_path_ms=3.0, fast_ms=1.0, same="32/32", llm=("cpu",),
+                       decode_implementations=None):
+    implementations = decode_implementations or {"eager": ["cpu"], "compiled": ["cpu"], "op_path": ["native"]}
+    decode = {"ratio": 1.0, "eager_ms": fast_ms, "compiled_ms": fast_ms, "compiled_warmup_s": 1.0,
+              "op_path_ms": op_path_ms, "implementations": implementations}
+    gen = {"ratio": 100.0, "same_tokens": same, "implementations": {"llm": list(llm)}}
+    monkeypatch.setattr(gate, "compiled_vs_eager", lambda *a, **k: dict(decode))
+    monkeypatch.setattr(gate, "batched_vs_loop", lambda *a, **k: {"ratio": 100.0})
+    monkeypatch.setattr(gate, "generate_vs_transformers", lambda *a, **k: {"batch": dict(gen), "single": dict(gen)})
+    monkeypatch.setattr(gate, "cpu_vendor", lambda: "GenuineIntel")
+
+
+def test_main_passes_the_stubbed_good_run(gate, monkeypatch):
+    _stub_measurements(gate, monkeypatch)
+    assert gate.main(["--short"]) == 0
+
+
+def test_main_fails_when_the_fast_ops_are_lost(gate, monkeypatch, capsys):
+    """The fast ops against the reference op path: a ratio near 1 (the fast path lost) fails."""
+    _stub_measurements(gate, monkeypatch, op_path_ms=1.05, fast_ms=1.0)
+    assert gate.main(["--short"]) == 1
+    assert "fast_vs_reference_decode" in capsys.readouterr().err
+
+
+def test_main_fails_on_a_token_mismatch(gate, monkeypatch, capsys):
+    """A generated sequence that differs from transformers' fails the gate whatever the speed
+    (attention broken printed same_tokens=0/32 and exited 0 before)."""
+    _stub_measurements(gate, monkeypatch, same="31/32")
+    assert gate.main(["--short"]) == 1
+    assert "same_tokens=31/32" in capsys.readouterr().err
+
+
+def test_main_fails_when_a_timed_engine_ran_another_implementation(gate, monkeypatch, capsys):
+    """The timed steps' implementation is asserted: the fast engine on the plain forward fails."""
+    from qwen_ops.ops.kernels import cpu
+
+    if cpu.why_unavailable() is not None:
+        pytest.skip("without the cpu kernels every engine is plain")
+    _stub_measurements(gate, monkeypatch, decode_implementations={"eager": ["native"], "compiled": ["cpu"],
+                                                                   "op_path": ["native"]})
+    assert gate.main(["--short"]) == 1
+    assert "the eager engine's layers ran ['native']" in capsys.readouterr().err
+    _stub_measurements(gate, monkeypatch, llm=("cpu", "native"))
+    assert gate.main(["--short"]) == 1
