@@ -9,10 +9,8 @@ What it measures, in one process, alone on the machine if possible:
 - the machine's single-thread read bandwidth (the faster of ``torch.sum`` and ``torch.mv`` over a
   1 GiB fp32 tensor), measured between the decode steps of the next item so that both see the
   same machine load;
-- the 1-request decode step of qwen_ops (its native CPU executor): time, the weight bytes it
-  reads, the effective bandwidth as a fraction of the measured one, and a breakdown into the
-  layers' products, the lm_head, attention and the rest (the C forward's own timers, see
-  ``cpu.dense_forward(..., timings=...)``) plus the Python around the C call.
+- the 1-request decode step of qwen_ops (the model's forward on the CPU fast path's ops): time,
+  the weight bytes it reads, and the effective bandwidth as a fraction of the measured one.
 
 ``--products``: the layers' products against oneDNN's prepacked GEMM (1 to 256 rows, 1 and 2
 threads); ``--threads``: ``LLM.generate`` with 1 and 2 intra-op threads. Neither runs by default.
@@ -100,61 +98,51 @@ def read_bandwidth_probe(gib: float = 1.0):
     return probe
 
 
-def weight_bytes_per_step(executor) -> int:
-    """Bytes of weights one decode step reads: every packed matrix and vector the C forward
-    walks, the lm_head included (padding included: it is read too)."""
-    tensors = [t for layer in executor._layers for t in layer if t is not None]
-    tensors += [executor._lm_head, executor._final_norm]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads on the fast path: every packed matrix (padding
+    included: it is read too), and the norms' and biases' vectors."""
+    total = 0
+    for name, t in model.named_buffers():
+        if name.endswith(("_packed", "_bias")):
+            total += t.numel() * t.element_size()
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            total += p.numel() * p.element_size()
+    return total
 
 
 def decode_step_profile(llm, prompt: list[int], steps: int) -> dict:
-    """The 1-request decode step of ``llm``'s engine: median time, the C forward's breakdown
-    (products, lm_head, attention, other C) and the Python around it, and the effective weight-read
+    """The 1-request decode step of ``llm``'s engine: median time and the effective weight-read
     bandwidth against the machine's (``read_bandwidth_probe``), the two measured alternately so
     that both see the same load."""
+    from qwen_ops.models.layers import forward_choices
     from qwen_ops.ops.kernels import cpu
 
     eng = llm.engine
-    executor = eng.runner.native
-    if executor is None:
-        return {"note": "the native CPU executor does not run this model"}
-    timings = torch.zeros(len(cpu.DENSE_FORWARD_TIMINGS), dtype=torch.float64)
-    native = cpu.dense_forward
-
-    def timed_forward(*args, **kwargs):
-        return native(*args, **kwargs, timings=timings)
-
+    if set(forward_choices(eng.model).values()) != {"cpu"}:
+        return {"note": "the CPU fast path does not run this model"}
     probe = read_bandwidth_probe()
     slot = eng.allocate_slot("bench_realsize")
     tok = eng.prefill(prompt, slot_id=slot).next_token
-    step_s, bandwidths, c_s = [], [], []
-    cpu.dense_forward = timed_forward     # instrumentation of this process only, undone below
+    step_s, bandwidths = [], []
     try:
         for i in range(steps + 1):
-            before = timings.clone()
             t0 = time.perf_counter()
             tok = eng.decode_step(tok, slot_id=slot).next_token
             t = time.perf_counter() - t0
             if i == 0:                   # the first step after the prefill: not a steady state
-                timings.zero_()
                 continue
             step_s.append(t)
-            c_s.append(timings - before)
             bandwidths.append(probe())
     finally:
-        cpu.dense_forward = native
         eng.free_slot(slot)
     step = statistics.median(step_s)
-    parts = torch.stack(c_s).median(dim=0).values.tolist()
-    weight_bytes = weight_bytes_per_step(executor)
+    weight_bytes = weight_bytes_per_step(eng.model)
     bandwidth = statistics.median(bandwidths)
     effective = weight_bytes / step
-    breakdown = dict(zip(cpu.DENSE_FORWARD_TIMINGS, parts))
-    breakdown["python"] = step - sum(parts)
     return {"step_ms": 1e3 * step, "weight_gb": weight_bytes / 1e9, "read_bandwidth_gb_s": bandwidth / 1e9,
             "effective_gb_s": effective / 1e9, "bandwidth_fraction": effective / bandwidth,
-            "breakdown_ms": {k: 1e3 * v for k, v in breakdown.items()}, "bf16_products": cpu.bf16_products()}
+            "bf16_products": cpu.bf16_products()}
 
 
 def generate_side_by_side(path: Path, dtype: torch.dtype, batches: dict, new_tokens: int, reps: int,
@@ -184,8 +172,10 @@ def generate_side_by_side(path: Path, dtype: torch.dtype, batches: dict, new_tok
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         return out[:, ids.shape[1]:].tolist()
 
+    from qwen_ops.models.layers import forward_choices
+
     result = {"dtype": str(dtype).removeprefix("torch."),
-              "executor": "native" if llm.engine.runner.native is not None else "eager"}
+              "implementation": sorted(set(forward_choices(llm.engine.model).values()))}
     for label, ps in batches.items():
         runners = {"qwen_ops": run_ours} | ({"transformers": run_hf} if hf is not None else {})
         tokens, times = {}, {k: [] for k in runners}
@@ -228,7 +218,7 @@ def run(cache_dir: Path | None = None, *, dtypes=("float32", "bfloat16"), reques
 def products_vs_onednn(rows=(1, 8, 32, 96, 256), dtypes=("float32", "bfloat16"), reps: int = 7,
                        threads=(1,), stream_bytes: int = 600 << 20) -> list[dict]:
     """The layers' products (q, k, v, o, gate, up, down at this model's shapes) on ``rows`` input
-    rows: the native executor's packed product (``cpu.linear_packed``) against oneDNN's prepacked
+    rows: the packed product of torch.ops.qwen.linear_packed (``cpu.linear_packed``) against oneDNN's prepacked
     one (``torch.ops.mkldnn._linear_pointwise``, the weight reordered for that row count, as
     Inductor's freezing does), each with each of ``threads`` intra-op threads. Enough
     distinct layers (``stream_bytes`` of weights each way, more than the L3) that the weights come
@@ -286,7 +276,7 @@ def products_vs_onednn(rows=(1, 8, 32, 96, 256), dtypes=("float32", "bfloat16"),
 def threads_side_by_side(path: Path, dtype: torch.dtype, batches: dict, new_tokens: int, reps: int,
                          threads=(1, 2)) -> dict:
     """tok/s of LLM.generate with each intra-op thread count (interleaved runs, medians): the
-    native executor runs with one thread only; with more, the model's forward (torch's products)."""
+    packed products split across the threads (OpenMP builds)."""
     from qwen_ops.engine.sampling import SamplingParams
     from qwen_ops.serving.llm import LLM
 
@@ -349,8 +339,7 @@ def print_report(results: dict, out=sys.stdout) -> None:
         p = r.get("decode_step_1_request") if isinstance(r, dict) else None
         if not p or "step_ms" not in p:
             continue
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in p["breakdown_ms"].items())
-        print(f"{dtype} decode step, 1 request: {p['step_ms']:.1f} ms ({parts} ms); reads {p['weight_gb']:.3f} GB "
+        print(f"{dtype} decode step, 1 request: {p['step_ms']:.1f} ms; reads {p['weight_gb']:.3f} GB "
               f"of weights = {p['effective_gb_s']:.2f} GB/s = {100 * p['bandwidth_fraction']:.0f}% of the measured "
               f"{p['read_bandwidth_gb_s']:.2f} GB/s (torch.sum / torch.mv, 1 GiB); bf16 products: {p['bf16_products']}",
               file=out)

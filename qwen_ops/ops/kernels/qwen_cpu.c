@@ -63,6 +63,26 @@ static inline uint16_t f32_to_f16(float f) {
     return h;
 }
 
+/* Whole rows of bf16 <-> fp32, branch-free so that they vectorize (the fast path's ops convert
+ * every bf16 activation row they read and write); the roundings of bf16_to_f32 / f32_to_bf16. */
+static inline void bf16_row_to_f32(const uint16_t *src, int64_t n, float *dst) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+        const uint32_t u = (uint32_t)src[d] << 16;
+        memcpy(dst + d, &u, 4);
+    }
+}
+
+static inline void f32_row_to_bf16(const float *src, int64_t n, uint16_t *dst) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+        uint32_t u;
+        memcpy(&u, src + d, 4);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+        dst[d] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+    }
+}
+
 static inline void load_row(const void *base, int64_t offset, int dtype, int64_t n, float *dst) {
     if (dtype == 0) {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
@@ -70,8 +90,7 @@ static inline void load_row(const void *base, int64_t offset, int dtype, int64_t
         const uint16_t *p = (const uint16_t *)base + offset;
         for (int64_t d = 0; d < n; ++d) dst[d] = f16_to_f32(p[d]);
     } else {
-        const uint16_t *p = (const uint16_t *)base + offset;
-        for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_f32(p[d]);
+        bf16_row_to_f32((const uint16_t *)base + offset, n, dst);
     }
 }
 
@@ -82,8 +101,7 @@ static inline void store_row(void *base, int64_t offset, int dtype, int64_t n, c
         uint16_t *p = (uint16_t *)base + offset;
         for (int64_t d = 0; d < n; ++d) p[d] = f32_to_f16(src[d]);
     } else {
-        uint16_t *p = (uint16_t *)base + offset;
-        for (int64_t d = 0; d < n; ++d) p[d] = f32_to_bf16(src[d]);
+        f32_row_to_bf16(src, n, (uint16_t *)base + offset);
     }
 }
 
@@ -919,13 +937,34 @@ static inline __attribute__((always_inline)) QWEN_DPBF16_TARGET void panel_block
     }
 }
 
+/* The panels of y [M, N] = x w^T by VDPBF16PS from xp, the input rows as bf16 pairs (row stride xps). */
+static QWEN_DPBF16_TARGET void dpbf16_panels(const uint32_t *xp, int64_t xps, int64_t M, const uint16_t *wp,
+                                             const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                                             int threads) {
+    (void)threads;   /* without OpenMP */
+    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < P; ++p) {
+        const uint16_t *panel = wp + p * K2 * 64;
+        const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+        const float *b = bias == NULL ? NULL : bias + n0;
+        int64_t m = 0;
+        for (; m + PANEL_MR <= M; m += PANEL_MR)
+            panel_block_dpbf16(xp + m * xps, xps, panel, K2, b, y + m * ys + n0, ys, cols, PANEL_MR);
+        const uint32_t *xm = xp + m * xps;
+        float *ym = y + m * ys + n0;
+#define DP_BLOCK(MR_) panel_block_dpbf16(xm, xps, panel, K2, b, ym, ys, cols, MR_)
+        PANEL_ROWS_SWITCH(M - m, DP_BLOCK)
+#undef DP_BLOCK
+    }
+}
+
 /* qwen_linear_packed_bf16 by VDPBF16PS. Returns -1 (nothing written) when scratch memory for the
  * bf16 pairs of x could not be allocated. */
 static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp,
                                                    const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
                                                    int threads) {
-    (void)threads;   /* without OpenMP */
-    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32;
+    const int64_t K2 = (K + 1) / 2;
     uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(M * K2 > 0 ? M * K2 : 1));
     if (xp == NULL) return -1;
     for (int64_t m = 0; m < M; ++m)
@@ -937,20 +976,7 @@ static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, i
             memcpy(&ub, &b, 4);
             xp[m * K2 + kk] = (ua >> 16) | (ub & 0xFFFF0000u);
         }
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t p = 0; p < P; ++p) {
-        const uint16_t *panel = wp + p * K2 * 64;
-        const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
-        const float *b = bias == NULL ? NULL : bias + n0;
-        int64_t m = 0;
-        for (; m + PANEL_MR <= M; m += PANEL_MR)
-            panel_block_dpbf16(xp + m * K2, K2, panel, K2, b, y + m * ys + n0, ys, cols, PANEL_MR);
-        const uint32_t *xm = xp + m * K2;
-        float *ym = y + m * ys + n0;
-#define DP_BLOCK(MR_) panel_block_dpbf16(xm, K2, panel, K2, b, ym, ys, cols, MR_)
-        PANEL_ROWS_SWITCH(M - m, DP_BLOCK)
-#undef DP_BLOCK
-    }
+    dpbf16_panels(xp, K2, M, wp, bias, N, K, y, ys, threads);
     free(xp);
     return 0;
 }
@@ -1005,6 +1031,17 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
         qwen_linear_packed((const float *)x, xs, M, (const float *)wp, bias, N, K, (float *)y, ys, threads);
         return 0;
     }
+#if QWEN_DPBF16
+    /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. */
+    if (qwen_bf16_dot_products() && K % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
+        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
+        if (yf == NULL) return -1;
+        dpbf16_panels((const uint32_t *)x, xs / 2, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads);
+        for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);
+        free(yf);
+        return 0;
+    }
+#endif
     float *buf = malloc(sizeof(float) * (size_t)(M * (K + N) > 0 ? M * (K + N) : 1));
     if (buf == NULL) return -1;
     float *xf = buf, *yf = buf + M * K;
