@@ -14,8 +14,8 @@
 2. End to end. ``LLM.generate`` against ``transformers.generate`` on a tiny random ``qwen3_moe``
    (4 layers, hidden 256, 16 experts, top 4), 32 requests x (64 prompt + 64 new) tokens, greedy,
    counting identical continuations (benchmarks/gate.py's ``generate_vs_transformers``), and one
-   request; the CPU default engine (eager op path: the native CPU executor covers dense models
-   only) and, unless ``--short``, ``LLM(compile=True)`` (compile time excluded).
+   request; the CPU default engine (eager, the layers on the CPU fast path's ops, the routed
+   experts on ``moe_packed``) and, unless ``--short``, ``LLM(compile=True)`` (compile time excluded).
 
 Issue 19's CPU targets: the cpu fused_moe >= 3x transformers' MoE block at T = 512 and no slower
 at T = 1; LLM.generate >= 2x transformers.generate. Figures live in benchmarks/README.md.

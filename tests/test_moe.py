@@ -9,7 +9,7 @@ sequence, and a mixed batch with a padding sequence), greedy generation of 32 to
 ``generate(do_sample=False)`` per prompt and batched, the sparse/dense layer pattern, both checkpoint
 layouts loading to the same weights, a missing expert named, the multimodal ``qwen3_5_moe`` wrapper,
 the model on every backend (triton under the interpreter), ``torch.compile(fullgraph=True)``, and the
-native CPU executor on qwen3_moe against the op path. Caches start NaN-poisoned.
+CPU fast path's ops (packed experts, ``moe_packed``) on qwen3_moe against the op path. Caches start NaN-poisoned.
 """
 
 from __future__ import annotations

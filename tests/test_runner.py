@@ -89,7 +89,7 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
     """Padding to buckets is for compiled / captured steps; eager steps do not pay for it."""
     eager, compiled = engines
     seen = []
-    forward = eager.runner._run_uncompiled        # the model's forward or the native CPU executor
+    forward = eager.runner._run_uncompiled        # the model's forward
     monkeypatch.setattr(eager.runner, "_run_uncompiled",
                         lambda executor, ids, *a, **k: seen.append(ids.shape[0]) or forward(executor, ids, *a, **k))
     for engine in (eager, compiled):

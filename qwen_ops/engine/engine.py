@@ -513,9 +513,8 @@ class QwenEngine:
             return True
 
     def refresh_weights(self) -> None:
-        """Call after changing the model's weights in a way torch does not track
-        (``param.data.copy_(...)``): the native CPU executor repacks its copy. (Replaced or
-        in-place-written parameters are noticed without it.)"""
+        """Call after changing the model's weights: the layers repack the copies their CPU fast
+        path reads (``process_weights_after_loading``); nothing notices a change without it."""
         with self._lock:
             self.runner.refresh_weights()
             if self.prefix_caching:
