@@ -104,8 +104,9 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
 
 
 def test_compiled_step_reads_current_weights(engines):
-    """The compiled step skips Dynamo's module guards; parameter values are graph inputs, so a
-    weight written after compilation is used by the next compiled step (never a stale copy)."""
+    """The compiled step skips Dynamo's module guards; parameter values (and the CPU fast path's
+    packed buffers) are graph inputs, so a weight written after compilation, and repacked by
+    ``refresh_weights()``, is used by the next compiled step (never a stale copy)."""
     eager, compiled = engines
     for engine in (eager, compiled):
         engine.prefill(PROMPTS[0], slot_id=0)
@@ -114,6 +115,7 @@ def test_compiled_step_reads_current_weights(engines):
     for engine in (eager, compiled):                  # separate models: scale both lm_heads
         with torch.no_grad():
             engine.model.lm_head.weight.mul_(-2.0)
+        engine.refresh_weights()
     after = [e.decode_step(9, slot_id=0).logits for e in (eager, compiled)]
     try:
         torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
@@ -123,3 +125,4 @@ def test_compiled_step_reads_current_weights(engines):
         for engine in (eager, compiled):
             with torch.no_grad():
                 engine.model.lm_head.weight.div_(-2.0)
+            engine.refresh_weights()
