@@ -22,6 +22,8 @@ having chosen them once in ``process_weights_after_loading()`` (``qwen_ops/model
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -50,11 +52,19 @@ class QwenDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, positions32, attn,
-                                                            kv_cache), h)   # h + attention, and its norm
-        return h + self.mlp(x)
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                positions32: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the residual stream is ``residual + h`` at the layer's entry
+        (``residual`` None: ``h`` itself, the embeddings) and ``residual + mlp_out`` at its exit;
+        each add happens inside the next norm (vLLM's residual carry: one op on the CPU fast path)."""
+        if residual is None:          # the first layer (structure, not data)
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, positions32, attn, kv_cache),
+                                                    residual)
+        return self.mlp(x), residual
 
 
 class QwenModel(nn.Module):
@@ -149,9 +159,10 @@ class QwenForCausalLM(nn.Module):
         positions32 = positions.to(torch.int32)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._rope(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, positions32, attn, kv_cache)
+            h, residual = layer(h, residual, cos, sin, positions32, attn, kv_cache)
         # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
         # skips the lm_head matmul on every other row.
-        h = torch.index_select(h, 0, logits_indices)
-        return self._lm_head(self.model.norm(h))
+        h, residual = torch.index_select(h, 0, logits_indices), torch.index_select(residual, 0, logits_indices)
+        return self._lm_head(self.model.norm(h, residual)[0])

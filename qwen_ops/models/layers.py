@@ -226,8 +226,7 @@ class QwenMLP(nn.Module):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = LINEAR_PACKED(x, self.gate_up_packed, self.gate_up_bias, self._gate_up_features)
-        down = LINEAR_PACKED(SILU_MUL(gate_up), self.down_packed, self.down_bias,
-                                            self.down_proj.out_features)
+        down = LINEAR_PACKED(SILU_MUL(gate_up), self.down_packed, self.down_bias, self._down_features)
         return self._down_finish(down)
 
     def process_weights_after_loading(self) -> None:
@@ -235,7 +234,7 @@ class QwenMLP(nn.Module):
             packed, bias, self._gate_up_features, _ = pack_linears(self.gate_proj, self.up_proj)
             self.register_buffer("gate_up_packed", packed, persistent=False)
             self.register_buffer("gate_up_bias", bias, persistent=False)
-            packed, bias, _, self._down_finish = pack_linears(self.down_proj)
+            packed, bias, self._down_features, self._down_finish = pack_linears(self.down_proj)
             self.register_buffer("down_packed", packed, persistent=False)
             self.register_buffer("down_bias", bias, persistent=False)
             self._forward_method = self.forward_cpu
@@ -286,7 +285,7 @@ class SlotAttention(nn.Module):
             packed, bias, self._qkv_features, _ = pack_linears(self.q_proj, self.k_proj, self.v_proj)
             self.register_buffer("qkv_packed", packed, persistent=False)
             self.register_buffer("qkv_bias", bias, persistent=False)
-            packed, bias, _, self._o_finish = pack_linears(self.o_proj)
+            packed, bias, self._o_features, self._o_finish = pack_linears(self.o_proj)
             self.register_buffer("o_packed", packed, persistent=False)
             self.register_buffer("o_bias", bias, persistent=False)
             self.register_buffer("rope_cos_sin", rope_table, persistent=False)
@@ -305,7 +304,7 @@ class SlotAttention(nn.Module):
                             self.eps, self.rope_cos_sin, positions32, key_cache, value_cache, attn.slot_ids,
                             attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, self.scale,
                             attn.max_query_len, self.num_heads)
-        return self._o_finish(LINEAR_PACKED(o, self.o_packed, self.o_bias, self.o_proj.out_features))
+        return self._o_finish(LINEAR_PACKED(o, self.o_packed, self.o_bias, self._o_features))
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                        attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
