@@ -269,3 +269,19 @@ def test_compiled_graph_keeps_the_ops_whole():
     x = args[0].contiguous()
     torch.testing.assert_close(compiled(x, *args[1:]), f(x, *args[1:]))
     assert dataclasses.is_dataclass(FUSED_TOLERANCE[torch.float32])
+
+
+def test_the_ops_run_on_cpu_tensors_in_a_fresh_process():
+    """No packing call needed first: the CPU kernel registered at import registers the real ones
+    on the first call (and they replace it)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, qwen_ops\n"
+            "from qwen_ops.ops.kernels.reference_fused import silu_mul_reference\n"
+            "x = torch.randn(3, 16)\n"
+            "torch.testing.assert_close(torch.ops.qwen.silu_mul(x), silu_mul_reference(x))\n"
+            "torch.testing.assert_close(torch.ops.qwen.silu_mul(x), silu_mul_reference(x))\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -9,6 +9,7 @@ built, only adds kernels in its own private namespace, which the ``cuda`` backen
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -221,8 +222,10 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 # --------------------------------------------------------------------------------------------
 # A layer chooses these once, when its weights are packed (qwen_ops/models/layers.py: on the CPU,
 # fp32 or bf16, the cpu backend selected and its C kernels built); nothing is chosen per call.
-# On CPU tensors they run the C kernels (kernels/cpu.py), on any other device the plain-torch
-# references (kernels/reference_fused.py), which are also the test oracle.
+# On CPU tensors they run the C++ dispatcher kernels of kernels/qwen_cpu_ops.cpp (built and
+# registered by kernels/cpu.py op_library, on first use), or, without a C++ compiler, the ctypes
+# kernels below; on any other device the plain-torch references (kernels/reference_fused.py),
+# which are also the test oracle.
 
 from qwen_ops.ops.kernels import reference_fused as R  # noqa: E402
 
@@ -299,10 +302,30 @@ for _name, _reference in _REFERENCES.items():
     _FAST_LIB.impl(_name, _reference, "CUDA")
 
 
-def register_ctypes_fast_ops() -> None:
-    """Registers the ctypes CPU kernels of the fast ops (called once, by kernels/cpu.py op_library)."""
+
+
+def _first_cpu_call(name: str):
+    """The CPU kernel registered at import: it registers the real ones (op_library, once; they
+    replace this one in the dispatcher) and calls the op again."""
+    def kernel(*args):
+        if _cpu().op_library() not in ("c++", "ctypes"):
+            raise AssertionError(f"qwen::{name}: no CPU kernel was registered")
+        return getattr(torch.ops.qwen, name).default(*args)
+    return kernel
+
+
+for _name in _REFERENCES:
+    _FAST_LIB.impl(_name, _first_cpu_call(_name), "CPU")
+
+
+@functools.lru_cache(maxsize=1)
+def register_ctypes_fast_ops() -> torch.library.Library:
+    """Registers the ctypes CPU kernels of the fast ops (once, by kernels/cpu.py op_library, where
+    the C++ ones do not build); the returned library holds the registrations for the process."""
+    lib = torch.library.Library(NAMESPACE, "IMPL")
     for name, fn in _CTYPES_FAST_OPS.items():
-        _FAST_LIB.impl(name, fn, "CPU")
+        lib.impl(name, fn, "CPU")
+    return lib
 
 
 @torch.library.register_fake(f"{NAMESPACE}::linear_packed", lib=_LIB)
