@@ -139,7 +139,7 @@ class TokenBudget:
 
     def remaining_decode(self) -> int:
         return max(0, min(self.max_decode_tokens - self.decode_tokens,
-                          self.max_total_tokens - self.total_tokens()))
+                          self.max_total_tokens - self.prefill_tokens - self.decode_tokens))
 
     def allocate_prefill(self, tokens: int) -> None:
         if tokens > self.remaining_prefill():

@@ -302,7 +302,7 @@ class KVCacheManager:
         caching make its newly full blocks addressable."""
         s = self.slots[slot]
         s.num_tokens += len(tokens)
-        if not self.prefix_caching:
+        if not self.pool.prefix_caching:
             return
         pool, bs = self.pool, self.block_size
         s.token_ids.extend(tokens)

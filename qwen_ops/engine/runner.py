@@ -331,7 +331,7 @@ class ModelRunner:
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
             return out[:len(chunks)].to(torch.float32, copy=True)
         inputs = self.decode_inputs(bucket)
-        with trusted_metadata():   # built from the engine's validated slot state
+        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
             if static:
                 logits = self._decode_step(*inputs)
             else:
@@ -483,6 +483,6 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
-        with trusted_metadata():   # built from the engine's validated slot state
+        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
             logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)
         return logits.float()

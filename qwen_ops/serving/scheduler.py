@@ -92,8 +92,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of prompt + output, without joining the two (a decode's is O(1))."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[start:stop] if stop <= n else self.all_token_ids()[start:stop]
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     @property
     def finished(self) -> bool:
