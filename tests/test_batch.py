@@ -1,10 +1,9 @@
-"""The scheduled-item vocabulary of the seed (batch.rs): BatchedRequest, ScheduledBatch, IterationPlan,
-TokenBudget, RequestId; chunked-prefill offsets."""
+"""The scheduled-item vocabulary of the seed (batch.rs): BatchedRequest, IterationPlan, TokenBudget,
+RequestId; chunked-prefill offsets."""
 
 import pytest
 
-from qwen_ops.engine.batch import BatchedRequest, RequestId, ScheduledBatch
-from qwen_ops.serving.batch import IterationPlan, TokenBudget
+from qwen_ops.engine.batch import BatchedRequest, IterationPlan, RequestId, TokenBudget
 
 
 def test_batched_request():
@@ -31,14 +30,16 @@ def test_token_budget():
     budget = TokenBudget(100, 10, 105)
     assert budget.remaining_prefill() == 100
     assert budget.remaining_decode() == 10
-    assert budget.try_allocate_prefill(50)
+    budget.allocate_prefill(50)
     assert budget.remaining_prefill() == 50
     assert budget.remaining_decode() == 10
-    assert budget.try_allocate_prefill(50)
-    assert not budget.try_allocate_prefill(1)
+    budget.allocate_prefill(50)
+    with pytest.raises(ValueError, match="tokens = 1, but only 0 prefill tokens remain"):
+        budget.allocate_prefill(1)
     for _ in range(5):
-        assert budget.try_allocate_decode()
-    assert not budget.try_allocate_decode()       # the total limit (105) binds before the decode limit
+        budget.allocate_decode()
+    with pytest.raises(ValueError, match="no decode tokens remain"):
+        budget.allocate_decode()                  # the total limit (105) binds before the decode limit
     assert budget.total_tokens() == 105
 
 
@@ -58,8 +59,6 @@ def test_iteration_plan_merges_prefill_first():
     plan.prefill_tasks.append(BatchedRequest(0, [1, 2, 3], 0, r1))
     plan.decode_tasks.append(BatchedRequest(2, [9], 4, r3, is_prefill=False))
     assert plan.has_work() and plan.total_requests() == 3 and plan.total_tokens() == 5
-    batch = plan.to_scheduled_batch(5)
-    assert isinstance(batch, ScheduledBatch)
-    assert batch.batch_id == 5 and len(batch) == 3 and batch.total_tokens == 5
-    assert [r.request_id for r in batch.requests] == [r1, r2, r3]
-    assert [r.is_prefill for r in batch.requests] == [True, False, False]
+    rows = plan.tasks()                           # the rows of the step's one forward pass
+    assert [r.request_id for r in rows] == [r1, r2, r3]
+    assert [r.is_prefill for r in rows] == [True, False, False]

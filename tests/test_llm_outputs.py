@@ -34,7 +34,7 @@ def plain(llm):
 def _assert_no_leak(llm):
     s = llm.stats()
     assert s["free_blocks"] == s["total_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0
-    assert not llm._groups and not llm._completions
+    assert not llm.core.outputs.states and not llm.core.outputs.completions
 
 
 def test_text_is_the_decoded_tokens(llm, plain):
@@ -268,16 +268,16 @@ def test_async_queue_is_bounded(llm):
 
 
 def test_async_failure_fails_only_that_iteration(engine, llm, plain, monkeypatch):
-    real = llm.engine.execute
+    real = llm.engine.runner.step
     calls = {"n": 0}
 
-    def flaky(chunks):
+    def flaky(plan):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected kernel failure")
-        return real(chunks)
+        return real(plan)
 
-    monkeypatch.setattr(llm.engine, "execute", flaky)
+    monkeypatch.setattr(llm.engine.runner, "step", flaky)
 
     async def main():
         with pytest.raises(RuntimeError, match="injected kernel failure"):

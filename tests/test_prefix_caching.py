@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from qwen_ops.engine.block_manager import PrefixCachingAllocator
+from qwen_ops.engine.block_manager import BlockPool
 from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.serving.llm import LLM
@@ -33,7 +33,7 @@ def rand_tokens(rng, n):
 
 # ------------------------------------------------------------------------------ the allocator
 def test_allocator_refcounts_lru_and_eviction():
-    pc = PrefixCachingAllocator(4)
+    pc = BlockPool(4, prefix_caching=True)
     a, b = pc.allocate(2)
     ka = pc.key_of(b"", [1, 2])
     assert pc.register(a, ka, b"", [1, 2])
@@ -60,7 +60,7 @@ def test_allocator_refcounts_lru_and_eviction():
 
 
 def test_allocator_never_serves_a_colliding_block():
-    pc = PrefixCachingAllocator(2, hash_fn=lambda parent, salt, tokens: b"same")
+    pc = BlockPool(2, prefix_caching=True, hash_fn=lambda parent, salt, tokens: b"same")
     (a,) = pc.allocate(1)
     pc.register(a, pc.key_of(b"", [1, 2]), b"", [1, 2])
     key, block = pc.lookup(b"", [9, 9])
@@ -69,7 +69,7 @@ def test_allocator_never_serves_a_colliding_block():
 
 
 def test_reset_cache_forgets_content():
-    pc = PrefixCachingAllocator(2)
+    pc = BlockPool(2, prefix_caching=True)
     (a,) = pc.allocate(1)
     pc.register(a, pc.key_of(b"", [1]), b"", [1])
     pc.reset_cache()

@@ -55,3 +55,16 @@ def test_readme_snippet_runs(code, request):
         code = code.replace(SERVE_ADDRESS, request.getfixturevalue("readme_server").url)
     # As a script: a snippet's ``if __name__ == "__main__":`` body (needed where it spawns processes) runs.
     exec(compile(code, f"README.md python block starting {_first_line(code)!r}", "exec"), {"__name__": "__main__"})
+
+
+def test_readme_prefix_caching_example_hits(capsys):
+    """The prefix-caching snippet prints a hit rate above 0 (the second prompt reuses the first's
+    blocks), not only runs: the oracle is the same snippet with prefix caching off, which prints 0."""
+    (code,) = [b for b in BLOCKS if "prefix_cache_hit_rate" in b]
+    exec(compile(code, "README.md prefix caching", "exec"), {"__name__": "__main__"})
+    hit_rate = float(capsys.readouterr().out.strip().splitlines()[-1])
+    off = code.replace("LLM()", "LLM(enable_prefix_caching=False)")
+    assert off != code
+    exec(compile(off, "README.md prefix caching, off", "exec"), {"__name__": "__main__"})
+    assert float(capsys.readouterr().out.strip().splitlines()[-1]) == 0.0
+    assert hit_rate > 0, f"the README's prefix-caching example printed {hit_rate}: the shared prompt was not reused"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from qwen_ops.engine.batch import RequestId
-from qwen_ops.serving.batch import IterationPlan
+from qwen_ops.engine.batch import IterationPlan
 from qwen_ops.serving.llm import LLM
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.serving.scheduler import SchedulerStuckError, iteration_bound

@@ -94,12 +94,12 @@ def test_an_iteration_reports_only_the_completions_it_touched():
     llm = LLM(None, max_num_seqs=2, max_model_len=64)
     (want,) = llm.generate([PROMPT], sp)
     ids = llm.tokenizer.encode(PROMPT)
-    core = EngineCore(llm)
+    core = llm.core
     assert core.add("r", ids, sp) is None
     acc = RequestAccumulator("r", None, ids, sp)
     sizes, previous, identical = [], None, 0
     for _ in range(200):
-        deltas = core.step()
+        deltas = core.step_deltas()
         for d in deltas:
             sizes.append(len(d.completions))
             acc.apply(d)

@@ -1,19 +1,27 @@
-"""What one forward pass runs, in the seed's vocabulary (``batch.rs``).
+"""What one step runs, in the seed's vocabulary (``batch.rs``): the scheduler builds it, the
+runner executes it, nothing else is carried between them.
 
 A ``BatchedRequest`` is one scheduled item: a request's ``token_ids`` at positions
-``position_offset, position_offset + 1, ...`` of its slot ``kv_cache_slot``. It is what the
-runner executes; a ``ScheduledBatch`` is one forward pass's worth of them (prefill chunks and
-decodes together). The slot's blocks are not carried: the runner keeps the block table.
+``position_offset, position_offset + 1, ...`` of its slot ``kv_cache_slot``, whose KV lives in
+the blocks ``block_table`` names. With ``sampling`` set the chunk reaches the end of the
+request's tokens and the runner samples its next token (with ``generator`` for a seeded
+request; ``banned_token_ids`` cannot be sampled: stop tokens before ``min_tokens``).
 
-Unlike the seed, a prefill may start mid-prompt (chunked prefill, recompute), so
-``position_offset`` / ``context_len`` are honoured for prefills too.
+An ``IterationPlan`` is one step: its prefill chunks and decodes (one forward, prefills first),
+the KV copies to host and back (``swap_out_requests`` / ``swap_in_requests``, ``BlockCopy``
+each, applied before the forward), the host copies no longer needed (``freed_swaps``), and the
+requests preempted by recompute (``evicted_requests``). ``TokenBudget`` is one iteration's
+token limits, which the scheduler spends as it plans (overspending raises).
+
+Unlike the seed, a prefill may start mid-prompt (chunked prefill, recompute, a cached prefix),
+so ``position_offset`` / ``context_len`` are honoured for prefills too.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True, order=True)
@@ -33,14 +41,18 @@ class RequestId:
 
 @dataclass(frozen=True)
 class BatchedRequest:
-    """One request's rows in a forward pass: ``token_ids`` at ``position_offset, ...`` of slot
-    ``kv_cache_slot``. ``is_prefill`` is False for a decode (one sampled token fed back)."""
+    """One request's rows in a forward pass (module docstring). ``is_prefill`` is False for a
+    decode (one sampled token fed back)."""
 
     kv_cache_slot: int
     token_ids: Sequence[int]
     position_offset: int
     request_id: Optional[RequestId] = None
     is_prefill: bool = True
+    block_table: Sequence[int] = ()          # the slot's block ids, covering seq_len tokens
+    sampling: Any = None                     # SamplingParams: sample this row's next token
+    generator: Any = None                    # SeededNoise of a seeded request
+    banned_token_ids: Sequence[int] = ()     # not sampleable this step (stop ids before min_tokens)
 
     @property
     def context_len(self) -> int:
@@ -56,16 +68,86 @@ class BatchedRequest:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class BlockCopy:
+    """KV blocks of one sequence copied to host memory (swap out) or back (swap in): the copy
+    is named by ``handle`` on every rank; ``slot`` is the row of linear-layer state."""
+
+    request_id: Optional[RequestId]
+    handle: int
+    slot: int
+    block_ids: tuple[int, ...]
+
+
 @dataclass
-class ScheduledBatch:
-    """One forward pass: prefill chunks first, then decodes."""
+class IterationPlan:
+    prefill_tasks: list[BatchedRequest] = field(default_factory=list)
+    decode_tasks: list[BatchedRequest] = field(default_factory=list)
+    evicted_requests: list[RequestId] = field(default_factory=list)
+    swap_out_requests: list[BlockCopy] = field(default_factory=list)
+    swap_in_requests: list[BlockCopy] = field(default_factory=list)
+    freed_swaps: list[int] = field(default_factory=list)       # host copies to drop (handles)
 
-    batch_id: int
-    requests: list[BatchedRequest] = field(default_factory=list)
+    @classmethod
+    def empty(cls) -> "IterationPlan":
+        return cls()
 
-    def __len__(self) -> int:
-        return len(self.requests)
+    def has_work(self) -> bool:
+        return bool(self.prefill_tasks or self.decode_tasks)
 
-    @property
+    def tasks(self) -> list[BatchedRequest]:
+        """Prefill chunks first, then decodes: the rows of one forward pass, in order."""
+        return self.prefill_tasks + self.decode_tasks if self.prefill_tasks else self.decode_tasks
+
+    def total_requests(self) -> int:
+        return len(self.prefill_tasks) + len(self.decode_tasks)
+
     def total_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return sum(len(t.token_ids) for t in self.prefill_tasks) + len(self.decode_tasks)
+
+    def without_sampling(self) -> "IterationPlan":
+        """The plan as a rank that does not sample gets it (no generators: they do not travel)."""
+        strip = [replace(t, sampling=None, generator=None, banned_token_ids=()) for t in self.tasks()]
+        n = len(self.prefill_tasks)
+        return IterationPlan(strip[:n], strip[n:], list(self.evicted_requests), list(self.swap_out_requests),
+                             list(self.swap_in_requests), list(self.freed_swaps))
+
+
+@dataclass
+class TokenBudget:
+    """One iteration's token limits (a new budget each iteration); the scheduler spends it with
+    ``allocate_prefill`` / ``allocate_decode``, which refuse to overspend."""
+
+    max_prefill_tokens: int
+    max_decode_tokens: int
+    max_total_tokens: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_prefill_tokens", "max_decode_tokens", "max_total_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} = {v!r}, expected an int >= 1")
+
+    def total_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    def remaining_prefill(self) -> int:
+        return max(0, min(self.max_prefill_tokens - self.prefill_tokens,
+                          self.max_total_tokens - self.total_tokens()))
+
+    def remaining_decode(self) -> int:
+        return max(0, min(self.max_decode_tokens - self.decode_tokens,
+                          self.max_total_tokens - self.prefill_tokens - self.decode_tokens))
+
+    def allocate_prefill(self, tokens: int) -> None:
+        if tokens > self.remaining_prefill():
+            raise ValueError(f"tokens = {tokens}, but only {self.remaining_prefill()} prefill tokens remain "
+                             f"in this iteration's budget")
+        self.prefill_tokens += tokens
+
+    def allocate_decode(self) -> None:
+        if self.remaining_decode() <= 0:
+            raise ValueError("a decode token was asked for, but no decode tokens remain in this iteration's budget")
+        self.decode_tokens += 1

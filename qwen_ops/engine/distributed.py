@@ -5,10 +5,10 @@ Two launch modes, one model slicing (``qwen_ops/models/parallel.py``):
 **In-process** (``QwenEngine.from_pretrained(..., tensor_parallel_size=N)`` and ``LLM(...,
 tensor_parallel_size=N)``): the caller becomes rank 0 and spawns N-1 worker processes
 (``torch.multiprocessing``, spawn). Only rank 0 keeps slots, blocks, the scheduler and sampling.
-Its runner is wrapped in ``TPRunnerProxy``, which forwards the runner's few mutating calls
-(block-table rows, cache growth, swap copies, weight refresh, and ``execute``) to the workers:
-the bookkeeping since the last step rides with the step, so one ``execute`` is one broadcast
-(``broadcast_object_list``) and then the forward, whose collectives keep the ranks in step. Each
+Each of its runner's mutating calls is ``ModelRunner.call(method, *args)``: rank 0 sends the
+method and its arguments, then every rank runs it (nano-vllm's ``ModelRunner.call``). A step is
+one such message, its complete description (``IterationPlan``: tasks with their block ids, swap
+copies, freed host copies), then the forward, whose collectives keep the ranks in step. Each
 worker holds its own model slice, KV-cache slice and host swap copies (keyed by a handle).
 
 **External** (``torchrun --nproc-per-node=N script.py``, every rank calling the same
@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import itertools
 import mmap
 import os
 import signal
 import socket
 import sys
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -267,107 +265,22 @@ def _broadcast_recv() -> tuple:
 
 
 def serve_runner(runner, recv=None) -> None:
-    """A worker's loop: apply rank 0's runner calls, in order, until told to stop. ``recv``
-    returns the next message (default: gloo's ``broadcast_object_list``)."""
+    """A worker's loop: run rank 0's runner calls (``ModelRunner.call``: a method name and its
+    arguments, a step's complete description), in order, until told to stop. ``recv`` returns
+    the next message (default: gloo's ``broadcast_object_list``)."""
     recv = recv or _broadcast_recv
-    saved: dict[int, Any] = {}
     while True:
-        op, pending, *args = recv()
-        _apply_pending(runner, pending, saved)
-        if op == "stop":
+        method, args = recv()
+        if method == "stop":
             return
-        if op == "execute":
-            with torch.inference_mode():
-                runner.execute(args[0])
-        elif op == "copy_out":
-            handle, slot, blocks = args
-            saved[handle] = runner.copy_out(slot, blocks)
-        elif op == "copy_in":
-            handle, slot, blocks = args
-            runner.copy_in(slot, blocks, saved.pop(handle))
-        elif op == "refresh":
-            runner.refresh_weights()
-        elif op == "sync":
-            pass
-        else:
-            raise TensorParallelError(f"unknown tensor-parallel command {op!r}")
+        if method not in RUNNER_CALLS:
+            raise TensorParallelError(f"unknown tensor-parallel command {method!r}")
+        with torch.inference_mode():
+            getattr(runner, method)(*args)
 
 
-def _apply_pending(runner, pending: Sequence[tuple], saved: dict) -> None:
-    for item in pending:
-        kind = item[0]
-        if kind == "row":
-            runner.set_block_row(item[1], item[2])
-        elif kind == "grow_slots":
-            runner.grow_slots(item[1])
-        elif kind == "grow_blocks":
-            runner.grow_blocks(item[1])
-        elif kind == "drop":
-            saved.pop(item[1], None)
-
-
-# ---------------------------------------------------------------------------------------- driver
-class _SwapCopy(list):
-    """Rank 0's host copy of a slot (a list, as ``ModelRunner.copy_out`` returns), naming the
-    workers' copies by ``handle``."""
-    handle: int
-
-
-@dataclass
-class _Control:
-    """State shared by the proxy and the finalizers: what to tell the workers next."""
-    pending: list = field(default_factory=list)
-    handles: Any = field(default_factory=lambda: itertools.count())
-
-
-class TPRunnerProxy:
-    """Rank 0's runner under in-process tensor parallelism (module docstring): the local runner,
-    whose mutating calls are also posted to the workers."""
-
-    def __init__(self, runner, workers: "TPWorkers"):
-        self._runner = runner
-        self._workers = workers
-        self._control = _Control()
-
-    def __getattr__(self, name: str):
-        return getattr(self._runner, name)
-
-    def _post(self, op: str, *args) -> None:
-        pending, self._control.pending = self._control.pending, []
-        self._workers.broadcast((op, pending, *args))
-
-    def set_block_row(self, slot: int, blocks: Sequence[int]) -> None:
-        self._runner.set_block_row(slot, blocks)
-        self._control.pending.append(("row", slot, list(blocks)))
-
-    def grow_slots(self, max_slots: int) -> None:
-        self._runner.grow_slots(max_slots)
-        self._control.pending.append(("grow_slots", max_slots))
-
-    def grow_blocks(self, num_blocks: int) -> None:
-        self._runner.grow_blocks(num_blocks)
-        self._control.pending.append(("grow_blocks", num_blocks))
-
-    def execute(self, chunks) -> torch.Tensor:
-        self._post("execute", list(chunks))
-        return self._runner.execute(chunks)
-
-    def copy_out(self, slot: int, blocks: Sequence[int]):
-        handle = next(self._control.handles)
-        self._post("copy_out", handle, slot, list(blocks))
-        out = _SwapCopy(self._runner.copy_out(slot, blocks))
-        out.handle = handle
-        # When rank 0 drops its copy (swapped back in, or recomputed instead), the workers drop theirs.
-        weakref.finalize(out, self._control.pending.append, ("drop", handle))
-        return out
-
-    def copy_in(self, slot: int, blocks: Sequence[int], saved) -> None:
-        self._post("copy_in", saved.handle, slot, list(blocks))
-        self._runner.copy_in(slot, blocks, saved)
-
-    def refresh_weights(self) -> None:
-        self._post("refresh")
-        self._runner.refresh_weights()
+# The runner methods that change its state, each sent to every rank by ``ModelRunner.call``.
+RUNNER_CALLS = frozenset({"step", "grow", "refresh_weights"})
 
 
 class TPWorkers:

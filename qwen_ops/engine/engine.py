@@ -1,21 +1,22 @@
-"""QwenEngine: explicit per-request slots over a paged KV cache (the seed's slot plan, batched).
+"""QwenEngine: the seed's slot API (explicit per-request slots over a paged KV cache), batched.
 
-Every length is kept per slot; there is no engine-wide position. ``prefill``/``decode_step``
-drive one slot; ``batch_prefill``/``batch_decode_step`` run ONE forward pass for all their
-requests (prompts longer than ``chunk_size`` take one pass per chunk round). Forward passes
-are serialized by a lock, so calls on different slots from several threads are safe.
+A thin layer over the same ``KVCacheManager`` and ``ModelRunner`` the scheduler uses: every
+length and block list is the manager's, per slot; there is no engine-wide position.
+``prefill``/``decode_step`` drive one slot; ``batch_prefill``/``batch_decode_step`` run ONE
+forward pass for all their requests (prompts longer than ``chunk_size`` take one pass per chunk
+round), each a ``runner.step`` whose tasks carry their block ids and sampling, as the
+scheduler's do. Forward passes are serialized by a lock, so calls on different slots from
+several threads are safe.
 
-Slot ``s`` owns a list of physical KV blocks; ``block_table[s]`` names them. A slot holds a
-sequence after ``prefill`` and until ``free_slot`` (or the next ``prefill`` restarts it).
-
-With ``enable_prefix_caching=True`` full blocks are content-addressed and shared
-(``PrefixCachingAllocator``): ``prefill``/``batch_prefill`` (and the scheduler, through
-``begin_sequence(..., tokens=)``) map the longest cached run of full blocks of a prompt into the
-slot and compute only the rest. The last prompt token is always computed, so its logits exist.
-A slot writes only past its full blocks, so a shared block is never written; ``free_slot``
-drops references and keeps the content cached until allocation evicts it (LRU). Models with
-linear-attention layers keep per-slot recurrent state that a block does not capture, so for
-them prefix caching stays off (a warning says so, and ``prefix_caching`` reads False).
+A slot holds a sequence after ``prefill`` and until ``free_slot`` (or the next ``prefill``
+restarts it). With ``enable_prefix_caching=True`` full blocks are content-addressed and shared
+(``BlockPool``): ``prefill``/``batch_prefill`` (and the scheduler) map the longest cached run
+of full blocks of a prompt into the slot and compute only the rest. The last prompt token is
+always computed, so its logits exist. A slot writes only past its full blocks, so a shared
+block is never written; ``free_slot`` drops references and keeps the content cached until
+allocation evicts it (LRU). Models with linear-attention layers keep per-slot recurrent state
+that a block does not capture, so for them prefix caching stays off (a warning says so, and
+``prefix_caching`` reads False).
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ import threading
 import weakref
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qwen_ops.engine.block_manager import BlockAllocator, PrefixCachingAllocator
-from qwen_ops.engine.batch import BatchedRequest
-from qwen_ops.engine.runner import ModelRunner
-from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, sample
+from qwen_ops.engine.batch import BatchedRequest, IterationPlan
+from qwen_ops.engine.block_manager import BlockPool, KVCacheManager, SwappedSlot  # noqa: F401 (re-exported)
+from qwen_ops.engine.runner import ModelRunner, RunnerOutput
+from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, finish_reason
 from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.ops.memory import check_fits
@@ -71,32 +73,6 @@ class QwenBatchDecodeResult:
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _SlotState:
-    blocks: list[int] = field(default_factory=list)
-    seq_len: int = 0
-    # With prefix caching: the tokens whose KV the slot holds, and the keys of its full blocks.
-    token_ids: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)
-    active: bool = False                     # holds a sequence
-    owner: Any = None                        # request id from allocate_slot, if any
-    generator: Optional[SeededNoise] = None      # seeded sampling: the request's own noise
-
-
-@dataclass
-class SwappedSlot:
-    """A slot's KV blocks (and linear-layer state) in host memory, with its length (``QwenEngine.swap_out``)."""
-
-    seq_len: int
-    blocks: list[tuple[torch.Tensor, torch.Tensor]]   # per layer, as ModelRunner.copy_out returns
-    token_ids: list[int] = field(default_factory=list)   # with prefix caching: what the KV is of
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory held by the copy."""
-        return sum(a.nbytes + b.nbytes for a, b in self.blocks)
 
 
 def _compile_backend(compile_backend: str, backend: Optional[str]) -> str:
@@ -160,24 +136,38 @@ class QwenEngine:
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
             compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu)
         self.tp = None                    # this rank's TPGroup under tensor parallelism (from_pretrained)
-        self.prefix_caching = bool(enable_prefix_caching)
+        prefix_caching = bool(enable_prefix_caching)
         self.prefix_caching_disabled_reason: Optional[str] = None
-        if self.prefix_caching and "linear" in self.runner.layer_kinds:
-            self.prefix_caching = False
+        if prefix_caching and "linear" in self.runner.layer_kinds:
+            prefix_caching = False
             self.prefix_caching_disabled_reason = (
                 "the model has linear-attention (Gated DeltaNet) layers, whose per-slot recurrent state a "
                 "cached KV block does not capture")
             logger.warning("prefix caching is off: %s", self.prefix_caching_disabled_reason)
-        if self.prefix_caching:
-            # Anything that changes the KV of a token run: model, cache dtype, block size.
-            salt = f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{block_size}".encode()
-            self.allocator = PrefixCachingAllocator(num_kv_blocks, salt)
-        else:
-            self.allocator = BlockAllocator(num_kv_blocks)
-        self.prefix_cache_queries = 0     # prompt tokens looked up (full blocks that could have hit)
-        self.prefix_cache_hits = 0        # of those, tokens served from the cache
-        self._slots = [_SlotState() for _ in range(max_slots)]
+        # Anything that changes the KV of a token run: model, cache dtype, block size.
+        salt = f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{block_size}".encode()
+        self.kv = KVCacheManager(num_kv_blocks, block_size, max_slots, prefix_caching, salt,
+                                 host_bytes=self.runner.host_copy_nbytes)
+        # The slot API's own sampling state: each slot's seeded noise (the scheduler's requests keep theirs).
+        self._generators: list[Optional[SeededNoise]] = [None] * max_slots
         self._lock = threading.RLock()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv.prefix_caching
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_cache_hits
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_cache_queries
+
+    @property
+    def allocator(self) -> BlockPool:
+        """The KV block pool (``kv.pool``)."""
+        return self.kv.pool
 
     # Host memory the engine keeps per KV block and per slot beside the tensors (allocator lists,
     # slot records): a count of 10**12 blocks is refused, not built.
@@ -249,9 +239,12 @@ class QwenEngine:
             raise
         engine.tp = tp
         if workers is not None:
-            engine.runner = D.TPRunnerProxy(engine.runner, workers)
+            engine.runner.workers = workers          # runner.call sends each call to them
             engine._tp_workers = workers
             engine._tp_finalizer = weakref.finalize(engine, workers.shutdown)
+        else:
+            # Under torchrun every rank samples; rank 0's tokens win, so random sampling cannot diverge.
+            engine.runner.share_tokens = partial(D.broadcast_tokens, tp=tp)
         return engine
 
     def shutdown(self) -> None:
@@ -263,61 +256,52 @@ class QwenEngine:
     # ----------------------------------------------------------------- slots
     @property
     def num_slots(self) -> int:
-        return len(self._slots)
+        return self.kv.num_slots
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        return self.kv.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
-        return self.allocator.num_total
+        return self.kv.num_total_blocks
 
     def slot_blocks(self, slot_id: int) -> list[int]:
-        return list(self._slots[self._check_slot(slot_id)].blocks)
+        return list(self.kv.slots[self._check_slot(slot_id)].block_ids)
 
     def slot_seq_len(self, slot_id: int) -> int:
-        return self._slots[self._check_slot(slot_id)].seq_len
+        return self.kv.slots[self._check_slot(slot_id)].num_tokens
 
     def allocate_batch_slots(self, n: int) -> list[int]:
         """Make slots ``0 .. n-1`` usable, growing the slot table (and an auto-sized cache) if needed."""
         if not _is_int(n) or n < 1:
             raise ValueError(f"n = {n!r}, expected an int >= 1")
         with self._lock:
-            if n > len(self._slots):
-                extra = n - len(self._slots)
-                blocks = self.allocator.num_total + extra * self.max_blocks_per_slot if self._auto_blocks \
-                    else self.allocator.num_total
+            if n > self.kv.num_slots:
+                extra = n - self.kv.num_slots
+                blocks = self.kv.num_total_blocks + (extra * self.max_blocks_per_slot if self._auto_blocks else 0)
                 self._check_memory(self.model, blocks, self.block_size, n, self.max_blocks_per_slot,
                                    f"allocate_batch_slots(n = {n}) with max_seq_len = {self.max_seq_len}")
-                self.runner.grow_slots(n)
-                if self._auto_blocks:
-                    total = self.allocator.num_total + extra * self.max_blocks_per_slot
-                    self.runner.grow_blocks(total)
-                    self.allocator.grow(total)
-                self._slots.extend(_SlotState() for _ in range(extra))
+                self.runner.call("grow", n, blocks)
+                self.kv.grow(n, blocks)
+                self._generators.extend([None] * extra)
             return list(range(n))
 
     def allocate_slot(self, request_id: Any) -> int:
         """A slot that holds no sequence and no owner, now owned by ``request_id``."""
         with self._lock:
-            for i, s in enumerate(self._slots):
-                if not s.active and s.owner is None:
-                    s.owner = request_id
-                    return i
-            raise ValueError(f"no free slot for request {request_id!r}: all {len(self._slots)} slots are in use")
+            return self.kv.allocate_slot(request_id)
 
     def free_slot(self, slot_id: int) -> None:
         """Release the slot, its sequence and its KV blocks."""
         with self._lock:
-            s = self._slots[self._check_slot(slot_id)]
-            self._release_blocks(slot_id)
-            s.active, s.owner, s.generator, s.seq_len = False, None, None, 0
+            self.kv.free_slot(self._check_slot(slot_id))
+            self._generators[slot_id] = None
 
     # ----------------------------------------------------------------- validation
     def _check_slot(self, slot_id: Any, name: str = "slot_id") -> int:
-        if not _is_int(slot_id) or not 0 <= slot_id < len(self._slots):
-            raise ValueError(f"{name} = {slot_id!r}, expected an int in [0, {len(self._slots)})")
+        if not _is_int(slot_id) or not 0 <= slot_id < self.kv.num_slots:
+            raise ValueError(f"{name} = {slot_id!r}, expected an int in [0, {self.kv.num_slots})")
         return slot_id
 
     def _check_token(self, token: Any, name: str) -> int:
@@ -348,179 +332,73 @@ class QwenEngine:
         sampling.check_vocab(self.vocab_size)
         return sampling
 
-    def _blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
-
     def _check_blocks(self, needs: dict[int, int], restart: bool = False) -> None:
         """``needs``: slot -> tokens it must hold. Raise before anything changes if blocks run short.
 
         ``restart``: the slots start afresh, so only the blocks that no other slot shares come
         back (and a cached prefix may save some, which this bound does not count on)."""
-        def kept(slot: int) -> int:
-            blocks = self._slots[slot].blocks
-            if restart and self.prefix_caching:
-                return sum(1 for b in blocks if self.allocator.ref_count(b) == 1)
-            return len(blocks)
+        kv = self.kv
+        extra = sum(max(0, kv.blocks_for(n) - kv.kept_blocks(s, restart)) for s, n in needs.items())
+        if extra > kv.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: this call needs {extra} more, {kv.num_free_blocks} "
+                               f"are free of {kv.num_total_blocks} (num_kv_blocks)")
 
-        extra = sum(max(0, self._blocks_for(n) - kept(s)) for s, n in needs.items())
-        if extra > self.allocator.num_free:
-            raise RuntimeError(f"out of KV blocks: this call needs {extra} more, {self.allocator.num_free} "
-                               f"are free of {self.allocator.num_total} (num_kv_blocks)")
-
-    # ----------------------------------------------------------------- block bookkeeping
-    def _release_blocks(self, slot_id: int) -> None:
-        s = self._slots[slot_id]
-        self.allocator.free(s.blocks)
-        s.blocks = []
-        s.token_ids, s.block_keys = [], []
-
-    def _map_cached_prefix(self, slot_id: int, tokens: Sequence[int]) -> int:
-        """Map the longest cached run of ``tokens``' full blocks into the (empty) slot, leaving at
-        least the last token to compute; returns the tokens mapped (0 without prefix caching)."""
-        if not self.prefix_caching:
-            return 0
-        s, pc, bs = self._slots[slot_id], self.allocator, self.block_size
-        candidates = (len(tokens) - 1) // bs
-        self.prefix_cache_queries += candidates * bs
-        parent = b""
-        for j in range(candidates):
-            key, block = pc.lookup(parent, tokens[j * bs:(j + 1) * bs])
-            if block is None:
-                break
-            pc.acquire(block)
-            s.blocks.append(block)
-            s.block_keys.append(key)
-            parent = key
-        n = len(s.blocks) * bs
-        s.token_ids = list(tokens[:n])
-        s.seq_len = n
-        self.prefix_cache_hits += n
-        if s.blocks:
-            self.runner.set_block_row(slot_id, s.blocks)
-        return n
-
-    def _record_tokens(self, slot_id: int, tokens: Sequence[int]) -> None:
-        """The slot's KV now also holds ``tokens``: make its newly full blocks addressable."""
-        s, pc, bs = self._slots[slot_id], self.allocator, self.block_size
-        s.token_ids.extend(tokens)
-        while len(s.block_keys) < len(s.token_ids) // bs:
-            j = len(s.block_keys)
-            parent = s.block_keys[-1] if j else b""
-            block_tokens = s.token_ids[j * bs:(j + 1) * bs]
-            key = pc.key_of(parent, block_tokens)
-            pc.register(s.blocks[j], key, parent, block_tokens)   # no-op if another block holds it
-            s.block_keys.append(key)
-
+    # ----------------------------------------------------------------- blocks
     def prefix_cache_stats(self) -> dict:
-        """Whether prefix caching is on, and its lookups, in tokens: queried (full prompt blocks
-        that could have hit), hits, hit rate; cached blocks, evictions and detected collisions."""
-        pc = self.allocator if self.prefix_caching else None
-        return {
-            "prefix_caching": self.prefix_caching,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "prefix_cache_hit_rate": self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0,
-            "cached_blocks": pc.num_cached if pc else 0,
-            "prefix_cache_evictions": pc.num_evictions if pc else 0,
-            "prefix_cache_collisions": pc.num_collisions if pc else 0,
-        }
+        """Prefix caching's figures (``KVCacheManager.stats``)."""
+        return self.kv.stats()
 
     def check_block_accounting(self) -> None:
         """Assert that reference counts, free list and every slot's blocks agree (tests, invariants)."""
         with self._lock:
-            lists = [s.blocks for s in self._slots]
-            if isinstance(self.allocator, PrefixCachingAllocator):
-                self.allocator.check(lists)
-                for i, s in enumerate(self._slots):
-                    if len(set(s.blocks)) != len(s.blocks):
-                        raise AssertionError(f"slot {i} maps a block twice: {s.blocks}")
-                return
-            owned = [b for blocks in lists for b in blocks]
-            if len(set(owned)) != len(owned):
-                raise AssertionError("a block is owned by two slots without prefix caching")
-            if len(owned) + self.allocator.num_free != self.allocator.num_total:
-                raise AssertionError(f"blocks leaked: {len(owned)} owned + {self.allocator.num_free} free "
-                                     f"!= {self.allocator.num_total}")
+            self.kv.check()
 
     def reserve(self, slot_id: int, n_tokens: int) -> bool:
         """Give the slot blocks for ``n_tokens`` tokens in total; False (and no change) if too few are free."""
         with self._lock:
-            s = self._slots[self._check_slot(slot_id)]
+            self._check_slot(slot_id)
             if n_tokens > self.max_seq_len:
                 raise ValueError(f"n_tokens = {n_tokens}, more than max_seq_len = {self.max_seq_len}")
-            need = self._blocks_for(n_tokens) - len(s.blocks)
-            if need <= 0:
-                return True
-            if need > self.allocator.num_free:
-                return False
-            new = self.allocator.allocate(need)
-            s.blocks.extend(new)
-            self.runner.set_block_row(slot_id, s.blocks)
-            return True
+            return self.kv.reserve(slot_id, n_tokens)
 
     def _restart(self, slot_id: int, n_tokens: int, sampling: SamplingParams,
                  tokens: Optional[Sequence[int]] = None) -> int:
         """Start a fresh sequence in the slot (blocks must have been checked), mapping the cached
         prefix of ``tokens`` when given; returns the tokens mapped."""
-        s = self._slots[slot_id]
-        self._release_blocks(slot_id)
-        s.seq_len, s.active = 0, True
-        s.generator = sampling.make_generator(self.device)
-        mapped = self._map_cached_prefix(slot_id, tokens) if tokens is not None else 0
-        ok = self.reserve(slot_id, n_tokens)
+        mapped = self.kv.begin(slot_id, tokens)
+        self._generators[slot_id] = sampling.make_generator(self.device)
+        ok = self.kv.reserve(slot_id, n_tokens)
         assert ok, "blocks were checked before the restart"
         return mapped
 
     def begin_sequence(self, slot_id: int, sampling: Optional[SamplingParams] = None,
                        tokens: Optional[Sequence[int]] = None) -> int:
-        """Empty the slot and mark it as holding a (still empty) sequence; used by the scheduler.
+        """Empty the slot and mark it as holding a (still empty) sequence.
 
         With prefix caching and the sequence's ``tokens``, the longest cached prefix of full blocks
         is mapped in; returns how many tokens that covers (0 otherwise): compute from there."""
         with self._lock:
             return self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling), tokens)
 
-    def swap_out(self, slot_id: int) -> SwappedSlot:
-        """Copy the slot's KV to host memory and free its blocks (the slot keeps no sequence)."""
-        with self._lock:
-            s = self._slots[slot_id]
-            # Only the blocks that hold tokens: a slot may have reserved room for a step it never ran.
-            saved = SwappedSlot(s.seq_len, self.runner.copy_out(slot_id, s.blocks[:self._blocks_for(s.seq_len)]),
-                                list(s.token_ids))
-            self._release_blocks(slot_id)
-            s.active, s.seq_len = False, 0
-            return saved
-
-    def swap_out_nbytes(self, slot_id: int) -> int:
-        """Host bytes that ``swap_out(slot_id)`` would take, without copying anything."""
-        return self.runner.host_copy_nbytes(self._blocks_for(self._slots[self._check_slot(slot_id)].seq_len))
-
-    def swap_in(self, slot_id: int, saved: SwappedSlot, n_tokens: int = 0) -> bool:
-        """Restore a swapped sequence into ``slot_id`` with blocks for ``max(saved.seq_len, n_tokens)``
-        tokens (room for its next step); False (and no change) if blocks are short."""
-        with self._lock:
-            s = self._slots[self._check_slot(slot_id)]
-            if s.active or s.blocks:
-                raise ValueError(f"slot_id = {slot_id} holds a sequence; swap_in needs an empty slot")
-            if self._blocks_for(max(saved.seq_len, n_tokens)) > self.allocator.num_free:
-                return False
-            self.reserve(slot_id, saved.seq_len)
-            self.runner.copy_in(slot_id, s.blocks, saved.blocks)
-            self.reserve(slot_id, max(saved.seq_len, n_tokens))
-            s.active, s.seq_len = True, saved.seq_len
-            if self.prefix_caching:
-                self._record_tokens(slot_id, saved.token_ids)
-            return True
-
     def refresh_weights(self) -> None:
         """Call after changing the model's weights: the layers repack the copies their CPU fast
         path reads (``process_weights_after_loading``); nothing notices a change without it."""
         with self._lock:
-            self.runner.refresh_weights()
-            if self.prefix_caching:
-                self.allocator.reset_cache()     # cached KV was computed with the old weights
+            self.runner.call("refresh_weights")
+            self.kv.reset_cache()     # cached KV was computed with the old weights
 
     # ----------------------------------------------------------------- forward
+    def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
+        """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
+        kv = self.kv
+        tasks = [BatchedRequest(t.kv_cache_slot, t.token_ids, t.position_offset, t.request_id, t.is_prefill,
+                                tuple(kv.slots[t.kv_cache_slot].block_ids), t.sampling, t.generator)
+                 for t in tasks]
+        out = self.runner.call("step", IterationPlan(tasks))
+        for t in tasks:
+            kv.commit(t.kv_cache_slot, t.token_ids)
+        return out
+
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.
 
@@ -529,7 +407,7 @@ class QwenEngine:
         with self._lock:
             seen = set()
             for i, c in enumerate(chunks):
-                s = self._slots[self._check_slot(c.kv_cache_slot, f"chunks[{i}].kv_cache_slot")]
+                s = self.kv.slots[self._check_slot(c.kv_cache_slot, f"chunks[{i}].kv_cache_slot")]
                 if c.kv_cache_slot in seen:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} appears twice; "
                                      "one chunk per slot and pass")
@@ -537,57 +415,62 @@ class QwenEngine:
                 if not s.active:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} holds no sequence "
                                      "(prefill or begin_sequence first)")
-                if c.position_offset != s.seq_len:
+                if c.position_offset != s.num_tokens:
                     raise ValueError(f"chunks[{i}].position_offset = {c.position_offset}, but slot {c.kv_cache_slot} "
-                                     f"holds {s.seq_len} tokens")
+                                     f"holds {s.num_tokens} tokens")
                 if not c.token_ids:
                     raise ValueError(f"chunks[{i}] has no tokens")
-                if self._blocks_for(c.position_offset + len(c.token_ids)) > len(s.blocks):
-                    raise ValueError(f"chunks[{i}] needs {self._blocks_for(c.position_offset + len(c.token_ids))} blocks in slot "
-                                     f"{c.kv_cache_slot}, which has {len(s.blocks)}; reserve() them first")
-            logits = self.runner.execute(chunks)
-            for c in chunks:
-                self._slots[c.kv_cache_slot].seq_len += len(c.token_ids)
-                if self.prefix_caching:
-                    self._record_tokens(c.kv_cache_slot, c.token_ids)
-            return logits
+                need = self.kv.blocks_for(c.position_offset + len(c.token_ids))
+                if need > len(s.block_ids):
+                    raise ValueError(f"chunks[{i}] needs {need} blocks in slot {c.kv_cache_slot}, which has "
+                                     f"{len(s.block_ids)}; reserve() them first")
+            return self._run([BatchedRequest(c.kv_cache_slot, c.token_ids, c.position_offset, c.request_id,
+                                             c.is_prefill) for c in chunks]).logits
 
-    def _prefill_rounds(self, prompts: Sequence[tuple[int, list[int]]]) -> torch.Tensor:
+    def _generator(self, slot_id: int, sampling: SamplingParams) -> Optional[SeededNoise]:
+        """The slot's seeded noise for ``sampling`` (made on first use by a seeded sampled step)."""
+        if sampling.greedy:
+            return None
+        if self._generators[slot_id] is None and sampling.seed is not None:
+            self._generators[slot_id] = sampling.make_generator(self.device)
+        return self._generators[slot_id]
+
+    def _prefill_rounds(self, prompts: Sequence[tuple[int, list[int], SamplingParams]]
+                        ) -> tuple[torch.Tensor, list[int]]:
         """Chunked prefill of fresh slots, one forward per round of ``chunk_size`` tokens per prompt,
-        each from what its slot already holds (a cached prefix, or nothing).
+        each from what its slot already holds (a cached prefix, or nothing); the round that reaches
+        a prompt's end samples its first token.
 
-        Returns fp32 logits [len(prompts), vocab] of each prompt's last token.
+        Returns fp32 logits [len(prompts), vocab] of each prompt's last token, and those tokens.
         """
-        last = [None] * len(prompts)
-        starts = [self._slots[slot].seq_len for slot, _ in prompts]
+        last: list = [None] * len(prompts)
+        tokens: list = [None] * len(prompts)
+        starts = [self.kv.slots[slot].num_tokens for slot, _, _ in prompts]
         while True:
-            live = [(i, slot, toks) for i, (slot, toks) in enumerate(prompts) if starts[i] < len(toks)]
+            live = [(i, slot, toks, sp) for i, (slot, toks, sp) in enumerate(prompts) if starts[i] < len(toks)]
             if not live:
                 break
-            logits = self.execute([BatchedRequest(slot, toks[starts[i]:starts[i] + self.chunk_size], starts[i])
-                                   for i, slot, toks in live])
-            for row, (i, _, toks) in enumerate(live):
+            tasks = []
+            for i, slot, toks, sp in live:
+                end = min(len(toks), starts[i] + self.chunk_size)
+                ends = end == len(toks)
+                tasks.append(BatchedRequest(slot, toks[starts[i]:end], starts[i], sampling=sp if ends else None,
+                                            generator=self._generator(slot, sp) if ends else None))
+            out = self._run(tasks)
+            for row, (i, _, toks, _) in enumerate(live):
                 starts[i] = min(len(toks), starts[i] + self.chunk_size)
                 if starts[i] == len(toks):
-                    last[i] = logits[row]
-        return torch.stack(last)
+                    last[i], tokens[i] = out.logits[row], out.sampled[row]
+        return torch.stack(last), tokens
 
-    def _sample(self, logits: torch.Tensor, slot_ids: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
-        gens = [self._slots[s].generator if not p.greedy else None for s, p in zip(slot_ids, params)]
-        for i, (s, p) in enumerate(zip(slot_ids, params)):
-            if gens[i] is None and p.seed is not None and not p.greedy:
-                gens[i] = self._slots[s].generator = p.make_generator(self.device)
-        return self.share_sampled(sample(logits, params, gens)).tolist()
-
-    def share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Under torchrun (every rank samples), rank 0's ``tokens`` on every rank, so that random
-        sampling cannot diverge; as they are otherwise (one process, or in-process workers, which
-        do not sample)."""
-        if self.tp is not None and getattr(self, "_tp_workers", None) is None:
-            from qwen_ops.engine.distributed import broadcast_tokens
-
-            broadcast_tokens(tokens, self.tp)
-        return tokens
+    def _decode(self, slot_ids: Sequence[int], tokens: Sequence[int],
+                params: Sequence[SamplingParams]) -> RunnerOutput:
+        self._check_blocks({s: self.kv.slots[s].num_tokens + 1 for s in slot_ids})
+        for s in slot_ids:
+            self.kv.reserve(s, self.kv.slots[s].num_tokens + 1)
+        return self._run([BatchedRequest(s, [t], self.kv.slots[s].num_tokens, is_prefill=False, sampling=p,
+                                         generator=self._generator(s, p))
+                          for s, t, p in zip(slot_ids, tokens, params)])
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
@@ -604,9 +487,8 @@ class QwenEngine:
             tokens = self.check_prompt(tokens)
             self._check_blocks({slot_id: len(tokens)}, restart=True)
             self._restart(slot_id, len(tokens), sampling, tokens)
-            logits = self._prefill_rounds([(slot_id, tokens)])
-            token = self._sample(logits, [slot_id], [sampling])[0]
-            return QwenForwardResult(token, logits[0])
+            logits, sampled = self._prefill_rounds([(slot_id, tokens, sampling)])
+            return QwenForwardResult(sampled[0], logits[0])
 
     def decode_step(self, token: int, slot_id: int = 0,
                     sampling: Optional[SamplingParams] = None) -> QwenForwardResult:
@@ -616,22 +498,15 @@ class QwenEngine:
             sampling = self._check_sampling(sampling)
             self._check_token(token, "token")
             self._check_can_extend(slot_id, "slot_id")
-            logits = self._decode([slot_id], [token])
-            next_token = self._sample(logits, [slot_id], [sampling])[0]
-            return QwenForwardResult(next_token, logits[0])
+            out = self._decode([slot_id], [token], [sampling])
+            return QwenForwardResult(out.sampled[0], out.logits[0])
 
     def _check_can_extend(self, slot_id: int, name: str) -> None:
-        s = self._slots[slot_id]
+        s = self.kv.slots[slot_id]
         if not s.active:
             raise ValueError(f"{name} = {slot_id} holds no sequence; call prefill first")
-        if s.seq_len >= self.max_seq_len:
-            raise ValueError(f"{name} = {slot_id} is full: {s.seq_len} tokens = max_seq_len")
-
-    def _decode(self, slot_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        self._check_blocks({s: self._slots[s].seq_len + 1 for s in slot_ids})
-        for s in slot_ids:
-            self.reserve(s, self._slots[s].seq_len + 1)
-        return self.execute([BatchedRequest(s, [t], self._slots[s].seq_len) for s, t in zip(slot_ids, tokens)])
+        if s.num_tokens >= self.max_seq_len:
+            raise ValueError(f"{name} = {slot_id} is full: {s.num_tokens} tokens = max_seq_len")
 
     # ----------------------------------------------------------------- batch API
     def _check_requests(self, requests: Any) -> list[QwenBatchedRequest]:
@@ -648,8 +523,8 @@ class QwenEngine:
             seen[r.slot_id] = i
         return requests
 
-    def _finish_check(self, r: QwenBatchedRequest, token: int) -> bool:
-        return len(r.generated_tokens) >= r.sampling.max_new_tokens or token in self.stop_ids(r.sampling)
+    def _finished(self, r: QwenBatchedRequest, token: int) -> bool:
+        return finish_reason(token, len(r.generated_tokens), r.sampling, self.stop_ids(r.sampling)) is not None
 
     def batch_prefill(self, requests: Sequence[QwenBatchedRequest]) -> QwenBatchPrefillResult:
         """Prefill every request into its slot in one forward pass (per chunk round)."""
@@ -662,14 +537,13 @@ class QwenEngine:
                 return QwenBatchPrefillResult([], [])
             for r, p in zip(requests, prompts):
                 self._restart(r.slot_id, len(p), r.sampling, p)
-            logits = self._prefill_rounds([(r.slot_id, p) for r, p in zip(requests, prompts)])
-            tokens = self._sample(logits, [r.slot_id for r in requests], [r.sampling for r in requests])
+            logits, tokens = self._prefill_rounds([(r.slot_id, p, r.sampling) for r, p in zip(requests, prompts)])
             for row, (r, p, t) in enumerate(zip(requests, prompts, tokens)):
                 r.seq_len = len(p)
                 r.last_token = t
                 r.generated_tokens = [t]
                 r.last_result = QwenForwardResult(t, logits[row])
-                r.finished = self._finish_check(r, t)
+                r.finished = self._finished(r, t)
             return QwenBatchPrefillResult(tokens, [len(p) for p in prompts])
 
     def batch_decode_step(self, requests: Sequence[QwenBatchedRequest]) -> QwenBatchDecodeResult:
@@ -684,16 +558,16 @@ class QwenEngine:
                 if r.last_token is None:
                     raise ValueError(f"requests[{i}] has no last_token; run batch_prefill first")
                 self._check_token(r.last_token, f"requests[{i}].last_token")
-                if self._slots[r.slot_id].seq_len != r.seq_len:
+                held = self.kv.slots[r.slot_id].num_tokens
+                if held != r.seq_len:
                     raise ValueError(f"requests[{i}].seq_len = {r.seq_len}, but slot {r.slot_id} holds "
-                                     f"{self._slots[r.slot_id].seq_len} tokens; was the slot reused?")
+                                     f"{held} tokens; was the slot reused?")
             if live:
-                logits = self._decode([r.slot_id for r in live], [r.last_token for r in live])
-                tokens = self._sample(logits, [r.slot_id for r in live], [r.sampling for r in live])
-                for row, (r, t) in enumerate(zip(live, tokens)):
+                out = self._decode([r.slot_id for r in live], [r.last_token for r in live], [r.sampling for r in live])
+                for row, (r, t) in enumerate(zip(live, out.sampled)):
                     r.seq_len += 1
                     r.last_token = t
                     r.generated_tokens.append(t)
-                    r.last_result = QwenForwardResult(t, logits[row])
-                    r.finished = self._finish_check(r, t)
+                    r.last_result = QwenForwardResult(t, out.logits[row])
+                    r.finished = self._finished(r, t)
             return QwenBatchDecodeResult([r.last_token for r in requests], [r.finished for r in requests])

@@ -1,8 +1,14 @@
-"""Model runner: owns the caches (paged KV of attention layers, per-slot state of linear layers)
-and the device block table, and turns a list of sequence chunks into one forward pass of the model.
+"""Model runner: owns the caches (paged KV of attention layers, per-slot state of linear layers),
+the device block table and the host copies of swapped KV, and runs one step: ``step(plan)``
+applies the plan's swap copies, writes the block-table rows its tasks carry, runs one forward
+pass of the model over them and samples the rows that end a request's tokens (``sample_rows``:
+``min_tokens``, seeded generators and logprobs, the one place tokens are picked).
 
-The engine decides what to run (which slot, which tokens, from which position); the runner
-only packs it into flat token tensors plus ``AttentionMetadata`` and calls the model once.
+The scheduler (or the seed's slot API) decides what to run; the runner only packs it into flat
+token tensors plus ``AttentionMetadata`` and calls the model once. Under in-process tensor
+parallelism every mutating call goes through ``call(method, *args)``: rank 0 sends the method and
+its arguments (a step's complete description) to the workers, then every rank runs it
+(nano-vllm's ``ModelRunner.call``).
 
 Decode batches (one token per sequence) go through static buffers sized for the largest
 bucket. When the step is compiled (or captured), a batch of n is padded up to the next bucket
@@ -15,11 +21,14 @@ buckets. The same buffers and buckets are what CUDA-graph capture replays into.
 from __future__ import annotations
 
 import bisect
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from qwen_ops.engine.batch import BatchedRequest
+from dataclasses import dataclass
+
+from qwen_ops.engine.batch import BatchedRequest, IterationPlan
+from qwen_ops.engine.sampling import sample, token_logprobs
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import resolve_backend, trusted_metadata, use_backend
 from qwen_ops.torch_library import SCHEMAS
@@ -65,6 +74,17 @@ def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = 
                              options={"torch_executed_ops": {f"torch.ops.qwen.{op}.default" for op in SCHEMAS},
                                       "min_block_size": 1})
     raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced, row for row with the plan's tasks: fp32 ``logits`` [rows, vocab]
+    of each task's last token, the ``sampled`` token of each row that samples (else None), and its
+    ``(logprob, rank, top ids, top logprobs)`` when its request asked for logprobs."""
+
+    logits: torch.Tensor
+    sampled: list[Optional[int]]
+    logprobs: list[Optional[tuple]]
 
 
 class CudaGraphAPI:
@@ -143,6 +163,72 @@ class ModelRunner:
         self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
+        self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
+        self.workers = None          # in-process TP: the other ranks (call() sends them each call)
+        self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
+
+    # ------------------------------------------------------------------ one step
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``method(*args)`` on this rank and, under in-process tensor parallelism, on every
+        worker (rank 0 sends it first; a plan travels without its sampling state)."""
+        if self.workers is not None:
+            self.workers.broadcast((method, [a.without_sampling() if isinstance(a, IterationPlan) else a
+                                             for a in args]))
+        return getattr(self, method)(*args)
+
+    @torch.inference_mode()
+    def step(self, plan: IterationPlan) -> RunnerOutput:
+        """One step (module docstring): swaps, block-table rows, forward, sampling."""
+        for handle in plan.freed_swaps:
+            self._host_copies.pop(handle, None)
+        for c in plan.swap_out_requests:
+            self._host_copies[c.handle] = self.copy_out(c.slot, c.block_ids)
+        for c in plan.swap_in_requests:
+            self.copy_in(c.slot, c.block_ids, self._host_copies.pop(c.handle))
+        tasks = plan.tasks()
+        logits = self.execute(tasks)
+        sampled, logprobs = self.sample_rows(tasks, logits)
+        return RunnerOutput(logits, sampled, logprobs)
+
+    def sample_rows(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor
+                    ) -> tuple[list[Optional[int]], list[Optional[tuple]]]:
+        """Pick the next token of every task with ``sampling`` set (the one sampler of the package)."""
+        n = len(tasks)
+        sampled: list[Optional[int]] = [None] * n
+        logprobs: list[Optional[tuple]] = [None] * n
+        rows = [i for i, t in enumerate(tasks) if t.sampling is not None]
+        if not rows:
+            return sampled, logprobs
+        picked = logits if len(rows) == n else logits[rows]   # every row: no gather copy
+        banned = [(j, tasks[i].banned_token_ids) for j, i in enumerate(rows) if tasks[i].banned_token_ids]
+        if banned:                 # min_tokens: stop tokens cannot be sampled yet
+            picked = picked.clone()
+            for j, ids in banned:
+                picked[j, list(ids)] = float("-inf")
+        params = [tasks[i].sampling for i in rows]
+        tokens_t = sample(picked, params, [tasks[i].generator for i in rows])
+        if self.share_tokens is not None:
+            self.share_tokens(tokens_t)
+        tokens = tokens_t.tolist()
+        for i, t in zip(rows, tokens):
+            sampled[i] = t
+        want = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k = max(params[j].logprobs for j in want)
+            lp, rank, top_ids, top_lps = token_logprobs(picked[want], tokens_t[want], k)
+            for m, j in enumerate(want):
+                n_top = params[j].logprobs
+                logprobs[rows[j]] = (lp[m], rank[m], top_ids[m][:n_top], top_lps[m][:n_top])
+        return sampled, logprobs
+
+    def write_block_rows(self, tasks: Sequence[BatchedRequest]) -> None:
+        """Write the block-table rows that the tasks' ``block_table``s changed (the one writer)."""
+        rows = self._rows
+        for t in tasks:
+            bt = t.block_table
+            if bt and rows[t.kv_cache_slot] != bt:
+                self.set_block_row(t.kv_cache_slot, bt)
 
     def _alloc_decode_buffers(self) -> None:
         """Static decode inputs for the largest bucket; a batch of B uses the first B rows."""
@@ -244,7 +330,7 @@ class ModelRunner:
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
             return out[:len(chunks)].to(torch.float32, copy=True)
         inputs = self.decode_inputs(bucket)
-        with trusted_metadata():   # built from the engine's validated slot state
+        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
             if static:
                 logits = self._decode_step(*inputs)
             else:
@@ -298,6 +384,7 @@ class ModelRunner:
         """Make ``block_table[slot, :len(blocks)]`` name ``blocks`` (later columns are left as junk)."""
         if blocks:
             self.block_table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+            self._rows[slot] = tuple(blocks)
 
     def _grow_dim0(self, layers: list[int], size: int) -> None:
         for i in layers:
@@ -318,7 +405,13 @@ class ModelRunner:
             grown = torch.zeros((max_slots, cols), dtype=torch.int32, device=self.device)
             grown[:rows] = self.block_table
             self.block_table = grown
+            self._rows = self._rows + [()] * (max_slots - rows)
             self._grow_dim0(self._layers("linear"), max_slots)
+
+    def grow(self, max_slots: int, num_blocks: int) -> None:
+        """More slots and physical blocks (the seed API's ``allocate_batch_slots``)."""
+        self.grow_slots(max_slots)
+        self.grow_blocks(num_blocks)
 
     def grow_blocks(self, num_blocks: int) -> None:
         """Add physical KV blocks at the end; existing block ids keep their contents."""
@@ -359,6 +452,7 @@ class ModelRunner:
         Decode batches within the largest bucket take the static (compiled) path; prefill,
         mixed and oversized batches run eager with exact shapes.
         """
+        self.write_block_rows(chunks)
         executor = self.executor_for(chunks)
         if self.is_static_decode(chunks):
             return self.execute_decode(chunks, executor)
@@ -388,6 +482,6 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
-        with trusted_metadata():   # built from the engine's validated slot state
+        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
             logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)
         return logits.float()

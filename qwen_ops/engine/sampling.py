@@ -248,3 +248,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
     else:
         top_ids, top_lps = [[] for _ in range(lp.shape[0])], [[] for _ in range(lp.shape[0])]
     return chosen.tolist(), ranks.tolist(), top_ids, top_lps
+
+
+def finish_reason(token: int, num_output_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+                  num_tokens: int = 0, max_len: Optional[int] = None) -> Optional[str]:
+    """Why a sequence ends after sampling ``token`` as its ``num_output_tokens``-th: "stop" (a stop
+    token), "length" (``max_new_tokens``, or ``num_tokens`` reached ``max_len``), or None (the one
+    finish check of the package; stop strings are the output processor's)."""
+    if token in stop_ids:
+        return "stop"
+    if num_output_tokens >= sampling.max_new_tokens or (max_len is not None and num_tokens >= max_len):
+        return "length"
+    return None

@@ -1,7 +1,8 @@
-"""The engine core under ``AsyncLLM``: one ``LLM`` driven by messages (add, abort, step), which
-reports each iteration as compact per-request deltas.
+"""The engine core (``EngineCore``: one step = schedule, execute + sample, update, outputs) and
+the loops that drive it for ``AsyncLLM`` with messages (add, abort, step), which report each
+iteration as compact per-request deltas. ``LLM`` is the other client of the same core.
 
-It runs in one of two places, behind the same interface (``add``, ``abort``, ``stats``,
+The loop runs in one of two places, behind the same interface (``add``, ``abort``, ``stats``,
 ``shutdown``; deltas go to a ``deliver`` callback):
 
 - ``ThreadCore``: a thread of the caller's process (``AsyncLLM(llm)``, an ``LLM`` you built).
@@ -36,8 +37,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from qwen_ops.engine.batch import RequestId
+from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
-from qwen_ops.serving.outputs import RequestDelta
+from qwen_ops.serving.outputs import OutputProcessor, RequestDelta, RequestState
+from qwen_ops.serving.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,55 +56,160 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCore:
-    """An ``LLM`` driven by one loop: not thread-safe, the loop that owns it makes every call."""
+    """The engine core: one step is schedule, then execute and sample (the runner), then update
+    (the scheduler: KV counts, tokens, the finish check), then the output processor (text, stop
+    strings, what changed). ``LLM`` drives it directly; ``AsyncLLM``'s loop (a thread, or a
+    child process) drives it with messages (``add``, ``abort``, ``step_deltas``).
 
-    def __init__(self, llm):
-        self.llm = llm
-        self.owned: set[str] = set()     # ids added here and not yet finished or aborted
-        self.num_added = 0
+    Every public method holds one lock, so threads may share a core: their requests share steps,
+    and each caller gets exactly its own outputs."""
+
+    def __init__(self, engine: QwenEngine, config: SchedulerConfig):
+        self.engine = engine
+        self.scheduler = Scheduler(engine.kv, config, engine.device)
+        self.outputs = OutputProcessor(engine.tokenizer)
+        self.lock = threading.RLock()
+        self._next_id = 0                # scheduler request ids
+        self._next_state = 0             # default caller ids
+        self.owned: set[str] = set()     # ids added by messages (add) and not yet finished or aborted
+        self.num_added = 0               # completions added by messages: what a parent's waiting count holds
+
+    # ------------------------------------------------------------------ requests
+    def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None
+                     ) -> list[RequestState]:
+        """Queue every prepared ``(prompt, ids, params)`` (``n`` scheduler requests each), or none: a
+        failure part-way aborts the ones already queued. ``request_ids``: the callers' ids
+        (default: counters)."""
+        states: list[RequestState] = []
+        with self.lock:
+            try:
+                for k, (prompt, ids, sp) in enumerate(prepared):
+                    sid = request_ids[k] if request_ids is not None and request_ids[k] is not None else None
+                    if sid is None:
+                        sid = str(self._next_state)
+                        self._next_state += 1
+                    if sid in self.outputs.states:
+                        raise ValueError(f"request_id = {sid!r} is already running; expected a new id")
+                    state = RequestState(sid, prompt, ids, sp)
+                    self.outputs.states[sid] = state
+                    states.append(state)
+                    for i in range(sp.n):
+                        child = sp.for_completion(i)
+                        rid = RequestId(self._next_id)
+                        self._next_id += 1
+                        self.outputs.add(state, self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child)),
+                                         child)
+            except BaseException:
+                for st in states:
+                    self._abort_state(st)
+                raise
+        return states
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams) -> Optional[RequestDelta]:
-        """Queue one request; a failure comes back as its (finished) error delta."""
-        self.num_added += params.n          # completions: what the parent's waiting count holds
-        try:
-            self.llm._add_all([(None, ids, params)], [request_id])
-        except Exception as e:          # e.g. an id clash with an offline request on the same LLM
-            return RequestDelta(request_id, True, [], error=f"{type(e).__name__}: {e}")
-        self.owned.add(request_id)
-        return None
+        """Queue one request from a message; a failure comes back as its (finished) error delta."""
+        with self.lock:
+            self.num_added += params.n
+            try:
+                self.add_requests([(None, ids, params)], [request_id])
+            except Exception as e:          # e.g. an id clash with an offline request on the same core
+                return RequestDelta(request_id, True, [], error=f"{type(e).__name__}: {e}")
+            self.owned.add(request_id)
+            return None
 
-    def abort(self, request_id: str) -> None:
-        self.llm.abort(request_id)
-        self.owned.discard(request_id)
+    def abort(self, request_id) -> None:
+        """Abort a request by its caller id (all its completions), or one completion by its
+        scheduler ``RequestId``."""
+        with self.lock:
+            self.owned.discard(request_id)
+            state = self.outputs.states.get(str(request_id))
+            if state is not None:
+                self._abort_state(state)
+            elif isinstance(request_id, RequestId):
+                self.scheduler.abort(request_id)
+                entry = self.outputs.completions.get(request_id)
+                if entry is not None:         # one completion of a state: the state counts it out
+                    state, comp = entry
+                    state.mark_done(comp)
+                    state.dirty[comp.state.index] = None
+                    if state.finished:
+                        self.outputs.forget(state)
+
+    def _abort_state(self, state: RequestState) -> None:
+        for c in state.completions:
+            if not c.request.finished:
+                self.scheduler.abort(c.request.request_id)
+            state.mark_done(c)
+        state.aborted = True
+        self.outputs.forget(state)
+
+    def abort_unfinished(self, states: Sequence[RequestState]) -> None:
+        with self.lock:
+            for st in states:
+                if not st.finished:
+                    self._abort_state(st)
 
     def has_work(self) -> bool:
-        return self.llm.has_unfinished_requests()
+        with self.lock:
+            return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestDelta]:
-        """One iteration. A failure fails the requests of this iteration (error deltas) and leaves
-        the core serving: nothing of theirs survives."""
-        llm = self.llm
-        with llm._lock:
-            running = list(llm._groups)
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestState]:
+        """One iteration; returns the states that gained tokens or finished, in first-touched order.
+
+        Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
+        with self.lock:
+            sched = self.scheduler
+            plan = sched.schedule()
+            if not plan.has_work():
+                return []
+            out = self.engine.runner.call("step", plan)
+            return self.outputs.process(sched.update(plan, out), self._finish_on_stop_string)
+
+    def _finish_on_stop_string(self, req, stop: str) -> None:
+        self.scheduler.finish(req, "stop", stop)
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One iteration as deltas. A failure fails the requests of this iteration (error deltas)
+        and leaves the core serving: nothing of theirs survives."""
+        with self.lock:
+            running = list(self.outputs.states)
             try:
-                groups = llm._step()
+                states = self.step()
             except Exception as e:
                 logger.exception("qwen_ops engine iteration failed; failing its %d requests", len(running))
                 for rid in running:
                     self.abort(rid)
                 message = f"generation failed: {type(e).__name__}: {e}"
                 return [RequestDelta(rid, True, [], error=message) for rid in running]
-            deltas = [g.delta() for g in groups]
-        for d in deltas:
-            if d.finished:
-                self.owned.discard(d.request_id)
-        return deltas
+            deltas = [st.delta() for st in states]
+            for d in deltas:
+                if d.finished:
+                    self.owned.discard(d.request_id)
+            return deltas
 
     def stats(self) -> dict:
-        return self.llm.stats()
+        with self.lock:
+            s, kv = self.scheduler, self.engine.kv
+            return {
+                "num_preemptions": s.num_preemptions,
+                "num_swaps_out": s.num_swaps_out,
+                "num_swaps_in": s.num_swaps_in,
+                "free_blocks": kv.num_free_blocks,
+                "total_blocks": kv.num_total_blocks,
+                "num_iterations": s.num_iterations,
+                "mean_batch_size": s.num_scheduled_seqs / s.num_iterations if s.num_iterations else 0.0,
+                "num_running": len(s.running),
+                "num_waiting": len(s.waiting),
+                "num_swapped": len(s.swapped),
+                "swap_space_bytes": s.config.swap_space_bytes,
+                "swap_bytes_used": s.swap_bytes_used,
+                "num_swap_full_recomputes": s.num_swap_full_recomputes,
+                "num_swap_in_recomputes": s.num_swap_in_recomputes,
+                **kv.stats(),
+            }
 
     def close(self) -> None:
-        """Abort everything this core admitted (its slots, blocks and swap copies are freed)."""
+        """Abort everything admitted by messages (its slots, blocks and swap copies are freed)."""
         for rid in list(self.owned):
             self.abort(rid)
 
@@ -109,7 +218,7 @@ class ThreadCore:
     """The core on a thread of this process (``qwen-ops-engine``), fed through an inbox."""
 
     def __init__(self, llm, deliver: Deliver, on_exit: Callable[[BaseException], None]):
-        self.core = EngineCore(llm)
+        self.core: EngineCore = llm.core
         self._deliver = deliver
         self._on_exit = on_exit
         self._inbox: collections.deque = collections.deque()
@@ -133,14 +242,14 @@ class ThreadCore:
 
     def abort(self, request_id: str) -> None:
         if not self.thread.is_alive():
-            self.core.llm.abort(request_id)          # no loop to hand it to
+            self.core.abort(request_id)              # no loop to hand it to
             return
         self._inbox.append(("abort", request_id))
         self._wake.set()
 
     def num_waiting(self) -> int:
         """Completions queued in the scheduler or still in the inbox (read without waiting for a step)."""
-        return len(self.core.llm.scheduler.waiting) + max(0, self._inbox_completions)
+        return len(self.core.scheduler.waiting) + max(0, self._inbox_completions)
 
     def _busy(self) -> bool:
         return bool(self._inbox) or self.core.has_work()
@@ -150,7 +259,7 @@ class ThreadCore:
         return time.monotonic() - self._last_beat if self._busy() else 0.0
 
     def stats(self) -> dict:
-        s = self.core.llm.stats()
+        s = self.core.stats()
         s["num_waiting"] = self.num_waiting()
         return s
 
@@ -182,7 +291,7 @@ class ThreadCore:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                self._deliver(core.step())
+                self._deliver(core.step_deltas())
                 self._last_beat = time.monotonic()
         except BaseException as e:       # never leave callers waiting on a dead loop
             logger.exception("qwen_ops engine loop failed")
@@ -215,7 +324,7 @@ def _core_main(conn) -> None:
         except Exception:                   # an exception that does not pickle
             conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    core = EngineCore(llm)
+    core = llm.core
     try:
         conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
@@ -237,7 +346,7 @@ def _core_main(conn) -> None:
                 elif msg[0] == "shutdown":
                     return
             if core.has_work():
-                out.extend(core.step())
+                out.extend(core.step_deltas())
             elif not handled:
                 continue
             conn.send(("out", out, core.stats(), core.num_added))

@@ -1,13 +1,14 @@
-"""LLM: vLLM-style offline generation over the engine and the continuous-batching scheduler.
+"""LLM: vLLM-style offline generation, a client of the engine core (``serving/engine_core.py``).
 
     llm = qwen_ops.LLM()                       # the embedded default model
     outs = llm.generate(["def fibonacci(n):"], qwen_ops.SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text
 
-Each iteration runs one forward pass over the scheduler's merged prefill chunks and decodes.
+Each iteration is one ``EngineCore.step``: schedule, one forward pass over the merged prefill
+chunks and decodes with sampling, update, outputs.
 
-An ``LLM`` may be shared by threads: every call that touches the scheduler (``add_request``,
-``step``, ``abort``, ``stats``, and each iteration inside ``generate`` and ``stream``) holds one
+An ``LLM`` may be shared by threads: every call into the core (``add_request``, ``step``,
+``abort``, ``stats``, and each iteration inside ``generate`` and ``stream``) holds the core's
 lock. Concurrent ``generate`` calls therefore interleave their iterations, and requests from
 several threads share forward passes; each caller gets exactly its own outputs.
 """
@@ -15,8 +16,6 @@ several threads share forward passes; each caller gets exactly its own outputs.
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -28,11 +27,12 @@ from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.models.tokenizer import QwenTokenizer
-from qwen_ops.engine.sampling import SamplingParams, sample, token_logprobs
+from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
                                       RequestOutput)
-from qwen_ops.serving.scheduler import Request, Scheduler, SchedulerConfig
+from qwen_ops.serving.scheduler import SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
@@ -162,108 +162,6 @@ def prepare_requests(prompts: Union[Prompt, Sequence[Prompt]],
     return out
 
 
-@dataclass(eq=False)
-class _Completion:
-    """One of a prompt's ``n`` completions: its scheduler request and its output state."""
-    request: Request
-    state: CompletionState
-    done: bool = False               # counted out of its group's ``num_unfinished``
-    num_reported: int = 0            # output tokens already returned by ``take_new_tokens``
-    sent_tokens: int = 0             # what earlier ``delta()``s carried: tokens, visible characters, logprobs
-    sent_chars: int = 0
-    sent_logprobs: int = 0
-
-
-@dataclass(eq=False)
-class _Group:
-    """One prompt's request as the caller sees it: ``n`` completions under one id.
-
-    An iteration costs what it changed, not ``n``: ``_step`` marks the completions it touched
-    (``touch``), ``delta()`` and ``take_new_tokens()`` visit only those, and the group keeps its
-    unfinished count and its times as running figures. Only ``output()`` lists all ``n``."""
-    request_id: str
-    prompt: Optional[Prompt]
-    prompt_token_ids: list[int]
-    completions: list[_Completion]
-    num_unfinished: int = 0
-    aborted: bool = False
-    # Completions touched since the last delta()/take_new_tokens(), by index (a dict: ordered, no repeats).
-    dirty: dict[int, None] = field(default_factory=dict)
-    arrival_time: float = float("inf")
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-
-    def add(self, comp: _Completion) -> None:
-        self.completions.append(comp)
-        self.num_unfinished += 1
-        self.arrival_time = min(self.arrival_time, comp.request.arrival_time)
-
-    @property
-    def finished(self) -> bool:
-        return self.num_unfinished == 0
-
-    def touch(self, comp: _Completion) -> None:
-        """``comp`` gained a token (and may have finished) in this iteration."""
-        self.dirty[comp.state.index] = None
-        times = comp.request.token_times
-        if times:
-            if self.first_token_time is None:   # iterations run in time order: the first seen is the earliest
-                self.first_token_time = times[0]
-            self.last_token_time = times[-1]
-        self.mark_done(comp)
-
-    def mark_done(self, comp: _Completion) -> None:
-        if comp.request.finished and not comp.done:
-            comp.done = True
-            self.num_unfinished -= 1
-
-    def output(self, new_token_ids: Sequence[int] = ()) -> RequestOutput:
-        outs = []
-        for c in self.completions:
-            req, st = c.request, c.state
-            outs.append(CompletionOutput(st.index, st.visible_text(req.finished), list(req.output_token_ids),
-                                         req.finish_reason, req.stop_reason, st.cumulative_logprob,
-                                         None if st.logprobs is None else list(st.logprobs)))
-        return RequestOutput(self.request_id, self.prompt if isinstance(self.prompt, str) else None,
-                             list(self.prompt_token_ids), outs, self.finished, list(new_token_ids),
-                             metrics=RequestMetrics(*self._times()))
-
-    def _times(self) -> tuple[float, Optional[float], Optional[float]]:
-        """(arrival, first token, latest token) over the completions."""
-        return self.arrival_time, self.first_token_time, self.last_token_time
-
-    def _take_dirty(self) -> list[_Completion]:
-        indices = sorted(self.dirty)
-        self.dirty.clear()
-        return [self.completions[i] for i in indices]
-
-    def delta(self) -> RequestDelta:
-        """What changed since the previous ``delta()``: new tokens, new visible characters and new
-        logprobs of each completion touched since then, in index order (``AsyncLLM``'s engine core
-        sends these, not whole outputs). The visible text only grows: stop strings are held back
-        until they cannot start earlier."""
-        comps = []
-        for c in self._take_dirty():
-            req, st = c.request, c.state
-            ids = req.output_token_ids
-            visible = st.visible_len(req.finished)
-            lps = None if st.logprobs is None else st.logprobs[c.sent_logprobs:]
-            comps.append(CompletionDelta(st.index, ids[c.sent_tokens:], st.text[c.sent_chars:visible],
-                                         req.finish_reason, req.stop_reason, st.cumulative_logprob, lps))
-            c.sent_tokens, c.sent_chars = len(ids), max(c.sent_chars, visible)
-            c.sent_logprobs += len(lps) if lps is not None else 0
-        return RequestDelta(self.request_id, self.finished, comps, *self._times())
-
-    def take_new_tokens(self) -> list[int]:
-        """Output tokens not reported yet, over all completions in index order; marks them reported."""
-        new: list[int] = []
-        for c in self._take_dirty():
-            ids = c.request.output_token_ids
-            new.extend(ids[c.num_reported:])
-            c.num_reported = len(ids)
-        return new
-
-
 class LLM:
     def __init__(self, model: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = "float32",
                  device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: Optional[int] = None,
@@ -364,18 +262,13 @@ class LLM:
                                                      tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
                                                      **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(
+        self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=default_swap_space_bytes() if swap_space is None else swap_space,
             check_invariants=check_invariants))
+        self.scheduler = self.core.scheduler
         self.model_path = Path(default_model_path() if model is None else model)
-        self._next_id = 0
-        self._next_group = 0
-        self._lock = threading.RLock()        # serializes every use of the scheduler (module docstring)
-        # Unfinished requests as callers see them (one per prompt), and each scheduler request's completion.
-        self._groups: dict[str, _Group] = {}
-        self._completions: dict[RequestId, tuple[_Group, _Completion]] = {}
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],
@@ -384,144 +277,37 @@ class LLM:
         return prepare_requests(prompts, sampling_params, tokenizer=self.tokenizer,
                                 vocab_size=self.engine.vocab_size, max_model_len=self.scheduler.config.max_model_len)
 
-    def _add_all(self, prepared: Sequence[tuple[Prompt, list[int], SamplingParams]],
-                 request_ids: Optional[Sequence[Optional[str]]] = None) -> list[_Group]:
-        """Queue every prepared request (``n`` scheduler requests each), or none: a failure part-way
-        aborts the ones already queued. ``request_ids``: the callers' ids (default: counters)."""
-        groups: list[_Group] = []
-        with self._lock:
-            try:
-                for k, (prompt, ids, sp) in enumerate(prepared):
-                    gid = request_ids[k] if request_ids is not None and request_ids[k] is not None else None
-                    if gid is None:
-                        gid = str(self._next_group)
-                        self._next_group += 1
-                    if gid in self._groups:
-                        raise ValueError(f"request_id = {gid!r} is already running; expected a new id")
-                    group = _Group(gid, prompt, ids, [])
-                    self._groups[gid] = group
-                    groups.append(group)
-                    for i in range(sp.n):
-                        child = sp.for_completion(i)
-                        rid = RequestId(self._next_id)
-                        self._next_id += 1
-                        req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child))
-                        comp = _Completion(req, CompletionState(i, child, self.tokenizer))
-                        group.add(comp)
-                        self._completions[rid] = (group, comp)
-            except BaseException:
-                for g in groups:
-                    self._abort_group(g)
-                raise
-        return groups
-
     def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Queue one request (validated like ``generate``); ``step()`` runs it. Returns its id."""
-        (group,) = self._add_all(self._prepare([prompt], [sampling_params or SamplingParams()]), [request_id])
-        return group.request_id
+        (state,) = self.core.add_requests(self._prepare([prompt], [sampling_params or SamplingParams()]), [request_id])
+        return state.request_id
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return self.scheduler.has_unfinished()
+        return self.core.has_work()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One iteration: plan, one forward pass, sample, update. Returns an output for every
-        request that gained tokens or finished in it (cumulative; ``new_token_ids`` holds what is new).
+        """One iteration of the engine core. Returns an output for every request that gained
+        tokens or finished in it (cumulative; ``new_token_ids`` holds what is new).
 
         Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
-        with self._lock:
-            return [g.output(g.take_new_tokens()) for g in self._step()]
-
-    def _step(self) -> list[_Group]:
-        """One iteration; returns the groups that gained tokens or finished, in first-touched order."""
-        sched = self.scheduler
-        plan = sched.schedule()
-        if not plan.has_work():
-            return []
-        batch = plan.to_scheduled_batch(sched.next_batch_id())
-        logits = self.engine.execute(batch.requests)
-        rows, reqs = [], []
-        for row, r in enumerate(batch.requests):
-            req = sched.requests[r.request_id]
-            if r.seq_len == req.num_tokens:          # the chunk reaches the end: sample the next token
-                rows.append(row)
-                reqs.append(req)
-        sampled: dict[RequestId, int] = {}
-        logprobs: dict[RequestId, tuple] = {}
-        if rows:
-            picked = logits if len(rows) == logits.shape[0] else logits[rows]   # every row: no gather copy
-            # min_tokens: a request's stop tokens cannot be sampled before it has that many.
-            masked = [(i, q) for i, q in enumerate(reqs)
-                      if q.stop_ids and len(q.output_token_ids) < q.sampling.min_tokens]
-            if masked:
-                picked = picked.clone()
-                for i, q in masked:
-                    picked[i, list(q.stop_ids)] = float("-inf")
-            tokens_t = self.engine.share_sampled(sample(picked, [q.sampling for q in reqs],
-                                                        [q.generator for q in reqs]))
-            tokens = tokens_t.tolist()
-            sampled = {q.request_id: t for q, t in zip(reqs, tokens)}
-            want = [i for i, q in enumerate(reqs) if q.sampling.logprobs is not None]
-            if want:
-                k = max(reqs[i].sampling.logprobs for i in want)
-                lp, rank, top_ids, top_lps = token_logprobs(picked[want], tokens_t[want], k)
-                for j, i in enumerate(want):
-                    n = reqs[i].sampling.logprobs
-                    logprobs[reqs[i].request_id] = (lp[j], rank[j], top_ids[j][:n], top_lps[j][:n])
-        touched = sched.update(plan, sampled)
-        groups: dict[str, _Group] = {}
-        for req in touched:
-            token = sampled.get(req.request_id)
-            entry = self._completions.get(req.request_id)
-            if token is None or entry is None:
-                continue
-            group, comp = entry
-            stop = comp.state.add_token(token, logprobs.get(req.request_id))
-            if stop is not None:
-                if req.finished:      # also ended by a stop token or length in this step: the string wins
-                    req.finish_reason, req.stop_reason = "stop", stop
-                else:
-                    sched.finish(req, "stop", stop)
-            group.touch(comp)
-            groups[group.request_id] = group
-        for group in groups.values():
-            if group.finished:
-                self._forget(group)
-        return list(groups.values())
-
-    def _forget(self, group: _Group) -> None:
-        self._groups.pop(group.request_id, None)
-        for c in group.completions:
-            self._completions.pop(c.request.request_id, None)
-
-    def _abort_group(self, group: _Group) -> None:
-        for c in group.completions:
-            if not c.request.finished:
-                self.scheduler.abort(c.request.request_id)
-            group.mark_done(c)
-        group.aborted = True
-        self._forget(group)
+        with self.core.lock:
+            return [st.output()[0] for st in self.core.step()]
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order."""
-        groups = self._add_all(self._prepare(prompts, sampling_params))
+        core = self.core
+        states = core.add_requests(self._prepare(prompts, sampling_params))
         try:
-            while not all(g.finished for g in groups):
-                with self._lock:
-                    self._step()
+            while not all(st.finished for st in states):
+                core.step()
         finally:
-            self._abort_unfinished(groups)
-        return [g.output() for g in groups]
-
-    def _abort_unfinished(self, groups: Sequence[_Group]) -> None:
-        with self._lock:
-            for g in groups:
-                if not g.finished:
-                    self._abort_group(g)
+            core.abort_unfinished(states)
+        with core.lock:
+            return [st.output()[0] for st in states]
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
                sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -536,71 +322,36 @@ class LLM:
         return self._stream(prepared)
 
     def _stream(self, prepared: list[tuple[Prompt, list[int], SamplingParams]]) -> Iterator[RequestOutput]:
-        groups = self._add_all(prepared)
-        done = [False] * len(groups)
+        core = self.core
+        states = core.add_requests(prepared)
+        done = [False] * len(states)
         try:
             while True:
                 # Report what any iteration (ours or another thread's) produced, then run one more.
-                for i, g in enumerate(groups):
+                for i, st in enumerate(states):
                     if done[i]:
                         continue
-                    if g.aborted:
+                    if st.aborted:
                         done[i] = True            # aborted by the caller: no more updates
                         continue
-                    with self._lock:
-                        new = g.take_new_tokens()
-                        finished = g.finished
-                        out = g.output(new) if new or finished else None
-                    if out is not None:
-                        done[i] = finished
+                    with core.lock:
+                        out, new = st.output() if st.dirty or st.finished else (None, [])
+                    if out is not None and (new or st.finished):
+                        done[i] = st.finished
                         yield out
                 if all(done):
                     return
-                with self._lock:
-                    self._step()
+                core.step()
         finally:
-            self._abort_unfinished(groups)
+            core.abort_unfinished(states)
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:
         """Abort a request by the id ``add_request`` returned (all its completions)."""
-        with self._lock:
-            group = self._groups.get(str(request_id))
-            if group is not None:
-                self._abort_group(group)
-            elif isinstance(request_id, RequestId):
-                self.scheduler.abort(request_id)
-                entry = self._completions.get(request_id)
-                if entry is not None:         # one completion of a group: the group counts it out
-                    group, comp = entry
-                    group.mark_done(comp)
-                    group.dirty[comp.state.index] = None
-                    if group.finished:
-                        self._forget(group)
+        self.core.abort(request_id)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them)."""
         self.engine.shutdown()
 
     def stats(self) -> dict:
-        with self._lock:
-            return self._stats()
-
-    def _stats(self) -> dict:
-        s = self.scheduler
-        return {
-            "num_preemptions": s.num_preemptions,
-            "num_swaps_out": s.num_swaps_out,
-            "num_swaps_in": s.num_swaps_in,
-            "free_blocks": self.engine.num_free_blocks,
-            "total_blocks": self.engine.num_total_blocks,
-            "num_iterations": s.num_iterations,
-            "mean_batch_size": s.num_scheduled_seqs / s.num_iterations if s.num_iterations else 0.0,
-            "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
-            "num_swapped": len(s.swapped),
-            "swap_space_bytes": s.config.swap_space_bytes,
-            "swap_bytes_used": s.swap_bytes_used,
-            "num_swap_full_recomputes": s.num_swap_full_recomputes,
-            "num_swap_in_recomputes": s.num_swap_in_recomputes,
-            **self.engine.prefix_cache_stats(),
-        }
+        return self.core.stats()

@@ -1,15 +1,22 @@
-"""What ``LLM`` and ``AsyncLLM`` hand back, and the per-completion state that builds it.
+"""The one output path of ``LLM`` and ``AsyncLLM``: what they hand back and the state that builds it.
 
 ``RequestOutput`` is vLLM's: one per prompt, with ``n`` ``CompletionOutput``s whose text,
-token ids and logprobs are cumulative (the whole completion so far). ``CompletionState`` turns
-a completion's tokens into text one token at a time (``tokenizers``' ``DecodeStream``), finds
-stop strings in it, and collects logprobs.
+token ids and logprobs are cumulative (the whole completion so far).
+
+- ``OutputProcessor`` (in the engine core) holds one ``RequestState`` per prompt; each step it
+  folds the sampled tokens into each completion's ``CompletionState`` (incremental
+  detokenization with ``tokenizers``' ``DecodeStream``, stop strings, logprobs) and marks what
+  changed.
+- ``RequestState.delta()`` is what changed since the previous delta (``RequestDelta``), which
+  ``AsyncLLM``'s core sends over its pipe.
+- ``RequestAccumulator`` folds deltas into ``RequestOutput``s: the one builder of outputs, on the
+  caller's side of ``AsyncLLM`` and inside ``LLM`` alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.models.tokenizer import QwenTokenizer
@@ -206,3 +213,132 @@ class CompletionState:
         if finished or not self._hold:
             return len(self.text)
         return max(0, len(self.text) - self._hold)
+
+
+@dataclass(eq=False)
+class _Completion:
+    """One of a prompt's ``n`` completions: its scheduler request and its output state."""
+    request: Any                     # serving.scheduler.Request
+    state: CompletionState
+    done: bool = False               # counted out of its group's ``num_unfinished``
+    sent_tokens: int = 0             # what earlier ``delta()``s carried: tokens, visible characters, logprobs
+    sent_chars: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One prompt's request as the caller sees it: ``n`` completions under one id.
+
+    An iteration costs what it changed, not ``n``: the processor marks the completions it
+    touched (``touch``), ``delta()`` visits only those, and the state keeps its unfinished count
+    and its times as running figures."""
+    request_id: str
+    prompt: Any
+    prompt_token_ids: list[int]
+    params: Any                      # the caller's SamplingParams (n completions)
+    completions: list[_Completion] = field(default_factory=list)
+    num_unfinished: int = 0
+    aborted: bool = False
+    # Completions touched since the last delta(), by index (a dict: ordered, no repeats).
+    dirty: dict[int, None] = field(default_factory=dict)
+    arrival_time: float = float("inf")
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    accumulator: Optional["RequestAccumulator"] = None    # LLM's fold of this state's deltas
+
+    def add(self, comp: _Completion) -> None:
+        self.completions.append(comp)
+        self.num_unfinished += 1
+        self.arrival_time = min(self.arrival_time, comp.request.arrival_time)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def touch(self, comp: _Completion) -> None:
+        """``comp`` gained a token (and may have finished) in this iteration."""
+        self.dirty[comp.state.index] = None
+        times = comp.request.token_times
+        if times:
+            if self.first_token_time is None:   # iterations run in time order: the first seen is the earliest
+                self.first_token_time = times[0]
+            self.last_token_time = times[-1]
+        self.mark_done(comp)
+
+    def mark_done(self, comp: _Completion) -> None:
+        if comp.request.finished and not comp.done:
+            comp.done = True
+            self.num_unfinished -= 1
+
+    def delta(self) -> RequestDelta:
+        """What changed since the previous ``delta()``: new tokens, new visible characters and new
+        logprobs of each completion touched since then, in index order. The visible text only
+        grows: stop strings are held back until they cannot start earlier."""
+        comps = []
+        indices = sorted(self.dirty)
+        self.dirty.clear()
+        for i in indices:
+            c = self.completions[i]
+            req, st = c.request, c.state
+            ids = req.output_token_ids
+            visible = st.visible_len(req.finished)
+            lps = None if st.logprobs is None else st.logprobs[c.sent_logprobs:]
+            comps.append(CompletionDelta(st.index, ids[c.sent_tokens:], st.text[c.sent_chars:visible],
+                                         req.finish_reason, req.stop_reason, st.cumulative_logprob, lps))
+            c.sent_tokens, c.sent_chars = len(ids), max(c.sent_chars, visible)
+            c.sent_logprobs += len(lps) if lps is not None else 0
+        return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
+                            self.last_token_time)
+
+    def output(self) -> tuple[RequestOutput, list[int]]:
+        """Fold what changed into this state's accumulator: the cumulative output, and the tokens
+        new since the previous call (over all completions, in index order)."""
+        if self.accumulator is None:
+            self.accumulator = RequestAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.params)
+        new = self.accumulator.apply(self.delta())
+        return self.accumulator.output(new), new
+
+
+class OutputProcessor:
+    """Every unfinished ``RequestState`` of one engine core, and the step's one output stage."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.completions: dict[Any, tuple[RequestState, _Completion]] = {}   # scheduler RequestId -> ...
+
+    def add(self, state: RequestState, request, params) -> None:
+        """Track ``request`` (a scheduler ``Request``) as completion ``len(state.completions)``."""
+        comp = _Completion(request, CompletionState(len(state.completions), params, self.tokenizer))
+        state.add(comp)
+        self.completions[request.request_id] = (state, comp)
+
+    def process(self, gained: Sequence[tuple[Any, Optional[tuple]]],
+                finish: Callable[[Any, str], None]) -> list[RequestState]:
+        """Fold each request's new token (with its logprobs) into its text; a stop string finishes
+        it (``finish(request, stop)``). Returns the states touched, in first-touched order."""
+        touched: dict[str, RequestState] = {}
+        completions = self.completions
+        for req, lp in gained:
+            entry = completions.get(req.request_id)
+            if entry is None:
+                continue
+            state, comp = entry
+            stop = comp.state.add_token(req.output_token_ids[-1], lp)
+            if stop is not None:
+                if req.finished:      # also ended by a stop token or length in this step: the string wins
+                    req.finish_reason, req.stop_reason = "stop", stop
+                else:
+                    finish(req, stop)
+            state.touch(comp)
+            touched[state.request_id] = state
+        for state in touched.values():
+            if state.finished:
+                self.forget(state)
+        return list(touched.values())
+
+    def forget(self, state: RequestState) -> None:
+        self.states.pop(state.request_id, None)
+        for c in state.completions:
+            self.completions.pop(c.request.request_id, None)

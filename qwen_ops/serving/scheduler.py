@@ -43,10 +43,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from qwen_ops.engine.batch import BatchedRequest, RequestId
-from qwen_ops.serving.batch import IterationPlan, TokenBudget
-from qwen_ops.engine.engine import QwenEngine, SwappedSlot
-from qwen_ops.engine.sampling import SamplingParams, SeededNoise
+import torch
+
+from qwen_ops.engine.batch import BatchedRequest, IterationPlan, RequestId, TokenBudget
+from qwen_ops.engine.block_manager import KVCacheManager, SlotKV, SwappedSlot
+from qwen_ops.engine.runner import RunnerOutput
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise, finish_reason
 
 
 class RequestStatus(enum.Enum):
@@ -68,8 +70,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: Optional[int] = None
-    num_computed: int = 0
-    swapped: Optional[SwappedSlot] = None
+    kv: Optional[SlotKV] = None               # its slot's blocks, from the KVCacheManager (running)
+    swapped: Optional[SwappedSlot] = None     # its host copy (swapped)
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -79,12 +81,24 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is held: in its slot's blocks, or in its host copy (the manager's count)."""
+        if self.kv is not None:
+            return self.kv.num_tokens
+        return self.swapped.num_tokens if self.swapped is not None else 0
+
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of prompt + output, without joining the two (a decode's is O(1))."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[start:stop] if stop <= n else self.all_token_ids()[start:stop]
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     @property
     def finished(self) -> bool:
@@ -112,52 +126,59 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, engine: QwenEngine, config: SchedulerConfig):
+    """Owns every unfinished ``Request``; their blocks come from one ``KVCacheManager``. It never
+    touches the device: ``schedule()`` returns the step's complete description for the runner."""
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, device: torch.device = torch.device("cpu")):
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
         if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes = {config.swap_space_bytes!r}, expected an int >= 0")
-        self.engine = engine
+        self.kv = kv
         self.config = config
+        self.device = device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order
         self.swapped: deque[Request] = deque()
         self.requests: dict[RequestId, Request] = {}   # unfinished requests only (finished ones are dropped)
         self._arrivals = itertools.count()
-        self._batch_ids = itertools.count()
         self.num_preemptions = 0
         self.num_swaps_out = 0
         self.num_swaps_in = 0
         self.num_iterations = 0
         self.num_scheduled_seqs = 0
-        self.swap_bytes_used = 0                  # host bytes held by swapped requests
         self.num_swap_full_recomputes = 0         # swap preemptions recomputed: swap space full
         self.num_swap_in_recomputes = 0           # swapped requests that could never come back
+
+    @property
+    def swap_bytes_used(self) -> int:
+        """Host bytes held by swapped requests (the KV-cache manager's count)."""
+        return self.kv.swap_bytes_used
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
                     stop_ids: frozenset[int]) -> Request:
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
-                      generator=sampling.make_generator(self.engine.device))
+                      generator=sampling.make_generator(self.device))
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
-
-    def next_batch_id(self) -> int:
-        return next(self._batch_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def _drop_host_copy(self, req: Request) -> None:
         if req.swapped is not None:
-            self.swap_bytes_used -= req.swapped.nbytes
+            self.kv.drop_swap(req.swapped)
             req.swapped = None
 
-    def _release(self, req: Request) -> None:
+    def _free_slot(self, req: Request) -> None:
         if req.slot is not None:
-            self.engine.free_slot(req.slot)
-            req.slot = None
+            self.kv.free_slot(req.slot)
+            req.slot, req.kv = None, None
+
+    def _release(self, req: Request) -> None:
+        self._free_slot(req)
         self._drop_host_copy(req)
 
     def abort(self, request_id: RequestId) -> None:
@@ -175,7 +196,7 @@ class Scheduler:
         req.finish_reason = "abort"
         del self.requests[request_id]
 
-    def finish(self, req: Request, reason: str, stop_reason: Optional[int] = None) -> None:
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.FINISHED
@@ -187,17 +208,15 @@ class Scheduler:
         self.running.remove(victim)
         self.num_preemptions += 1
         swap = self.config.preemption_mode == "swap" and victim.num_computed > 0
-        if swap and self.swap_bytes_used + self.engine.swap_out_nbytes(victim.slot) > self.config.swap_space_bytes:
+        if swap and self.kv.swap_bytes_used + self.kv.swap_out_nbytes(victim.slot) > self.config.swap_space_bytes:
             swap = False
             self.num_swap_full_recomputes += 1
         if swap:
-            victim.swapped = self.engine.swap_out(victim.slot)
-            self.swap_bytes_used += victim.swapped.nbytes
-            self.engine.free_slot(victim.slot)
-            victim.slot = None
+            victim.swapped, copy = self.kv.swap_out(victim.slot, victim.request_id)
+            self._free_slot(victim)
             victim.status = RequestStatus.SWAPPED
             self.num_swaps_out += 1
-            plan.swap_out_requests.append(victim.request_id)
+            plan.swap_out_requests.append(copy)
             _insert_by_arrival(self.swapped, victim)
         else:
             self._release(victim)
@@ -205,7 +224,6 @@ class Scheduler:
             plan.evicted_requests.append(victim.request_id)
 
     def _requeue_for_recompute(self, req: Request) -> None:
-        req.num_computed = 0
         req.status = RequestStatus.WAITING
         _insert_by_arrival(self.waiting, req)
 
@@ -214,7 +232,7 @@ class Scheduler:
 
         Returns False if ``req`` itself had to be preempted.
         """
-        while not self.engine.reserve(req.slot, n_tokens):
+        while not self.kv.reserve(req.slot, n_tokens):
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
@@ -232,11 +250,11 @@ class Scheduler:
 
     def _add_step(self, req: Request, is_decode: bool, n: int, budget: TokenBudget, plan: IterationPlan) -> None:
         if is_decode:
-            budget.try_allocate_decode()
-            plan.decode_tasks.append(self._decode_task(req))
+            budget.allocate_decode()
+            plan.decode_tasks.append(self._task(req, 1, is_prefill=False))
         else:
-            budget.try_allocate_prefill(n)
-            plan.prefill_tasks.append(self._prefill_task(req, n))
+            budget.allocate_prefill(n)
+            plan.prefill_tasks.append(self._task(req, n, is_prefill=True))
 
     def _schedule_running(self, req: Request, budget: TokenBudget, plan: IterationPlan) -> None:
         """Give a running request its decode token or next prefill chunk, if budget and blocks allow."""
@@ -246,15 +264,16 @@ class Scheduler:
 
     def _schedule_swapped(self, budget: TokenBudget, plan: IterationPlan) -> None:
         """Bring swapped requests back, first come first served, each with room for its next step."""
-        cfg = self.config
+        cfg, kv = self.config, self.kv
         while self.swapped and len(self.running) < cfg.max_num_seqs:
             req = self.swapped[0]
             is_decode, n = self._next_step(req, budget)
             if n == 0:
                 return                                   # no budget left: it would only hold blocks
-            slot = self.engine.allocate_slot(req.request_id)
-            if not self.engine.swap_in(slot, req.swapped, req.num_computed + n):
-                self.engine.free_slot(slot)
+            slot = kv.allocate_slot(req.request_id)
+            copy = kv.swap_in(slot, req.swapped, req.num_computed + n, req.request_id)
+            if copy is None:
+                kv.free_slot(slot)
                 if self.running:
                     return                               # wait while the running requests drain
                 # Nothing runs, so nothing will ever free blocks for it: recompute instead.
@@ -265,15 +284,16 @@ class Scheduler:
                 plan.evicted_requests.append(req.request_id)
                 continue
             self.swapped.popleft()
-            self._drop_host_copy(req)
-            req.slot, req.status = slot, RequestStatus.RUNNING
+            req.swapped = None                           # the runner takes the host copy back in
+            req.slot, req.kv, req.status = slot, kv.slots[slot], RequestStatus.RUNNING
             self.running.append(req)
             self.num_swaps_in += 1
-            plan.swap_in_requests.append(req.request_id)
+            plan.swap_in_requests.append(copy)
             self._add_step(req, is_decode, n, budget, plan)
 
     def schedule(self) -> IterationPlan:
-        cfg = self.config
+        """Plan one iteration (module docstring): the step's tasks, each with its block ids."""
+        cfg, kv = self.config, self.kv
         plan = IterationPlan.empty()
         budget = TokenBudget(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
@@ -293,48 +313,50 @@ class Scheduler:
             req = self.waiting[0]
             if budget.remaining_prefill() == 0:
                 break
-            slot = self.engine.allocate_slot(req.request_id)
+            slot = kv.allocate_slot(req.request_id)
+            req.slot, req.kv = slot, kv.slots[slot]
             # With prefix caching the slot starts with the cached full blocks of the request's
             # tokens: they count as computed, and the budget buys only the rest.
-            req.num_computed = self.engine.begin_sequence(slot, None, req.all_token_ids())
+            kv.begin(slot, req.all_token_ids())
             chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
-            if not self.engine.reserve(slot, req.num_computed + chunk):
-                self.engine.free_slot(slot)
-                req.num_computed = 0
+            if not kv.reserve(slot, req.num_computed + chunk):
+                self._free_slot(req)
                 if not self.running:
-                    need = -(-chunk // self.engine.block_size)
+                    need = -(-chunk // kv.block_size)
                     raise SchedulerStuckError(
-                        f"request {req.request_id} needs {need} KV blocks of {self.engine.block_size} tokens for its "
-                        f"next {chunk} tokens, but the cache has only {self.engine.num_total_blocks} "
+                        f"request {req.request_id} needs {need} KV blocks of {kv.block_size} tokens for its "
+                        f"next {chunk} tokens, but the cache has only {kv.num_total_blocks} "
                         "(num_kv_blocks) and nothing else is running; raise num_kv_blocks")
                 break
             self.waiting.popleft()
-            req.slot, req.status = slot, RequestStatus.RUNNING
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
-            budget.try_allocate_prefill(chunk)
-            plan.prefill_tasks.append(self._prefill_task(req, chunk))
+            self._add_step(req, False, chunk, budget, plan)
 
+        plan.freed_swaps = kv.take_freed_swaps()
         if cfg.check_invariants:
             self._check_invariants(plan, budget, admitted)
         if not plan.has_work() and self.has_unfinished():
             raise SchedulerStuckError(
                 f"no request can run: {len(self.running)} running, {len(self.swapped)} swapped, "
-                f"{len(self.waiting)} waiting, {self.engine.num_free_blocks} of {self.engine.num_total_blocks} "
+                f"{len(self.waiting)} waiting, {kv.num_free_blocks} of {kv.num_total_blocks} "
                 f"KV blocks free, token budget {cfg.max_num_batched_tokens}")
         self.num_iterations += plan.has_work()
         self.num_scheduled_seqs += plan.total_requests()
         return plan
 
     @staticmethod
-    def _prefill_task(req: Request, chunk: int) -> BatchedRequest:
-        return BatchedRequest(req.slot, req.token_slice(req.num_computed, req.num_computed + chunk), req.num_computed,
-                              req.request_id, is_prefill=True)
-
-    @staticmethod
-    def _decode_task(req: Request) -> BatchedRequest:
-        return BatchedRequest(req.slot, req.token_slice(req.num_computed, req.num_computed + 1), req.num_computed,
-                              req.request_id, is_prefill=False)
+    def _task(req: Request, n: int, is_prefill: bool) -> BatchedRequest:
+        """The request's next ``n`` tokens, with its block ids; when they reach the end of its
+        tokens, with what the runner needs to sample the next one."""
+        start = req.num_computed
+        tokens = req.token_slice(start, start + n)
+        if start + n < req.num_tokens:
+            return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids))
+        banned = req.stop_ids if req.stop_ids and len(req.output_token_ids) < req.sampling.min_tokens else ()
+        return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids),
+                              req.sampling, req.generator, tuple(banned))
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config
@@ -342,7 +364,7 @@ class Scheduler:
             raise AssertionError(f"token budget exceeded: {plan.total_tokens()} > {cfg.max_num_batched_tokens}")
         if budget.total_tokens() != plan.total_tokens() or len(plan.decode_tasks) > cfg.max_num_seqs:
             raise AssertionError("plan and budget disagree")
-        self.engine.check_block_accounting()     # reference counts, free list, shared blocks
+        self.kv.check()                          # reference counts, free list, shared blocks
         for name, queue in (("waiting", self.waiting), ("swapped", self.swapped)):
             arrivals = [r.arrival for r in queue]
             if arrivals != sorted(arrivals):
@@ -350,7 +372,7 @@ class Scheduler:
         if len(self.running) > cfg.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running requests > max_num_seqs = {cfg.max_num_seqs}")
         running_slots = [r.slot for r in self.running]
-        holding = {s for s in range(self.engine.num_slots) if self.engine.slot_blocks(s)}
+        holding = {s for s, slot in enumerate(self.kv.slots) if slot.block_ids}
         if None in running_slots or len(set(running_slots)) != len(running_slots) or \
                 set(running_slots) != holding:
             raise AssertionError(f"running requests' slots {running_slots} do not match the slots holding blocks")
@@ -359,11 +381,11 @@ class Scheduler:
         if any(r.slot is not None or r.swapped is None for r in self.swapped):
             raise AssertionError("a swapped request holds a slot or has no host copy")
         held = sum(r.swapped.nbytes for r in self.swapped)
-        if held != self.swap_bytes_used or held > cfg.swap_space_bytes:
+        if held != self.kv.swap_bytes_used or held > cfg.swap_space_bytes:
             raise AssertionError(f"swap accounting: {held} bytes held, {self.swap_bytes_used} counted, "
                                  f"swap_space_bytes = {cfg.swap_space_bytes}")
-        swapped_in = set(plan.swap_in_requests)
-        for rid in plan.evicted_requests + plan.swap_out_requests:
+        swapped_in = {c.request_id for c in plan.swap_in_requests}
+        for rid in plan.evicted_requests + [c.request_id for c in plan.swap_out_requests]:
             if rid in swapped_in:
                 raise AssertionError(f"request {rid} was swapped in and preempted in the same iteration")
         scheduled = {t.request_id for t in plan.prefill_tasks + plan.decode_tasks}
@@ -375,29 +397,26 @@ class Scheduler:
                     raise AssertionError(f"FCFS broken: request {a.arrival} admitted before waiting {w.arrival}")
 
     # ------------------------------------------------------------------ results
-    def update(self, plan: IterationPlan, sampled: dict[RequestId, int]) -> list[Request]:
-        """Advance computed lengths, append sampled tokens, finish requests; returns touched requests."""
+    def update(self, plan: IterationPlan, out: RunnerOutput) -> list[tuple[Request, Optional[tuple]]]:
+        """Count the KV each task wrote, append the sampled tokens, finish requests on a stop token
+        or length (``finish_reason``: the one finish check). Returns the requests that gained a
+        token, with its logprobs entry, in task order."""
         now = time.perf_counter()
-        touched = []
-        for task in plan.prefill_tasks:
-            req = self.requests[task.request_id]
-            req.num_computed += len(task.token_ids)
-            touched.append(req)
-        for task in plan.decode_tasks:
-            req = self.requests[task.request_id]
-            req.num_computed += 1
-            touched.append(req)
-        for req in touched:
-            token = sampled.get(req.request_id)
+        kv, requests, max_len = self.kv, self.requests, self.config.max_model_len
+        gained = []
+        for task, token, lp in zip(plan.tasks(), out.sampled, out.logprobs):
+            kv.commit(task.kv_cache_slot, task.token_ids)
             if token is None:
                 continue
+            req = requests[task.request_id]
             req.output_token_ids.append(token)
             req.token_times.append(now)
-            if token in req.stop_ids:
-                self.finish(req, "stop", token)
-            elif len(req.output_token_ids) >= req.sampling.max_new_tokens or req.num_tokens >= self.config.max_model_len:
-                self.finish(req, "length")
-        return touched
+            gained.append((req, lp))
+            reason = finish_reason(token, len(req.output_token_ids), req.sampling, req.stop_ids, req.num_tokens,
+                                   max_len)
+            if reason is not None:
+                self.finish(req, reason, token if reason == "stop" else None)
+        return gained
 
 
 def _insert_by_arrival(queue: deque, req: Request) -> None:
