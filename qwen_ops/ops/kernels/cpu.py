@@ -175,6 +175,7 @@ def op_library() -> str:
     path = cache_dir() / f"qwen_cpu_ops_{key}.so"
     if not path.exists():
         logger.warning("qwen_ops: compiling the CPU fast path's op kernels with %s (first use, ~10 s) into %s", cxx, path)
+        start = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
@@ -186,6 +187,7 @@ def op_library() -> str:
             registry.register_ctypes_fast_ops()
             return "ctypes"
         os.replace(tmp, path)
+        logger.warning("qwen_ops: CPU fast path's op kernels compiled in %.1f s", time.perf_counter() - start)
     torch.ops.load_library(str(path))
     return "c++"
 
