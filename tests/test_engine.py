@@ -284,3 +284,29 @@ def test_allocate_batch_slots_beyond_memory_is_refused_and_harmless(engine):
 def test_from_pretrained_builds_rope_rows_for_max_seq_len_only(ckpt):
     eng = QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=40, block_size=4)
     assert eng.model.model.rotary_emb.cos_sin.shape[0] == 40
+
+
+# ----------------------------------------------------------------------------- the ops' backends, chosen once
+def test_the_ops_backends_are_chosen_once_when_the_engine_is_built(engine, monkeypatch):
+    from qwen_ops.ops import backend as B
+
+    before = run_single(engine, [3, 4, 5], 4)
+    assert engine.runner.op_backends[("kv_write", "")] == B.resolve_backend(torch.device("cpu"), "kv_write")
+
+    def per_call(*args, **kwargs):
+        raise AssertionError("an op call resolved its backend during an engine step")
+
+    # A later setting (here one that cannot run on CPU tensors) and the resolver itself are out
+    # of the steps' reach: they run on what the runner bound at construction.
+    monkeypatch.setenv("QWEN_OPS_BACKEND", "cuda")
+    monkeypatch.setattr(B, "resolve_backend", per_call)
+    engine.free_slot(0)
+    assert run_single(engine, [3, 4, 5], 4) == before
+    # A direct op call outside an engine still resolves per call, as documented.
+    monkeypatch.undo()
+    monkeypatch.setenv("QWEN_OPS_BACKEND", "cuda")
+    k = torch.randn(1, 2, 16)
+    cache = torch.zeros(4, 4, 2, 16)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="backend 'cuda' is unavailable"):
+        torch.ops.qwen.kv_write(k, k, cache, cache.clone(), one, one, torch.zeros(1, 1, dtype=torch.int32))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.sampling import sample, token_logprobs
 from qwen_ops.ops.metadata import AttentionMetadata
-from qwen_ops.ops.backend import resolve_backend, trusted_metadata, use_backend
+from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
 from qwen_ops.torch_library import SCHEMAS
 
 
@@ -144,10 +144,10 @@ class ModelRunner:
                 raise ValueError(f"compile_backend='tensorrt' needs a CUDA device, got device {device}")
             compile = True
         self.compiled = compile
-        # Resolve the kernels now: the cpu backend compiles its C kernels on first use (a few seconds,
-        # once per machine), which the first request would otherwise wait for.
-        for op in ("kv_write", "slot_attention"):
-            resolve_backend(device, op, "decode")
+        # The ops' backends, chosen once, now (bound around every forward: no per-call resolution).
+        # Resolving also builds the cpu backend's C kernels on first use (a few seconds, once per
+        # machine), which the first request would otherwise wait for.
+        self.op_backends = resolve_backends(device)
         # The model's layers choose their forward for this device, dtype and backend now, and pack
         # the weights it reads (on the CPU: the cpu backend's ops; models/layers.py), not on the first
         # request. ``native_cpu=False`` keeps every layer on its plain-torch forward (the reference op path).
@@ -330,7 +330,8 @@ class ModelRunner:
             # The graph's output buffer is overwritten by the next replay: hand out a copy.
             return out[:len(chunks)].to(torch.float32, copy=True)
         inputs = self.decode_inputs(bucket)
-        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
+        # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
+        with trusted_metadata(), bound_backends(self.op_backends):
             if static:
                 logits = self._decode_step(*inputs)
             else:
@@ -360,7 +361,8 @@ class ModelRunner:
             inputs = self.decode_inputs(bucket)
 
             def step(inputs=inputs):
-                return self._decode_step(*inputs)
+                with trusted_metadata(), bound_backends(self.op_backends):   # what the graph replays
+                    return self._decode_step(*inputs)
 
             api.warm_up(step)                      # (and compile) outside the capture
             graph, out, pool = api.capture(step, pool)
@@ -482,6 +484,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
         logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
-        with trusted_metadata():   # built from the plan of the KV-cache manager's own block ids
+        # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
+        with trusted_metadata(), bound_backends(self.op_backends):
             logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)
         return logits.float()

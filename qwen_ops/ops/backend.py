@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, Mapping, Optional
 
 import torch
 
@@ -38,6 +38,12 @@ HOST_BACKENDS = ("reference", "cpu")
 CPU_NATIVE_OPS = ("kv_write", "slot_attention", "fused_moe")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen_ops_backend", default=None)
 _trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_ops_trusted_metadata", default=False)
+# The backends a runner chose for its model's op calls, once, when it was built (bound_backends).
+_bound: contextvars.ContextVar[Optional[Mapping[tuple[str, str], str]]] = contextvars.ContextVar(
+    "qwen_ops_bound_backends", default=None)
+# Every (op, phase) whose backend is resolved (resolve_backend's phase: slot_attention only).
+OP_PHASES = (("kv_write", ""), ("slot_attention", "decode"), ("slot_attention", "prefill"), ("causal_conv1d", ""),
+             ("gated_delta_rule", ""), ("fused_moe", ""))
 
 
 def _check_name(name: str, source: str) -> str:
@@ -163,6 +169,35 @@ def resolve_backend(device: torch.device, op: str = "", phase: str = "") -> str:
     if reason is not None:
         raise RuntimeError(f"qwen_ops backend {name!r} is unavailable: {reason}")
     return name
+
+
+def resolve_backends(device: torch.device) -> dict[tuple[str, str], str]:
+    """Every op's backend on ``device`` (``OP_PHASES``), resolved now from the current setting:
+    what a runner binds for all its steps (``bound_backends``)."""
+    return {(op, phase): resolve_backend(device, op, phase) for op, phase in OP_PHASES}
+
+
+@contextlib.contextmanager
+def bound_backends(choices: Mapping[tuple[str, str], str]) -> Iterator[None]:
+    """Op calls inside this block run on ``choices`` (``resolve_backends``' result) instead of
+    resolving their backend per call: the engine decides once, when its runner is built, and a
+    later change of ``QWEN_OPS_BACKEND`` or ``use_backend`` does not reach its steps. Direct op
+    calls outside such a block resolve per call, as documented for ``torch.ops.qwen.*``."""
+    token = _bound.set(choices)
+    try:
+        yield
+    finally:
+        _bound.reset(token)
+
+
+def backend_for(device: torch.device, op: str, phase: str = "") -> str:
+    """The backend of one op call: the bound choice (``bound_backends``), else ``resolve_backend``."""
+    chosen = _bound.get()
+    if chosen is not None:
+        name = chosen.get((op, phase))
+        if name is not None:
+            return name
+    return resolve_backend(device, op, phase)
 
 
 def kernels(name: str) -> ModuleType:

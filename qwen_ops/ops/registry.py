@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from qwen_ops.ops import validation as V
-from qwen_ops.ops.backend import kernels, resolve_backend, value_checks_enabled
+from qwen_ops.ops.backend import backend_for, kernels, value_checks_enabled
 from qwen_ops.torch_library import NAMESPACE, SCHEMAS
 
 # Holds the op definitions alive for the life of the process; never mutated after import.
@@ -26,7 +26,7 @@ for _name, _schema in SCHEMAS.items():
 
 def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
     V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
-    backend = resolve_backend(key.device, "kv_write")
+    backend = backend_for(key.device, "kv_write")
     if value_checks_enabled(backend):
         V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
     getattr(kernels(backend), f"kv_write_{backend}")(key, value, key_cache, value_cache, slot_ids,
@@ -37,7 +37,7 @@ def _slot_attention_impl(query, key_cache, value_cache, block_table, seq_slots, 
                          scale, max_query_len, gate=None) -> torch.Tensor:
     V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
                            scale, max_query_len, gate)
-    backend = resolve_backend(query.device, "slot_attention", "decode" if max_query_len == 1 else "prefill")
+    backend = backend_for(query.device, "slot_attention", "decode" if max_query_len == 1 else "prefill")
     if value_checks_enabled(backend):
         V.check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
                                       max_query_len)
@@ -115,7 +115,7 @@ def _state_op_kernel(op: str, backend: str):
 
 def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
     V.check_causal_conv1d(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
-    backend = resolve_backend(x.device, "causal_conv1d")
+    backend = backend_for(x.device, "causal_conv1d")
     kernel = _state_op_kernel("causal_conv1d", backend)
     if value_checks_enabled(backend):
         V.check_slot_state_values(x.shape[0], conv_state.shape[0], seq_slots, query_start_loc, seq_lens)
@@ -124,7 +124,7 @@ def _causal_conv1d_impl(x, weight, bias, conv_state, seq_slots, query_start_loc,
 
 def _gated_delta_rule_impl(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale) -> torch.Tensor:
     V.check_gated_delta_rule(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens, scale)
-    backend = resolve_backend(q.device, "gated_delta_rule")
+    backend = backend_for(q.device, "gated_delta_rule")
     kernel = _state_op_kernel("gated_delta_rule", backend)
     if value_checks_enabled(backend):
         V.check_slot_state_values(q.shape[0], state.shape[0], seq_slots, query_start_loc, seq_lens)
@@ -185,7 +185,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def _fused_moe_impl(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     V.check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
-    backend = resolve_backend(hidden_states.device, "fused_moe")
+    backend = backend_for(hidden_states.device, "fused_moe")
     kernel = _op_kernel("fused_moe", backend, "mixture-of-experts models")
     if value_checks_enabled(backend):
         V.check_fused_moe_values(topk_ids, w13.shape[0])
