@@ -28,7 +28,16 @@ Writes into ``--out`` (default ``build/training_data/``, git-ignored):
   --heldout-list``);
 - ``manifest.tsv``: every kept file: split, source, package, version, licence, chars, sha256, path;
 - ``DATA.md``: totals by source, each package with its version and licence, what was skipped
-  and why (the model folder gets a copy).
+  and why (the model folder gets a copy);
+- ``chat_train.jsonl``, ``chat_heldout.jsonl``: chat examples built from those files
+  (``chat_examples``): ``{"messages": [user, assistant], "text": <ChatML rendering>}``.
+
+Chat examples: for each function whose docstring's first paragraph (or the ``#`` comment right
+above it) reads as a description, the user turn is "Write a function that <description>" (the
+leading verb put in the third person: "Return" -> "returns") and the assistant turn is the
+function's source, dedented. They are rendered with ChatML as Qwen's (``render_chat``);
+``CHAT_TEMPLATE`` is the same template as Jinja, for ``tokenizer_config.json``'s
+``chat_template``.
 
 Usage:
     OMP_NUM_THREADS=1 python scripts/build_training_data.py [--out DIR] [--no-packages]
@@ -44,6 +53,7 @@ import json
 import re
 import sys
 import sysconfig
+import textwrap
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -72,6 +82,19 @@ LICENSE_NAMES = {
     "python software foundation license": "PSF-2.0",
     "mozilla public license 2.0 (mpl 2.0)": "MPL-2.0", "mpl-2.0": "MPL-2.0",
 }
+
+
+IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)  # ids 0, 1, 2 in the trained tokenizer
+# ChatML as in Qwen's tokenizer_config.json (no default system turn, as Qwen3), for Jinja.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+MAX_CHAT_FUNCTION_CHARS = 2_000
+CHAT_DESCRIPTION_CHARS = (12, 300)
 
 
 @dataclass(frozen=True)
@@ -215,6 +238,60 @@ def is_heldout(f: SourceFile) -> bool:
     return int.from_bytes(digest[:8], "big") < HELDOUT_RATE * 2**64
 
 
+def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """ChatML, as ``CHAT_TEMPLATE`` renders it: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+def third_person(verb: str) -> str:
+    """``Return`` -> ``returns``, ``Process`` -> ``processes``, ``Copy`` -> ``copies``; ``Returns`` stays."""
+    word = verb[0].lower() + verb[1:]
+    if word.endswith("s") and not word.endswith("ss"):
+        return word
+    if word.endswith(("ss", "sh", "ch", "x", "z", "o")):
+        return word + "es"
+    if word.endswith("y") and len(word) > 1 and word[-2] not in "aeiou":
+        return word[:-1] + "ies"
+    return word + "s"
+
+
+def request_from(description: str) -> str | None:
+    """'Write a function that ...' from a docstring's first paragraph, or None if it does not fit."""
+    text = " ".join(description.strip().split("\n\n")[0].split())
+    if not CHAT_DESCRIPTION_CHARS[0] <= len(text) <= CHAT_DESCRIPTION_CHARS[1]:
+        return None
+    first, _, rest = text.partition(" ")
+    if not (first.isalpha() and first[0].isupper() and rest):
+        return None  # ">>> ...", "XXX:", a bare name: not a description
+    return f"Write a function that {third_person(first)} {rest}"
+
+
+def chat_examples(text: str) -> list[dict]:
+    """Chat examples from one file's functions: ``{"messages": [...], "text": ChatML}`` each."""
+    tree = ast.parse(text)
+    lines = text.split("\n")
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+            continue
+        description = ast.get_docstring(node)
+        first_line = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        if description is None:  # a comment block right above the def (and its decorators)
+            comment, i = [], first_line - 2
+            while i >= 0 and lines[i].strip().startswith("#"):
+                comment.insert(0, lines[i].strip().lstrip("#").strip())
+                i -= 1
+            description = " ".join(comment) if comment else None
+        request = request_from(description) if description else None
+        source = textwrap.dedent("\n".join(lines[first_line - 1:node.end_lineno]))
+        if request is None or len(source) > MAX_CHAT_FUNCTION_CHARS:
+            continue
+        messages = [{"role": "user", "content": request}, {"role": "assistant", "content": source}]
+        out.append({"messages": messages, "text": render_chat(messages)})
+    return out
+
+
 def write_outputs(out: Path, train: list[SourceFile], heldout: list[SourceFile], packages: list[dict],
                   skipped: Counter) -> str:
     out.mkdir(parents=True, exist_ok=True)
@@ -222,6 +299,15 @@ def write_outputs(out: Path, train: list[SourceFile], heldout: list[SourceFile],
         with open(out / name, "w", encoding="utf-8") as fh:
             for f in files:
                 fh.write(json.dumps({"source": f.source, "path": f.path, "text": f.text}) + "\n")
+    chat_counts = {}
+    for name, files in (("chat_train.jsonl", train), ("chat_heldout.jsonl", heldout)):
+        n = 0
+        with open(out / name, "w", encoding="utf-8") as fh:
+            for f in files:
+                for example in chat_examples(f.text):
+                    fh.write(json.dumps(example) + "\n")
+                    n += 1
+        chat_counts[name] = n
     (out / "heldout.txt").write_text("# held-out files (scripts/build_training_data.py)\n"
                                      + "".join(f"{f.abspath}\n" for f in heldout))
     with open(out / "manifest.tsv", "w", encoding="utf-8") as fh:
@@ -259,6 +345,9 @@ def write_outputs(out: Path, train: list[SourceFile], heldout: list[SourceFile],
             v = by_source[record["package"]]
             lines.append(f"| {record['package']} {record['version']} | {record['licence']} | "
                          + " | ".join(f"{x:,}" for x in v) + " |")
+    lines += ["", f"Chat examples (user: \"Write a function that ...\" from a docstring or comment; "
+              f"assistant: the function): {chat_counts['chat_train.jsonl']:,} from the training files, "
+              f"{chat_counts['chat_heldout.jsonl']:,} from the held-out ones."]
     lines += ["", "Left out, not permissive (or no licence stated):", ""]
     lines += [f"- {r['package']} {r['version']}: {r['licence']}" for r in packages if not r["kept"]]
     lines += ["", "Files skipped:", ""] + [f"- {why}: {n:,}" for why, n in sorted(skipped.items())]
