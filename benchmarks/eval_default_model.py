@@ -39,7 +39,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import ast
 import sysconfig
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
