@@ -52,3 +52,19 @@ def test_public_names_from_the_top():
         assert getattr(qwen_ops, name) is not None, name
     assert qwen_ops.LLM.__module__ == "qwen_ops.serving.llm"
     assert qwen_ops.QwenEngine.__module__ == "qwen_ops.engine.engine"
+
+
+def test_every_kernel_source_ships_in_the_wheel():
+    # The CPU kernels are compiled from their sources on first use, so an installed (non-editable)
+    # package must carry every one: pyproject's package-data globs must cover them.
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    kernel_globs = globs["qwen_ops.ops.kernels"]
+    sources = [p.name for p in (root / "qwen_ops" / "ops" / "kernels").iterdir() if p.suffix in (".c", ".cpp", ".h")]
+    assert sources
+    missing = [s for s in sources if not any(fnmatch.fnmatch(s, g) for g in kernel_globs)]
+    assert not missing, f"not in pyproject's package-data for qwen_ops.ops.kernels: {missing}"
