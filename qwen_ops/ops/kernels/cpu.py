@@ -164,7 +164,7 @@ def op_library() -> str:
 
     include = Path(torch.__file__).parent / "include"
     cxx = _cxx_compiler()
-    if cxx is None or not (include / "torch" / "library.h").exists():
+    if cxx is None or not (include / "torch" / "library.h").exists() or not CXX_SOURCE.is_file():
         registry.register_ctypes_fast_ops()
         return "ctypes"
     torch_lib = Path(torch.__file__).parent / "lib"
