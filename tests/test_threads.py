@@ -15,8 +15,12 @@ PROBE = ("import torch, qwen_ops; before = torch.get_num_threads(); qwen_ops.LLM
          "print(before, torch.get_num_threads())")
 
 
+# Every variable that sets a thread count torch reads (a leftover from another test must not decide).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", THREADS_ENV)
+
+
 def _threads_after_llm(**env_changes) -> tuple[int, int]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", THREADS_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     env.update(env_changes)
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -44,7 +48,7 @@ def test_a_bad_setting_is_named(monkeypatch, value):
 
 
 def torch_default_threads() -> int:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
                          capture_output=True, text=True, timeout=120)
     return int(out.stdout)

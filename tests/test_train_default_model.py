@@ -4,6 +4,7 @@ writer (decoded back with zlib) and the size budget arithmetic."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import struct
 import sys
 import zlib
@@ -16,7 +17,14 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_default_mod
 _spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
 tdm = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = tdm  # its dataclass looks the module up while it is created
-_spec.loader.exec_module(tdm)
+# The script sets OMP/MKL thread variables for its own run as it is imported; they must not leak into
+# this process, whose later subprocesses (tests/test_threads.py) would inherit them.
+_environ = dict(os.environ)
+try:
+    _spec.loader.exec_module(tdm)
+finally:
+    os.environ.clear()
+    os.environ.update(_environ)
 
 
 def test_write_png_round_trips(tmp_path):
