@@ -206,16 +206,16 @@ class QwenEngine:
         from qwen_ops.models.parallel import check_tp_config
 
         path = default_model_path() if path is None else path
+        config = QwenConfig.from_pretrained(path)
         if tensor_parallel_size == 1:
             # The RoPE table needs only max_seq_len rows (the default 2048, as __init__'s).
             max_positions = kwargs.get("max_seq_len", 2048)
             if _is_int(max_positions) and max_positions >= 1:
-                max_positions = min(max_positions, QwenConfig.from_pretrained(path).max_position_embeddings)
+                max_positions = min(max_positions, config.max_position_embeddings)
             else:
                 max_positions = None             # __init__ names the bad value
-            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_positions)
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_positions, config=config)
             return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
-        config = QwenConfig.from_pretrained(path)
         check_tp_config(config, tensor_parallel_size)
         device = torch.device(device)
         workers = None

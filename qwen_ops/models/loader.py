@@ -86,11 +86,13 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
-                    tp: Optional[TPGroup] = None, max_positions: Optional[int] = None) -> Checkpoint:
+                    tp: Optional[TPGroup] = None, max_positions: Optional[int] = None,
+                    config: Optional[QwenConfig] = None) -> Checkpoint:
     """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
-    tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``)."""
+    tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``);
+    ``config``: ``path``'s config when the caller has read it already."""
     path = Path(path)
-    config = QwenConfig.from_pretrained(path)
+    config = config or QwenConfig.from_pretrained(path)
     model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))

@@ -227,8 +227,7 @@ class LLM:
             raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
                              f"{cfg.max_position_embeddings}; expected at most that")
         if tensor_parallel_size == 1:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len)
-            cfg = ckpt.config
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg)
             elem = next(ckpt.model.parameters()).element_size()
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             kv_heads = cfg.num_key_value_heads
