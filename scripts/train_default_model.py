@@ -219,6 +219,20 @@ def lr_at(step: int, s: TrainSettings) -> float:
     return s.peak_lr * (s.min_lr_ratio + (1.0 - s.min_lr_ratio) * cosine)
 
 
+def train_step(model, opt: torch.optim.Optimizer, batch: torch.Tensor, step: int, s: TrainSettings) -> float:
+    """One AdamW step at ``step``'s learning rate on ``batch`` [B, T+1]; returns its loss. labels ==
+    inputs: transformers shifts them by one inside the loss, so the seq_len + 1 tokens give seq_len
+    next-token targets per row."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, s)
+    loss = model(input_ids=batch, labels=batch).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    opt.step()
+    return loss.item()
+
+
 def sample_batch(stream: torch.Tensor, s: TrainSettings, gen: torch.Generator) -> torch.Tensor:
     """Random windows of ``seq_len + 1`` tokens: int64 ``[batch_size, seq_len + 1]``."""
     starts = torch.randint(0, stream.numel() - s.seq_len - 1, (s.batch_size,), generator=gen)
@@ -371,21 +385,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"SAFETY STOP at step {step}: {elapsed_min:.1f} min > --max-minutes "
                   f"{args.max_minutes}", flush=True)
             break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, s)
         batch = sample_batch(train_stream, s, gen)  # [B, T+1]
-        # labels == inputs: transformers shifts them by one inside the loss, so the
-        # seq_len + 1 tokens give seq_len next-token targets per row.
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        opt.step()
+        loss = train_step(model, opt, batch, step, s)
         steps_done = step + 1
-        recent = (recent + [loss.item()])[-25:]
+        recent = (recent + [loss])[-25:]
         if steps_done % args.log_every == 0 or steps_done == s.steps:
             t = time.perf_counter() - t_train
-            print(f"step {steps_done:5d}/{s.steps}  loss {loss.item():.3f}  "
+            print(f"step {steps_done:5d}/{s.steps}  loss {loss:.3f}  "
                   f"avg25 {sum(recent) / len(recent):.3f}  lr {lr_at(step, s):.2e}  "
                   f"{t / 60:.1f} min  {t / steps_done:.2f} s/step", flush=True)
     train_minutes = (time.perf_counter() - t_train) / 60
@@ -615,16 +621,10 @@ def train_from_data(s: TrainSettings, args) -> None:
         if minutes > args.max_minutes:
             note(f"# SAFETY STOP at step {step}: {minutes:.1f} min > --max-minutes {args.max_minutes}")
             break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, s)
         batch = sample_batch(train_stream, s, gen)  # [B, T+1]
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        opt.step()
+        loss = train_step(model, opt, batch, step, s)
         state["tokens_seen"] += batch.numel() - s.batch_size
-        state["recent"] = (state["recent"] + [loss.item()])[-25:]
+        state["recent"] = (state["recent"] + [loss])[-25:]
         done = step + 1
         held = ""
         if done % args.checkpoint_every == 0 or done == s.steps:
@@ -633,7 +633,7 @@ def train_from_data(s: TrainSettings, args) -> None:
             held = f"{held_loss:.4f}"
         if done % args.log_every == 0 or held:
             elapsed = state["elapsed_s"] + time.perf_counter() - t_seg
-            note(f"{done}\t{loss.item():.4f}\t{sum(state['recent']) / len(state['recent']):.4f}\t"
+            note(f"{done}\t{loss:.4f}\t{sum(state['recent']) / len(state['recent']):.4f}\t"
                  f"{lr_at(step, s):.3e}\t{state['tokens_seen']}\t{elapsed / 60:.2f}\t{held}")
         if done % args.checkpoint_every == 0 or done == s.steps:
             state["elapsed_s"] += time.perf_counter() - t_seg
