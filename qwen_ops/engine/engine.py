@@ -194,12 +194,15 @@ class QwenEngine:
     @classmethod
     def from_pretrained(cls, path: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = torch.float32,
                         device: Union[str, torch.device] = "cpu", tensor_parallel_size: int = 1,
-                        tp_port: Optional[int] = None, **kwargs: Any) -> "QwenEngine":
+                        tp_port: Optional[int] = None, quantization: Optional[str] = None,
+                        **kwargs: Any) -> "QwenEngine":
         """Load a Hugging Face Qwen checkpoint directory (``None``: the embedded default model).
 
         ``tensor_parallel_size=N > 1`` splits the model over N processes (``engine/distributed.py``):
         under torchrun every rank joins its group; otherwise this process becomes rank 0 and
-        spawns N-1 workers (on ``tp_port``, default a free one), stopped by ``shutdown()``."""
+        spawns N-1 workers (on ``tp_port``, default a free one), stopped by ``shutdown()``.
+        ``quantization``: ``"int8"`` / ``"fp8"`` online quantization (``models/quant.py``); checkpoints
+        quantized in a supported format load quantized either way."""
         from qwen_ops.engine import distributed as D
         from qwen_ops.models.defaults import default_model_path
         from qwen_ops.models.loader import load_checkpoint, resolve_dtype
@@ -214,9 +217,15 @@ class QwenEngine:
                 max_positions = min(max_positions, config.max_position_embeddings)
             else:
                 max_positions = None             # __init__ names the bad value
-            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_positions, config=config)
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_positions, config=config,
+                                   quantization=quantization)
             return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
         check_tp_config(config, tensor_parallel_size)
+        from qwen_ops.models.quant import read_quant_config
+        quant = read_quant_config(Path(path), quantization)
+        if quant is not None:
+            raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with quantized weights ({quant.method}) "
+                             "is not supported yet; expected tensor_parallel_size = 1")
         device = torch.device(device)
         workers = None
         if D.external_launch() is not None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.quant import QuantLinear
 from qwen_ops.ops.backend import resolve_backend
 from qwen_ops.ops.memory import check_fits
 from qwen_ops.ops.metadata import AttentionMetadata
@@ -56,10 +57,12 @@ def uses_cpu_kernels(weight: torch.Tensor) -> bool:
 
 
 def forward_choices(model: nn.Module) -> dict[str, str]:
-    """``{module name: "cpu" | "native"}``: the forward each layer of ``model`` chose (the CPU fast
-    path's ops, or its plain-torch forward); the gate and the tests read it."""
+    """``{module name: "cpu" | "native" | "int8" | "int4" | "fp8"}``: the forward each layer of
+    ``model`` chose (the CPU fast path's ops, or its plain-torch forward), and the scheme of each
+    quantized projection; the gate and the tests read it."""
     choices = {name: m._forward_method.__name__.removeprefix("forward_")
                for name, m in model.named_modules() if "_forward_method" in m.__dict__}
+    choices.update({name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)})
     head = getattr(model, "_lm_head", None)
     if head is not None:
         choices["lm_head"] = head.__name__.removeprefix("_lm_head_")
@@ -68,6 +71,41 @@ def forward_choices(model: nn.Module) -> dict[str, str]:
 
 def _identity(y: torch.Tensor) -> torch.Tensor:
     return y
+
+
+def weight_like(linear: nn.Module) -> torch.Tensor:
+    """A tensor on the device and of the dtype a projection computes in: an ``nn.Linear``'s weight,
+    or an empty one for a QuantLinear (whose weight is int8 / uint8 / fp8)."""
+    if isinstance(linear, QuantLinear):
+        return linear.scales.new_empty(0, dtype=linear.dtype)
+    return linear.weight
+
+
+def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
+    """One product over ``linears`` (same input) concatenated by output features, for the CPU fast
+    path; returns the callable ``x -> [rows, sum of out_features]``, or None where they cannot fuse.
+
+    nn.Linear layers: their weights packed into panels (``pack_linears``; buffers ``<name>_packed``
+    and ``<name>_bias`` of ``owner``), run by ``linear_packed``, then a row-parallel projection's
+    all-reduce. QuantLinear layers of one scheme: one QuantLinear over their stacked quantized
+    weights (submodule ``<name>_quant``; the layers then read slices of it). A mix cannot fuse."""
+    if all(isinstance(m, QuantLinear) for m in linears):
+        if not QuantLinear.can_concat(list(linears)):
+            return None
+        fused = linears[0] if len(linears) == 1 else QuantLinear.concat(list(linears))
+        if len(linears) > 1:
+            owner.add_module(f"{name}_quant", fused)
+        return fused.forward
+    if any(isinstance(m, QuantLinear) for m in linears):
+        return None
+    packed, bias, features, finish = pack_linears(*linears)
+    packed_name, bias_name = f"{name}_packed", f"{name}_bias"
+    owner.register_buffer(packed_name, packed, persistent=False)
+    owner.register_buffer(bias_name, bias, persistent=False)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
+    return product
 
 
 def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
@@ -225,21 +263,16 @@ class QwenMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = LINEAR_PACKED(x, self.gate_up_packed, self.gate_up_bias, self._gate_up_features)
-        down = LINEAR_PACKED(SILU_MUL(gate_up), self.down_packed, self.down_bias, self._down_features)
-        return self._down_finish(down)
+        return self._down_product(SILU_MUL(self._gate_up_product(x)))
 
     def process_weights_after_loading(self) -> None:
-        if uses_cpu_kernels(self.gate_proj.weight):
-            packed, bias, self._gate_up_features, _ = pack_linears(self.gate_proj, self.up_proj)
-            self.register_buffer("gate_up_packed", packed, persistent=False)
-            self.register_buffer("gate_up_bias", bias, persistent=False)
-            packed, bias, self._down_features, self._down_finish = pack_linears(self.down_proj)
-            self.register_buffer("down_packed", packed, persistent=False)
-            self.register_buffer("down_bias", bias, persistent=False)
-            self._forward_method = self.forward_cpu
-        else:
-            self._forward_method = self.forward_native
+        self._forward_method = self.forward_native
+        if uses_cpu_kernels(weight_like(self.gate_proj)):
+            gate_up = fused_product(self, "gate_up", self.gate_proj, self.up_proj)
+            down = fused_product(self, "down", self.down_proj)
+            if gate_up is not None and down is not None:
+                self._gate_up_product, self._down_product = gate_up, down
+                self._forward_method = self.forward_cpu
 
 
 class SlotAttention(nn.Module):
@@ -281,30 +314,27 @@ class SlotAttention(nn.Module):
         table) rotating the whole head; q|k|v become one packed product."""
         fits = (not self.output_gate and type(self.q_norm) in (RMSNorm, type(None)) and rope_table is not None
                 and rope_table.shape[1] == self.head_dim and rope_table.dtype == torch.float32)
-        if fits and uses_cpu_kernels(self.q_proj.weight):
-            packed, bias, self._qkv_features, _ = pack_linears(self.q_proj, self.k_proj, self.v_proj)
-            self.register_buffer("qkv_packed", packed, persistent=False)
-            self.register_buffer("qkv_bias", bias, persistent=False)
-            packed, bias, self._o_features, self._o_finish = pack_linears(self.o_proj)
-            self.register_buffer("o_packed", packed, persistent=False)
-            self.register_buffer("o_bias", bias, persistent=False)
-            self.register_buffer("rope_cos_sin", rope_table, persistent=False)
-            self._forward_method = self.forward_cpu
-        else:
-            self._forward_method = self.forward_native
+        self._forward_method = self.forward_native
+        if fits and uses_cpu_kernels(weight_like(self.q_proj)):
+            qkv = fused_product(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
+            o = fused_product(self, "o", self.o_proj)
+            if qkv is not None and o is not None:
+                self._qkv_product, self._o_product = qkv, o
+                self.register_buffer("rope_cos_sin", rope_table, persistent=False)
+                self._forward_method = self.forward_cpu
 
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                     attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
         (``cos``/``sin`` unused: it reads the table by position); the o product."""
-        qkv = LINEAR_PACKED(x, self.qkv_packed, self.qkv_bias, self._qkv_features)
+        qkv = self._qkv_product(x)
         q_norm, k_norm = self.q_norm, self.k_norm
         key_cache, value_cache = kv_cache
         o = ATTENTION_BLOCK(qkv, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                             self.eps, self.rope_cos_sin, positions32, key_cache, value_cache, attn.slot_ids,
                             attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, self.scale,
                             attn.max_query_len, self.num_heads)
-        return self._o_finish(LINEAR_PACKED(o, self.o_packed, self.o_bias, self._o_features))
+        return self._o_product(o)
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                        attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

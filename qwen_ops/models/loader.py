@@ -37,6 +37,7 @@ from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
 from qwen_ops.models.layers import rope_table
 from qwen_ops.models.parallel import TPGroup, shard_model, tp_slice
+from qwen_ops.models import quant as Q
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
@@ -87,13 +88,15 @@ class Checkpoint:
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                     tp: Optional[TPGroup] = None, max_positions: Optional[int] = None,
-                    config: Optional[QwenConfig] = None) -> Checkpoint:
+                    config: Optional[QwenConfig] = None, quantization: Optional[str] = None) -> Checkpoint:
     """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
     tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``);
-    ``config``: ``path``'s config when the caller has read it already."""
+    ``config``: ``path``'s config when the caller has read it already; ``quantization``: online
+    quantization of a full-precision checkpoint (``load_model``)."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
-    model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions)
+    model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions,
+                       quantization=quantization)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))
 
@@ -131,7 +134,7 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None,
-               max_positions: Optional[int] = None) -> QwenForCausalLM:
+               max_positions: Optional[int] = None, quantization: Optional[str] = None) -> QwenForCausalLM:
     """Build the model of ``path`` (:class:`QwenForCausalLM` for qwen2 / qwen3 / qwen3_moe;
     :class:`Qwen3_5ForCausalLM` for the hybrids qwen3_5_text / qwen3_5 / qwen3_5_moe_text / qwen3_5_moe /
     qwen3_next, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors
@@ -143,23 +146,34 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     ``max_seq_len`` needs only that many.
 
     The layer count of the config is checked against the checkpoint's tensor names before the
-    module is built: a config.json naming more layers than the files hold fails at once."""
+    module is built: a config.json naming more layers than the files hold fails at once.
+
+    Quantized weights (``models/quant.py``): a checkpoint whose config.json has a
+    ``quantization_config`` (fp8, awq, gptq) gets QuantLinear layers where its files hold quantized
+    tensors, read into the ops' layouts without a full-precision copy; ``quantization`` ("int8",
+    "fp8") quantizes a full-precision checkpoint's projections one tensor at a time as they are read."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     files = weight_files(path)
     _check_layer_count(path, files, config)
+    quant = Q.read_quant_config(path, quantization)
+    if quant is not None and tp is not None and tp.size > 1:
+        raise ValueError(f"tensor parallelism (size {tp.size}) with quantized weights ({quant.method}) is not "
+                         "supported yet; load with tensor_parallel_size=1")
     with torch.device("meta"):
         model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
+    quantized = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else {}
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
     params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
     stacked = {piece.param for piece in experts}
     params = {name: p for name, p in params.items() if name not in stacked}
-    _check_tensors(path, files, params, config, experts)
+    handled = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
+    _check_tensors(path, files, params, config, experts, handled)
 
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in params:
@@ -169,6 +183,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_tensors(file, names, model, dtype, device, renamed)
     if experts:
         _copy_expert_pieces(files, experts, model, dtype, device, renamed)
+    if quantized:
+        _copy_quantized(files, quantized, model, quant, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
@@ -262,10 +278,11 @@ def weight_files(path: Path) -> dict[str, Path]:
 
 
 def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Parameter],
-                   config: QwenConfig, experts: list[_ExpertPiece] = ()) -> None:
+                   config: QwenConfig, experts: list[_ExpertPiece] = (), handled: set[str] = frozenset()) -> None:
     """Every name, shape and dtype in the headers against the model, before any data is read.
 
-    ``params`` are the parameters stored whole; ``experts`` the per-expert tensors of the others."""
+    ``params`` are the parameters stored whole; ``experts`` the per-expert tensors of the others;
+    ``handled`` the quantized layers' tensors (checked as they are converted, models/quant.py)."""
     problems: list[str] = []
     expert_shapes = {piece.tensor: piece.shape for piece in experts}
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -277,6 +294,8 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
             for name in names:
                 if name not in present:
                     problems.append(f"tensor {name!r} is missing from {file} (the index places it there)")
+                    continue
+                if name in handled:
                     continue
                 if name not in params and name not in expert_shapes:
                     if not _ignorable(name, config):
@@ -293,9 +312,12 @@ def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Para
                                     f"from {path / 'config.json'}")
                 if code not in FILE_DTYPES:
                     problems.append(f"tensor {name!r} in {file} has dtype {code}, expected one of "
-                                    f"{', '.join(FILE_DTYPES)} (quantized weights are not supported)")
+                                    f"{', '.join(FILE_DTYPES)} (a quantized checkpoint needs its quantization_config in config.json: "
+                                    "fp8, awq or gptq)")
     where = path / INDEX_FILE if (path / INDEX_FILE).is_file() else path / SINGLE_FILE
     problems += [f"missing tensor {name!r} (not in {where})" for name in params if name not in files]
+    problems += [f"missing tensor {name!r} of a quantized layer (not in {where})" for name in sorted(handled)
+                 if name not in files]
     problems += [f"missing tensor {piece.tensor!r} (not in {where}, which has no stacked {piece.param!r} either)"
                  for piece in experts if piece.tensor not in files]
     if problems:
@@ -426,6 +448,74 @@ def _copy_expert_pieces(files: dict[str, Path], pieces: list[_ExpertPiece], mode
     for name, dst in stacked.items():
         module_name, _, leaf = renamed.get(name, name).rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
+
+
+_QUANT_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale_inv")
+
+
+def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", files: dict[str, Path],
+                      config: QwenConfig, dtype: torch.dtype) -> dict[str, str]:
+    """Replace the decoder layers' projections (``quant.LINEAR_NAMES``) that the checkpoint stores
+    quantized (online: all of them) by meta-device QuantLinear layers; returns ``{checkpoint prefix:
+    module name}``. A quantized tensor the model cannot take (an LM head, per-expert weights) is an
+    error naming it."""
+    quantized: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if not (isinstance(module, nn.Linear) and leaf in Q.LINEAR_NAMES and ".layers." in f".{name}"):
+            continue
+        prefix = checkpoint_name(name + ".weight", config).removesuffix(".weight")
+        if not Q.is_quantized_in_files(quant, prefix, files):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        try:
+            layer = Q.QuantLinear.like(module, quant, dtype)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: layer {prefix!r}: {e}") from None
+        setattr(model.get_submodule(parent_name), attr, layer)
+        quantized[prefix] = name
+    if not quant.online:
+        taken = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
+        stray = sorted(n for n in files if n.endswith(_QUANT_SUFFIXES) and n not in taken)
+        if stray:
+            raise CheckpointError(f"{path}: quantized tensors of layers that qwen_ops does not quantize "
+                                  f"({quant.method}): {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} "
+                                  "(quantized LM heads and per-expert weights are not supported yet)")
+    if not quantized:
+        raise CheckpointError(f"{path}: quantization {quant.method!r} but no layer of the checkpoint is stored "
+                              f"quantized (expected tensors such as {Q.checkpoint_tensors(quant, 'model.layers.0.self_attn.q_proj')})")
+    return quantized
+
+
+def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn.Module, quant: "Q.QuantConfig",
+                    device: torch.device) -> None:
+    """Read each quantized layer's tensors (mapped, a window of bytes at a time as in
+    :func:`_copy_tensors`) and convert them into its QuantLinear's buffers on ``device``."""
+    handles: dict[Path, Any] = {}
+    mapped: dict[Path, int] = defaultdict(int)
+    try:
+        for prefix, module_name in quantized.items():
+            layer = model.get_submodule(module_name)
+            tensors = {}
+            for name in Q.checkpoint_tensors(quant, prefix):
+                file = files[name]
+                if file not in handles:
+                    handles[file] = _open(file).__enter__()
+                tensors[name] = handles[file].get_tensor(name)
+                mapped[file] += tensors[name].numel() * tensors[name].element_size()
+            try:
+                buffers = Q.convert_layer(quant, prefix, tensors, layer)
+            except ValueError as e:
+                raise CheckpointError(f"{files[next(iter(tensors))]}: {e}") from None
+            del tensors
+            for key, value in buffers.items():
+                layer._buffers[key] = value.to(device=device, copy=True)   # never a view of the mapped file
+            for file in [f for f, n in mapped.items() if n >= MAP_WINDOW_BYTES]:
+                handles.pop(file).__exit__(None, None, None)
+                mapped[file] = 0
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
 
 
 def _open(file: Path):

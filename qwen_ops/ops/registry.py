@@ -370,3 +370,99 @@ def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_
     V.check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache, value_cache, slot_ids,
                             block_table, seq_slots, query_start_loc, seq_lens, max_query_len, num_heads)
     return qkv.new_empty((qkv.shape[0], num_heads * key_cache.shape[3]))
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized weights: linear_int8, linear_int4, linear_fp8
+# --------------------------------------------------------------------------------------------
+# The model's QuantLinear layers (qwen_ops/models/quant.py) call these. On CPU tensors they run the
+# C kernels of kernels/qwen_cpu.c (qwen_linear_quant, through ctypes; the reference where the C
+# library does not build); on other devices the plain-torch references, which are also the oracle.
+
+from qwen_ops.ops.kernels import reference_quant as RQ  # noqa: E402
+
+
+def _linear_int8_cpu(x, qweight, scales, bias):
+    V.check_linear_int8(x, qweight, scales, bias)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_int8_reference(x, qweight, scales, bias)
+    return _cpu().linear_quant_cpu(0, x, qweight, scales, None, bias, qweight.shape[0], qweight.shape[1],
+                                   qweight.shape[1] // scales.shape[1], 1)
+
+
+def _linear_int4_cpu(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_int4_reference(x, qweight, scales, zeros, bias)
+    k = 2 * qweight.shape[1]
+    return _cpu().linear_quant_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1], 1)
+
+
+def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
+    V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
+    return _cpu().linear_quant_cpu(2, x, weight, scale_inv, None, bias, weight.shape[0], weight.shape[1], block_k,
+                                   block_n)
+
+
+def _linear_int8_other(x, qweight, scales, bias):
+    V.check_linear_int8(x, qweight, scales, bias)
+    return RQ.linear_int8_reference(x, qweight, scales, bias)
+
+
+def _linear_int4_other(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    return RQ.linear_int4_reference(x, qweight, scales, zeros, bias)
+
+
+def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
+    V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
+    return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
+
+
+_QUANT_LIB = torch.library.Library(NAMESPACE, "IMPL")
+for _name, _cpu_kernel, _other in (("linear_int8", _linear_int8_cpu, _linear_int8_other),
+                                   ("linear_int4", _linear_int4_cpu, _linear_int4_other),
+                                   ("linear_fp8", _linear_fp8_cpu, _linear_fp8_other)):
+    _QUANT_LIB.impl(_name, _cpu_kernel, "CPU")
+    _QUANT_LIB.impl(_name, _other, "CUDA")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_int8", lib=_LIB)
+def _linear_int8_fake(x, qweight, scales, bias):
+    V.check_linear_int8(x, qweight, scales, bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_int4", lib=_LIB)
+def _linear_int4_fake(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_fp8", lib=_LIB)
+def _linear_fp8_fake(x, weight, scale_inv, bias, block_n, block_k):
+    V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [rows, K] @ w.T (+ bias)`` with ``w = qweight (int8 [N, K]) * scales (fp32 [N, G])`` per group of
+    ``K / G`` elements; fp32 arithmetic, returned in x's dtype."""
+    return torch.ops.qwen.linear_int8(x, qweight, scales, bias)
+
+
+def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with ``w = (q - zeros) * scales`` per group; ``qweight`` uint8 ``[N, K / 2]``
+    holds element k in nibble ``k % 2`` (low first), ``zeros`` uint8 and ``scales`` fp32 ``[N, G]``."""
+    return torch.ops.qwen.linear_int4(x, qweight, scales, zeros, bias)
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: Optional[torch.Tensor],
+               block_n: int, block_k: int) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with ``w = float(weight) * scale_inv[n // block_n, k // block_k]`` (float8_e4m3fn
+    weights with block-wise fp32 scales, as Qwen3-*-FP8 checkpoints store them)."""
+    return torch.ops.qwen.linear_fp8(x, weight, scale_inv, bias, block_n, block_k)

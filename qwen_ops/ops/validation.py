@@ -483,3 +483,69 @@ def check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache
     check_kv_write(k, v, key_cache, value_cache, slot_ids, positions, block_table)
     check_slot_attention(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, 1.0,
                          max_query_len, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized linear ops (linear_int8, linear_int4, linear_fp8): references in kernels/reference_quant.py
+# ---------------------------------------------------------------------------------------------
+
+def _quant_common(x, bias, out_features: int, in_features: int, **others) -> None:
+    if any(t is not None and t.device != x.device for t in (bias, *others.values())):
+        _same_device(x=x, bias=bias, **others)
+    _rank("x", x, 2, "[rows, in_features]")
+    _float("x", x)
+    if x.shape[1] != in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected [rows, {in_features}] (the weight's in_features)")
+    for name, t in others.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}, expected a contiguous tensor")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}, expected contiguous "
+                         f"float32 [{out_features}]")
+
+
+def _groups(name: str, t: torch.Tensor, dtype: torch.dtype, rows: int, in_features: int) -> int:
+    """Checks a per-group tensor ``[rows, G]`` of ``dtype`` with G dividing in_features; returns the group size."""
+    if t.dtype != dtype or t.dim() != 2 or t.shape[0] != rows or t.shape[1] < 1 or in_features % t.shape[1]:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected {dtype} [{rows}, G] "
+                         f"with G dividing in_features = {in_features} (G groups of in_features / G elements)")
+    return in_features // t.shape[1]
+
+
+def check_linear_int8(x, qweight, scales, bias) -> None:
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"qweight has shape {tuple(qweight.shape)} and dtype {qweight.dtype}, expected int8 "
+                         "[out_features, in_features]")
+    n, k = qweight.shape
+    _quant_common(x, bias, n, k, qweight=qweight, scales=scales)
+    _groups("scales", scales, torch.float32, n, k)
+
+
+def check_linear_int4(x, qweight, scales, zeros, bias) -> None:
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight has shape {tuple(qweight.shape)} and dtype {qweight.dtype}, expected uint8 "
+                         "[out_features, in_features / 2] (two 4-bit elements a byte)")
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    _quant_common(x, bias, n, k, qweight=qweight, scales=scales, zeros=zeros)
+    g = _groups("scales", scales, torch.float32, n, k)
+    if zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape):
+        raise ValueError(f"zeros has shape {tuple(zeros.shape)} and dtype {zeros.dtype}, expected uint8 "
+                         f"{list(scales.shape)} (scales' shape)")
+    if g % 2:
+        raise ValueError(f"scales has {scales.shape[1]} groups of {g} elements; expected an even group size")
+
+
+def check_linear_fp8(x, weight, scale_inv, bias, block_n: int, block_k: int) -> None:
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} and dtype {weight.dtype}, expected "
+                         "float8_e4m3fn [out_features, in_features]")
+    n, k = weight.shape
+    _quant_common(x, bias, n, k, weight=weight, scale_inv=scale_inv)
+    for name, value in (("block_n", block_n), ("block_k", block_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}, expected a positive int")
+    want = (-(-n // block_n), -(-k // block_k))
+    if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
+        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)} and dtype {scale_inv.dtype}, expected "
+                         f"float32 {list(want)} (ceil({n} / block_n = {block_n}), ceil({k} / block_k = {block_k}))")

@@ -172,8 +172,14 @@ class LLM:
                  compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, tp_port: Optional[int] = None):
-        """``swap_space``: bytes of host memory for KV swapped out by preemption (vLLM's
+                 tensor_parallel_size: int = 1, tp_port: Optional[int] = None,
+                 quantization: Optional[str] = None):
+        """``quantization`` (vLLM's argument): ``"int8"`` or ``"fp8"`` quantizes a full-precision
+        checkpoint's projections as they load (``models/quant.py``); a checkpoint quantized in a
+        supported format (``quantization_config`` fp8 / awq / gptq) loads as it is, with or without
+        naming its method here.
+
+        ``swap_space``: bytes of host memory for KV swapped out by preemption (vLLM's
         ``swap_space``, which is in GiB); default ``default_swap_space_bytes()``. When it is full,
         preemption recomputes instead (``stats()["num_swap_full_recomputes"]``).
 
@@ -221,13 +227,19 @@ class LLM:
         path = default_model_path() if model is None else model
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
+        from qwen_ops.models.quant import read_quant_config
+        quant = read_quant_config(Path(path), quantization)
+        if quant is not None and tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with quantized weights ({quant.method}) "
+                             "is not supported yet; expected tensor_parallel_size = 1")
         if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
             max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         elif max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
                              f"{cfg.max_position_embeddings}; expected at most that")
         if tensor_parallel_size == 1:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg)
+            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg,
+                                   quantization=quantization)
             elem = next(ckpt.model.parameters()).element_size()
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             kv_heads = cfg.num_key_value_heads

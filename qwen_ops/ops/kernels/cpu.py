@@ -64,6 +64,8 @@ _SIGNATURES = {
                            _i64, _i32], ctypes.c_int),
     "qwen_silu_mul": ([_p, _i64, _p, _i64, _p, _i64, _i64, _i32], ctypes.c_int),
     "qwen_moe_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64], ctypes.c_int),
+    "qwen_linear_quant": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64],
+                          ctypes.c_int),
 }
 
 
@@ -329,6 +331,21 @@ def linear_packed_cpu(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torc
                              torch.get_num_threads()):
         _status(-1, "linear_packed")
     return out
+
+
+def linear_quant_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
+                     in_features: int, group: int, block_n: int) -> torch.Tensor:
+    """qwen_linear_quant (kind 0 int8, 1 int4, 2 fp8) on validated tensors: x as fp32 rows, the
+    product in fp32, rounded once to x's dtype."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    if library().qwen_linear_quant(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(), scales.data_ptr(),
+                                   None if zeros is None else zeros.data_ptr(), group, block_n,
+                                   None if bias is None else bias.data_ptr(), out_features, in_features,
+                                   out.data_ptr(), out_features, torch.get_num_threads()):
+        _status(-1, "linear quant")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _norm(x, residual, weight, eps):

@@ -1196,3 +1196,258 @@ int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, co
     free(order);
     return 0;
 }
+
+/* ----------------------------------------------------------------------------------------------
+ * Quantized weights: torch.ops.qwen.linear_int8 / linear_int4 / linear_fp8 (references in
+ * qwen_ops/ops/kernels/reference_quant.py). y [M, N] = x [M, K] w^T (+ bias), x and y fp32 (rows
+ * of strides xs, ys), w dequantized on the fly from bytes, one fp32 rounding per weight:
+ *   kind 0, int8: q int8 [N, K];                   w = q * s[n][k / g]
+ *   kind 1, int4: q uint8 [N, K / 2], element k in nibble k % 2 (low first) of byte k / 2;
+ *                                                  w = (q - z[n][k / g]) * s[n][k / g], z uint8
+ *   kind 2, fp8:  q float8_e4m3fn [N, K];          w = fp32(q) * s[n / bn][k / g]
+ * s (and z) rows hold sg = ceil(K / g) groups. Products accumulate in fp32.
+ * One row (decode) reads every weight byte once: the point is bandwidth, so 4 weight rows are read
+ * side by side (4 streams) against up to 4 rows of x (the x rows stay in L1). More than 4 rows
+ * (prefill): 4 weight rows are dequantized once into an fp32 block (L1/L2) and every row of x is
+ * multiplied by it, 4 at a time. threads > 1 (OpenMP builds): the blocks of 4 weight rows are
+ * split across that many threads; each output is computed by one thread, in the same order
+ * whatever the thread count. The AVX-512 path needs K and g multiples of 16 (every checkpoint's);
+ * other shapes take the portable loop.
+ * fp8 (e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits) widens exactly by moving the 7
+ * magnitude bits to an fp32's exponent/mantissa position and scaling by 2^120, subnormals
+ * included; the NaN code (0x7f / 0xff) is not decoded (a checkpoint holds none).
+ * ---------------------------------------------------------------------------------------------- */
+
+static inline float fp8_e4m3_to_f32(uint8_t b) {
+    const uint32_t mag = (uint32_t)(b & 0x7f) << 20;
+    float f;
+    memcpy(&f, &mag, 4);
+    f *= 1.329227995784916e36f;   /* 2^120 */
+    return (b & 0x80) ? -f : f;
+}
+
+static inline float dequant_one(int kind, const uint8_t *row, int64_t k) {
+    if (kind == 0) return (float)(int8_t)row[k];
+    if (kind == 1) return (float)((row[k >> 1] >> ((k & 1) * 4)) & 15);
+    return fp8_e4m3_to_f32(row[k]);
+}
+
+/* Output features n0 .. N - 1, element by element (x in its natural order). */
+static void quant_rows_portable(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
+                                const uint8_t *z, int64_t g, int64_t bn, const float *bias, int64_t n0, int64_t N,
+                                int64_t K, float *y, int64_t ys, int threads) {
+    (void)threads;
+    const int64_t sg = (K + g - 1) / g, row_bytes = kind == 1 ? K / 2 : K;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t n = n0; n < N; ++n) {
+        const uint8_t *qr = q + n * row_bytes;
+        const int64_t srow = (kind == 2 ? n / bn : n) * sg;
+        for (int64_t m = 0; m < M; ++m) {
+            const float *xr = x + m * xs;
+            float total = 0.0f;
+            for (int64_t k = 0; k < K; ++k) {
+                const int64_t grp = srow + k / g;
+                float w = dequant_one(kind, qr, k);
+                if (kind == 1) w -= (float)z[grp];
+                total += xr[k] * (w * s[grp]);
+            }
+            y[m * ys + n] = total + (bias == NULL ? 0.0f : bias[n]);
+        }
+    }
+}
+
+#if QWEN_AVX512
+/* 16 weights of a row from element k (k % 16 == 0), as fp32, before the scale (and zero). int4:
+ * lanes 0-7 are elements k, k+2, ..., k+14 and lanes 8-15 k+1, ..., k+15 (the low nibbles, then the
+ * high ones): x is permuted to match (quant_permute_x), so no shuffle is needed here. */
+static inline __attribute__((always_inline)) __m512 dequant16(int kind, const uint8_t *row, int64_t k) {
+    if (kind == 0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
+    if (kind == 1) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(row + k / 2)), mask = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+    }
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(1.329227995784916e36f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+
+/* y[m][n0 .. n0 + 3] for the MR rows of x from m0: 4 weight rows side by side, dequantized per 16. */
+static inline __attribute__((always_inline)) void quant_block_stream(
+        int kind, int MR, const float *x, int64_t xs, const uint8_t *q, int64_t row_bytes, const float *s,
+        const uint8_t *z, int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, float out[4][4]) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+    const uint8_t *rows[4];
+    int64_t srow[4];
+    for (int r = 0; r < 4; ++r) {
+        rows[r] = q + (n0 + r) * row_bytes;
+        srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
+    }
+    for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
+        const int64_t k1 = K - k0 < g ? K : k0 + g;
+        __m512 sc[4], zc[4];
+        for (int r = 0; r < 4; ++r) {
+            sc[r] = _mm512_set1_ps(s[srow[r] + grp]);
+            zc[r] = _mm512_set1_ps(kind == 1 ? (float)z[srow[r] + grp] : 0.0f);
+        }
+        for (int64_t k = k0; k < k1; k += 16) {
+            __m512 xv[4];
+            for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * xs + k);
+            for (int r = 0; r < 4; ++r) {
+                __m512 w = dequant16(kind, rows[r], k);
+                if (kind == 1) w = _mm512_sub_ps(w, zc[r]);
+                w = _mm512_mul_ps(w, sc[r]);
+                for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        const __m128 t = sum4_avx512(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
+        _mm_storeu_ps(out[m], t);
+    }
+}
+
+#define QUANT_STREAM_KERNEL(KIND, MR)                                                                         \
+    static void quant_stream_##KIND##_##MR(const float *x, int64_t xs, const uint8_t *q, int64_t row_bytes,  \
+                                           const float *s, const uint8_t *z, int64_t sg, int64_t g,          \
+                                           int64_t bn, int64_t n0, int64_t K, float out[4][4]) {             \
+        quant_block_stream(KIND, MR, x, xs, q, row_bytes, s, z, sg, g, bn, n0, K, out);                      \
+    }
+QUANT_STREAM_KERNEL(0, 1) QUANT_STREAM_KERNEL(0, 2) QUANT_STREAM_KERNEL(0, 3) QUANT_STREAM_KERNEL(0, 4)
+QUANT_STREAM_KERNEL(1, 1) QUANT_STREAM_KERNEL(1, 2) QUANT_STREAM_KERNEL(1, 3) QUANT_STREAM_KERNEL(1, 4)
+QUANT_STREAM_KERNEL(2, 1) QUANT_STREAM_KERNEL(2, 2) QUANT_STREAM_KERNEL(2, 3) QUANT_STREAM_KERNEL(2, 4)
+typedef void (*quant_stream_kernel)(const float *, int64_t, const uint8_t *, int64_t, const float *, const uint8_t *,
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, float[4][4]);
+static const quant_stream_kernel QUANT_STREAM[3][5] = {
+    {NULL, quant_stream_0_1, quant_stream_0_2, quant_stream_0_3, quant_stream_0_4},
+    {NULL, quant_stream_1_1, quant_stream_1_2, quant_stream_1_3, quant_stream_1_4},
+    {NULL, quant_stream_2_1, quant_stream_2_2, quant_stream_2_3, quant_stream_2_4},
+};
+
+/* Dequantize weight rows n0 .. n0 + 3 into wb [4][K] (fp32, x's element order). */
+static void quant_dequant_block(int kind, const uint8_t *q, int64_t row_bytes, const float *s, const uint8_t *z,
+                                int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, float *wb) {
+    for (int r = 0; r < 4; ++r) {
+        const uint8_t *row = q + (n0 + r) * row_bytes;
+        const int64_t srow = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
+        for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
+            const int64_t k1 = K - k0 < g ? K : k0 + g;
+            const __m512 sc = _mm512_set1_ps(s[srow + grp]);
+            const __m512 zc = _mm512_set1_ps(kind == 1 ? (float)z[srow + grp] : 0.0f);
+            for (int64_t k = k0; k < k1; k += 16) {
+                __m512 w = dequant16(kind, row, k);
+                if (kind == 1) w = _mm512_sub_ps(w, zc);
+                _mm512_storeu_ps(wb + r * K + k, _mm512_mul_ps(w, sc));
+            }
+        }
+    }
+}
+
+/* y[m][n0 .. n0 + 3] for MR rows of x against the dequantized block wb [4][K]. */
+static inline __attribute__((always_inline)) void quant_block_dense(int MR, const float *x, int64_t xs,
+                                                                    const float *wb, int64_t K, float out[4][4]) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv[4];
+        for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * xs + k);
+        for (int r = 0; r < 4; ++r) {
+            const __m512 w = _mm512_loadu_ps(wb + r * K + k);
+            for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) _mm_storeu_ps(out[m], sum4_avx512(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+}
+
+static void quant_dense_4(const float *x, int64_t xs, const float *wb, int64_t K, float out[4][4]) {
+    quant_block_dense(4, x, xs, wb, K, out);
+}
+static void quant_dense_rest(int MR, const float *x, int64_t xs, const float *wb, int64_t K, float out[4][4]) {
+    if (MR == 1) quant_block_dense(1, x, xs, wb, K, out);
+    else if (MR == 2) quant_block_dense(2, x, xs, wb, K, out);
+    else quant_block_dense(3, x, xs, wb, K, out);
+}
+
+/* Returns -1 (nothing written) when scratch memory could not be allocated. */
+/* xv: x in dequant16's element order (rows of stride xvs: permuted for int4, else x itself). */
+static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float *x, int64_t xs, int64_t M,
+                             const uint8_t *q, const float *s, const uint8_t *z, int64_t g, int64_t bn,
+                             const float *bias, int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+    (void)threads;
+    const int64_t sg = (K + g - 1) / g, row_bytes = kind == 1 ? K / 2 : K, blocks = N / 4;
+    int failed = 0;
+    if (M <= 4) {
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            float out[4][4];
+            QUANT_STREAM[kind][M](xv, xvs, q, row_bytes, s, z, sg, g, bn, 4 * b, K, out);
+            for (int64_t m = 0; m < M; ++m)
+                for (int r = 0; r < 4; ++r)
+                    y[m * ys + 4 * b + r] = out[m][r] + (bias == NULL ? 0.0f : bias[4 * b + r]);
+        }
+    } else {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            float *wb = malloc(sizeof(float) * (size_t)(4 * K));
+            if (wb == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; ++b) {
+                if (wb == NULL) continue;
+                quant_dequant_block(kind, q, row_bytes, s, z, sg, g, bn, 4 * b, K, wb);
+                for (int64_t m = 0; m < M; m += 4) {
+                    float out[4][4];
+                    const int64_t mr = M - m < 4 ? M - m : 4;
+                    if (mr == 4) quant_dense_4(xv + m * xvs, xvs, wb, K, out);
+                    else quant_dense_rest((int)mr, xv + m * xvs, xvs, wb, K, out);
+                    for (int64_t i = 0; i < mr; ++i)
+                        for (int r = 0; r < 4; ++r)
+                            y[(m + i) * ys + 4 * b + r] = out[i][r] + (bias == NULL ? 0.0f : bias[4 * b + r]);
+                }
+            }
+            free(wb);
+        }
+    }
+    if (failed) return -1;
+    if (blocks * 4 < N)   /* the last N % 4 weight rows */
+        quant_rows_portable(kind, x, xs, M, q, s, z, g, bn, bias, blocks * 4, N, K, y, ys, 1);
+    return 0;
+}
+#endif
+
+/* x permuted per 16 elements as dequant16's int4 lanes read them: [x0, x2, ..., x14, x1, x3, ..., x15]. */
+static void quant_permute_x(const float *x, int64_t xs, int64_t M, int64_t K, float *xp) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 16)
+            for (int i = 0; i < 8; ++i) {
+                xp[m * K + k + i] = x[m * xs + k + 2 * i];
+                xp[m * K + k + 8 + i] = x[m * xs + k + 2 * i + 1];
+            }
+}
+
+/* The entry point: kind as above; z only for int4 (else NULL); bn only for fp8 (else 1). Returns
+ * 0, or -1 when scratch memory could not be allocated (nothing written). */
+int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
+                      const uint8_t *z, int64_t g, int64_t bn, const float *bias, int64_t N, int64_t K, float *y,
+                      int64_t ys, int64_t threads) {
+#if QWEN_AVX512
+    if (K % 16 == 0 && g % 16 == 0 && M > 0) {
+        if (kind != 1) return quant_rows_avx512(kind, x, xs, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
+        float *xp = malloc(sizeof(float) * (size_t)(M * K));
+        if (xp == NULL) return -1;
+        quant_permute_x(x, xs, M, K, xp);
+        const int status = quant_rows_avx512(kind, xp, K, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
+        free(xp);
+        return status;
+    }
+#endif
+    quant_rows_portable(kind, x, xs, M, q, s, z, g, bn, bias, 0, N, K, y, ys, (int)threads);
+    return 0;
+}

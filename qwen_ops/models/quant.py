@@ -1,0 +1,413 @@
+"""Quantized linear layers: the checkpoint formats Qwen publishes, online quantization, and the
+``QuantLinear`` module that the model's projections become.
+
+Formats (``quantization_config`` in ``config.json``, laid out as Qwen's and vLLM's):
+
+* ``fp8`` block-wise (Qwen3-*-FP8): ``<layer>.weight`` float8_e4m3fn ``[N, K]`` and
+  ``<layer>.weight_scale_inv`` fp32 ``[ceil(N / bn), ceil(K / bk)]`` for ``weight_block_size: [bn, bk]``;
+  ``w = weight * scale_inv[n // bn, k // bk]``. The weight is kept as is, its scales repeated to one row
+  per output feature (so projections of any size stack into one product): ``torch.ops.qwen.linear_fp8``.
+* ``awq`` (AutoAWQ's GEMM packing, ``bits: 4``, ``zero_point: true``): ``qweight`` int32 ``[K, N / 8]``,
+  ``qzeros`` int32 ``[K / g, N / 8]``, ``scales`` fp16 ``[K / g, N]``; nibble i (bits 4i..4i+3) of
+  word j holds column ``8 j + AWQ_ORDER[i]``. ``w = (q - z) * s``. Repacked to ``linear_int4``'s layout.
+* ``gptq`` (AutoGPTQ / optimum, ``checkpoint_format: gptq``, ``bits`` 4 or 8, ``desc_act: false``):
+  ``qweight`` int32 ``[K * bits / 32, N]`` packs 32 / bits consecutive k (lowest bits first),
+  ``qzeros`` int32 ``[K / g, N * bits / 32]`` packs consecutive n the same way and stores ``z - 1``,
+  ``scales`` fp16 ``[K / g, N]``, ``g_idx`` int32 ``[K]`` (must be ``k // g``). ``w = (q - z) * s`` with
+  ``z = stored + 1`` (as AutoGPTQ's and vLLM's kernels read the format). 4 bits -> ``linear_int4``;
+  8 bits with ``sym: true`` (z = 128) -> ``linear_int8`` on ``q - 128``.
+
+Online (``LLM(..., quantization=...)`` on a full-precision checkpoint), each weight quantized as it is
+read, so the full-precision model is never held:
+
+* ``int8``: symmetric per output channel (or per ``group_size`` group): ``s = max|w| / 127``,
+  ``q = round(w / s)``; ``linear_int8``.
+* ``fp8``: vLLM's dynamic FP8 weights, one scale per tensor: ``s = max|w| / 448``,
+  ``q = float8_e4m3fn(w / s)``; ``linear_fp8`` (the scale repeated per output feature).
+
+Which layers: the decoder layers' projections (``LINEAR_NAMES``). A checkpoint format quantizes the
+ones whose tensors are quantized in the files (its ``modules_to_not_convert`` are simply stored in
+full precision); online quantization takes them all. Embeddings, norms and the LM head stay in the
+model dtype, as do the KV cache and activations.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
+from qwen_ops.ops.kernels.reference_quant import pack_int4
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# The decoder layers' projections that may be quantized (dense, MoE shared experts, hybrid layers).
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+ONLINE_METHODS = ("int8", "fp8")
+CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
+FP8_MAX = 448.0
+INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a model's linear layers are quantized: ``method`` is the checkpoint's format
+    (``fp8``, ``awq``, ``gptq``) or an online scheme (``int8``, ``fp8``; ``online`` True)."""
+
+    method: str
+    online: bool = False
+    bits: int = 8
+    group_size: int = -1            # -1: one group per output channel (int8 / gptq)
+    block: tuple[int, int] = (0, 0)  # fp8 checkpoints: weight_block_size
+    source: str = "<config>"
+
+    @property
+    def scheme(self) -> str:
+        """The op the layers run: ``int8``, ``int4`` or ``fp8``."""
+        if self.method == "fp8":
+            return "fp8"
+        if self.method == "awq" or (self.method == "gptq" and self.bits == 4):
+            return "int4"
+        return "int8"
+
+
+def _field(qc: dict, key: str, source: str, allowed: tuple, default: Any = None) -> Any:
+    value = qc.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"{source}: quantization_config.{key} = {value!r}; supported: "
+                         f"{', '.join(repr(a) for a in allowed)}")
+    return value
+
+
+def _group_size(qc: dict, source: str, allow_channel: bool) -> int:
+    g = qc.get("group_size", qc.get("q_group_size"))
+    key = "group_size" if "group_size" in qc else "q_group_size"
+    if allow_channel and g == -1:
+        return -1
+    if isinstance(g, bool) or not isinstance(g, int) or g < 16 or g % 16:
+        raise ValueError(f"{source}: quantization_config.{key} = {g!r}, expected a positive multiple of 16"
+                         + (" or -1 (per channel)" if allow_channel else ""))
+    return g
+
+
+def parse_quantization_config(qc: Any, source: str) -> QuantConfig:
+    """A checkpoint's ``quantization_config`` as a :class:`QuantConfig`; unsupported combinations
+    are errors naming the field."""
+    if not isinstance(qc, dict):
+        raise ValueError(f"{source}: quantization_config = {qc!r}, expected a JSON object")
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"{source}: quantization_config.quant_method = {method!r}; supported checkpoint formats: "
+                         f"{', '.join(CHECKPOINT_METHODS)} (or load a full-precision checkpoint with "
+                         f"quantization={ONLINE_METHODS})")
+    if method == "fp8":
+        _field(qc, "fmt", source, ("e4m3", None), "e4m3")
+        _field(qc, "activation_scheme", source, ("dynamic",), "dynamic")
+        block = qc.get("weight_block_size")
+        if (not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 and b % 16 == 0 for b in block)):
+            raise ValueError(f"{source}: quantization_config.weight_block_size = {block!r}, expected [block_n, "
+                             "block_k], positive multiples of 16 (block-wise FP8 as in Qwen3-*-FP8)")
+        return QuantConfig("fp8", bits=8, block=(block[0], block[1]), source=source)
+    if method == "awq":
+        bits = _field(qc, "bits", source, (4,), qc.get("w_bit", 4))
+        _field(qc, "version", source, ("gemm", "GEMM"), "gemm")
+        _field(qc, "zero_point", source, (True,), True)
+        return QuantConfig("awq", bits=bits, group_size=_group_size(qc, source, allow_channel=False), source=source)
+    bits = _field(qc, "bits", source, (4, 8))
+    _field(qc, "desc_act", source, (False, None), False)
+    _field(qc, "checkpoint_format", source, ("gptq", None), "gptq")
+    if bits == 8:
+        _field(qc, "sym", source, (True,), True)
+    if qc.get("lm_head") not in (False, None):
+        raise ValueError(f"{source}: quantization_config.lm_head = {qc.get('lm_head')!r}; a quantized LM head is "
+                         "not supported (supported: false)")
+    return QuantConfig("gptq", bits=bits, group_size=_group_size(qc, source, allow_channel=True), source=source)
+
+
+def online_config(quantization: str, source: str = "quantization") -> QuantConfig:
+    if quantization not in ONLINE_METHODS:
+        raise ValueError(f"{source} = {quantization!r}; expected one of {', '.join(ONLINE_METHODS)} (online "
+                         "quantization of a full-precision checkpoint), or None")
+    return QuantConfig(quantization, online=True, bits=8, source=source)
+
+
+def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[QuantConfig]:
+    """The checkpoint's own quantization (config.json's ``quantization_config``) or the online
+    ``quantization`` asked for; both at once is an error unless they agree."""
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        data = {}
+    qc = data.get("quantization_config") if isinstance(data, dict) else None
+    if qc is None and isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+        qc = data["text_config"].get("quantization_config")
+    if qc is None:
+        return None if quantization is None else online_config(quantization)
+    parsed = parse_quantization_config(qc, str(file))
+    if quantization is not None and quantization != parsed.method:
+        raise ValueError(f"quantization = {quantization!r}, but {file} holds a {parsed.method!r} checkpoint "
+                         f"(quantization_config.quant_method); pass quantization=None or {parsed.method!r}")
+    return parsed
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+# ----------------------------------------------------------------------------------------------
+
+_OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linear_int4.default,
+        "fp8": torch.ops.qwen.linear_fp8.default}
+
+
+class QuantLinear(nn.Module):
+    """``y = x w^T (+ bias)`` with w quantized: ``scheme`` int8 (``qweight`` int8 ``[N, K]``, ``scales``
+    fp32 ``[N, G]``), int4 (``qweight`` uint8 ``[N, K / 2]``, ``scales`` fp32, ``zeros`` uint8 ``[N, G]``)
+    or fp8 (``qweight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N, ceil(K / bk)]``: block ``(1, bk)``,
+    a checkpoint's ``[bn, bk]`` blocks held one scale row per output feature).
+    The buffers are filled by the loader. ``dtype`` is the activations' (the model's) dtype. The
+    forward is one op call, the same on every device (the op picks its kernel by device)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: str, groups: int,
+                 block: tuple[int, int], dtype: torch.dtype, device: Any = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.block = block
+        self.dtype = dtype
+        n, k = out_features, in_features
+        if scheme == "int8":
+            self.register_buffer("qweight", torch.empty((n, k), dtype=torch.int8, device=device))
+            self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float32, device=device))
+            self.zeros = None
+        elif scheme == "int4":
+            self.register_buffer("qweight", torch.empty((n, k // 2), dtype=torch.uint8, device=device))
+            self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float32, device=device))
+            self.register_buffer("zeros", torch.empty((n, groups), dtype=torch.uint8, device=device))
+        elif scheme == "fp8":
+            self.register_buffer("qweight", torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer("scales", torch.empty((-(-n // block[0]), -(-k // block[1])), dtype=torch.float32,
+                                                       device=device))
+            self.zeros = None
+        else:
+            raise ValueError(f"scheme = {scheme!r}, expected int8, int4 or fp8")
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device)) if bias else None
+        self._bias32: Optional[torch.Tensor] = None
+        self._op = _OPS[scheme]
+
+    @classmethod
+    def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype) -> "QuantLinear":
+        """A meta-device QuantLinear of ``linear``'s shape for ``quant`` (the loader fills it)."""
+        n, k = linear.out_features, linear.in_features
+        scheme = quant.scheme
+        if quant.online:
+            groups, block = 1, (1, k)
+        elif scheme == "fp8":       # block-wise scales are held one row per output feature (convert_layer)
+            groups, block = 0, (1, quant.block[1])
+        else:
+            g = k if quant.group_size == -1 else quant.group_size
+            if k % g:
+                raise ValueError(f"{quant.source}: group_size = {g} does not divide in_features = {k}")
+            groups, block = k // g, (0, 0)
+        with torch.device("meta"):
+            return cls(k, n, linear.bias is not None, scheme, groups, block, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
+                f"scales={list(self.scales.shape)}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
+        if self.scheme == "int4":
+            y = self._op(x2, self.qweight, self.scales, self.zeros, bias)
+        elif self.scheme == "int8":
+            y = self._op(x2, self.qweight, self.scales, bias)
+        else:
+            y = self._op(x2, self.qweight, self.scales, bias, self.block[0], self.block[1])
+        return y.view(*shape[:-1], self.out_features)
+
+    def process_weights_after_loading(self) -> None:
+        """The bias as the op takes it (fp32), once."""
+        self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+
+    @staticmethod
+    def can_concat(layers: list["QuantLinear"]) -> bool:
+        """Whether ``layers`` (same input) fuse into one product by stacking output features."""
+        first = layers[0]
+        if any(not isinstance(m, QuantLinear) or m.scheme != first.scheme or m.in_features != first.in_features
+               or m.scales.shape[1] != first.scales.shape[1] or m.block != first.block for m in layers):
+            return False
+        return first.scheme != "fp8" or first.block[0] == 1    # fp8: one scale row per output feature
+
+    @classmethod
+    def concat(cls, layers: list["QuantLinear"]) -> "QuantLinear":
+        """One QuantLinear computing ``layers`` (``can_concat``) stacked by output features."""
+        first = layers[0]
+        n = sum(m.out_features for m in layers)
+        has_bias = any(m.bias is not None for m in layers)
+        fused = cls(first.in_features, n, has_bias, first.scheme, first.scales.shape[1], first.block, first.dtype,
+                    device=first.qweight.device)
+        with torch.no_grad():
+            fused.qweight = torch.cat([m.qweight for m in layers]).contiguous()
+            fused.scales = torch.cat([m.scales for m in layers]).contiguous()
+            if first.zeros is not None:
+                fused.zeros = torch.cat([m.zeros for m in layers]).contiguous()
+            if has_bias:
+                fused.bias = nn.Parameter(torch.cat([
+                    m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=first.dtype,
+                                                                           device=first.qweight.device)
+                    for m in layers]), requires_grad=False)
+        fused.process_weights_after_loading()
+        # The layers now read slices of the fused tensors: no second copy of the weights.
+        start = 0
+        for m in layers:
+            rows = slice(start, start + m.out_features)
+            m.qweight = fused.qweight[rows]
+            m.scales = fused.scales[rows]
+            if first.zeros is not None:
+                m.zeros = fused.zeros[rows]
+            start += m.out_features
+        for key in fused._buffers:      # the layers' own buffers hold the state dict
+            fused._non_persistent_buffers_set.add(key)
+        return fused
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading each format into QuantLinear's buffers
+# ----------------------------------------------------------------------------------------------
+
+def checkpoint_tensors(quant: QuantConfig, prefix: str) -> tuple[str, ...]:
+    """The file tensors that hold a quantized layer's weight (besides its bias)."""
+    if quant.online:
+        return (prefix + ".weight",)
+    if quant.method == "fp8":
+        return (prefix + ".weight", prefix + ".weight_scale_inv")
+    if quant.method == "awq":
+        return (prefix + ".qweight", prefix + ".qzeros", prefix + ".scales")
+    return (prefix + ".qweight", prefix + ".qzeros", prefix + ".scales", prefix + ".g_idx")
+
+
+def is_quantized_in_files(quant: QuantConfig, prefix: str, files: dict) -> bool:
+    """Whether the checkpoint stores layer ``prefix`` quantized (online: every layer is quantized)."""
+    if quant.online:
+        return prefix + ".weight" in files
+    if quant.method == "fp8":
+        return prefix + ".weight_scale_inv" in files
+    return prefix + ".qweight" in files
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
+        raise ValueError(f"tensor {name!r} has shape {list(t.shape)} and dtype {t.dtype}, expected {list(shape)} "
+                         f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)}")
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 ``[R, C]`` holding ``32 / bits`` values a word along dim 0, lowest bits first -> int32 ``[R * 32 / bits, C]``."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed[:, None, :] >> shifts[None, :, None]) & mask          # [R, per, C]
+    return values.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def _unpack_cols(packed: torch.Tensor, bits: int, order: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """int32 ``[R, C]`` holding ``32 / bits`` values a word along dim 1 -> ``[R, C * 32 / bits]``; value i of
+    word j is column ``per * j + order[i]`` (order: identity unless given, AWQ's interleave)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed[:, :, None] >> shifts[None, None, :]) & mask          # [R, C, per]: value i of word j
+    if order is not None:
+        inverse = [order.index(c) for c in range(per)]                     # column c within the word <- value
+        values = values[:, :, inverse]
+    return values.reshape(packed.shape[0], packed.shape[1] * per)
+
+
+def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tensor], layer: QuantLinear
+                  ) -> dict[str, torch.Tensor]:
+    """QuantLinear buffers (``qweight``, ``scales``, ``zeros``) of layer ``prefix`` from its file tensors
+    (``checkpoint_tensors``), checked against the layer's shape; errors name the tensor."""
+    n, k = layer.out_features, layer.in_features
+    if quant.online:
+        (w,) = (tensors[prefix + ".weight"],)
+        _expect(prefix + ".weight", w, (n, k), (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+        return quantize_online(w, quant.method)
+    if quant.method == "fp8":
+        bn, bk = quant.block
+        w, s = tensors[prefix + ".weight"], tensors[prefix + ".weight_scale_inv"]
+        _expect(prefix + ".weight", w, (n, k), (torch.float8_e4m3fn,))
+        _expect(prefix + ".weight_scale_inv", s, (-(-n // bn), -(-k // bk)), (torch.float32, torch.bfloat16))
+        # One scale row per output feature (block_n = 1): layers then stack into one product whatever
+        # their sizes (q|k|v, gate|up), for n / 128 floats of memory more per layer.
+        return {"qweight": w.contiguous(), "scales": s.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()}
+    groups = layer.scales.shape[1]
+    g = k // groups
+    if quant.method == "awq":
+        qw, qz, sc = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales"))
+        _expect(prefix + ".qweight", qw, (k, n // 8), (torch.int32,))
+        _expect(prefix + ".qzeros", qz, (groups, n // 8), (torch.int32,))
+        _expect(prefix + ".scales", sc, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
+        q = _unpack_cols(qw, 4, AWQ_ORDER)                    # [K, N]
+        z = _unpack_cols(qz, 4, AWQ_ORDER)                    # [G, N]
+        return {"qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
+                "zeros": z.T.to(torch.uint8).contiguous()}
+    bits = quant.bits
+    per = 32 // bits
+    qw, qz, sc, gi = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales", ".g_idx"))
+    _expect(prefix + ".qweight", qw, (k // per, n), (torch.int32,))
+    _expect(prefix + ".qzeros", qz, (groups, n // per), (torch.int32,))
+    _expect(prefix + ".scales", sc, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
+    _expect(prefix + ".g_idx", gi, (k,), (torch.int32, torch.int64))
+    if not torch.equal(gi.long(), torch.arange(k) // g):
+        raise ValueError(f"tensor {prefix + '.g_idx'!r} is not k // group_size ({g}): an act-order (desc_act) "
+                         "layout, which is not supported")
+    q = _unpack_rows(qw, bits)                                 # [K, N]
+    z = _unpack_cols(qz, bits) + 1                             # [G, N]: the format stores z - 1
+    if bits == 4:
+        return {"qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
+                "zeros": z.T.to(torch.uint8).contiguous()}
+    if not bool((z == 128).all()):
+        raise ValueError(f"tensor {prefix + '.qzeros'!r} holds zero points other than 128: an asymmetric 8-bit "
+                         "GPTQ layer (quantization_config.sym false), which is not supported")
+    return {"qweight": (q - 128).T.to(torch.int8).contiguous(), "scales": sc.float().T.contiguous()}
+
+
+def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
+    """A full-precision weight ``[N, K]`` as QuantLinear buffers (module docstring: int8 per channel,
+    fp8 per tensor). Computed in fp32, one output-row block at a time where it matters."""
+    w = w.float()
+    if method == "int8":
+        amax = w.abs().amax(dim=1, keepdim=True)                       # [N, 1]
+        scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+        q = torch.clamp(torch.round(w / scales), -INT8_MAX, INT8_MAX).to(torch.int8)
+        return {"qweight": q.contiguous(), "scales": scales.contiguous()}
+    amax = float(w.abs().max()) if w.numel() else 0.0
+    scale = amax / FP8_MAX if amax > 0 else 1.0
+    q = torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"qweight": q.contiguous(), "scales": torch.full((w.shape[0], 1), scale, dtype=torch.float32)}
+
+
+def relative_error_bound(method: str) -> float:
+    """The worst relative error of one online-quantized weight against its scale's row maximum:
+    rounding to the int8 grid costs at most half a step (``max|w| / 254``); e4m3 keeps 3 mantissa
+    bits, so at most 2^-4 of the value (and of ``max|w|``)."""
+    return 0.5 / INT8_MAX if method == "int8" else 2.0 ** -4
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized layers' buffers (qweight, scales, zeros)."""
+    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
+               for b in (m.qweight, m.scales, m.zeros) if b is not None)
+
+
+def describe(model: nn.Module) -> dict[str, str]:
+    """``{layer name: scheme}`` of every quantized layer (the choice made at construction)."""
+    return {name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+

@@ -1,0 +1,75 @@
+"""Plain-torch references (the specification and test oracle) of the quantized linear ops:
+``linear_int8``, ``linear_int4`` and ``linear_fp8`` (schemas in ``torch_library/qwen.schema``).
+
+Each dequantizes the weight to fp32 with one rounding per element, then multiplies in fp32 and
+rounds the result once to x's dtype:
+
+* int8: ``qweight`` int8 ``[N, K]``, ``scales`` fp32 ``[N, G]`` (group ``g = K / G``):
+  ``w[n, k] = qweight[n, k] * scales[n, k // g]`` (symmetric; per channel when G == 1).
+* int4: ``qweight`` uint8 ``[N, K / 2]``, element k in nibble ``k % 2`` (low nibble first) of byte
+  ``k // 2``; ``scales`` fp32 and ``zeros`` uint8 (each in 0..15), both ``[N, G]``:
+  ``w[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]`` (AWQ's and GPTQ's formula).
+* fp8: ``weight`` float8_e4m3fn ``[N, K]``, ``scale_inv`` fp32 ``[ceil(N / block_n), ceil(K / block_k)]``:
+  ``w[n, k] = float(weight[n, k]) * scale_inv[n // block_n, k // block_k]`` (Qwen3-*-FP8's block-wise
+  layout; one block of ``[N, K]`` is a per-tensor scale).
+
+Then ``y = x @ w.T (+ bias fp32 [N])`` in fp32, rounded once to ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K / 2]`` (two elements a byte, low nibble first) -> uint8 ``[N, K]`` in 0..15."""
+    return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(qweight.shape[0], 2 * qweight.shape[1])
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K]`` of values in 0..15 (K even) -> ``[N, K / 2]``, element k in nibble k % 2."""
+    pairs = q.to(torch.uint8).reshape(q.shape[0], q.shape[1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _per_element(groups: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``groups [ceil(rows / block_rows), ceil(cols / block_cols)]`` repeated to ``[rows, cols]``."""
+    return groups.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, k = qweight.shape
+    return qweight.float() * _per_element(scales.float(), n, k, 1, k // scales.shape[1])
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    q = unpack_int4(qweight)
+    n, k = q.shape
+    g = k // scales.shape[1]
+    return (q.float() - _per_element(zeros.float(), n, k, 1, g)) * _per_element(scales.float(), n, k, 1, g)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    n, k = weight.shape
+    return weight.float() * _per_element(scale_inv.float(), n, k, block_n, block_k)
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y = x.float() @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear_int8_reference(x, qweight, scales, bias=None) -> torch.Tensor:
+    return _product(x, dequantize_int8(qweight, scales), bias)
+
+
+def linear_int4_reference(x, qweight, scales, zeros, bias=None) -> torch.Tensor:
+    return _product(x, dequantize_int4(qweight, scales, zeros), bias)
+
+
+def linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k) -> torch.Tensor:
+    return _product(x, dequantize_fp8(weight, scale_inv, block_n, block_k), bias)
