@@ -66,7 +66,7 @@ SHAPES = [(64, 128), (67, 256), (12, 48), (5, 40)]   # N % 4 != 0, K % 16 != 0 (
 def test_int8_and_int4_kernels_match_the_reference(rows, shape, monkeypatch):
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
-    for groups in (1, k // 8 if k % 16 else k // 16):
+    for groups in sorted({1, k // 8 if k % 16 else k // 16, k // 32 if k % 32 == 0 else 1}):   # groups of 32: int4's AVX-512 path
         x, q, s = _int8_case(g, rows, n, k, groups)
         want = RQ.linear_int8_reference(x, q, s)
         bias = torch.randn(n, generator=g)
@@ -528,3 +528,20 @@ def test_online_quantization_argument_errors(fp32_ckpt, tmp_path):
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size = 2 with quantized weights \(awq\)"):
         LLM(str(path), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fmt,bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+def test_export_round_trips_within_one_step(fmt, bits, fp32_ckpt, tmp_path):
+    """quant_export's round-to-nearest files load through the loader with every weight within one
+    quantization step of the original (half a step, one where the grid's end clamps)."""
+    from qwen_ops.models.quant_export import export
+
+    path = export(fp32_ckpt, tmp_path / fmt, fmt, bits, group_size=GROUP)
+    full, model = load_model(fp32_ckpt), load_model(path)
+    for prefix in (f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS):
+        w = full.get_submodule(prefix).weight.detach()
+        layer = model.get_submodule(prefix)
+        d = (RQ.dequantize_int4(layer.qweight, layer.scales, layer.zeros) if bits == 4
+             else RQ.dequantize_int8(layer.qweight, layer.scales))
+        step = layer.scales.repeat_interleave(GROUP, 1)
+        assert bool(((d - w).abs() <= step * 1.0001).all()), prefix

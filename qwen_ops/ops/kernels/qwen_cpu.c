@@ -1257,28 +1257,41 @@ static void quant_rows_portable(int kind, const float *x, int64_t xs, int64_t M,
 }
 
 #if QWEN_AVX512
-/* 16 weights of a row from element k (k % 16 == 0), as fp32, before the scale (and zero). int4:
- * lanes 0-7 are elements k, k+2, ..., k+14 and lanes 8-15 k+1, ..., k+15 (the low nibbles, then the
- * high ones): x is permuted to match (quant_permute_x), so no shuffle is needed here. */
-static inline __attribute__((always_inline)) __m512 dequant16(int kind, const uint8_t *row, int64_t k) {
-    if (kind == 0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
-    if (kind == 1) {
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(row + k / 2)), mask = _mm_set1_epi8(15);
-        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-    }
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
-    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20);
+/* Raw weights (before scale and zero), as fp32. int8 / fp8: 16 elements from k (k % 16 == 0).
+ * int4: 32 elements from k (k % 32 == 0) as two vectors, lo = elements k, k+2, ..., k+30 (the low
+ * nibbles) and hi = k+1, ..., k+31 (the high ones); x is permuted to match (quant_permute_x), so no
+ * shuffle is needed. fp8 widens in the integer domain (no arithmetic on fp32 subnormals, which
+ * costs a microcode assist per instruction on these CPUs): exponent e >= 1 moves to fp32's field
+ * with the bias difference (120) added; e = 0 is m * 2^-9, exactly. */
+static inline __attribute__((always_inline)) __m512 raw16(int kind, const uint8_t *row, int64_t k) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + k));
+    if (kind == 0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    const __m512i b = _mm512_cvtepu8_epi32(bytes);
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f));   /* 2^-9 */
+    const __m512 f = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), subnormal);
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(1.329227995784916e36f));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
-/* y[m][n0 .. n0 + 3] for the MR rows of x from m0: 4 weight rows side by side, dequantized per 16. */
+static inline __attribute__((always_inline)) void raw32_int4(const uint8_t *row, int64_t k, __m512 *lo, __m512 *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(row + k / 2)), mask = _mm_set1_epi8(15);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+}
+
+/* One request or two (decode): y[m][n0 .. n0 + 3], the 4 weight rows read side by side. Per group,
+ * sum_k q x in fp32 vectors, then times the group's scale into the row's total; int4 subtracts
+ * z * s * sum_k x (xsum[m * sg + grp], the group sums of x) at the end. The next 4 rows are
+ * prefetched a cache line at a time (each row is only K bytes, too short a stream for the
+ * hardware prefetcher to get ahead). */
 static inline __attribute__((always_inline)) void quant_block_stream(
-        int kind, int MR, const float *x, int64_t xs, const uint8_t *q, int64_t row_bytes, const float *s,
-        const uint8_t *z, int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, float out[4][4]) {
-    __m512 acc[4][4];
+        int kind, int MR, const float *x, int64_t xs, const float *xsum, const uint8_t *q, int64_t row_bytes,
+        const float *s, const uint8_t *z, int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, int prefetch,
+        float out[4][4]) {
+    __m512 acc[4][2];
+    float zs[4][2] = {{0}};
     for (int r = 0; r < 4; ++r)
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
     const uint8_t *rows[4];
@@ -1287,48 +1300,72 @@ static inline __attribute__((always_inline)) void quant_block_stream(
         rows[r] = q + (n0 + r) * row_bytes;
         srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
     }
+    const int64_t step = kind == 1 ? 32 : 16;
     for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
         const int64_t k1 = K - k0 < g ? K : k0 + g;
-        __m512 sc[4], zc[4];
-        for (int r = 0; r < 4; ++r) {
-            sc[r] = _mm512_set1_ps(s[srow[r] + grp]);
-            zc[r] = _mm512_set1_ps(kind == 1 ? (float)z[srow[r] + grp] : 0.0f);
+        __m512 part[4][2];
+        for (int r = 0; r < 4; ++r)
+            for (int m = 0; m < MR; ++m) part[r][m] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += step) {
+            const int64_t byte = kind == 1 ? k / 2 : k;
+            if (prefetch && (byte & 63) == 0)
+                for (int r = 0; r < 4; ++r) _mm_prefetch((const char *)(rows[r] + 4 * row_bytes + byte), _MM_HINT_T0);
+            if (kind == 1) {
+                __m512 xlo[2], xhi[2];
+                for (int m = 0; m < MR; ++m) {
+                    xlo[m] = _mm512_loadu_ps(x + m * xs + k);
+                    xhi[m] = _mm512_loadu_ps(x + m * xs + k + 16);
+                }
+                for (int r = 0; r < 4; ++r) {
+                    __m512 lo, hi;
+                    raw32_int4(rows[r], k, &lo, &hi);
+                    for (int m = 0; m < MR; ++m)
+                        part[r][m] = _mm512_fmadd_ps(hi, xhi[m], _mm512_fmadd_ps(lo, xlo[m], part[r][m]));
+                }
+            } else {
+                __m512 xv[2];
+                for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * xs + k);
+                for (int r = 0; r < 4; ++r) {
+                    const __m512 w = raw16(kind, rows[r], k);
+                    for (int m = 0; m < MR; ++m) part[r][m] = _mm512_fmadd_ps(w, xv[m], part[r][m]);
+                }
+            }
         }
-        for (int64_t k = k0; k < k1; k += 16) {
-            __m512 xv[4];
-            for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * xs + k);
-            for (int r = 0; r < 4; ++r) {
-                __m512 w = dequant16(kind, rows[r], k);
-                if (kind == 1) w = _mm512_sub_ps(w, zc[r]);
-                w = _mm512_mul_ps(w, sc[r]);
-                for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+        for (int r = 0; r < 4; ++r) {
+            const float sc = s[srow[r] + grp];
+            for (int m = 0; m < MR; ++m) {
+                acc[r][m] = _mm512_fmadd_ps(part[r][m], _mm512_set1_ps(sc), acc[r][m]);
+                if (kind == 1) zs[r][m] += (float)z[srow[r] + grp] * sc * xsum[m * sg + grp];
             }
         }
     }
     for (int m = 0; m < MR; ++m) {
         const __m128 t = sum4_avx512(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
         _mm_storeu_ps(out[m], t);
+        for (int r = 0; r < 4; ++r) out[m][r] -= zs[r][m];
     }
 }
 
-#define QUANT_STREAM_KERNEL(KIND, MR)                                                                         \
-    static void quant_stream_##KIND##_##MR(const float *x, int64_t xs, const uint8_t *q, int64_t row_bytes,  \
-                                           const float *s, const uint8_t *z, int64_t sg, int64_t g,          \
-                                           int64_t bn, int64_t n0, int64_t K, float out[4][4]) {             \
-        quant_block_stream(KIND, MR, x, xs, q, row_bytes, s, z, sg, g, bn, n0, K, out);                      \
+#define QUANT_STREAM_KERNEL(KIND, MR)                                                                          \
+    static void quant_stream_##KIND##_##MR(const float *x, int64_t xs, const float *xsum, const uint8_t *q,   \
+                                           int64_t row_bytes, const float *s, const uint8_t *z, int64_t sg,  \
+                                           int64_t g, int64_t bn, int64_t n0, int64_t K, int prefetch,       \
+                                           float out[4][4]) {                                                 \
+        quant_block_stream(KIND, MR, x, xs, xsum, q, row_bytes, s, z, sg, g, bn, n0, K, prefetch, out);       \
     }
-QUANT_STREAM_KERNEL(0, 1) QUANT_STREAM_KERNEL(0, 2) QUANT_STREAM_KERNEL(0, 3) QUANT_STREAM_KERNEL(0, 4)
-QUANT_STREAM_KERNEL(1, 1) QUANT_STREAM_KERNEL(1, 2) QUANT_STREAM_KERNEL(1, 3) QUANT_STREAM_KERNEL(1, 4)
-QUANT_STREAM_KERNEL(2, 1) QUANT_STREAM_KERNEL(2, 2) QUANT_STREAM_KERNEL(2, 3) QUANT_STREAM_KERNEL(2, 4)
-typedef void (*quant_stream_kernel)(const float *, int64_t, const uint8_t *, int64_t, const float *, const uint8_t *,
-                                    int64_t, int64_t, int64_t, int64_t, int64_t, float[4][4]);
-static const quant_stream_kernel QUANT_STREAM[3][5] = {
-    {NULL, quant_stream_0_1, quant_stream_0_2, quant_stream_0_3, quant_stream_0_4},
-    {NULL, quant_stream_1_1, quant_stream_1_2, quant_stream_1_3, quant_stream_1_4},
-    {NULL, quant_stream_2_1, quant_stream_2_2, quant_stream_2_3, quant_stream_2_4},
+QUANT_STREAM_KERNEL(0, 1) QUANT_STREAM_KERNEL(0, 2)
+QUANT_STREAM_KERNEL(1, 1) QUANT_STREAM_KERNEL(1, 2)
+QUANT_STREAM_KERNEL(2, 1) QUANT_STREAM_KERNEL(2, 2)
+typedef void (*quant_stream_kernel)(const float *, int64_t, const float *, const uint8_t *, int64_t, const float *,
+                                    const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int, float[4][4]);
+static const quant_stream_kernel QUANT_STREAM[3][3] = {
+    {NULL, quant_stream_0_1, quant_stream_0_2},
+    {NULL, quant_stream_1_1, quant_stream_1_2},
+    {NULL, quant_stream_2_1, quant_stream_2_2},
 };
 
-/* Dequantize weight rows n0 .. n0 + 3 into wb [4][K] (fp32, x's element order). */
+/* Dequantize weight rows n0 .. n0 + 3 into wb [4][K] (fp32, (q - z) * s as the reference, in x's
+ * element order: permuted per 32 for int4). */
 static void quant_dequant_block(int kind, const uint8_t *q, int64_t row_bytes, const float *s, const uint8_t *z,
                                 int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, float *wb) {
     for (int r = 0; r < 4; ++r) {
@@ -1337,11 +1374,17 @@ static void quant_dequant_block(int kind, const uint8_t *q, int64_t row_bytes, c
         for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
             const int64_t k1 = K - k0 < g ? K : k0 + g;
             const __m512 sc = _mm512_set1_ps(s[srow + grp]);
-            const __m512 zc = _mm512_set1_ps(kind == 1 ? (float)z[srow + grp] : 0.0f);
-            for (int64_t k = k0; k < k1; k += 16) {
-                __m512 w = dequant16(kind, row, k);
-                if (kind == 1) w = _mm512_sub_ps(w, zc);
-                _mm512_storeu_ps(wb + r * K + k, _mm512_mul_ps(w, sc));
+            if (kind == 1) {
+                const __m512 zc = _mm512_set1_ps((float)z[srow + grp]);
+                for (int64_t k = k0; k < k1; k += 32) {
+                    __m512 lo, hi;
+                    raw32_int4(row, k, &lo, &hi);
+                    _mm512_storeu_ps(wb + r * K + k, _mm512_mul_ps(_mm512_sub_ps(lo, zc), sc));
+                    _mm512_storeu_ps(wb + r * K + k + 16, _mm512_mul_ps(_mm512_sub_ps(hi, zc), sc));
+                }
+            } else {
+                for (int64_t k = k0; k < k1; k += 16)
+                    _mm512_storeu_ps(wb + r * K + k, _mm512_mul_ps(raw16(kind, row, k), sc));
             }
         }
     }
@@ -1373,19 +1416,20 @@ static void quant_dense_rest(int MR, const float *x, int64_t xs, const float *wb
     else quant_block_dense(3, x, xs, wb, K, out);
 }
 
-/* Returns -1 (nothing written) when scratch memory could not be allocated. */
-/* xv: x in dequant16's element order (rows of stride xvs: permuted for int4, else x itself). */
-static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float *x, int64_t xs, int64_t M,
-                             const uint8_t *q, const float *s, const uint8_t *z, int64_t g, int64_t bn,
+/* xv: x in the element order the raw loads use (rows of stride xvs: permuted for int4, else x);
+ * xsum: int4's group sums of x [M][sg]. Returns -1 (nothing written) when scratch memory could
+ * not be allocated. */
+static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float *xsum, const float *x, int64_t xs,
+                             int64_t M, const uint8_t *q, const float *s, const uint8_t *z, int64_t g, int64_t bn,
                              const float *bias, int64_t N, int64_t K, float *y, int64_t ys, int threads) {
     (void)threads;
     const int64_t sg = (K + g - 1) / g, row_bytes = kind == 1 ? K / 2 : K, blocks = N / 4;
     int failed = 0;
-    if (M <= 4) {
+    if (M <= 2) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             float out[4][4];
-            QUANT_STREAM[kind][M](xv, xvs, q, row_bytes, s, z, sg, g, bn, 4 * b, K, out);
+            QUANT_STREAM[kind][M](xv, xvs, xsum, q, row_bytes, s, z, sg, g, bn, 4 * b, K, b + 1 < blocks, out);
             for (int64_t m = 0; m < M; ++m)
                 for (int r = 0; r < 4; ++r)
                     y[m * ys + 4 * b + r] = out[m][r] + (bias == NULL ? 0.0f : bias[4 * b + r]);
@@ -1422,13 +1466,13 @@ static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float
 }
 #endif
 
-/* x permuted per 16 elements as dequant16's int4 lanes read them: [x0, x2, ..., x14, x1, x3, ..., x15]. */
+/* x permuted per 32 elements as raw32_int4's lanes read them: [x0, x2, ..., x30, x1, x3, ..., x31]. */
 static void quant_permute_x(const float *x, int64_t xs, int64_t M, int64_t K, float *xp) {
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; k += 16)
-            for (int i = 0; i < 8; ++i) {
+        for (int64_t k = 0; k < K; k += 32)
+            for (int i = 0; i < 16; ++i) {
                 xp[m * K + k + i] = x[m * xs + k + 2 * i];
-                xp[m * K + k + 8 + i] = x[m * xs + k + 2 * i + 1];
+                xp[m * K + k + 16 + i] = x[m * xs + k + 2 * i + 1];
             }
 }
 
@@ -1438,12 +1482,23 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
                       const uint8_t *z, int64_t g, int64_t bn, const float *bias, int64_t N, int64_t K, float *y,
                       int64_t ys, int64_t threads) {
 #if QWEN_AVX512
-    if (K % 16 == 0 && g % 16 == 0 && M > 0) {
-        if (kind != 1) return quant_rows_avx512(kind, x, xs, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
-        float *xp = malloc(sizeof(float) * (size_t)(M * K));
+    const int64_t step = kind == 1 ? 32 : 16;
+    if (K % step == 0 && g % step == 0 && M > 0) {
+        if (kind != 1)
+            return quant_rows_avx512(kind, x, xs, NULL, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
+        const int64_t sg = K / g;
+        float *xp = malloc(sizeof(float) * (size_t)(M * (K + sg)));
         if (xp == NULL) return -1;
+        float *xsum = xp + M * K;
         quant_permute_x(x, xs, M, K, xp);
-        const int status = quant_rows_avx512(kind, xp, K, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t grp = 0; grp < sg; ++grp) {
+                float t = 0.0f;
+                for (int64_t k = grp * g; k < (grp + 1) * g; ++k) t += x[m * xs + k];
+                xsum[m * sg + grp] = t;
+            }
+        const int status = quant_rows_avx512(kind, xp, K, xsum, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys,
+                                             (int)threads);
         free(xp);
         return status;
     }
