@@ -27,6 +27,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "default: the embedded model")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")
@@ -54,6 +55,7 @@ def _add_serve_parser(sub) -> None:
                         "qwen-ops-default for the embedded model)")
     s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    s.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")

@@ -19,7 +19,7 @@ def _llm(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+               preemption_mode=args.preemption_mode, swap_space=args.swap_space, quantization=args.quantization)
 
 
 def _generate(args: argparse.Namespace) -> int:
