@@ -1,5 +1,5 @@
-"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py, triton_gated_delta.py and triton_moe.py
-compiles for sm_90 without a GPU.
+"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py, triton_gated_delta.py, triton_moe.py and
+triton_quant.py compiles for sm_90 without a GPU.
 
 The kernel configurations come from the launchers' own launch plans
 (``kv_write_launches`` / ``slot_attention_launches``), built on small CPU tensors for each
@@ -30,12 +30,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from qwen_ops.ops.kernels import triton as qt  # noqa: E402
 from qwen_ops.ops.kernels import triton_gated_delta as ql  # noqa: E402
 from qwen_ops.ops.kernels import triton_moe as qm  # noqa: E402
+from qwen_ops.ops.kernels import triton_quant as qq  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)
-_POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32"}
+_POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+            torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
 
 # (num_heads, num_kv_heads, gate, decode context capacity). Every dtype x head_dim compiles the
 # first shape (GQA 4, gate, multi-split decode with merge); bf16 also compiles the others
@@ -119,6 +121,25 @@ def _moe_launches(dtype: torch.dtype):
     return plans
 
 
+def _quant_launches(dtype: torch.dtype):
+    """Launch plans of the quantized linear ops on Qwen3-0.6B's gate|up shape (N 6144, K 1024): decode
+    (1 row), a batch (24) and a prefill (512), each kind with its checkpoints' groups (128) and a bias."""
+    n, k = 6144, 1024
+    weights = {"int8": torch.empty(n, k, dtype=torch.int8), "int4": torch.empty(n, k // 2, dtype=torch.uint8),
+               "fp8": torch.empty(n, k, dtype=torch.float8_e4m3fn)}
+    scales = torch.empty(n, k // 128, dtype=torch.float32)
+    zeros = torch.empty(n, k // 128, dtype=torch.uint8)
+    bias = torch.empty(n, dtype=torch.float32)
+    plans = []
+    for rows in (1, 24, 512):
+        x = torch.empty(rows, k, dtype=dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        for kind, w in weights.items():
+            plans += qq.linear_quant_launches(kind, x, w, scales, zeros if kind == "int4" else None,
+                                              bias if rows == 24 else None, out, n, k, 128, 1, upcast=False)
+    return plans
+
+
 def _compile(launch: qt.Launch):
     fn = launch.kernel
     constexprs = dict(launch.constexprs)
@@ -138,6 +159,8 @@ def _plans():
         for launch in _state_launches(dtype):
             yield dtype, launch
         for launch in _moe_launches(dtype):
+            yield dtype, launch
+        for launch in _quant_launches(dtype):
             yield dtype, launch
         for head_dim in HEAD_DIMS:
             for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):

@@ -545,3 +545,36 @@ def test_export_round_trips_within_one_step(fmt, bits, fp32_ckpt, tmp_path):
              else RQ.dequantize_int8(layer.qweight, layer.scales))
         step = layer.scales.repeat_interleave(GROUP, 1)
         assert bool(((d - w).abs() <= step * 1.0001).all()), prefix
+
+
+# ------------------------------------------------------------------------------------------------
+# The Triton kernels (CUDA's path), under TRITON_INTERPRET=1 on small shapes (tests/conftest.py)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_triton_kernels_match_the_reference(rows, monkeypatch):
+    pytest.importorskip("triton")
+    from qwen_ops.ops.backend import triton_interpret
+    from qwen_ops.ops.kernels.triton_quant import linear_quant_triton
+
+    if not triton_interpret():
+        pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 72, 96                                   # N and rows not multiples of the tiles
+    bias = torch.randn(n, generator=g)
+    x, q, s = _int8_case(g, rows, n, k, 3)          # groups of 32
+    _, q4, _, z = _int4_case(g, rows, n, k, 3)
+    _, w8, si = _fp8_case(g, rows, n, k, (16, 48))
+    cases = [("int8", q, s, None, 32, 1, RQ.linear_int8_reference(x, q, s, bias)),
+             ("int4", q4, s, z, 32, 1, RQ.linear_int4_reference(x, q4, s, z, bias)),
+             ("fp8", w8, si, None, 48, 16, RQ.linear_fp8_reference(x, w8, si, bias, 16, 48))]
+    for kind, w, sc, zz, group, block_rows, want in cases:
+        with monkeypatch.context() as m:
+            poisoned(m)
+            got = linear_quant_triton(kind, x, w, sc, zz, bias, n, k, group, block_rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=kind)
+    xb = x.bfloat16()
+    got = linear_quant_triton("int4", xb, q4, s, z, None, n, k, 32, 1)
+    want = RQ.linear_int4_reference(xb, q4, s, z)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2 ** -7

@@ -377,7 +377,8 @@ def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_
 # --------------------------------------------------------------------------------------------
 # The model's QuantLinear layers (qwen_ops/models/quant.py) call these. On CPU tensors they run the
 # C kernels of kernels/qwen_cpu.c (qwen_linear_quant, through ctypes; the reference where the C
-# library does not build); on other devices the plain-torch references, which are also the oracle.
+# library does not build); on CUDA the Triton kernels of kernels/triton_quant.py (the references
+# with QWEN_OPS_BACKEND=reference or without triton). The references are also the oracle.
 
 from qwen_ops.ops.kernels import reference_quant as RQ  # noqa: E402
 
@@ -406,18 +407,38 @@ def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
                                    block_n)
 
 
+def _quant_triton(x) -> bool:
+    """Whether a quantized op on ``x``'s (non-CPU) device runs its Triton kernel (kernels/triton_quant.py):
+    unless the reference backend is selected, or triton is missing."""
+    from qwen_ops.ops.backend import get_backend, why_unavailable
+
+    return get_backend() != "reference" and why_unavailable("triton", x.device) is None
+
+
 def _linear_int8_other(x, qweight, scales, bias):
     V.check_linear_int8(x, qweight, scales, bias)
+    if _quant_triton(x):
+        from qwen_ops.ops.kernels.triton_quant import linear_quant_triton
+        n, k = qweight.shape
+        return linear_quant_triton("int8", x, qweight, scales, None, bias, n, k, k // scales.shape[1], 1)
     return RQ.linear_int8_reference(x, qweight, scales, bias)
 
 
 def _linear_int4_other(x, qweight, scales, zeros, bias):
     V.check_linear_int4(x, qweight, scales, zeros, bias)
+    if _quant_triton(x):
+        from qwen_ops.ops.kernels.triton_quant import linear_quant_triton
+        n, k = qweight.shape[0], 2 * qweight.shape[1]
+        return linear_quant_triton("int4", x, qweight, scales, zeros, bias, n, k, k // scales.shape[1], 1)
     return RQ.linear_int4_reference(x, qweight, scales, zeros, bias)
 
 
 def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
+    if _quant_triton(x) and block_k % 16 == 0:
+        from qwen_ops.ops.kernels.triton_quant import linear_quant_triton
+        n, k = weight.shape
+        return linear_quant_triton("fp8", x, weight, scale_inv, None, bias, n, k, block_k, block_n)
     return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
 
 
