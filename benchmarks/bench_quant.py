@@ -3,6 +3,7 @@
 in the GPTQ (4 and 8 bits) and AWQ layouts (group 128), one process, one variant at a time.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_quant.py [--threads 1 2] [--variants ...] [--json FILE]
+        [--checkpoint DIR]    (a smoke run on another full-precision checkpoint)
 
 For each variant and thread count:
 - decode alone: the median 1-request ``decode_step`` (tokens/s, as llama-bench's tg), the bytes of
@@ -10,9 +11,10 @@ For each variant and thread count:
   as a fraction of the machine's read bandwidth, measured between the steps (``read_bandwidth_probe``);
 - end to end: ``LLM.generate`` of 1 and 8 requests (32-token prompts, 16 new tokens, greedy,
   ignore_eos): generated tokens over the wall time of the call, median of ``--reps``;
-- tokens: the quantized model's greedy tokens against the same model with its quantized layers
-  dequantized to fp32 ``nn.Linear`` (reference math, the oracle): a mismatch marks the row FAIL and
-  the script exits 1.
+- tokens: the quantized model's greedy tokens (8 requests) against the same model with its quantized
+  layers on their ops' references (dequantize, then multiply: the oracle): a mismatch marks the row
+  FAIL and the script exits 1;
+- the peak host memory of loading each GPTQ / AWQ checkpoint, in a fresh process, against its size.
 Figures: benchmarks/README.md ("Quantized weights (issue 28)").
 """
 
@@ -34,21 +36,24 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_realsize import default_cache_dir, make_checkpoint, prompts, read_bandwidth_probe  # noqa: E402
 
-VARIANTS = ("float32", "bfloat16", "int8", "fp8", "gptq4", "gptq8", "awq4")
+# "<scheme>-bf16": bf16 activations, embeddings and (but for int8) LM head; else fp32.
+VARIANTS = ("float32", "bfloat16", "int8", "int8-bf16", "fp8-bf16", "gptq4", "gptq4-bf16", "gptq8-bf16", "awq4-bf16")
 
 
 def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
     """(checkpoint dir, LLM kwargs) of a variant; the GPTQ / AWQ files are written once beside ``base``."""
     if variant in ("float32", "bfloat16"):
         return base, {"dtype": variant}
-    if variant in ("int8", "fp8"):
-        return base, {"quantization": variant}
-    fmt, bits = variant[:-1], int(variant[-1])
-    path = base.parent / f"{base.name}-{variant}-g128"
+    scheme, _, act = variant.partition("-")
+    kwargs = {"dtype": "bfloat16" if act == "bf16" else "float32"}
+    if scheme in ("int8", "fp8"):
+        return base, {**kwargs, "quantization": scheme}
+    fmt, bits = scheme[:-1], int(scheme[-1])
+    path = base.parent / f"{base.name}-{scheme}-g128"
     if not (path / "model.safetensors").exists():
         from qwen_ops.models.quant_export import export
         export(base, path, fmt, bits, 128)
-    return path, {}
+    return path, kwargs
 
 
 def step_bytes(model) -> int:
@@ -65,33 +70,33 @@ def step_bytes(model) -> int:
     return total
 
 
-def dequantized_twin(llm):
-    """The engine's model with every QuantLinear replaced by an fp32 nn.Linear of its dequantized
-    weight (the reference's dequantization): the oracle of the greedy tokens."""
+def reference_twin(llm) -> None:
+    """Switch every QuantLinear of the engine's model (the fused products too) to its op's reference
+    (dequantize to fp32, then multiply: kernels/reference_quant.py), the oracle of the greedy tokens."""
     from qwen_ops.models.quant import QuantLinear
     from qwen_ops.ops.kernels import reference_quant as RQ
 
-    model = llm.engine.model
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, QuantLinear) or name.endswith("_quant"):
-            continue
-        if m.scheme == "int8":
-            w = RQ.dequantize_int8(m.qweight, m.scales)
-        elif m.scheme == "int4":
-            w = RQ.dequantize_int4(m.qweight, m.scales, m.zeros)
-        else:
-            w = RQ.dequantize_fp8(m.qweight, m.scales, *m.block)
-        lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-            if m.bias is not None:
-                lin.bias.copy_(m.bias.float())
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, lin)
-    for name, m in list(model.named_modules()):   # the fused products are rebuilt from the new layers
-        for key in [k for k in m._modules if k.endswith("_quant")]:
-            del m._modules[key]
-    model.process_weights_after_loading()
+    refs = {"int8": RQ.linear_int8_reference, "int4": RQ.linear_int4_reference, "fp8": RQ.linear_fp8_reference}
+    for m in llm.engine.model.modules():
+        if isinstance(m, QuantLinear):
+            m._op = refs[m.scheme]
+
+
+def load_memory(path: Path, kwargs: dict) -> dict:
+    """Peak host memory of loading the checkpoint, in a fresh process: the growth of its maximum
+    resident set over the load, against the checkpoint's bytes on disk."""
+    import subprocess
+
+    code = ("import json, resource, sys, torch; from qwen_ops.models.loader import load_model; "
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            f"m = load_model({str(path)!r}, **json.loads(sys.argv[1])); "
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)")
+    load_kwargs = {k: v for k, v in kwargs.items() if k in ("dtype", "quantization")}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(load_kwargs)], capture_output=True, text=True,
+                         check=True)
+    disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    peak = int(out.stdout.strip().splitlines()[-1])
+    return {"load_peak_gb": peak / 1e9, "checkpoint_gb": disk / 1e9, "peak_over_checkpoint": peak / disk}
 
 
 def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> dict:
@@ -104,9 +109,12 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     load_s = time.perf_counter() - t0
     eng = llm.engine
     row = {"variant": variant, "threads": threads, "load_s": load_s, "weight_gb": step_bytes(eng.model) / 1e9}
+    if threads == 1 and variant.startswith(("gptq", "awq")):
+        row.update(load_memory(path, kwargs))
     probe = read_bandwidth_probe()
     slot = eng.allocate_slot("bench_quant")
-    tok = eng.prefill(prompts(1, 32)[0], slot_id=slot).next_token
+    vocab = eng.vocab_size
+    tok = eng.prefill(prompts(1, 32, vocab)[0], slot_id=slot).next_token
     times, bws = [], []
     for i in range(steps + 1):
         t = time.perf_counter()
@@ -120,7 +128,7 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
                bandwidth_fraction=row["weight_gb"] * 1e9 / step / statistics.median(bws))
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for n in (1, 8):
-        ps = prompts(n, 32, seed=n)
+        ps = prompts(n, 32, vocab, seed=n)
         llm.generate(ps, sp)                                   # warm-up
         walls = []
         for _ in range(reps):
@@ -130,10 +138,10 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
         row[f"e2e_{n}_tok_s"] = 16 * n / statistics.median(walls)
         if n == 8:
             tokens = [o.outputs[0].token_ids for o in outs]
-    if variant not in ("float32", "bfloat16"):
-        dequantized_twin(llm)
-        twin = [o.outputs[0].token_ids for o in llm.generate(prompts(8, 32, seed=8), sp)]
-        row["tokens_match_dequantized"] = twin == tokens
+    if variant not in ("float32", "bfloat16"):           # quantized
+        reference_twin(llm)
+        twin = [o.outputs[0].token_ids for o in llm.generate(prompts(8, 32, vocab, seed=8), sp)]
+        row["tokens_match_reference"] = twin == tokens
     del llm, eng
     gc.collect()
     return row
@@ -142,28 +150,34 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a full-precision checkpoint instead of the 0.6B-shaped one (a smoke run)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    base = make_checkpoint(args.cache_dir or default_cache_dir())
+    base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
     rows = []
     print("| variant | threads | weights read (GB) | decode alone (tok/s) | of read bandwidth | "
-          "1 request e2e (tok/s) | 8 requests e2e (tok/s) | greedy = dequantized |")
+          "1 request e2e (tok/s) | 8 requests e2e (tok/s) | greedy = reference |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         for variant in args.variants:
             r = measure(variant, base, threads, args.reps, args.steps)
             rows.append(r)
-            match = r.get("tokens_match_dequantized")
+            match = r.get("tokens_match_reference")
             print(f"| {variant} | {threads} | {r['weight_gb']:.2f} | {r['decode_tok_s']:.1f} | "
                   f"{100 * r['bandwidth_fraction']:.0f}% of {r['read_gb_s']:.1f} GB/s | {r['e2e_1_tok_s']:.1f} | "
                   f"{r['e2e_8_tok_s']:.1f} | {'-' if match is None else ('yes' if match else 'FAIL')} |", flush=True)
+    for r in rows:
+        if "load_peak_gb" in r:
+            print(f"load of {r['variant']}: peak {r['load_peak_gb']:.2f} GB for a {r['checkpoint_gb']:.2f} GB "
+                  f"checkpoint ({r['peak_over_checkpoint']:.2f}x)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    return 1 if any(r.get("tokens_match_dequantized") is False for r in rows) else 0
+    return 1 if any(r.get("tokens_match_reference") is False for r in rows) else 0
 
 
 if __name__ == "__main__":

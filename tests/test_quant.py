@@ -442,6 +442,8 @@ def test_online_quantization_is_within_its_bound(method, fp32_ckpt):
             assert bool((layer.scales == scale).all())          # one scale for the tensor
             bound = w.abs() * Q.relative_error_bound("fp8") + scale * 2.0 ** -10 + 1e-9
         assert bool(((d - w).abs() <= bound).all()), f"{prefix}: {float((d - w).abs().max())}"
+    # int8 quantizes the LM head too (llama.cpp's Q8_0 does); fp8 leaves it, as vLLM
+    assert isinstance(model.lm_head, Q.QuantLinear) == (method == "int8")
     full.process_weights_after_loading()
     model.process_weights_after_loading()
     ids = [5, 17, 2, 60, 33, 9, 41, 8]

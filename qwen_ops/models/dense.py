@@ -31,6 +31,7 @@ from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, pack_linears, uses_cpu_kernels
 from qwen_ops.models.moe import make_mlp
+from qwen_ops.models.quant import QuantLinear
 from qwen_ops.ops.backend import use_backend
 from qwen_ops.ops.metadata import AttentionMetadata
 
@@ -115,7 +116,9 @@ class QwenForCausalLM(nn.Module):
         # No cos / sin tables per step when every attention layer reads the table itself (its op).
         fast = all(layer.self_attn._forward_method == layer.self_attn.forward_cpu for layer in self.model.layers)
         self._rope = self._no_rope if fast else self.model.rotary_emb.forward
-        if uses_cpu_kernels(self.lm_head.weight):
+        if isinstance(self.lm_head, QuantLinear):     # online int8 quantizes the head too (models/quant.py)
+            self._lm_head = self._lm_head_quant
+        elif uses_cpu_kernels(self.lm_head.weight):
             packed, _, self._vocab_rows, self._lm_head_finish = pack_linears(self.lm_head)
             self.register_buffer("lm_head_packed", packed, persistent=False)
             self._lm_head = self._lm_head_cpu
@@ -125,6 +128,9 @@ class QwenForCausalLM(nn.Module):
         return None, None
 
     def _lm_head_native(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+    def _lm_head_quant(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x)
 
     def _lm_head_cpu(self, x: torch.Tensor) -> torch.Tensor:

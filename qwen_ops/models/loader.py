@@ -187,8 +187,21 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_quantized(files, quantized, model, quant, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quant is not None and quant.online and quant.method == "int8":
+        _quantize_lm_head(model, quant, dtype, device)
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
+
+
+def _quantize_lm_head(model: nn.Module, quant: "Q.QuantConfig", dtype: torch.dtype, device: torch.device) -> None:
+    """Online int8 quantizes the LM head as well (llama.cpp's Q8_0 does): at Qwen3-0.6B's size its
+    151,936 x 1,024 weight is a third of the bytes a decode step reads. The embedding (the same
+    tensor when tied) stays in the model dtype for the lookup."""
+    head = model.lm_head
+    layer = Q.QuantLinear.like(head, quant, dtype)
+    for key, value in Q.quantize_online(head.weight.detach(), "int8").items():
+        layer._buffers[key] = value.to(device)
+    model.lm_head = layer
 
 
 _LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")

@@ -1206,8 +1206,8 @@ int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, co
  *                                                  w = (q - z[n][k / g]) * s[n][k / g], z uint8
  *   kind 2, fp8:  q float8_e4m3fn [N, K];          w = fp32(q) * s[n / bn][k / g]
  * s (and z) rows hold sg = ceil(K / g) groups. Products accumulate in fp32.
- * One row (decode) reads every weight byte once: the point is bandwidth, so 4 weight rows are read
- * side by side (4 streams) against up to 4 rows of x (the x rows stay in L1). More than 4 rows
+ * Up to 4 rows (decode) read every weight byte once: the point is bandwidth, so 4 weight rows are read
+ * side by side (4 streams) against the rows of x (which stay in L1). More than 4 rows
  * (prefill): 4 weight rows are dequantized once into an fp32 block (L1/L2) and every row of x is
  * multiplied by it, 4 at a time. threads > 1 (OpenMP builds): the blocks of 4 weight rows are
  * split across that many threads; each output is computed by one thread, in the same order
@@ -1346,6 +1346,69 @@ static inline __attribute__((always_inline)) void quant_block_stream(
     }
 }
 
+/* Three or four requests: as quant_block_stream, but each weight is scaled (and int4's zero
+ * subtracted) before its FMAs, (q - z) * s as the reference, so one accumulator per (row, request)
+ * is enough: 16 for 4 x 4, where per-group partial sums would need 32 registers. */
+static inline __attribute__((always_inline)) void quant_block_stream_scaled(
+        int kind, int MR, const float *x, int64_t xs, const float *xsum, const uint8_t *q, int64_t row_bytes,
+        const float *s, const uint8_t *z, int64_t sg, int64_t g, int64_t bn, int64_t n0, int64_t K, int prefetch,
+        float out[4][4]) {
+    (void)xsum;
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+    const uint8_t *rows[4];
+    int64_t srow[4];
+    for (int r = 0; r < 4; ++r) {
+        rows[r] = q + (n0 + r) * row_bytes;
+        srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
+    }
+    const int64_t step = kind == 1 ? 32 : 16;
+    for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
+        const int64_t k1 = K - k0 < g ? K : k0 + g;
+        __m512 sc[4], zc[4];
+        for (int r = 0; r < 4; ++r) {
+            sc[r] = _mm512_set1_ps(s[srow[r] + grp]);
+            zc[r] = _mm512_set1_ps(kind == 1 ? (float)z[srow[r] + grp] : 0.0f);
+        }
+        for (int64_t k = k0; k < k1; k += step) {
+            const int64_t byte = kind == 1 ? k / 2 : k;
+            if (prefetch && (byte & 63) == 0)
+                for (int r = 0; r < 4; ++r) _mm_prefetch((const char *)(rows[r] + 4 * row_bytes + byte), _MM_HINT_T0);
+            if (kind == 1) {
+                for (int r = 0; r < 4; ++r) {
+                    __m512 lo, hi;
+                    raw32_int4(rows[r], k, &lo, &hi);
+                    lo = _mm512_mul_ps(_mm512_sub_ps(lo, zc[r]), sc[r]);
+                    hi = _mm512_mul_ps(_mm512_sub_ps(hi, zc[r]), sc[r]);
+                    for (int m = 0; m < MR; ++m)
+                        acc[r][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * xs + k + 16),
+                                                    _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * xs + k), acc[r][m]));
+                }
+            } else {
+                __m512 xv[4];
+                for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * xs + k);
+                for (int r = 0; r < 4; ++r) {
+                    const __m512 w = _mm512_mul_ps(raw16(kind, rows[r], k), sc[r]);
+                    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m) _mm_storeu_ps(out[m], sum4_avx512(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+}
+
+#define QUANT_STREAM_SCALED_KERNEL(KIND, MR)                                                                   \
+    static void quant_stream_##KIND##_##MR(const float *x, int64_t xs, const float *xsum, const uint8_t *q,   \
+                                           int64_t row_bytes, const float *s, const uint8_t *z, int64_t sg,  \
+                                           int64_t g, int64_t bn, int64_t n0, int64_t K, int prefetch,       \
+                                           float out[4][4]) {                                                 \
+        quant_block_stream_scaled(KIND, MR, x, xs, xsum, q, row_bytes, s, z, sg, g, bn, n0, K, prefetch, out); \
+    }
+QUANT_STREAM_SCALED_KERNEL(0, 3) QUANT_STREAM_SCALED_KERNEL(0, 4)
+QUANT_STREAM_SCALED_KERNEL(1, 3) QUANT_STREAM_SCALED_KERNEL(1, 4)
+QUANT_STREAM_SCALED_KERNEL(2, 3) QUANT_STREAM_SCALED_KERNEL(2, 4)
+
 #define QUANT_STREAM_KERNEL(KIND, MR)                                                                          \
     static void quant_stream_##KIND##_##MR(const float *x, int64_t xs, const float *xsum, const uint8_t *q,   \
                                            int64_t row_bytes, const float *s, const uint8_t *z, int64_t sg,  \
@@ -1358,10 +1421,10 @@ QUANT_STREAM_KERNEL(1, 1) QUANT_STREAM_KERNEL(1, 2)
 QUANT_STREAM_KERNEL(2, 1) QUANT_STREAM_KERNEL(2, 2)
 typedef void (*quant_stream_kernel)(const float *, int64_t, const float *, const uint8_t *, int64_t, const float *,
                                     const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int, float[4][4]);
-static const quant_stream_kernel QUANT_STREAM[3][3] = {
-    {NULL, quant_stream_0_1, quant_stream_0_2},
-    {NULL, quant_stream_1_1, quant_stream_1_2},
-    {NULL, quant_stream_2_1, quant_stream_2_2},
+static const quant_stream_kernel QUANT_STREAM[3][5] = {
+    {NULL, quant_stream_0_1, quant_stream_0_2, quant_stream_0_3, quant_stream_0_4},
+    {NULL, quant_stream_1_1, quant_stream_1_2, quant_stream_1_3, quant_stream_1_4},
+    {NULL, quant_stream_2_1, quant_stream_2_2, quant_stream_2_3, quant_stream_2_4},
 };
 
 /* Dequantize weight rows n0 .. n0 + 3 into wb [4][K] (fp32, (q - z) * s as the reference, in x's
@@ -1425,7 +1488,7 @@ static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float
     (void)threads;
     const int64_t sg = (K + g - 1) / g, row_bytes = kind == 1 ? K / 2 : K, blocks = N / 4;
     int failed = 0;
-    if (M <= 2) {
+    if (M <= 4) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             float out[4][4];
