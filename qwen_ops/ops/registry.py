@@ -323,7 +323,7 @@ def register_ctypes_fast_ops() -> torch.library.Library:
     """Registers the ctypes CPU kernels of the fast ops (once, by kernels/cpu.py op_library, where
     the C++ ones do not build); the returned library holds the registrations for the process."""
     lib = torch.library.Library(NAMESPACE, "IMPL")
-    for name, fn in _CTYPES_FAST_OPS.items():
+    for name, fn in {**_CTYPES_FAST_OPS, **_CTYPES_QUANT_OPS}.items():
         lib.impl(name, fn, "CPU")
     return lib
 
@@ -376,8 +376,9 @@ def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_
 # Quantized weights: linear_int8, linear_int4, linear_fp8
 # --------------------------------------------------------------------------------------------
 # The model's QuantLinear layers (qwen_ops/models/quant.py) call these. On CPU tensors they run the
-# C kernels of kernels/qwen_cpu.c (qwen_linear_quant, through ctypes; the reference where the C
-# library does not build); on CUDA the Triton kernels of kernels/triton_quant.py (the references
+# C kernels of kernels/qwen_cpu.c (qwen_linear_quant) behind the C++ dispatcher kernels of
+# kernels/qwen_cpu_ops.cpp (or through ctypes where those do not build; the reference where the C
+# library does not build either); on CUDA the Triton kernels of kernels/triton_quant.py (the references
 # with QWEN_OPS_BACKEND=reference or without triton). The references are also the oracle.
 
 from qwen_ops.ops.kernels import reference_quant as RQ  # noqa: E402
@@ -442,11 +443,27 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
 
 
+# The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by op_library).
+_CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu}
+
+
+def _first_quant_call(name: str):
+    """The CPU kernel registered at import: where the C library builds, it registers the C++ kernels
+    (op_library, once: they replace this one) and calls the op again; elsewhere it runs the ctypes
+    kernel, which runs the reference without the C library."""
+    python_kernel = _CTYPES_QUANT_OPS[name]
+
+    def kernel(*args):
+        if _cpu().why_unavailable() is None and _cpu().op_library() in ("c++", "ctypes"):
+            return getattr(torch.ops.qwen, name).default(*args)
+        return python_kernel(*args)
+    return kernel
+
+
 _QUANT_LIB = torch.library.Library(NAMESPACE, "IMPL")
-for _name, _cpu_kernel, _other in (("linear_int8", _linear_int8_cpu, _linear_int8_other),
-                                   ("linear_int4", _linear_int4_cpu, _linear_int4_other),
-                                   ("linear_fp8", _linear_fp8_cpu, _linear_fp8_other)):
-    _QUANT_LIB.impl(_name, _cpu_kernel, "CPU")
+for _name, _other in (("linear_int8", _linear_int8_other), ("linear_int4", _linear_int4_other),
+                      ("linear_fp8", _linear_fp8_other)):
+    _QUANT_LIB.impl(_name, _first_quant_call(_name), "CPU")
     _QUANT_LIB.impl(_name, _other, "CUDA")
 
 

@@ -1,5 +1,6 @@
 // The CPU fast path's ops as dispatcher kernels: TORCH_LIBRARY_IMPL(qwen, CPU) for linear_packed,
-// rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block and moe_packed (schemas in
+// rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block, moe_packed and the quantized
+// products linear_int8 / linear_int4 / linear_fp8 (schemas in
 // torch_library/qwen.schema, defined by Python; references in kernels/reference_fused.py).
 //
 // Why C++: these ops run ~50 times in a CPU decode step of the embedded model, and a Python kernel
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <vector>
 
 extern "C" {
@@ -45,6 +47,9 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                         int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh, int64_t bt_s0, int64_t bt_s1);
 int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights, int64_t k,
                     int64_t E, const int64_t *w13, const int64_t *w2, int64_t I, float *out, int64_t threads);
+int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
+                      const uint8_t *z, int64_t g, int64_t bn, const float *bias, int64_t N, int64_t K, float *y,
+                      int64_t ys, int64_t threads);
 }
 
 namespace {
@@ -369,9 +374,122 @@ at::Tensor moe_packed(const at::Tensor &hidden_states, const at::Tensor &w13, co
   return out;
 }
 
+// ---- Quantized linear products (linear_int8 / linear_int4 / linear_fp8). The checks and their messages are
+// validation.py's check_linear_* (shapes printed as Python tuples, dtypes as torch names), so an error reads
+// the same whichever kernel runs.
+std::string py_shape(const at::Tensor &t) {
+  std::string out = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + (t.dim() == 1 ? ",)" : ")");
+}
+
+std::string py_dtype(const at::Tensor &t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    default: return std::string("torch.") + c10::toString(t.scalar_type());
+  }
+}
+
+std::string py_list(std::initializer_list<int64_t> v) {
+  std::string out = "[";
+  bool first = true;
+  for (int64_t x : v) { out += (first ? "" : ", ") + std::to_string(x); first = false; }
+  return out + "]";
+}
+
+void quant_common(const at::Tensor &x, const std::optional<at::Tensor> &bias, int64_t n, int64_t k,
+                  std::initializer_list<std::pair<const char *, const at::Tensor *>> others) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x has shape ", py_shape(x), " (rank ", x.dim(), "), expected rank 2: [rows, in_features]");
+  const auto st = x.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "x has dtype ", py_dtype(x),
+                    ", expected one of float32, float16, bfloat16");
+  TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1, "x has stride ", x.strides(),
+                    ": its last dimension must be contiguous (stride 1)");
+  TORCH_CHECK_VALUE(x.size(1) == k, "x has shape ", py_shape(x), ", expected [rows, ", k, "] (the weight's in_features)");
+  for (const auto &named : others)
+    TORCH_CHECK_VALUE(named.second->is_contiguous(), named.first, " has shape ", py_shape(*named.second), " and strides ",
+                      named.second->strides(), ", expected a contiguous tensor");
+  if (bias.has_value())
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                      "bias has shape ", py_shape(*bias), " and dtype ", py_dtype(*bias), ", expected contiguous float32 [", n, "]");
+}
+
+int64_t quant_groups(const char *name, const at::Tensor &t, at::ScalarType dtype, const char *dtype_name, int64_t rows,
+                     int64_t k) {
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows && t.size(1) >= 1 && k % t.size(1) == 0,
+                    name, " has shape ", py_shape(t), " and dtype ", py_dtype(t), ", expected ", dtype_name, " [", rows,
+                    ", G] with G dividing in_features = ", k, " (G groups of in_features / G elements)");
+  return k / t.size(1);
+}
+
+at::Tensor quant_run(int kind, const at::Tensor &x, const at::Tensor &w, const at::Tensor &s, const at::Tensor *z,
+                     const std::optional<at::Tensor> &bias, int64_t n, int64_t k, int64_t g, int64_t bn) {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor out = fresh({x.size(0), n}, xf.options());
+  check_alloc(qwen_linear_quant(kind, xf.const_data_ptr<float>(), xf.stride(0), x.size(0),
+                                static_cast<const uint8_t *>(w.const_data_ptr()), s.const_data_ptr<float>(),
+                                z == nullptr ? nullptr : z->const_data_ptr<uint8_t>(), g, bn,
+                                bias.has_value() ? bias->const_data_ptr<float>() : nullptr, n, k,
+                                out.mutable_data_ptr<float>(), n, at::get_num_threads()),
+              "linear quant");
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor linear_int8(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                       const std::optional<at::Tensor> &bias) {
+  TORCH_CHECK_VALUE(qweight.scalar_type() == at::kChar && qweight.dim() == 2, "qweight has shape ", py_shape(qweight),
+                    " and dtype ", py_dtype(qweight), ", expected int8 [out_features, in_features]");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  quant_common(x, bias, n, k, {{"qweight", &qweight}, {"scales", &scales}});
+  const int64_t g = quant_groups("scales", scales, at::kFloat, "torch.float32", n, k);
+  return quant_run(0, x, qweight, scales, nullptr, bias, n, k, g, 1);
+}
+
+at::Tensor linear_int4(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales, const at::Tensor &zeros,
+                       const std::optional<at::Tensor> &bias) {
+  TORCH_CHECK_VALUE(qweight.scalar_type() == at::kByte && qweight.dim() == 2, "qweight has shape ", py_shape(qweight),
+                    " and dtype ", py_dtype(qweight), ", expected uint8 [out_features, in_features / 2] (two 4-bit "
+                    "elements a byte)");
+  const int64_t n = qweight.size(0), k = 2 * qweight.size(1);
+  quant_common(x, bias, n, k, {{"qweight", &qweight}, {"scales", &scales}, {"zeros", &zeros}});
+  const int64_t g = quant_groups("scales", scales, at::kFloat, "torch.float32", n, k);
+  TORCH_CHECK_VALUE(zeros.scalar_type() == at::kByte && zeros.sizes() == scales.sizes(), "zeros has shape ",
+                    py_shape(zeros), " and dtype ", py_dtype(zeros), ", expected uint8 ",
+                    py_list({scales.size(0), scales.size(1)}), " (scales' shape)");
+  TORCH_CHECK_VALUE(g % 2 == 0, "scales has ", scales.size(1), " groups of ", g, " elements; expected an even group size");
+  return quant_run(1, x, qweight, scales, &zeros, bias, n, k, g, 1);
+}
+
+at::Tensor linear_fp8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_inv,
+                      const std::optional<at::Tensor> &bias, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat8_e4m3fn && weight.dim() == 2, "weight has shape ",
+                    py_shape(weight), " and dtype ", py_dtype(weight), ", expected float8_e4m3fn [out_features, in_features]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  quant_common(x, bias, n, k, {{"weight", &weight}, {"scale_inv", &scale_inv}});
+  TORCH_CHECK_VALUE(block_n >= 1, "block_n = ", block_n, ", expected a positive int");
+  TORCH_CHECK_VALUE(block_k >= 1, "block_k = ", block_k, ", expected a positive int");
+  const int64_t rows = (n + block_n - 1) / block_n, cols = (k + block_k - 1) / block_k;
+  TORCH_CHECK_VALUE(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2 && scale_inv.size(0) == rows &&
+                        scale_inv.size(1) == cols,
+                    "scale_inv has shape ", py_shape(scale_inv), " and dtype ", py_dtype(scale_inv), ", expected float32 ",
+                    py_list({rows, cols}), " (ceil(", n, " / block_n = ", block_n, "), ceil(", k, " / block_k = ",
+                    block_k, "))");
+  return quant_run(2, x, weight, scale_inv, nullptr, bias, n, k, block_k, block_n);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qwen, CPU, m) {
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int4", &linear_int4);
+  m.impl("linear_fp8", &linear_fp8);
   m.impl("linear_packed", &linear_packed);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
