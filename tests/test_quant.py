@@ -580,3 +580,29 @@ def test_triton_kernels_match_the_reference(rows, monkeypatch):
     want = RQ.linear_int4_reference(xb, q4, s, z)
     assert got.dtype == torch.bfloat16
     assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2 ** -7
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_online_int8_on_hybrid_and_moe_models(family, tmp_path):
+    """Gated DeltaNet projections, full-attention layers and shared experts take QuantLinear layers
+    (the routed experts stay in full precision); the greedy tokens equal the same model's with its
+    quantized layers on the ops' references (dequantize, then multiply)."""
+    from checkpoints import make_moe_checkpoint, make_qwen3_5_checkpoint
+    from qwen_ops import LLM, SamplingParams
+
+    path = (make_qwen3_5_checkpoint(tmp_path / "m") if family == "qwen3_5"
+            else make_moe_checkpoint(tmp_path / "m", "qwen3_next"))
+    llm = LLM(str(path), quantization="int8", max_num_seqs=2, max_model_len=32)
+    schemes = Q.describe(llm.engine.model)
+    assert any(".linear_attn.in_proj" in name for name in schemes), sorted(schemes)
+    assert any(".self_attn.o_proj" in name for name in schemes), sorted(schemes)
+    if family == "qwen3_next":
+        assert any(".shared_expert." in name for name in schemes), sorted(schemes)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 2, 60, 9], [33, 9, 41]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    refs = {"int8": RQ.linear_int8_reference, "int4": RQ.linear_int4_reference, "fp8": RQ.linear_fp8_reference}
+    for m in llm.engine.model.modules():
+        if isinstance(m, Q.QuantLinear):
+            m._op = refs[m.scheme]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == got
