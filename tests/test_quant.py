@@ -606,3 +606,40 @@ def test_online_int8_on_hybrid_and_moe_models(family, tmp_path):
         if isinstance(m, Q.QuantLinear):
             m._op = refs[m.scheme]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == got
+
+
+def test_bf16_products_take_onednn_past_8_rows_on_an_amx_cpu(fp32_ckpt, monkeypatch):
+    """This machine has no AMX, so the choice is forced: with ``has_amx_bf16`` true a bf16 layer's
+    fused products run F.linear (oneDNN, AMX there) past 8 rows and the packed panels below; both
+    agree with the plain forward. Without AMX (this CPU) every product is the packed panels."""
+    from qwen_ops.models.layers import product_choices
+    from qwen_ops.ops.kernels import cpu
+
+    model = load_model(fp32_ckpt, dtype="bfloat16")
+    model.process_weights_after_loading()
+    assert cpu.has_amx_bf16() or set(product_choices(model).values()) == {"packed panels"}
+    ids = list(range(5, 17))
+    plain = _all_logits_dtype(model, ids)
+    monkeypatch.setattr(cpu, "has_amx_bf16", lambda: True)
+    model.process_weights_after_loading()
+    kinds = product_choices(model)
+    assert kinds["model.layers.0.self_attn.qkv"].startswith("packed panels; oneDNN"), kinds
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    amx = _all_logits_dtype(model, ids)                     # 12 rows: past 8, F.linear
+    assert calls and min(calls) == 12
+    calls.clear()
+    few = _all_logits_dtype(model, ids[:4])                 # 4 rows: the packed panels
+    assert not [c for c in calls if c == 4]
+    torch.testing.assert_close(amx.float(), plain.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(few.float(), plain[:4].float(), rtol=0.05, atol=0.05)
+
+
+def _all_logits_dtype(model, ids):
+    from qwen_tiny import new_kv_caches, shuffled_block_table, step_metadata
+
+    positions, attn, _ = step_metadata([(0, 0, len(ids))], shuffled_block_table(1, 8))
+    caches = new_kv_caches(model.config, 9, 4, torch.bfloat16)
+    with torch.no_grad():
+        return model(torch.tensor(ids), positions, attn, caches, torch.arange(len(ids)))

@@ -69,8 +69,26 @@ def forward_choices(model: nn.Module) -> dict[str, str]:
     return choices
 
 
+def product_choices(model: nn.Module) -> dict[str, str]:
+    """``{"<layer>.<product>": kind}``: how each fused product of the CPU fast path runs (packed
+    panels; with oneDNN's AMX kernels for many bf16 rows where the CPU has AMX; a quantized op),
+    as chosen once by ``process_weights_after_loading``."""
+    return {f"{name}.{product}": kind for name, m in model.named_modules()
+            for product, kind in m.__dict__.get("product_kinds", {}).items()}
+
+
 def _identity(y: torch.Tensor) -> torch.Tensor:
     return y
+
+
+# bf16 products of more rows than this run on oneDNN's AMX kernels where the CPU has AMX (fused_product).
+AMX_MIN_ROWS = 8
+
+
+def amx_bf16() -> bool:
+    from qwen_ops.ops.kernels import cpu
+
+    return cpu.has_amx_bf16()
 
 
 def weight_like(linear: nn.Module) -> torch.Tensor:
@@ -95,6 +113,7 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         fused = linears[0] if len(linears) == 1 else QuantLinear.concat(list(linears))
         if len(linears) > 1:
             owner.add_module(f"{name}_quant", fused)
+        owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.scheme} (linear_{fused.scheme})"
         return fused.forward
     if any(isinstance(m, QuantLinear) for m in linears):
         return None
@@ -102,9 +121,23 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     packed_name, bias_name = f"{name}_packed", f"{name}_bias"
     owner.register_buffer(packed_name, packed, persistent=False)
     owner.register_buffer(bias_name, bias, persistent=False)
+    if packed.dtype == torch.bfloat16 and amx_bf16():
+        # bf16 on an AMX CPU: past AMX_MIN_ROWS rows, torch's F.linear (oneDNN's AMX kernels) on the
+        # layers' own weights; fewer rows stream the packed panels. Chosen here, once per layer.
+        weights = [m.weight for m in linears]
+
+        def product_amx(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] <= AMX_MIN_ROWS:
+                return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
+            y = torch.cat([F.linear(x, w) for w in weights], dim=-1) if len(weights) > 1 else F.linear(x, weights[0])
+            b = getattr(owner, bias_name)
+            return finish(y if b is None else (y.float() + b).to(x.dtype))
+        owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels; oneDNN (AMX) past 8 rows"
+        return product_amx
 
     def product(x: torch.Tensor) -> torch.Tensor:
         return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
+    owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels"
     return product
 
 

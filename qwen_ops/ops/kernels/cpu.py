@@ -298,6 +298,14 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+@functools.lru_cache(maxsize=1)
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons): oneDNN, under
+    torch's own ``F.linear``, then runs bf16 products of many rows on them, far faster than the
+    packed panels' AVX-512 FMAs (which still win at a few rows, where the weights stream)."""
+    return " amx_bf16" in f" {_cpu_flags()} "
+
+
 def bf16_products() -> str:
     """How the products on bf16 weights run on this CPU: "avx512_bf16" (dot products, where the CPU
     has AVX512-BF16) or "widening" (bf16 -> fp32 loads feeding fp32 FMAs)."""
