@@ -643,3 +643,18 @@ def _all_logits_dtype(model, ids):
     caches = new_kv_caches(model.config, 9, 4, torch.bfloat16)
     with torch.no_grad():
         return model(torch.tensor(ids), positions, attn, caches, torch.arange(len(ids)))
+
+
+def test_compiled_decode_runs_the_quantized_ops(fp32_ckpt, tmp_path):
+    """torch.compile(fullgraph=True) of the decode step traces QuantLinear's op calls (their fakes)
+    and gives the eager model's greedy tokens."""
+    from qwen_ops import LLM, SamplingParams
+
+    path, _, _ = write_quantized(fp32_ckpt, tmp_path / "q", "awq", 4)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 2, 60], [33, 9, 41]]
+    eager = [o.outputs[0].token_ids for o in LLM(str(path), max_num_seqs=2, max_model_len=32).generate(prompts, sp)]
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=32, compile=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == eager
+    from qwen_ops.engine.batch import BatchedRequest
+    assert llm.engine.runner.executor_for([BatchedRequest(0, [5], 9)]) == "compiled"
