@@ -474,7 +474,7 @@ def _with_config(path: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"desc_act": True}, r"quantization_config.desc_act = True; supported: False"),
+    ({"desc_act": "yes"}, r"quantization_config.desc_act = 'yes'; supported: False, True"),
     ({"bits": 3}, r"quantization_config.bits = 3; supported: 4, 8"),
     ({"quant_method": "bitsandbytes"}, r"quantization_config.quant_method = 'bitsandbytes'"),
     ({"group_size": 20}, r"quantization_config.group_size = 20, expected a positive multiple of 16"),
@@ -502,17 +502,18 @@ def test_unsupported_awq_and_fp8_fields_are_named(fp32_ckpt, tmp_path):
         load_model(path)
 
 
-def test_act_order_and_misshaped_tensors_are_named(fp32_ckpt, tmp_path):
+def test_bad_group_assignment_and_misshaped_tensors_are_named(fp32_ckpt, tmp_path):
     from safetensors.torch import load_file
 
     path, _, _ = write_quantized(fp32_ckpt, tmp_path / "q", "gptq", 4)
     tensors = load_file(str(path / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()
+    good = tensors[name]
+    tensors[name] = torch.zeros_like(good)              # every input in group 0
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.down_proj.g_idx' is not k // group_size"):
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.down_proj.g_idx' does not assign 32 input"):
         load_model(path)
-    tensors[name] = tensors[name].flip(0).contiguous()
+    tensors[name] = good
     bad = "model.layers.0.self_attn.k_proj.qweight"
     tensors[bad] = tensors[bad][:, :-1].contiguous()
     save_file(tensors, str(path / "model.safetensors"))
@@ -658,3 +659,47 @@ def test_compiled_decode_runs_the_quantized_ops(fp32_ckpt, tmp_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == eager
     from qwen_ops.engine.batch import BatchedRequest
     assert llm.engine.runner.executor_for([BatchedRequest(0, [5], 9)]) == "compiled"
+
+
+def test_gptq_act_order_loads_and_matches_transformers(fp32_ckpt, tmp_path):
+    """desc_act: each input feature k belongs to group g_idx[k], a random assignment of 32 inputs a
+    group, written here from the format (q, z, s per group; qweight in the original k order)."""
+    hf = load_hf(fp32_ckpt)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    tensors, dequant = {}, {}
+    g = torch.Generator().manual_seed(9)
+    for layer in range(TINY["num_hidden_layers"]):
+        for proj in PROJECTIONS:
+            prefix = f"model.layers.{layer}.{proj}"
+            w = state.pop(prefix + ".weight")
+            n, k = w.shape
+            g_idx = torch.randperm(k, generator=g) // GROUP               # group of input k
+            order = torch.sort(g_idx, stable=True).indices               # inputs of group 0, then 1, ...
+            q_sorted, z, s = _rtn_asym(w[:, order], GROUP, 1)             # grouped along the sorted inputs
+            q = torch.empty_like(q_sorted)
+            q[:, order] = q_sorted                                        # back to the original k order
+            t = _gptq_tensors(prefix, q, z, s, 4, GROUP)
+            t[prefix + ".g_idx"] = g_idx.to(torch.int32)
+            tensors.update(t)
+            d = torch.empty(n, k)
+            d[:, order] = _dequant(q_sorted, z, s, GROUP)
+            dequant[prefix] = d
+    tensors.update(state)
+    path = tmp_path / "actorder"
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((fp32_ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
+                                     "sym": False, "checkpoint_format": "gptq"}
+    (path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        for prefix, d in dequant.items():
+            hf.get_submodule(prefix).weight.copy_(d)
+    model = load_model(path)
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert layer.perm is not None
+    model.process_weights_after_loading()
+    ids = [5, 17, 2, 60, 33, 9, 41, 8, 77, 1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids), want, rtol=1e-4, atol=1e-4)

@@ -10,11 +10,13 @@ Formats (``quantization_config`` in ``config.json``, laid out as Qwen's and vLLM
 * ``awq`` (AutoAWQ's GEMM packing, ``bits: 4``, ``zero_point: true``): ``qweight`` int32 ``[K, N / 8]``,
   ``qzeros`` int32 ``[K / g, N / 8]``, ``scales`` fp16 ``[K / g, N]``; nibble i (bits 4i..4i+3) of
   word j holds column ``8 j + AWQ_ORDER[i]``. ``w = (q - z) * s``. Repacked to ``linear_int4``'s layout.
-* ``gptq`` (AutoGPTQ / optimum, ``checkpoint_format: gptq``, ``bits`` 4 or 8, ``desc_act: false``):
+* ``gptq`` (AutoGPTQ / optimum, ``checkpoint_format: gptq``, ``bits`` 4 or 8):
   ``qweight`` int32 ``[K * bits / 32, N]`` packs 32 / bits consecutive k (lowest bits first),
   ``qzeros`` int32 ``[K / g, N * bits / 32]`` packs consecutive n the same way and stores ``z - 1``,
-  ``scales`` fp16 ``[K / g, N]``, ``g_idx`` int32 ``[K]`` (must be ``k // g``). ``w = (q - z) * s`` with
-  ``z = stored + 1`` (as AutoGPTQ's and vLLM's kernels read the format). 4 bits -> ``linear_int4``;
+  ``scales`` fp16 ``[K / g, N]``, ``g_idx`` int32 ``[K]`` (the group of input k: ``k // g``, or any
+  assignment of g inputs a group with ``desc_act: true``, whose k are then sorted by group and x
+  gathered in that order). ``w = (q - z) * s`` with ``z = stored + 1`` (as AutoGPTQ's and vLLM's
+  kernels read the format). 4 bits -> ``linear_int4``;
   8 bits with ``sym: true`` (z = 128) -> ``linear_int8`` on ``q - 128``.
 
 Online (``LLM(..., quantization=...)`` on a full-precision checkpoint), each weight quantized as it is
@@ -121,7 +123,7 @@ def parse_quantization_config(qc: Any, source: str) -> QuantConfig:
         _field(qc, "zero_point", source, (True,), True)
         return QuantConfig("awq", bits=bits, group_size=_group_size(qc, source, allow_channel=False), source=source)
     bits = _field(qc, "bits", source, (4, 8))
-    _field(qc, "desc_act", source, (False, None), False)
+    _field(qc, "desc_act", source, (False, True, None), False)
     _field(qc, "checkpoint_format", source, ("gptq", None), "gptq")
     if bits == 8:
         _field(qc, "sym", source, (True,), True)
@@ -197,6 +199,9 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"scheme = {scheme!r}, expected int8, int4 or fp8")
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device)) if bias else None
+        # GPTQ act order (desc_act): the input features' order that makes each group contiguous;
+        # x is gathered by it before the product (None: natural order).
+        self.register_buffer("perm", None)
         self._bias32: Optional[torch.Tensor] = None
         self._op = _OPS[scheme]
 
@@ -224,6 +229,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
         if self.scheme == "int4":
             y = self._op(x2, self.qweight, self.scales, self.zeros, bias)
@@ -244,6 +251,9 @@ class QuantLinear(nn.Module):
         if any(not isinstance(m, QuantLinear) or m.scheme != first.scheme or m.in_features != first.in_features
                or m.scales.shape[1] != first.scales.shape[1] or m.block != first.block for m in layers):
             return False
+        if any((m.perm is None) != (first.perm is None) or (m.perm is not None and not torch.equal(m.perm, first.perm))
+               for m in layers):
+            return False                           # act-order layers fuse only with one order of x
         return first.scheme != "fp8" or first.block[0] == 1    # fp8: one scale row per output feature
 
     @classmethod
@@ -259,6 +269,8 @@ class QuantLinear(nn.Module):
             fused.scales = torch.cat([m.scales for m in layers]).contiguous()
             if first.zeros is not None:
                 fused.zeros = torch.cat([m.zeros for m in layers]).contiguous()
+            if first.perm is not None:
+                fused.perm = first.perm
             if has_bias:
                 fused.bias = nn.Parameter(torch.cat([
                     m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=first.dtype,
@@ -366,18 +378,26 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
     _expect(prefix + ".qzeros", qz, (groups, n // per), (torch.int32,))
     _expect(prefix + ".scales", sc, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
     _expect(prefix + ".g_idx", gi, (k,), (torch.int32, torch.int64))
-    if not torch.equal(gi.long(), torch.arange(k) // g):
-        raise ValueError(f"tensor {prefix + '.g_idx'!r} is not k // group_size ({g}): an act-order (desc_act) "
-                         "layout, which is not supported")
     q = _unpack_rows(qw, bits)                                 # [K, N]
     z = _unpack_cols(qz, bits) + 1                             # [G, N]: the format stores z - 1
+    out: dict[str, torch.Tensor] = {}
+    gi = gi.long()
+    if not torch.equal(gi, torch.arange(k) // g):
+        # Act order (desc_act): input k belongs to group g_idx[k]. Sorting k by group makes every
+        # group contiguous; the layer then gathers x in that order (QuantLinear.perm).
+        if int(gi.min()) < 0 or int(gi.max()) >= groups or not bool((torch.bincount(gi, minlength=groups) == g).all()):
+            raise ValueError(f"tensor {prefix + '.g_idx'!r} does not assign {g} input features (group_size) to each "
+                             f"of the {groups} groups")
+        perm = torch.sort(gi, stable=True).indices
+        q = q[perm]
+        out["perm"] = perm
     if bits == 4:
-        return {"qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
+        return {**out, "qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
                 "zeros": z.T.to(torch.uint8).contiguous()}
     if not bool((z == 128).all()):
         raise ValueError(f"tensor {prefix + '.qzeros'!r} holds zero points other than 128: an asymmetric 8-bit "
                          "GPTQ layer (quantization_config.sym false), which is not supported")
-    return {"qweight": (q - 128).T.to(torch.int8).contiguous(), "scales": sc.float().T.contiguous()}
+    return {**out, "qweight": (q - 128).T.to(torch.int8).contiguous(), "scales": sc.float().T.contiguous()}
 
 
 def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
