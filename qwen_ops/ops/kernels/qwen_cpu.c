@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -1529,6 +1532,115 @@ static int quant_rows_avx512(int kind, const float *xv, int64_t xvs, const float
 }
 #endif
 
+#if QWEN_AVX512 && defined(__AVX512VNNI__)
+#define QWEN_INT4_VNNI 1
+/* int4 on one request by integer dot products (AVX512-VNNI), exact to fp32's precision.
+ * x is written as three int8 digits per group, x = (d1 + d2 / 254 + d3 / 254^2) * amax / 127 with
+ * |d| <= 127 (d1 = round(x * 127 / amax), then the remainders, scaled by 254, rounded): 24 bits of
+ * the group's range, as much as an fp32 product keeps. VPDPBUSD multiplies 64 weight nibbles
+ * (unsigned bytes) by 64 digits (signed bytes) and adds each 4 products into a 32-bit lane: the
+ * group's sums of q x are exact integers, and the one rounding is their conversion at the group's
+ * end. Per 64 weights: one 32-byte load, the nibble split (3 narrow ops, one insert) and 3
+ * VPDPBUSD, against 12 wide ops on the fp32 widening path, which is compute-bound at half the read
+ * bandwidth on these CPUs. A 64-byte vector holds the low nibbles of 32 bytes (elements k, k+2, ...,
+ * k+62), then the high ones (k+1, ..., k+63): the digits are permuted the same way. */
+static void int4_digits(const float *x, int64_t K, int64_t g, int8_t *d, float *unit, float *xsum) {
+    const int64_t sg = K / g;
+    for (int64_t grp = 0; grp < sg; ++grp) {
+        const float *xg = x + grp * g;
+        float amax = 0.0f, total = 0.0f;
+        for (int64_t i = 0; i < g; ++i) {
+            const float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+            total += xg[i];
+        }
+        xsum[grp] = total;
+        unit[grp] = amax / 127.0f;
+        const float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t i = 0; i < g; ++i) {
+            const int64_t k = grp * g + i, block = k & ~(int64_t)63, j = k & 63;
+            const int64_t p = block + (j & 1 ? 32 + j / 2 : j / 2);     /* the permuted position */
+            const float v = xg[i] * scale;
+            const float d1 = nearbyintf(v), r1 = (v - d1) * 254.0f;
+            const float d2 = nearbyintf(r1), r2 = (r1 - d2) * 254.0f;
+            const float d3 = nearbyintf(r2);
+            d[p] = (int8_t)d1;
+            d[K + p] = (int8_t)d2;
+            d[2 * K + p] = (int8_t)(d3 > 127.0f ? 127.0f : (d3 < -127.0f ? -127.0f : d3));
+        }
+    }
+}
+
+static void int4_vnni_rows(const int8_t *d, const float *unit, const float *xsum, const uint8_t *q, const float *s,
+                           const uint8_t *z, int64_t g, const float *bias, int64_t n0, int64_t n1, int64_t K,
+                           float *y) {
+    const int64_t sg = K / g, row_bytes = K / 2;
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t n = n0; n + 4 <= n1; n += 4) {
+        __m512 acc[4];
+        float zs[4] = {0};
+        for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+        const uint8_t *rows[4] = {q + n * row_bytes, q + (n + 1) * row_bytes, q + (n + 2) * row_bytes,
+                                  q + (n + 3) * row_bytes};
+        for (int64_t grp = 0; grp < sg; ++grp) {
+            __m512i a1[4], a2[4], a3[4];
+            for (int r = 0; r < 4; ++r) a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
+            for (int64_t k = grp * g; k < (grp + 1) * g; k += 64) {
+                if (((k / 2) & 63) == 0 && n + 8 <= n1)
+                    for (int r = 0; r < 4; ++r) _mm_prefetch((const char *)(rows[r] + 4 * row_bytes + k / 2), _MM_HINT_T0);
+                const __m512i x1 = _mm512_loadu_si512((const void *)(d + k));
+                const __m512i x2 = _mm512_loadu_si512((const void *)(d + K + k));
+                const __m512i x3 = _mm512_loadu_si512((const void *)(d + 2 * K + k));
+                for (int r = 0; r < 4; ++r) {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(rows[r] + k / 2));
+                    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+                    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], w, x1);
+                    a2[r] = _mm512_dpbusd_epi32(a2[r], w, x2);
+                    a3[r] = _mm512_dpbusd_epi32(a3[r], w, x3);
+                }
+            }
+            for (int r = 0; r < 4; ++r) {
+                const int64_t at = (n + r) * sg + grp;
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a3[r]), _mm512_set1_ps(1.0f / 64516.0f),
+                                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2[r]), _mm512_set1_ps(1.0f / 254.0f),
+                                                                 _mm512_cvtepi32_ps(a1[r])));
+                acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(s[at] * unit[grp]), acc[r]);
+                zs[r] += (float)z[at] * s[at] * xsum[grp];
+            }
+        }
+        float out[4];
+        _mm_storeu_ps(out, sum4_avx512(acc[0], acc[1], acc[2], acc[3]));
+        for (int r = 0; r < 4; ++r) y[n + r] = out[r] - zs[r] + (bias == NULL ? 0.0f : bias[n + r]);
+    }
+}
+
+/* Returns -1 (nothing written) when scratch memory could not be allocated. */
+static int int4_vnni(const float *x, const uint8_t *q, const float *s, const uint8_t *z, int64_t g, const float *bias,
+                     int64_t N, int64_t K, float *y, int threads) {
+    (void)threads;
+    const int64_t sg = K / g, blocks = N / 4;
+    int8_t *d = malloc((size_t)(3 * K) + sizeof(float) * (size_t)(2 * sg) + 64);
+    if (d == NULL) return -1;
+    float *unit = (float *)(void *)(((uintptr_t)(d + 3 * K) + 63) & ~(uintptr_t)63), *xsum = unit + sg;
+    int4_digits(x, K, g, d, unit, xsum);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        int4_vnni_rows(d, unit, xsum, q, s, z, g, bias, 4 * b0, 4 * b1, K, y);
+    }
+    free(d);
+    return 0;
+}
+#else
+#define QWEN_INT4_VNNI 0
+#endif
+
 /* x permuted per 32 elements as raw32_int4's lanes read them: [x0, x2, ..., x30, x1, x3, ..., x31]. */
 static void quant_permute_x(const float *x, int64_t xs, int64_t M, int64_t K, float *xp) {
     for (int64_t m = 0; m < M; ++m)
@@ -1549,6 +1661,14 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
     if (K % step == 0 && g % step == 0 && M > 0) {
         if (kind != 1)
             return quant_rows_avx512(kind, x, xs, NULL, x, xs, M, q, s, z, g, bn, bias, N, K, y, ys, (int)threads);
+#if QWEN_INT4_VNNI
+        if (M == 1 && K % 64 == 0 && g % 64 == 0) {
+            if (int4_vnni(x, q, s, z, g, bias, N, K, y, (int)threads) != 0) return -1;
+            if (N % 4)   /* the last N % 4 weight rows */
+                quant_rows_portable(kind, x, xs, M, q, s, z, g, bn, bias, N - N % 4, N, K, y, ys, 1);
+            return 0;
+        }
+#endif
         const int64_t sg = K / g;
         float *xp = malloc(sizeof(float) * (size_t)(M * (K + sg)));
         if (xp == NULL) return -1;
