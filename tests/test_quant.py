@@ -703,3 +703,20 @@ def test_gptq_act_order_loads_and_matches_transformers(fp32_ckpt, tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_all_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_quant_fails_on_wrong_tokens(fp32_ckpt, monkeypatch, capsys):
+    """benchmarks/bench_quant.py exits 1 when a quantized kernel's tokens differ from its reference's:
+    here the int8 op is replaced by one whose products are 1.5x too large (the reference twin is not)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_quant", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--checkpoint", str(fp32_ckpt), "--variants", "int8", "--threads", "1", "--reps", "1", "--steps", "2"]
+    assert bench.main(args) == 0
+    real = Q._OPS["int8"]
+    monkeypatch.setitem(Q._OPS, "int8", lambda x, *rest: real(x, *rest) * 1.5)
+    assert bench.main(args) == 1
+    assert "FAIL" in capsys.readouterr().out
