@@ -137,6 +137,10 @@ def _quant_launches(dtype: torch.dtype):
         for kind, w in weights.items():
             plans += qq.linear_quant_launches(kind, x, w, scales, zeros if kind == "int4" else None,
                                               bias if rows == 24 else None, out, n, k, 128, 1, upcast=False)
+        # fp8 W8A8 (sm_89+): fp8 activations with per-row scales
+        plans += qq.linear_quant_launches("fp8", torch.empty(rows, k, dtype=torch.float8_e4m3fn), weights["fp8"],
+                                          scales, None, None, out, n, k, 128, 1, upcast=False,
+                                          x_scales=torch.empty(rows, dtype=torch.float32))
     return plans
 
 

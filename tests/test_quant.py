@@ -720,3 +720,24 @@ def test_bench_quant_fails_on_wrong_tokens(fp32_ckpt, monkeypatch, capsys):
     monkeypatch.setitem(Q._OPS, "int8", lambda x, *rest: real(x, *rest) * 1.5)
     assert bench.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_triton_fp8_w8a8_scales_activations_per_row():
+    """W8A8 (the path sm_89+ GPUs take): activations quantized per row to FP8, then the fp8 product; against
+    the reference on the activations as quantized (the kernel's only rounding beyond the reference's)."""
+    pytest.importorskip("triton")
+    from qwen_ops.ops.backend import triton_interpret
+    from qwen_ops.ops.kernels.triton_quant import linear_quant_triton, quantize_rows_fp8
+
+    if not triton_interpret():
+        pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(4)
+    x, w8, si = _fp8_case(g, 5, 72, 96, (1, 48))
+    x = x * torch.linspace(0.1, 10, 5)[:, None]                 # rows of different ranges
+    xq, xs = quantize_rows_fp8(x)
+    assert xq.dtype == torch.float8_e4m3fn and float(xq.float().abs().max()) <= 448
+    want = RQ.linear_fp8_reference(xq.float() * xs[:, None], w8, si, None, 1, 48)
+    got = linear_quant_triton("fp8", x, w8, si, None, None, 72, 96, 48, 1, act_fp8=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    exact = RQ.linear_fp8_reference(x, w8, si, None, 1, 48)
+    assert float((got - exact).norm() / exact.norm()) < 0.05         # the activations' FP8 rounding

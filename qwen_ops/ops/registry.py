@@ -439,7 +439,8 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     if _quant_triton(x) and block_k % 16 == 0:
         from qwen_ops.ops.kernels.triton_quant import linear_quant_triton
         n, k = weight.shape
-        return linear_quant_triton("fp8", x, weight, scale_inv, None, bias, n, k, block_k, block_n)
+        w8a8 = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)   # fp8 tensor cores
+        return linear_quant_triton("fp8", x, weight, scale_inv, None, bias, n, k, block_k, block_n, act_fp8=w8a8)
     return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
 
 

@@ -12,7 +12,9 @@ two k and shifted by ``(k % 2) * 4``.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) ``tl.dot`` on bf16 returns garbage: tiles are upcast to
 fp32 when ``UPCAST`` is set. The launch plan (``linear_quant_launches``) is shared with
-``.ci/compile_triton_sm90.py``. Not yet here: FP8 activations (W8A8 ``tl.dot`` on fp8 for sm_90).
+``.ci/compile_triton_sm90.py``. FP8 weights on sm_89 and later (H100 / H200) run W8A8: the activations are
+quantized per row to FP8 (``quantize_rows_fp8``, vLLM's dynamic scheme) and the tiles multiplied as fp8 on
+the tensor cores, the row scales applied to the fp32 accumulator at the end.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ KINDS = {"int8": 0, "int4": 1, "fp8": 2}
 
 @triton.jit
 def _linear_quant_kernel(
-    out_ptr, x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr,
+    out_ptr, x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr,
     M, N, K, GROUP, BLOCK_ROWS,
     stride_xm, stride_om, stride_wn, stride_sn,
     KIND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACT_FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -59,16 +61,22 @@ def _linear_quant_kernel(
             q = (byte >> ((k % 2) * 4)[:, None]) & 15
             z = tl.load(z_ptr + s_rows + grp, mask=n_ok, other=0).to(tl.int32)
             w = (q - z[None, :]).to(tl.float32)
+        elif ACT_FP8:                       # W8A8: fp8 x fp8 products on the tensor cores
+            w = tl.load(w_cols + k[:, None], mask=wmask, other=0.0)
         else:
             w = tl.load(w_cols + k[:, None], mask=wmask, other=0.0).to(tl.float32)      # [BLOCK_K, BLOCK_N]
         if UPCAST:
-            part = tl.dot(x.to(tl.float32), w)
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32))
+        elif ACT_FP8:
+            part = tl.dot(x, w)
         elif IEEE:                          # fp32 activations: full fp32 products, not TF32
             part = tl.dot(x, w, input_precision="ieee")
         else:
             part = tl.dot(x, w.to(x.dtype))
         scale = tl.load(s_ptr + s_rows + grp, mask=n_ok, other=0.0)
         acc += part * scale[None, :]
+    if ACT_FP8:                             # the activations' per-row scales
+        acc *= tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -84,9 +92,12 @@ def _block_k(group: int) -> Optional[int]:
 
 def linear_quant_launches(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                           zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out: torch.Tensor,
-                          n: int, k: int, group: int, block_rows: int, upcast: bool) -> list[Launch]:
+                          n: int, k: int, group: int, block_rows: int, upcast: bool,
+                          x_scales: Optional[torch.Tensor] = None) -> list[Launch]:
     """The one launch that fills ``out [M, N]``; ``group``: input features per scale column
-    (fp8: block_k), ``block_rows``: output features per scale row (fp8: block_n, else 1)."""
+    (fp8: block_k), ``block_rows``: output features per scale row (fp8: block_n, else 1).
+    ``x_scales`` (fp8 only): x is float8_e4m3fn activations quantized per row with these fp32
+    scales (W8A8)."""
     m = x.shape[0]
     if m == 0 or n == 0:
         return []
@@ -97,20 +108,33 @@ def linear_quant_launches(kind: str, x: torch.Tensor, w: torch.Tensor, scales: t
     block_n = 64
     dummy = scales
     args = (out, x, w, scales, zeros if zeros is not None else dummy, bias if bias is not None else dummy,
+            x_scales if x_scales is not None else dummy,
             m, n, k, group, block_rows, x.stride(0), out.stride(0), w.stride(0), scales.stride(0))
     constexprs = (("KIND", KINDS[kind]), ("HAS_BIAS", bias is not None), ("BLOCK_M", block_m), ("BLOCK_N", block_n),
-                  ("BLOCK_K", block_k), ("UPCAST", upcast), ("IEEE", x.dtype == torch.float32))
+                  ("BLOCK_K", block_k), ("UPCAST", upcast), ("IEEE", x.dtype == torch.float32),
+                  ("ACT_FP8", x_scales is not None))
     return [Launch(_linear_quant_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), args, constexprs,
                    num_warps=4, num_stages=3)]
 
 
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row FP8 activations (vLLM's dynamic scheme): ``(xq float8_e4m3fn, scale fp32 [rows])``
+    with ``x ~ xq * scale``, ``scale = max|x_row| / 448``."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    return (xf / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
 def linear_quant_triton(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                         zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], n: int, k: int, group: int,
-                        block_rows: int) -> torch.Tensor:
-    """Validated arguments of one of the quantized ops -> ``[rows, N]`` in x's dtype."""
+                        block_rows: int, act_fp8: bool = False) -> torch.Tensor:
+    """Validated arguments of one of the quantized ops -> ``[rows, N]`` in x's dtype. ``act_fp8``
+    (fp8 weights): W8A8, the activations quantized per row to FP8 first (sm_89 and later)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     upcast = triton_interpret()
-    for launch in linear_quant_launches(kind, x, w, scales, zeros, bias, out, n, k, group, block_rows, upcast):
+    xin, x_scales = quantize_rows_fp8(x) if (act_fp8 and kind == "fp8") else (x, None)
+    for launch in linear_quant_launches(kind, xin, w, scales, zeros, bias, out, n, k, group, block_rows, upcast,
+                                        x_scales):
         launch.run()
     return out
