@@ -135,10 +135,15 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels; oneDNN (AMX) past 8 rows"
         return product_amx
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
     owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels"
-    return product
+    if finish is _identity:         # no all-reduce after it: one call less per product
+        def product(x: torch.Tensor) -> torch.Tensor:
+            return LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)
+        return product
+
+    def product_reduced(x: torch.Tensor) -> torch.Tensor:
+        return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
+    return product_reduced
 
 
 def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
