@@ -12,8 +12,8 @@ For each variant and thread count:
 - end to end: ``LLM.generate`` of 1 and 8 requests (32-token prompts, 16 new tokens, greedy,
   ignore_eos): generated tokens over the wall time of the call, median of ``--reps``;
 - tokens: the quantized model's greedy tokens (8 requests) against the same model with its quantized
-  layers on their ops' references (dequantize, then multiply: the oracle): a mismatch marks the row
-  FAIL and the script exits 1;
+  layers on their ops' references (dequantize, then multiply: the oracle): with fp32 activations a
+  mismatch marks the row FAIL and the script exits 1 (with bf16 the count of equal tokens is shown);
 - the peak host memory of loading each GPTQ / AWQ checkpoint, in a fresh process, against its size.
 Figures: benchmarks/README.md ("Quantized weights (issue 28)").
 """
@@ -41,7 +41,8 @@ VARIANTS = ("float32", "bfloat16", "int8", "int8-bf16", "fp8-bf16", "gptq4", "gp
 
 
 def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
-    """(checkpoint dir, LLM kwargs) of a variant; the GPTQ / AWQ files are written once beside ``base``."""
+    """(checkpoint dir, LLM kwargs) of a variant; the GPTQ / AWQ files are written once, into the
+    cache dir (``bench_realsize.default_cache_dir``)."""
     if variant in ("float32", "bfloat16"):
         return base, {"dtype": variant}
     scheme, _, act = variant.partition("-")
@@ -49,7 +50,7 @@ def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
     if scheme in ("int8", "fp8"):
         return base, {**kwargs, "quantization": scheme}
     fmt, bits = scheme[:-1], int(scheme[-1])
-    path = base.parent / f"{base.name}-{scheme}-g128"
+    path = default_cache_dir() / f"{base.name}-{scheme}-g128"       # never beside a checkpoint in the repo
     if not (path / "model.safetensors").exists():
         from qwen_ops.models.quant_export import export
         export(base, path, fmt, bits, 128)
@@ -141,7 +142,12 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     if variant not in ("float32", "bfloat16"):           # quantized
         reference_twin(llm)
         twin = [o.outputs[0].token_ids for o in llm.generate(prompts(8, 32, vocab, seed=8), sp)]
-        row["tokens_match_reference"] = twin == tokens
+        same = sum(a == b for t, u in zip(twin, tokens) for a, b in zip(t, u))
+        row["tokens_same"] = f"{same}/{sum(len(t) for t in tokens)}"
+        # fp32 activations: the kernel and the reference differ in the order of fp32 sums only, so on
+        # this peaked model the tokens must agree; bf16 rounds every layer's output, and an order
+        # difference can flip a rounding and, rarely, a token: reported, not failed.
+        row["tokens_match_reference"] = twin == tokens if kwargs["dtype"] == "float32" else None
     del llm, eng
     gc.collect()
     return row
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
             match = r.get("tokens_match_reference")
             print(f"| {variant} | {threads} | {r['weight_gb']:.2f} | {r['decode_tok_s']:.1f} | "
                   f"{100 * r['bandwidth_fraction']:.0f}% of {r['read_gb_s']:.1f} GB/s | {r['e2e_1_tok_s']:.1f} | "
-                  f"{r['e2e_8_tok_s']:.1f} | {'-' if match is None else ('yes' if match else 'FAIL')} |", flush=True)
+                  f"{r['e2e_8_tok_s']:.1f} | {r.get('tokens_same', '-')}"
+                  f"{'' if match is None else (' yes' if match else ' FAIL')} |", flush=True)
     for r in rows:
         if "load_peak_gb" in r:
             print(f"load of {r['variant']}: peak {r['load_peak_gb']:.2f} GB for a {r['checkpoint_gb']:.2f} GB "
