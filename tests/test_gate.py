@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 GATE = Path(__file__).resolve().parent.parent / "benchmarks" / "gate.py"
 
@@ -92,6 +93,29 @@ def test_main_fails_on_a_token_mismatch(gate, monkeypatch, capsys):
     _stub_measurements(gate, monkeypatch, same="31/32")
     assert gate.main(["--short"]) == 1
     assert "same_tokens=31/32" in capsys.readouterr().err
+
+
+def test_a_divergence_at_a_near_tie_passes_and_a_real_one_fails(gate, monkeypatch, capsys):
+    """31/32 with the one difference at a near tie of transformers' own logits passes; the tie
+    finder measures the margin at the first differing step from transformers' logits."""
+    import types
+
+    _stub_measurements(gate, monkeypatch, same="31/32")
+    real = gate.generate_vs_transformers
+    monkeypatch.setattr(gate, "generate_vs_transformers", lambda *a, **k: {
+        name: dict(r, near_ties=[2e-5]) for name, r in real(*a, **k).items()})
+    assert gate.main(["--short"]) == 0
+
+    def fake_hf(margin):
+        def forward(context):
+            logits = torch.zeros(1, context.shape[1], 8)
+            logits[0, -1, 5], logits[0, -1, 6] = 1.0 + margin, 1.0       # transformers' token 5, ours 6
+            return types.SimpleNamespace(logits=logits)
+        return forward
+    prompts = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    ours, ref = [[4, 6, 1], [4, 5, 1]], [[4, 5, 2], [4, 5, 1]]
+    assert gate.near_tie_divergences(fake_hf(1e-5), prompts, ours, ref) == [pytest.approx(1e-5, abs=1e-7)]
+    assert gate.near_tie_divergences(fake_hf(0.5), prompts, ours, ref) == []   # a real difference: not a tie
 
 
 def test_main_fails_when_a_timed_engine_ran_another_implementation(gate, monkeypatch, capsys):
