@@ -77,10 +77,9 @@ def reference_twin(llm) -> None:
     from qwen_ops.models.quant import QuantLinear
     from qwen_ops.ops.kernels import reference_quant as RQ
 
-    refs = {"int8": RQ.linear_int8_reference, "int4": RQ.linear_int4_reference, "fp8": RQ.linear_fp8_reference}
     for m in llm.engine.model.modules():
         if isinstance(m, QuantLinear):
-            m._op = refs[m.scheme]
+            m._op = RQ.REFERENCES[m.scheme]
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:

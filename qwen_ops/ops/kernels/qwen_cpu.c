@@ -1284,6 +1284,17 @@ static inline __attribute__((always_inline)) void raw32_int4(const uint8_t *row,
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
 }
 
+/* Weight rows n0 .. n0 + 3 of a block: their bytes, and where their scale (and zero) rows start
+ * (fp8's scale rows cover bn output features each). */
+static inline __attribute__((always_inline)) void quant_block_rows(int kind, const uint8_t *q, int64_t row_bytes,
+                                                                   int64_t sg, int64_t bn, int64_t n0,
+                                                                   const uint8_t *rows[4], int64_t srow[4]) {
+    for (int r = 0; r < 4; ++r) {
+        rows[r] = q + (n0 + r) * row_bytes;
+        srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
+    }
+}
+
 /* One request or two (decode): y[m][n0 .. n0 + 3], the 4 weight rows read side by side. Per group,
  * sum_k q x in fp32 vectors, then times the group's scale into the row's total; int4 subtracts
  * z * s * sum_k x (xsum[m * sg + grp], the group sums of x) at the end. The next 4 rows are
@@ -1299,10 +1310,7 @@ static inline __attribute__((always_inline)) void quant_block_stream(
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
     const uint8_t *rows[4];
     int64_t srow[4];
-    for (int r = 0; r < 4; ++r) {
-        rows[r] = q + (n0 + r) * row_bytes;
-        srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
-    }
+    quant_block_rows(kind, q, row_bytes, sg, bn, n0, rows, srow);
     const int64_t step = kind == 1 ? 32 : 16;
     for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
         const int64_t k1 = K - k0 < g ? K : k0 + g;
@@ -1362,10 +1370,7 @@ static inline __attribute__((always_inline)) void quant_block_stream_scaled(
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
     const uint8_t *rows[4];
     int64_t srow[4];
-    for (int r = 0; r < 4; ++r) {
-        rows[r] = q + (n0 + r) * row_bytes;
-        srow[r] = (kind == 2 ? (n0 + r) / bn : n0 + r) * sg;
-    }
+    quant_block_rows(kind, q, row_bytes, sg, bn, n0, rows, srow);
     const int64_t step = kind == 1 ? 32 : 16;
     for (int64_t k0 = 0, grp = 0; k0 < K; k0 += g, ++grp) {
         const int64_t k1 = K - k0 < g ? K : k0 + g;

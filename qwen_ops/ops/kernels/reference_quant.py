@@ -73,3 +73,7 @@ def linear_int4_reference(x, qweight, scales, zeros, bias=None) -> torch.Tensor:
 
 def linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k) -> torch.Tensor:
     return _product(x, dequantize_fp8(weight, scale_inv, block_n, block_k), bias)
+
+
+# The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
+REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference}
