@@ -73,3 +73,14 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (none on this machine)")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Fresh outputs are NaN-filled, so an element a kernel skips shows: Python's ``torch.empty``
+    (the ctypes and Triton launchers allocate with it) and, through ``QWEN_OPS_POISON_OUTPUTS``, the
+    C++ kernels' own allocations. Returns the monkeypatch (``.undo()`` ends the poisoning)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
+    return monkeypatch

@@ -118,14 +118,6 @@ def test_long_prefills_go_to_the_reference(monkeypatch):
 # The packed product under linear_packed, and sampling's argmax (the fast ops: test_ops_fused.py)
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty returns NaN-filled tensors, so an output element the kernel skips shows."""
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    return monkeypatch
-
-
 def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypatch):
     """The C file has AVX-512 paths for fp32; a build without AVX-512 runs the portable loops."""
     if cpu._compiler() is None:

@@ -227,11 +227,6 @@ class LLM:
         path = default_model_path() if model is None else model
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
-        from qwen_ops.models.quant import read_quant_config
-        quant = read_quant_config(Path(path), quantization)
-        if quant is not None and tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with quantized weights ({quant.method}) "
-                             "is not supported yet; expected tensor_parallel_size = 1")
         if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
             max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         elif max_model_len > cfg.max_position_embeddings:
@@ -271,7 +266,7 @@ class LLM:
         else:
             self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
                                                      tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
-                                                     **engine_kwargs)
+                                                     quantization=quantization, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
