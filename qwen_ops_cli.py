@@ -22,12 +22,29 @@ import sys
 from typing import Optional, Sequence
 
 
+def _json_object(text: str) -> dict:
+    """``--speculative-config``'s value: a JSON object (argparse reports the error with the flag's name)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected an object such as "
+                                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
                    "default: the embedded model")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(default: off)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")
@@ -56,6 +73,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     s.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
+    s.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(default: off)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")

@@ -83,14 +83,16 @@ def reference_twin(llm) -> None:
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:
-    """Peak host memory of loading the checkpoint, in a fresh process: the growth of its maximum
-    resident set over the load, against the checkpoint's bytes on disk."""
+    """Peak host memory of loading the checkpoint, in a fresh process: the growth of its peak
+    resident set (``VmHWM``) over the load, against the checkpoint's bytes on disk. Not
+    ``ru_maxrss``: it survives fork + exec, so a child of this (large) process starts with our
+    peak and would show no growth at all."""
     import subprocess
 
-    code = ("import json, resource, sys, torch; from qwen_ops.models.loader import load_model; "
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-            f"m = load_model({str(path)!r}, **json.loads(sys.argv[1])); "
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)")
+    code = ("import json, sys, torch; from qwen_ops.models.loader import load_model; "
+            "hwm = lambda: int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024; "
+            f"base = hwm(); m = load_model({str(path)!r}, **json.loads(sys.argv[1])); "
+            "print(hwm() - base)")
     load_kwargs = {k: v for k, v in kwargs.items() if k in ("dtype", "quantization")}
     out = subprocess.run([sys.executable, "-c", code, json.dumps(load_kwargs)], capture_output=True, text=True,
                          check=True)

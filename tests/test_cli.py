@@ -186,3 +186,28 @@ def test_help_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("no torch"), out.stdout + out.stderr
     assert "usage: qwen-ops" in out.stdout
+
+
+def test_speculative_config_flag(capsys, no_debug_env):
+    """--speculative-config is vLLM's JSON: parsed on generate, bench and serve; bad JSON or a bad
+    method is one line naming the flag or the field."""
+    parser = build_parser()
+    for cmd in (["generate", "hi"], ["bench"], ["serve"]):
+        args = parser.parse_args(cmd + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+        assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--speculative-config", "{method: ngram}"])
+    assert "argument --speculative-config: '{method: ngram}' is not JSON" in capsys.readouterr().err
+    assert main(["generate", "def f():", "--speculative-config", '{"method": "medusa"}']) != 0
+    assert "speculative_config.method = 'medusa', expected one of" in capsys.readouterr().err
+
+
+def test_generate_with_ngram_speculation_prints_the_same_text(capsys):
+    """The embedded model with and without n-gram speculation: the same greedy text."""
+    assert main(["generate", "def fibonacci(n):", "--max-tokens", "24"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "def fibonacci(n):", "--max-tokens", "24", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 4}']) == 0
+    spec = capsys.readouterr().out
+    text = plain.rsplit("\n[24 tokens", 1)[0]
+    assert len(text) > 40 and spec.rsplit("\n[24 tokens", 1)[0] == text

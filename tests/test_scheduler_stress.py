@@ -127,9 +127,18 @@ class Reference:
         return [o.outputs[0].token_ids for o in outs]
 
 
-def check_draw(ckpt, ref: Reference, seed: int, summary: dict) -> None:
+def check_draw(ckpt, ref: Reference, seed: int, summary: dict, speculative=None) -> None:
+    """``speculative``: None, or the dense checkpoint to draw drafts from (n-gram or that draft model)."""
     rng = random.Random(seed)
     cfg = draw_config(rng)
+    if speculative is not None:       # 1..6 drafts a step; the reference runs without them
+        k = rng.randint(1, 6)
+        if rng.random() < 0.5:
+            cfg["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": rng.randint(1, 4)}
+        else:
+            cfg["speculative_config"] = {"method": "draft_model", "model": str(speculative),
+                                         "num_speculative_tokens": k}
     w = draw_workload(rng, cfg["max_model_len"])
     where = f"seed {seed}: {cfg}"
     llm = LLM(ckpt, check_invariants=True, **cfg)
@@ -151,13 +160,16 @@ def check_draw(ckpt, ref: Reference, seed: int, summary: dict) -> None:
     summary["swaps"] += s["num_swaps_out"]
     summary["swap_full"] += s["num_swap_full_recomputes"]
     summary["prefix_hits"] += s["prefix_cache_hits"]
+    summary["drafts"] += s["spec_num_draft_tokens"]
+    summary["accepted"] += s["spec_num_accepted_tokens"]
     llm.engine.check_block_accounting()
     if s["num_iterations"] / bound > summary["worst"][0]:
         summary["worst"] = (s["num_iterations"] / bound, s["num_iterations"], bound, seed)
 
 
 def _summary() -> dict:
-    return {"draws": 0, "preemptions": 0, "swaps": 0, "swap_full": 0, "prefix_hits": 0, "worst": (0.0, 0, 0, None)}
+    return {"draws": 0, "preemptions": 0, "swaps": 0, "swap_full": 0, "prefix_hits": 0, "drafts": 0, "accepted": 0,
+            "worst": (0.0, 0, 0, None)}
 
 
 def test_randomized_configs_and_workloads(ckpt):
@@ -179,6 +191,21 @@ def test_randomized_hybrid_model(hybrid_ckpt):
         check_draw(hybrid_ckpt, ref, 10_000 + STRESS_SEED * 1_000_003 + k, summary)
     print(f"\nstress (hybrid): {summary}")
     assert summary["preemptions"] > 0, summary
+
+
+def test_randomized_with_speculation(ckpt, hybrid_ckpt):
+    """Issue 29: speculation (n-gram, or the dense model as its own draft model: every greedy draft
+    right) under the same draws (preemption, swap, prefix caching, budgets down to one token,
+    aborts): outputs equal the plain reference's, the iteration bound and the invariants (the
+    budget counts drafts) hold, and nothing is left behind; hybrid models roll back their
+    linear-layer state where drafts were rejected."""
+    for path, draws, offset in ((ckpt, max(8, STRESS_DRAWS // 2), 20_000), (hybrid_ckpt, max(4, STRESS_DRAWS // 4), 30_000)):
+        ref = Reference(path)
+        summary = _summary()
+        for k in range(draws):
+            check_draw(path, ref, offset + STRESS_SEED * 1_000_003 + k, summary, speculative=ckpt)
+        print(f"\nstress (speculative, {path.name}): {summary}")
+        assert summary["preemptions"] > 0 and summary["drafts"] > 0 and summary["accepted"] > 0, summary
 
 
 # ----------------------------------------------------------------- the two hangs of issue 14

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from qwen_ops.engine.speculative import NgramProposer, greedy_accept, rejection_sample
+from qwen_ops.engine.speculative import NgramProposer, greedy_accept, race_accept, rejection_sample
 
 
 def brute_force(tokens, k, min_n, max_n):
@@ -69,7 +69,7 @@ def _chain(seed: int, vocab: int) -> torch.Tensor:
     return m / m.sum(1, keepdim=True)                           # row t: p(next | previous t)
 
 
-@pytest.mark.parametrize("proposer", ["sampled draft", "deterministic draft"])
+@pytest.mark.parametrize("proposer", ["sampled draft", "deterministic draft", "deterministic draft, race"])
 def test_rejection_sampling_draws_from_the_target(proposer):
     """A target Markov chain P over 5 tokens; drafts of k = 3 from another chain Q (sampled, with its
     probabilities) or from a fixed map (a point mass, as n-gram's). Speculative steps are repeated
@@ -94,7 +94,10 @@ def test_rejection_sampling_draws_from_the_target(proposer):
                 d_prev = d
             rows = [prev] + drafts                              # the target after each prefix
             target = P[torch.tensor(rows)]
-            out = rejection_sample(target, drafts, torch.stack(draft_probs) if draft_probs else None, g)
+            if proposer.endswith("race"):
+                out = race_accept(target, drafts, g)
+            else:
+                out = rejection_sample(target, drafts, torch.stack(draft_probs) if draft_probs else None, g)
             assert 1 <= len(out) <= k + 1
             emitted += out
             prev = emitted[-1]

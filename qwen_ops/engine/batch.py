@@ -5,7 +5,9 @@ A ``BatchedRequest`` is one scheduled item: a request's ``token_ids`` at positio
 ``position_offset, position_offset + 1, ...`` of its slot ``kv_cache_slot``, whose KV lives in
 the blocks ``block_table`` names. With ``sampling`` set the chunk reaches the end of the
 request's tokens and the runner samples its next token (with ``generator`` for a seeded
-request; ``banned_token_ids`` cannot be sampled: stop tokens before ``min_tokens``).
+request; ``banned_token_ids`` cannot be sampled: stop tokens before ``min_tokens``). A decode
+with ``draft_token_ids`` (speculative decoding) carries them at the end of ``token_ids``, after
+the last sampled token: the runner verifies them from the logits of those ``1 + k`` rows.
 
 An ``IterationPlan`` is one step: its prefill chunks and decodes (one forward, prefills first),
 the KV copies to host and back (``swap_out_requests`` / ``swap_in_requests``, ``BlockCopy``
@@ -53,6 +55,13 @@ class BatchedRequest:
     sampling: Any = None                     # SamplingParams: sample this row's next token
     generator: Any = None                    # SeededNoise of a seeded request
     banned_token_ids: Sequence[int] = ()     # not sampleable this step (stop ids before min_tokens)
+    draft_token_ids: Sequence[int] = ()      # speculative drafts: the last len() of token_ids
+    draft_probs: Any = None                  # [k, vocab] the draft model's q of each draft (sampled rows)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this task needs: its last token's, and one per draft."""
+        return 1 + len(self.draft_token_ids)
 
     @property
     def context_len(self) -> int:
@@ -103,7 +112,7 @@ class IterationPlan:
         return len(self.prefill_tasks) + len(self.decode_tasks)
 
     def total_tokens(self) -> int:
-        return sum(len(t.token_ids) for t in self.prefill_tasks) + len(self.decode_tasks)
+        return sum(len(t.token_ids) for t in self.prefill_tasks) + sum(len(t.token_ids) for t in self.decode_tasks)
 
     def without_sampling(self) -> "IterationPlan":
         """The plan as a rank that does not sample gets it (no generators: they do not travel)."""
@@ -147,7 +156,10 @@ class TokenBudget:
                              f"in this iteration's budget")
         self.prefill_tokens += tokens
 
-    def allocate_decode(self) -> None:
-        if self.remaining_decode() <= 0:
-            raise ValueError("a decode token was asked for, but no decode tokens remain in this iteration's budget")
-        self.decode_tokens += 1
+    def allocate_decode(self, tokens: int = 1) -> None:
+        """One decode's tokens: its sampled token, and its drafts under speculative decoding."""
+        if tokens > self.remaining_decode() or tokens < 1:
+            left = self.remaining_decode()
+            raise ValueError(f"tokens = {tokens} decode tokens were asked for, but "
+                             + (f"only {left}" if left else "no decode tokens") + " remain in this iteration's budget")
+        self.decode_tokens += tokens

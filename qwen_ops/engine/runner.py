@@ -21,6 +21,8 @@ buckets. The same buffers and buckets are what CUDA-graph capture replays into.
 from __future__ import annotations
 
 import bisect
+import itertools
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -28,7 +30,8 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
-from qwen_ops.engine.sampling import sample, token_logprobs
+from qwen_ops.engine.sampling import filtered_probs, sample, token_logprobs
+from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
 from qwen_ops.torch_library import SCHEMAS
@@ -79,12 +82,16 @@ def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = 
 @dataclass
 class RunnerOutput:
     """What one step produced, row for row with the plan's tasks: fp32 ``logits`` [rows, vocab]
-    of each task's last token, the ``sampled`` token of each row that samples (else None), and its
-    ``(logprob, rank, top ids, top logprobs)`` when its request asked for logprobs."""
+    of each task's last token (and of its drafts, before it, for a task with drafts), the
+    ``sampled`` token of each task that samples (else None), and its ``(logprob, rank, top ids,
+    top logprobs)`` when its request asked for logprobs. ``emitted``: for a task with drafts,
+    the 1 to k + 1 tokens its verification emitted (the accepted drafts, then the target's
+    token), else None; ``sampled`` holds the first of them."""
 
     logits: torch.Tensor
     sampled: list[Optional[int]]
     logprobs: list[Optional[tuple]]
+    emitted: Optional[list[Optional[list[int]]]] = None
 
 
 class CudaGraphAPI:
@@ -165,6 +172,7 @@ class ModelRunner:
         self.capture_bytes = 0
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
+        self.draft = None            # speculative "draft_model": a DraftRunner (attach_draft)
         self.workers = None          # in-process TP: the other ranks (call() sends them each call)
         self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
 
@@ -177,6 +185,12 @@ class ModelRunner:
                                              for a in args]))
         return getattr(self, method)(*args)
 
+    def attach_draft(self, model: torch.nn.Module) -> None:
+        """Run ``model`` as the draft model of speculative decoding, in this runner's slots and blocks."""
+        from qwen_ops.engine.draft import DraftRunner
+
+        self.draft = DraftRunner(model, self)
+
     @torch.inference_mode()
     def step(self, plan: IterationPlan) -> RunnerOutput:
         """One step (module docstring): swaps, block-table rows, forward, sampling."""
@@ -187,9 +201,77 @@ class ModelRunner:
         for c in plan.swap_in_requests:
             self.copy_in(c.slot, c.block_ids, self._host_copies.pop(c.handle))
         tasks = plan.tasks()
+        if self.draft is not None:
+            tasks = self.draft.propose(tasks)
+        speculating = any(t.draft_token_ids for t in tasks)
+        saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
         logits = self.execute(tasks)
-        sampled, logprobs = self.sample_rows(tasks, logits)
-        return RunnerOutput(logits, sampled, logprobs)
+        if not speculating:
+            sampled, logprobs = self.sample_rows(tasks, logits)
+            return RunnerOutput(logits, sampled, logprobs)
+        last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
+        sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
+                                             logits[last])
+        emitted = self.verify(tasks, logits)
+        for i, e in enumerate(emitted):
+            if e is not None:
+                sampled[i] = e[0]
+        if saved is not None:
+            self._rollback_linear_state(tasks, emitted, saved)
+        if self.draft is not None:
+            self.draft.kept(tasks, emitted)
+        return RunnerOutput(logits, sampled, logprobs, emitted)
+
+    def verify(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor) -> list[Optional[list[int]]]:
+        """The tokens each task with drafts emits (``speculative.py``): greedy rows keep the drafts
+        that equal the target's argmax; sampled rows, against the target's distribution after
+        temperature, top-k and top-p and with the request's own noise when seeded, keep n-gram's
+        deterministic drafts by the plain sampler's own race (``race_accept``: the same tokens as
+        without speculation) and a draft model's by rejection sampling with its ``q``."""
+        out: list[Optional[list[int]]] = [None] * len(tasks)
+        start = 0
+        for i, t in enumerate(tasks):
+            rows = logits[start:start + t.num_logit_rows]
+            start += t.num_logit_rows
+            if not t.draft_token_ids:
+                continue
+            drafts = list(t.draft_token_ids)
+            if t.sampling.greedy:
+                out[i] = greedy_accept(rows, drafts)
+            elif t.draft_probs is None:
+                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator)
+            else:
+                probs = filtered_probs(rows.float(), [t.sampling] * len(rows))
+                out[i] = rejection_sample(probs / probs.sum(dim=-1, keepdim=True), drafts, t.draft_probs, t.generator)
+        return out
+
+    def _save_linear_state(self, tasks: Sequence[BatchedRequest]) -> dict[int, list[tuple[torch.Tensor, ...]]]:
+        """Copies of the linear-attention state rows of the slots that verify drafts (hybrid models)."""
+        return {t.kv_cache_slot: [(a[t.kv_cache_slot].clone(), b[t.kv_cache_slot].clone())
+                                  for kind, (a, b) in zip(self.layer_kinds, self.kv_caches) if kind == "linear"]
+                for t in tasks if t.draft_token_ids}
+
+    def _rollback_linear_state(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]],
+                               saved: dict[int, list[tuple[torch.Tensor, ...]]]) -> None:
+        """Where a draft was rejected, put the slot's linear-layer state back as it was before the
+        pass and feed the accepted prefix again, so the state holds exactly the kept tokens (the
+        attention KV of those rows is rewritten with the same tokens). A recompute from the saved
+        state: one more forward pass of the kept rows, only in steps that rejected a draft."""
+        redo = []
+        for t, e in zip(tasks, emitted):
+            if e is None or len(e) - 1 == len(t.draft_token_ids):
+                continue                       # every draft kept: the state is the kept tokens'
+            rows = saved[t.kv_cache_slot]
+            linear = (i for i, kind in enumerate(self.layer_kinds) if kind == "linear")
+            for i, (sa, sb) in zip(linear, rows):
+                a, b = self.kv_caches[i]
+                a[t.kv_cache_slot] = sa
+                b[t.kv_cache_slot] = sb
+            keep = len(t.token_ids) - len(t.draft_token_ids) + len(e) - 1
+            redo.append(BatchedRequest(t.kv_cache_slot, list(t.token_ids[:keep]), t.position_offset, t.request_id,
+                                       True, t.block_table))
+        if redo:
+            self.execute(redo)
 
     def sample_rows(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor
                     ) -> tuple[list[Optional[int]], list[Optional[tuple]]]:
@@ -414,18 +496,24 @@ class ModelRunner:
         """More slots and physical blocks (the seed API's ``allocate_batch_slots``)."""
         self.grow_slots(max_slots)
         self.grow_blocks(num_blocks)
+        if self.draft is not None:
+            self.draft.runner.grow(max_slots, num_blocks)
 
     def grow_blocks(self, num_blocks: int) -> None:
         """Add physical KV blocks at the end; existing block ids keep their contents."""
         if num_blocks > self.num_blocks:
             self._grow_dim0(self._layers("attention"), num_blocks)
 
-    def copy_out(self, slot: int, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of a slot's KV ``blocks`` (attention layers) and state rows (linear layers)."""
+    def copy_out(self, slot: int, blocks: Sequence[int]) -> list:
+        """Host copies of a slot's KV ``blocks`` (attention layers) and state rows (linear layers);
+        with a draft model, then the draft's KV and its pending token (``engine/draft.py``)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return [(a[idx].to("cpu"), b[idx].to("cpu")) if kind == "attention"
-                else (a[slot].to("cpu"), b[slot].to("cpu"))
-                for kind, (a, b) in zip(self.layer_kinds, self.kv_caches)]
+        saved = [(a[idx].to("cpu"), b[idx].to("cpu")) if kind == "attention"
+                 else (a[slot].to("cpu"), b[slot].to("cpu"))
+                 for kind, (a, b) in zip(self.layer_kinds, self.kv_caches)]
+        if self.draft is not None:
+            saved.append((self.draft.runner.copy_out(slot, blocks), self.draft.pending.pop(slot, None)))
+        return saved
 
     def host_copy_nbytes(self, num_blocks: int) -> int:
         """Bytes that ``copy_out`` of a slot holding ``num_blocks`` blocks puts in host memory."""
@@ -434,11 +522,18 @@ class ModelRunner:
             for t in (a, b):
                 row = t[0].numel() * t.element_size()      # one block (attention) or one slot's state
                 total += row * (num_blocks if kind == "attention" else 1)
+        if self.draft is not None:
+            total += self.draft.runner.host_copy_nbytes(num_blocks)
         return total
 
     def copy_in(self, slot: int, blocks: Sequence[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Inverse of ``copy_out``, into (possibly different) ``blocks`` and ``slot``."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        if self.draft is not None:
+            draft_saved, pending = saved[len(self.kv_caches)]
+            self.draft.runner.copy_in(slot, blocks, draft_saved)
+            if pending is not None:
+                self.draft.pending[slot] = pending
         for kind, (a, b), (ha, hb) in zip(self.layer_kinds, self.kv_caches, saved):
             if kind == "attention":
                 a[idx] = ha.to(self.device)
@@ -449,7 +544,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
-        """One forward over all chunks; returns fp32 logits [len(chunks), vocab] of each chunk's last token.
+        """One forward over all chunks; returns fp32 logits [rows, vocab] of each chunk's last token,
+        and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk).
 
         Decode batches within the largest bucket take the static (compiled) path; prefill,
         mixed and oversized batches run eager with exact shapes.
@@ -483,7 +579,12 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks))
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
-        logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
+        if any(c.draft_token_ids for c in chunks):
+            rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])
+                    for j in range(c.num_logit_rows)]
+            logits_indices = torch.tensor(rows, dtype=torch.long).to(dev)
+        else:
+            logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
         # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
         with trusted_metadata(), bound_backends(self.op_backends):
             logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)

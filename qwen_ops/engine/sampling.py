@@ -182,6 +182,12 @@ class SeededNoise:
         self._low = torch.Generator(device=device).manual_seed(bits & 0xFFFFFFFF)
         self._high = torch.Generator(device=device).manual_seed(bits >> 32)
 
+    def uniform(self, n: int) -> torch.Tensor:
+        """``n`` fp32 uniform draws in [0, 1) from this stream (speculative decoding's acceptance tests)."""
+        device = self._low.device
+        u = torch.rand(n, generator=self._low, device=device)
+        return u.add_(torch.rand(n, generator=self._high, device=device), alpha=2.0).frac_()
+
     def exponential_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill fp32 ``out`` with Exp(1) noise from this stream (``-log u``, u uniform in [0, 1):
         u = 0 gives inf, whose token can never win the race; u = 1 never occurs)."""
@@ -205,6 +211,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
+    probs = filtered_probs(logits, params)
+    # Exponential race; seeded rows draw from their own generator.
+    noise = torch.empty_like(probs).exponential_(generator=default_generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            g.exponential_(noise[i])
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: fp32 ``logits`` [N, vocab] over the row's temperature
+    (1 for greedy rows), then its top-k and top-p filters (the plain sampler and speculative
+    verification both draw from these)."""
     device = logits.device
     n, vocab = logits.shape
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
@@ -224,14 +245,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         drop_sorted = before > p_t[:, None]                   # the top token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    # Exponential race; seeded rows draw from their own generator.
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
-    for i, g in enumerate(generators):
-        if g is not None:
-            g.exponential_(noise[i])
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy_tokens, sampled)
+    return probs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int

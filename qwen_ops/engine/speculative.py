@@ -1,6 +1,15 @@
-"""Speculative decoding's model-free parts (issue 29; the engine does not call them yet): the n-gram
-proposer (vLLM's ``"method": "ngram"``, prompt lookup) and the acceptance rules that keep the target
+"""Speculative decoding (issue 29): the configuration (vLLM's ``speculative_config``), the n-gram
+proposer (``"method": "ngram"``, prompt lookup) and the acceptance rules that keep the target
 model's output, greedy token for token and sampled in distribution.
+
+Where it runs: the scheduler asks the proposer for a request's drafts when it plans the request's
+decode (``Scheduler._drafts``: the drafts count against the token budget and get KV blocks), the
+runner verifies them in the step's one forward pass (``ModelRunner.sample_rows`` -> ``verify``: the
+target's logits at the last token and at every draft), and the scheduler keeps the KV of the
+accepted prefix only (``Scheduler.update``). Rejected rows are past the slot's token count: never
+read, overwritten by the next step. Linear-attention state (hybrid models) cannot be cut back that
+way; the runner saves the slots' state rows before the pass and, where a draft was rejected,
+restores them and feeds the accepted prefix again (``ModelRunner._rollback_linear_state``).
 
 A proposer drafts k tokens; one forward pass of the target model over the k + 1 positions (the last
 accepted token and the k drafts) gives ``target_probs [k + 1, V]``: row i is the target's
@@ -15,20 +24,89 @@ distribution after the context and drafts ``1..i``. Then:
   drawn from ``normalize(max(0, p_i - q_i))``, and if all are kept a bonus token is drawn from
   ``p_k``. Each emitted token then has the target's distribution given those before it.
 
-Random numbers come from a ``torch.Generator`` the caller owns (per request for seeded requests).
+Random numbers come from a source the caller owns: a ``torch.Generator``, a seeded request's
+``SeededNoise``, or None (torch's default generator). Draws from a distribution use the exponential
+race (``argmax(p / E)``), as the plain sampler does.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The speculative_config keys each method takes (vLLM's names).
+_COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+_METHOD_KEYS = {"ngram": _COMMON_KEYS | {"prompt_lookup_min", "prompt_lookup_max"},
+                "draft_model": _COMMON_KEYS | {"model"}}
 
 
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} = {value!r}, expected an int >= {low}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``LLM(speculative_config={...})`` in vLLM's shape: ``method`` and ``num_speculative_tokens``
+    (drafts per step); for ``"ngram"`` ``prompt_lookup_min`` / ``prompt_lookup_max`` (the n-gram
+    sizes tried, longest first), for ``"draft_model"`` ``model`` (a checkpoint directory with the
+    target's vocabulary: ``engine/draft.py``). ``disable_by_batch_size`` (vLLM V0's
+    ``speculative_disable_by_batch_size``): no drafts in a step with at least that many decodes,
+    where the step is no longer bound by reading the weights and k + 1 rows a sequence cost about
+    k + 1 times the work (on the CPU from a few sequences on: benchmarks/README.md). Unknown keys
+    and methods are errors naming them."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: Optional[int] = None
+    model: Optional[str] = None
+    disable_by_batch_size: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, config: Union[Mapping[str, Any], "SpeculativeConfig", None]) -> Optional["SpeculativeConfig"]:
+        if config is None or isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(f"speculative_config = {config!r}, expected a dict such as "
+                             "{'method': 'ngram', 'num_speculative_tokens': 4} or None")
+        method = config.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method = {method!r}, expected one of {list(SPECULATIVE_METHODS)}")
+        unknown = sorted(set(config) - _METHOD_KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} = {config[unknown[0]]!r} is not a {method!r} "
+                             f"setting; expected only {sorted(_METHOD_KEYS[method])}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config.num_speculative_tokens is missing; expected an int >= 1")
+        if method == "draft_model" and not isinstance(config.get("model"), (str, os.PathLike)):
+            raise ValueError(f"speculative_config.model = {config.get('model')!r}, expected the draft checkpoint's "
+                             "directory (a str)")
+        out = cls(method, config["num_speculative_tokens"], config.get("prompt_lookup_min", 1),
+                  config.get("prompt_lookup_max"), None if method == "ngram" else str(config["model"]),
+                  config.get("disable_by_batch_size"))
+        if out.disable_by_batch_size is not None:
+            _check_int("speculative_config.disable_by_batch_size", out.disable_by_batch_size, 1)
+        for name in ("num_speculative_tokens", "prompt_lookup_min"):
+            _check_int(f"speculative_config.{name}", getattr(out, name), 1)
+        if out.prompt_lookup_max is not None:
+            _check_int("speculative_config.prompt_lookup_max", out.prompt_lookup_max, 1)
+            if out.prompt_lookup_max < out.prompt_lookup_min:
+                raise ValueError(f"speculative_config.prompt_lookup_max = {out.prompt_lookup_max} < "
+                                 f"prompt_lookup_min = {out.prompt_lookup_min}; expected max >= min")
+        return out
+
+    def proposer(self):
+        """The scheduler's proposer: n-gram lookup, or the draft model's k places (filled in the runner)."""
+        if self.method == "draft_model":
+            from qwen_ops.engine.draft import DraftModelProposer
+            return DraftModelProposer(self.num_speculative_tokens)
+        return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
 
 class NgramProposer:
@@ -51,12 +129,20 @@ class NgramProposer:
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         tokens = np.asarray(token_ids, dtype=np.int64)
         length = tokens.shape[0]
+        if length < 2 or self.min_n > length - 1:
+            return []
+        # Every earlier n-gram that matches ends where the last token occurs earlier: one pass over
+        # the tokens finds those ends, then each longer n only checks them (a search that finds
+        # nothing, the common case off repetitive text, costs one comparison per token).
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows of n tokens that start early enough to be followed by one more token.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            hits = ends[ends >= n - 1]
+            for j in range(1, n):
+                if not hits.size:
+                    break
+                hits = hits[tokens[hits - j] == tokens[length - 1 - j]]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 return tokens[start:start + self.k].tolist()
         return []
 
@@ -74,8 +160,50 @@ def greedy_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int]) -> li
     return out
 
 
+def _uniform(generator, n: int, device) -> torch.Tensor:
+    """``n`` uniform fp64 draws in [0, 1) from ``generator`` (module docstring)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    return generator.uniform(n).to(device=device, dtype=torch.float64)
+
+
+def _draw(dist: torch.Tensor, generator) -> int:
+    """One token from ``dist`` [V] (non-negative, not all zero) by the exponential race."""
+    u = _uniform(generator, dist.shape[0], dist.device)
+    return int((dist / -torch.log(u)).argmax())    # u = 0: E = inf, a score of 0
+
+
+def _exponential(generator, n: int, device) -> torch.Tensor:
+    """Exp(1) noise [n] drawn exactly as the plain sampler draws one row's (``sampling.sample``)."""
+    noise = torch.empty(n, device=device)
+    if generator is None or isinstance(generator, torch.Generator):
+        return noise.exponential_(generator=generator)
+    return generator.exponential_(noise)
+
+
+def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator) -> list[int]:
+    """Sampled verification of deterministic drafts (n-gram's point masses) that emits exactly the
+    tokens the plain sampler would: row i's token is the exponential race ``argmax(p_i / E_i)``
+    with the request's next noise row E_i (one row per emitted token, as plain decoding draws),
+    and draft i is kept iff it is that token. The draft is kept with probability p_i(d_i), as
+    rejection sampling keeps a point mass, and a rejected row emits the race winner, which given
+    "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same law, and for a
+    seeded request the same tokens as without speculation, whatever the batch."""
+    k = len(draft_tokens)
+    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
+    out = []
+    for i in range(k + 1):
+        row = target_probs[i]
+        t = int((row / _exponential(generator, row.shape[0], row.device)).argmax())
+        out.append(t)
+        if i == k or t != draft_tokens[i]:
+            break
+    return out
+
+
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], generator: torch.Generator) -> list[int]:
+                     draft_probs: Optional[torch.Tensor], generator) -> list[int]:
     """The tokens one verify pass emits under sampling (module docstring): target_probs ``[k + 1, V]``
     (each row a distribution), ``draft_tokens`` (k ids), ``draft_probs [k, V]`` or None (a
     deterministic proposer: point masses on the drafts). Returns 1 to k + 1 tokens."""
@@ -88,7 +216,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
     out = []
     for i, d in enumerate(draft_tokens):
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        u = float(_uniform(generator, 1, p.device)[0])
         if q_d > 0 and u * q_d < float(p[i, d]):                  # u < p / q
             out.append(int(d))
             continue
@@ -97,9 +225,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
             residual[d] = 0.0
         else:
             residual = (p[i] - draft_probs[i].double()).clamp(min=0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p[i]
-        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        out.append(_draw(residual if float(residual.sum()) > 0 else p[i], generator))
         return out
-    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    out.append(_draw(p[k], generator))
     return out

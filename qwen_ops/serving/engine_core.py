@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.serving.outputs import OutputProcessor, RequestDelta, RequestState
 from qwen_ops.serving.scheduler import Scheduler, SchedulerConfig
 
@@ -64,9 +65,14 @@ class EngineCore:
     Every public method holds one lock, so threads may share a core: their requests share steps,
     and each caller gets exactly its own outputs."""
 
-    def __init__(self, engine: QwenEngine, config: SchedulerConfig):
+    def __init__(self, engine: QwenEngine, config: SchedulerConfig,
+                 speculative_config: Optional[SpeculativeConfig] = None):
         self.engine = engine
-        self.scheduler = Scheduler(engine.kv, config, engine.device)
+        self.speculative_config = speculative_config
+        self.scheduler = Scheduler(engine.kv, config, engine.device,
+                                   proposer=speculative_config.proposer() if speculative_config else None,
+                                   disable_by_batch_size=speculative_config.disable_by_batch_size
+                                   if speculative_config else None)
         self.outputs = OutputProcessor(engine.tokenizer)
         self.lock = threading.RLock()
         self._next_id = 0                # scheduler request ids
@@ -205,8 +211,24 @@ class EngineCore:
                 "swap_bytes_used": s.swap_bytes_used,
                 "num_swap_full_recomputes": s.num_swap_full_recomputes,
                 "num_swap_in_recomputes": s.num_swap_in_recomputes,
+                **self._spec_stats(),
                 **kv.stats(),
             }
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's counts (vLLM's spec_decode metrics): decodes that verified drafts,
+        drafts, accepted drafts, tokens those decodes emitted; acceptance rate (accepted / drafted)
+        and mean tokens emitted per verifying decode (1 + accepted drafts)."""
+        s = self.scheduler
+        return {
+            "speculative_method": self.speculative_config.method if self.speculative_config else None,
+            "spec_num_drafts": s.num_spec_steps,
+            "spec_num_draft_tokens": s.num_draft_tokens,
+            "spec_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_num_emitted_tokens": s.num_spec_emitted_tokens,
+            "spec_acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+            "spec_mean_accepted_length": s.num_spec_emitted_tokens / s.num_spec_steps if s.num_spec_steps else 0.0,
+        }
 
     def close(self) -> None:
         """Abort everything admitted by messages (its slots, blocks and swap copies are freed)."""

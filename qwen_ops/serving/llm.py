@@ -28,6 +28,7 @@ from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
@@ -173,7 +174,7 @@ class LLM:
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, tp_port: Optional[int] = None,
-                 quantization: Optional[str] = None):
+                 quantization: Optional[str] = None, speculative_config: Optional[dict] = None):
         """``quantization`` (vLLM's argument): ``"int8"`` or ``"fp8"`` quantizes a full-precision
         checkpoint's projections as they load (``models/quant.py``); a checkpoint quantized in a
         supported format (``quantization_config`` fp8 / awq / gptq) loads as it is, with or without
@@ -191,7 +192,13 @@ class LLM:
         ``tensor_parallel_size=N`` splits the model over N processes (gloo on the CPU, NCCL on
         CUDA): this process is rank 0 and spawns N-1 workers (``tp_port``: their rendezvous port,
         default a free one), or, under torchrun, every rank runs this same call. ``shutdown()``
-        stops the workers (deleting the ``LLM`` does too)."""
+        stops the workers (deleting the ``LLM`` does too).
+
+        ``speculative_config`` (vLLM's): ``{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": 1, "prompt_lookup_max": 3}`` drafts up to k tokens per decode by
+        prompt lookup and verifies them in the decode's forward pass; the output is the model's own
+        (greedy token for token, sampled in distribution; ``engine/speculative.py``).
+        ``stats()["spec_*"]`` counts drafts and acceptance."""
         from qwen_ops.models.defaults import default_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -224,6 +231,11 @@ class LLM:
             raise ValueError(f"compile_backend = {compile_backend!r}, expected 'inductor' or 'tensorrt'")
         device = _check_device(device)
         _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        spec = SpeculativeConfig.from_dict(speculative_config)
+        if spec is not None and tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
+                             f"{tensor_parallel_size}: speculative decoding runs on one rank only; expected "
+                             "tensor_parallel_size = 1 or no speculative_config")
         path = default_model_path() if model is None else model
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
@@ -267,14 +279,34 @@ class LLM:
             self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
                                                      tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
                                                      quantization=quantization, **engine_kwargs)
+        if spec is not None and spec.method == "draft_model":
+            self._attach_draft(spec, cfg, dtype, device, max_model_len)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=default_swap_space_bytes() if swap_space is None else swap_space,
-            check_invariants=check_invariants))
+            check_invariants=check_invariants), spec)
         self.scheduler = self.core.scheduler
         self.model_path = Path(default_model_path() if model is None else model)
+
+    def _attach_draft(self, spec: SpeculativeConfig, cfg: QwenConfig, dtype, device, max_model_len: int) -> None:
+        """Load the draft model of ``"method": "draft_model"`` beside the target (``engine/draft.py``)."""
+        from qwen_ops.models.loader import load_checkpoint
+
+        try:
+            draft_cfg = QwenConfig.from_pretrained(spec.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model = {spec.model!r} is not a checkpoint this package loads: "
+                             f"{e}") from e
+        if draft_cfg.vocab_size != cfg.vocab_size:
+            raise ValueError(f"speculative_config.model = {spec.model!r} has vocab_size = {draft_cfg.vocab_size}, "
+                             f"expected the target's {cfg.vocab_size}")
+        if max_model_len > draft_cfg.max_position_embeddings:
+            raise ValueError(f"speculative_config.model = {spec.model!r} supports max_position_embeddings = "
+                             f"{draft_cfg.max_position_embeddings}, expected at least max_model_len = {max_model_len}")
+        draft = load_checkpoint(spec.model, dtype=dtype, device=device, max_positions=max_model_len, config=draft_cfg)
+        self.engine.runner.attach_draft(draft.model)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],

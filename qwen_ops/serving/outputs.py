@@ -314,25 +314,33 @@ class OutputProcessor:
         state.add(comp)
         self.completions[request.request_id] = (state, comp)
 
-    def process(self, gained: Sequence[tuple[Any, Optional[tuple]]],
+    def process(self, gained: Sequence[tuple[Any, int, Optional[tuple]]],
                 finish: Callable[[Any, str], None]) -> list[RequestState]:
-        """Fold each request's new token (with its logprobs) into its text; a stop string finishes
-        it (``finish(request, stop)``). Returns the states touched, in first-touched order."""
+        """Fold each request's new tokens (with their logprobs) into its text, in order; a stop
+        string finishes it (``finish(request, stop)``), and the tokens after it in the same step
+        (speculative decoding emits several) are dropped. Returns the states touched, in
+        first-touched order."""
         touched: dict[str, RequestState] = {}
         completions = self.completions
-        for req, lp in gained:
+        stopped: dict[Any, int] = {}           # requests ended by a stop string here: tokens kept
+        for req, token, lp in gained:
+            if req in stopped:
+                continue
             entry = completions.get(req.request_id)
             if entry is None:
                 continue
             state, comp = entry
-            stop = comp.state.add_token(req.output_token_ids[-1], lp)
+            stop = comp.state.add_token(token, lp)
             if stop is not None:
+                stopped[req] = comp.state.num_tokens
                 if req.finished:      # also ended by a stop token or length in this step: the string wins
                     req.finish_reason, req.stop_reason = "stop", stop
                 else:
                     finish(req, stop)
             state.touch(comp)
             touched[state.request_id] = state
+        for req, kept in stopped.items():
+            del req.output_token_ids[kept:]    # what the text holds: nothing past the stop string
         for state in touched.values():
             if state.finished:
                 self.forget(state)

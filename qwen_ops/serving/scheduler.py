@@ -12,6 +12,8 @@ Scheduling policy (one ``schedule()`` call is one iteration; vLLM's V0 policy, m
    until the request being scheduled fits; a request that is itself the newest preempts itself.
    The first running request (the *head*) is therefore never preempted: once the others are gone
    it fits alone, because ``num_kv_blocks`` holds one sequence of ``max_model_len``.
+   With speculative decoding the planned decodes then get their drafts (``_add_drafts``), oldest
+   first, from what budget and free blocks remain: drafts never preempt.
 2. **Swapped** requests come back first come first served, but never in an iteration that
    preempted. A swapped request comes back only with blocks for its whole cache *and* its next
    step, and only if the budget has room for that step, so it is never a victim in the iteration
@@ -41,7 +43,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -129,7 +131,8 @@ class Scheduler:
     """Owns every unfinished ``Request``; their blocks come from one ``KVCacheManager``. It never
     touches the device: ``schedule()`` returns the step's complete description for the runner."""
 
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, device: torch.device = torch.device("cpu")):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, device: torch.device = torch.device("cpu"),
+                 proposer=None, disable_by_batch_size: Optional[int] = None):
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
         if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
@@ -149,6 +152,13 @@ class Scheduler:
         self.num_scheduled_seqs = 0
         self.num_swap_full_recomputes = 0         # swap preemptions recomputed: swap space full
         self.num_swap_in_recomputes = 0           # swapped requests that could never come back
+        # Speculative decoding (engine/speculative.py): drafts per decode from ``proposer.propose``.
+        self.proposer = proposer
+        self.spec_disable_by_batch_size = disable_by_batch_size   # no drafts from this many decodes on
+        self.num_spec_steps = 0                   # decodes that verified drafts
+        self.num_draft_tokens = 0                 # drafts verified
+        self.num_accepted_tokens = 0              # drafts kept
+        self.num_spec_emitted_tokens = 0          # tokens those decodes added (kept drafts + the target's)
 
     @property
     def swap_bytes_used(self) -> int:
@@ -256,11 +266,39 @@ class Scheduler:
             budget.allocate_prefill(n)
             plan.prefill_tasks.append(self._task(req, n, is_prefill=True))
 
+    def _drafts(self, req: Request, budget: TokenBudget) -> list[int]:
+        """The proposer's drafts for the request's decode, cut to what the step may emit: the
+        budget's decode tokens, ``max_tokens`` and ``max_model_len`` (k drafts emit up to k + 1
+        tokens). None while ``min_tokens`` bans stop tokens or for logprobs requests: those
+        decode one token a step."""
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if sp.logprobs is not None or n_out < sp.min_tokens:
+            return []
+        room = min(budget.remaining_decode() + 1, sp.max_new_tokens - n_out, self.config.max_model_len - req.num_tokens) - 1
+        if room <= 0:
+            return []
+        return self.proposer.propose(req.all_token_ids())[:room]
+
     def _schedule_running(self, req: Request, budget: TokenBudget, plan: IterationPlan) -> None:
         """Give a running request its decode token or next prefill chunk, if budget and blocks allow."""
         is_decode, n = self._next_step(req, budget)
         if n and self._reserve_or_preempt(req, req.num_computed + n, plan):
             self._add_step(req, is_decode, n, budget, plan)
+
+    def _add_drafts(self, budget: TokenBudget, plan: IterationPlan) -> None:
+        """Give the planned decodes their drafts, oldest first, while the budget and free blocks
+        last: after every running request has its step, so drafts never preempt one (they do take
+        budget and blocks before swapped and waiting requests, as vLLM's scheduler does)."""
+        requests = self.requests
+        if self.spec_disable_by_batch_size is not None and len(plan.decode_tasks) >= self.spec_disable_by_batch_size:
+            return
+        for j, task in enumerate(plan.decode_tasks):
+            req = requests[task.request_id]
+            drafts = self._drafts(req, budget)
+            if drafts and self.kv.reserve(req.slot, req.num_computed + 1 + len(drafts)):
+                budget.allocate_decode(len(drafts))
+                plan.decode_tasks[j] = self._task(req, 1, is_prefill=False, drafts=drafts)
 
     def _schedule_swapped(self, budget: TokenBudget, plan: IterationPlan) -> None:
         """Bring swapped requests back, first come first served, each with room for its next step."""
@@ -302,6 +340,8 @@ class Scheduler:
             if req in self.running:              # not preempted while making room for an older one
                 self._schedule_running(req, budget, plan)
         preempted_now = bool(plan.evicted_requests or plan.swap_out_requests)
+        if self.proposer is not None:
+            self._add_drafts(budget, plan)
 
         # 2. Swapped requests come back first come first served (not in an iteration that preempts).
         if not preempted_now:
@@ -347,16 +387,18 @@ class Scheduler:
         return plan
 
     @staticmethod
-    def _task(req: Request, n: int, is_prefill: bool) -> BatchedRequest:
-        """The request's next ``n`` tokens, with its block ids; when they reach the end of its
-        tokens, with what the runner needs to sample the next one."""
+    def _task(req: Request, n: int, is_prefill: bool, drafts: Sequence[int] = ()) -> BatchedRequest:
+        """The request's next ``n`` tokens (then its ``drafts``), with its block ids; when they
+        reach the end of its tokens, with what the runner needs to sample the next one."""
         start = req.num_computed
         tokens = req.token_slice(start, start + n)
         if start + n < req.num_tokens:
             return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids))
         banned = req.stop_ids if req.stop_ids and len(req.output_token_ids) < req.sampling.min_tokens else ()
+        if drafts:
+            tokens = list(tokens) + list(drafts)
         return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids),
-                              req.sampling, req.generator, tuple(banned))
+                              req.sampling, req.generator, tuple(banned), tuple(drafts))
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config
@@ -397,25 +439,44 @@ class Scheduler:
                     raise AssertionError(f"FCFS broken: request {a.arrival} admitted before waiting {w.arrival}")
 
     # ------------------------------------------------------------------ results
-    def update(self, plan: IterationPlan, out: RunnerOutput) -> list[tuple[Request, Optional[tuple]]]:
+    def update(self, plan: IterationPlan, out: RunnerOutput) -> list[tuple[Request, int, Optional[tuple]]]:
         """Count the KV each task wrote, append the sampled tokens, finish requests on a stop token
-        or length (``finish_reason``: the one finish check). Returns the requests that gained a
-        token, with its logprobs entry, in task order."""
+        or length (``finish_reason``: the one finish check). Returns ``(request, token, logprobs
+        entry)`` for every token gained, in task order.
+
+        A task with drafts keeps the KV of its last token and its accepted drafts only (the
+        rejected rows are past the slot's count: never read, overwritten later) and gains every
+        emitted token up to the first that finishes the request."""
         now = time.perf_counter()
         kv, requests, max_len = self.kv, self.requests, self.config.max_model_len
+        emitted_all = out.emitted
         gained = []
-        for task, token, lp in zip(plan.tasks(), out.sampled, out.logprobs):
-            kv.commit(task.kv_cache_slot, task.token_ids)
-            if token is None:
-                continue
+        for i, (task, token, lp) in enumerate(zip(plan.tasks(), out.sampled, out.logprobs)):
+            emitted = emitted_all[i] if emitted_all is not None else None
+            if emitted is None:
+                kv.commit(task.kv_cache_slot, task.token_ids)
+                if token is None:
+                    continue
+                emitted = (token,)
+            else:
+                k, kept = len(task.draft_token_ids), len(emitted) - 1
+                # The accepted drafts are emitted[:kept] (a draft model's are written in the runner).
+                kv.commit(task.kv_cache_slot, list(task.token_ids[:len(task.token_ids) - k]) + list(emitted[:kept]))
+                self.num_spec_steps += 1
+                self.num_draft_tokens += k
+                self.num_accepted_tokens += kept
             req = requests[task.request_id]
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            gained.append((req, lp))
-            reason = finish_reason(token, len(req.output_token_ids), req.sampling, req.stop_ids, req.num_tokens,
-                                   max_len)
-            if reason is not None:
-                self.finish(req, reason, token if reason == "stop" else None)
+            for token in emitted:
+                req.output_token_ids.append(token)
+                req.token_times.append(now)
+                gained.append((req, token, lp))
+                if task.draft_token_ids:
+                    self.num_spec_emitted_tokens += 1
+                reason = finish_reason(token, len(req.output_token_ids), req.sampling, req.stop_ids, req.num_tokens,
+                                       max_len)
+                if reason is not None:
+                    self.finish(req, reason, token if reason == "stop" else None)
+                    break
         return gained
 
 

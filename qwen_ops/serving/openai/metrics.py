@@ -58,7 +58,14 @@ class _EngineCollector(Collector):
         for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions since start."),
                                ("prefix_cache_queries", "prefix_cache_queries",
                                 "Prompt tokens looked up in the prefix cache."),
-                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.")):
+                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                               ("spec_decode_num_drafts", "spec_num_drafts",
+                                "Decodes that verified speculative drafts."),
+                               ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified."),
+                               ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+                                "Draft tokens accepted."),
+                               ("spec_decode_num_emitted_tokens", "spec_num_emitted_tokens",
+                                "Tokens emitted by decodes that verified drafts (accepted drafts + 1 each).")):
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             if s is not None:
                 c.add_metric([self._model], get(key))

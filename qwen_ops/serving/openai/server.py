@@ -965,7 +965,8 @@ def run_server(args) -> int:
         engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
                                           dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                                           max_model_len=args.max_model_len, compile=args.compile,
-                                          engine_process=args.engine_process, quantization=args.quantization)
+                                          engine_process=args.engine_process, quantization=args.quantization,
+                                          speculative_config=args.speculative_config)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout)

@@ -1,0 +1,118 @@
+"""The draft model of ``"method": "draft_model"`` speculative decoding (issue 29): a smaller
+checkpoint with the target's vocabulary, run by a ``ModelRunner`` of its own whose KV cache has the
+target's block layout, so the target's slots and block ids address it too (the scheduler's blocks
+hold both models' KV for the same tokens; swap copies both).
+
+Every step the draft first sees what the target sees: one forward pass over each task's tokens (a
+prefill chunk, a plain decode, a verifying decode's last token), so its KV never falls behind. For
+a decode with k draft places (the scheduler reserved budget and blocks for them), the logits of its
+last token give draft 1, and k - 1 more one-token passes give drafts 2..k; sampled requests draw
+them from the draft's filtered distribution ``q`` (kept for rejection sampling) with the request's
+own noise. The draft has then fed the last token and drafts 1..k-1. After verification the target
+keeps the last token and m accepted drafts; when m = k the draft has not fed draft k, which is
+remembered (``pending``, per slot, carried through swap) and fed first in the request's next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+
+from qwen_ops.engine.batch import BatchedRequest
+from qwen_ops.engine.sampling import filtered_probs, sample
+
+
+class DraftModelProposer:
+    """The scheduler's side of a draft model: it only asks for ``k`` draft places per decode (the
+    runner fills them), so budget and blocks are reserved as for any drafts."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        return [0] * self.k               # placeholders: DraftRunner.propose writes the drafts
+
+
+class DraftRunner:
+    def __init__(self, model: torch.nn.Module, target) -> None:
+        from qwen_ops.engine.runner import ModelRunner
+
+        if "linear" in getattr(model, "layer_kinds", ()):
+            raise ValueError("speculative_config.model has linear-attention (Gated DeltaNet) layers; expected a "
+                             "draft model with attention layers only (its state could not follow rejections)")
+        rows, cols = target.block_table.shape
+        self.runner = ModelRunner(model, num_blocks=target.num_blocks, block_size=target.block_size, max_slots=rows,
+                                  max_blocks_per_slot=cols, dtype=target.dtype, device=target.device,
+                                  native_cpu=target.native_cpu)
+        # slot -> (request id, position, token): a kept draft the draft model has not fed yet.
+        self.pending: dict[int, tuple] = {}
+        self.seconds = 0.0               # wall time of propose() (benchmarks: the draft's share of a step)
+
+    def _pick(self, logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[list[int], list]:
+        """Draft tokens from the draft's logits rows (greedy: argmax; sampled: a draw from ``q``), and
+        ``q`` per sampled row (None for greedy rows)."""
+        params = [t.sampling for t in tasks]
+        tokens = sample(logits, params, [t.generator for t in tasks]).tolist()
+        qs: list[Optional[torch.Tensor]] = [None] * len(tasks)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            probs = filtered_probs(logits[sampled].float(), [params[i] for i in sampled])
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            for j, i in enumerate(sampled):
+                qs[i] = probs[j]
+        return tokens, qs
+
+    def propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
+        """Feed every task's tokens to the draft and fill the draft places of the verifying decodes
+        (module docstring); returns the tasks with their drafts (and ``draft_probs``)."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(tasks)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
+        feed = []
+        for t in tasks:
+            ctx = list(t.token_ids[:len(t.token_ids) - len(t.draft_token_ids)])
+            start = t.position_offset
+            lag = self.pending.pop(t.kv_cache_slot, None)
+            if lag is not None and lag[0] == t.request_id and lag[1] == start - 1:
+                ctx, start = [lag[2]] + ctx, start - 1
+            feed.append(BatchedRequest(t.kv_cache_slot, ctx, start, t.request_id, True, t.block_table))
+        logits = self.runner.execute(feed)
+        spec = [i for i, t in enumerate(tasks) if t.draft_token_ids]
+        if not spec:
+            return list(tasks)
+        drafts: dict[int, list[int]] = {i: [] for i in spec}
+        probs: dict[int, list] = {i: [] for i in spec}
+        tokens, qs = self._pick(logits[spec], [tasks[i] for i in spec])
+        for i, tok, q in zip(spec, tokens, qs):
+            drafts[i].append(tok)
+            probs[i].append(q)
+        for j in range(1, max(len(tasks[i].draft_token_ids) for i in spec)):
+            live = [i for i in spec if len(tasks[i].draft_token_ids) > j]
+            step = [BatchedRequest(tasks[i].kv_cache_slot, [drafts[i][-1]], tasks[i].seq_len - len(tasks[i].draft_token_ids)
+                                   - 1 + j, tasks[i].request_id, False, tasks[i].block_table) for i in live]
+            logits = self.runner.execute(step)
+            tokens, qs = self._pick(logits, [tasks[i] for i in live])
+            for i, tok, q in zip(live, tokens, qs):
+                drafts[i].append(tok)
+                probs[i].append(q)
+        out = list(tasks)
+        for i in spec:
+            t = tasks[i]
+            ctx = list(t.token_ids[:len(t.token_ids) - len(t.draft_token_ids)])
+            q = None if t.sampling.greedy else torch.stack(probs[i])
+            out[i] = replace(t, token_ids=ctx + drafts[i], draft_token_ids=tuple(drafts[i]), draft_probs=q)
+        return out
+
+    def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]]) -> None:
+        """After verification: remember draft k of every decode that kept all k (fed next step)."""
+        for t, e in zip(tasks, emitted):
+            k = len(t.draft_token_ids)
+            if e is not None and k and len(e) - 1 == k:
+                self.pending[t.kv_cache_slot] = (t.request_id, t.seq_len - 1, t.draft_token_ids[-1])
