@@ -167,3 +167,35 @@ def test_above_the_largest_bucket_runs_eager(model):
     assert runner.executor_for(chunks[:8]) == "cuda_graph"
     runner.execute(chunks)
     assert api.graphs == []                              # nothing was captured for 9 sequences
+
+
+def test_verify_steps_replay_their_own_graphs(model):
+    """Speculative verify steps (decodes with 0..3 drafts, R = 4 rows a sequence) through the
+    stand-in graphs: each bucket of B x R rows is captured once, beside the decode graphs, and the
+    logits rows and the KV written equal the eager runner's generic path (exact-size chunks); rows
+    a sequence does not fill, and sequences past the batch, write nothing (slot -1)."""
+    pair = Pair(model)
+    pair.graphs.set_verify_rows(4)
+    for s in range(6):
+        pair.prefill(s, 3 + s)
+    rng = random.Random(1)
+    for n in (1, 3, 6, 2):
+        chunks = []
+        for s in range(n):
+            drafts = [rng.randrange(2, 128) for _ in range(rng.randrange(0, 4))]
+            chunks.append(BatchedRequest(s, [rng.randrange(2, 128)] + drafts, pair.lens[s], is_prefill=False,
+                                         draft_token_ids=tuple(drafts)))
+        if not any(c.draft_token_ids for c in chunks):
+            chunks[0] = BatchedRequest(0, list(chunks[0].token_ids) + [7], pair.lens[0], is_prefill=False,
+                                       draft_token_ids=tuple(chunks[0].draft_token_ids) + (7,))
+        assert pair.graphs.executor_for(chunks) == "cuda_graph" and pair.eager.executor_for(chunks) == "eager"
+        got, want = pair.graphs.execute(chunks), pair.eager.execute(chunks)
+        assert got.shape == want.shape == (sum(c.num_logit_rows for c in chunks), want.shape[1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (ka, va), (kb, vb) in zip(pair.graphs.kv_caches, pair.eager.kv_caches):
+            torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
+        for c in chunks:                       # keep only the last token, as a full rejection would
+            pair.lens[c.kv_cache_slot] += 1
+    assert sorted(pair.graphs._verify_graphs) == BUCKETS
+    assert len(pair.api.graphs) == 2 * len(BUCKETS), "one capture per decode and per verify bucket"

@@ -356,3 +356,26 @@ def test_benchmark_fails_on_changed_tokens(monkeypatch):
     assert bench.main(args) == 0
     monkeypatch.setattr(R, "greedy_accept", lambda rows, drafts: list(drafts) + [int(rows[-1].argmax())])
     assert bench.main(args) == 1
+
+
+def test_compiled_verify_equals_transformers(tmp_path):
+    """compile=True: decode and verify steps both run compiled (fullgraph, one graph per shape
+    family: batch 1 and dynamic batches), and the tokens are still transformers'."""
+    import torch._dynamo
+
+    path = make_qwen3_checkpoint(tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = grounded_prompts(11, 3)
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    torch._dynamo.reset()
+    llm = LLM(path, compile=True, speculative_config=dict(NGRAM, num_speculative_tokens=3))
+    runner = llm.engine.runner
+    seen = []
+    real = runner.execute_verify
+    runner.execute_verify = lambda chunks, executor: (seen.append(executor), real(chunks, executor))[1]
+    got = [llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+           for p in prompts]
+    got.append(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+               .outputs[0].token_ids)
+    assert got == expected + expected[:1]
+    assert seen and set(seen) == {"compiled"}, seen

@@ -151,6 +151,7 @@ class ModelRunner:
                 raise ValueError(f"compile_backend='tensorrt' needs a CUDA device, got device {device}")
             compile = True
         self.compiled = compile
+        self.compile_backend = compile_backend
         # The ops' backends, chosen once, now (bound around every forward: no per-call resolution).
         # Resolving also builds the cpu backend's C kernels on first use (a few seconds, once per
         # machine), which the first request would otherwise wait for.
@@ -168,6 +169,10 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.graph_api = graph_api if graph_api is not None else (CudaGraphAPI(device) if cuda_graphs else None)
         self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        # Speculative decoding's verify steps (set_verify_rows): k + 1 rows per sequence, static buffers.
+        self.verify_rows: Optional[int] = None
+        self._verify_graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self._verify_step = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
@@ -322,6 +327,104 @@ class ModelRunner:
         self.buf_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # never changes
         self.buf_logits_indices = torch.arange(n, dtype=torch.long, device=dev)        # never changes
 
+    def set_verify_rows(self, rows: int) -> None:
+        """Give verify steps (decodes with up to ``rows - 1`` drafts) static buffers of ``rows`` rows
+        per sequence, bucketed like decode: compiled and captured too when decode is (a bucket of
+        B sequences is B x rows query rows; rows a sequence does not fill carry slot -1)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
+            raise ValueError(f"rows = {rows!r}, expected an int >= 2 (num_speculative_tokens + 1)")
+        self.verify_rows = rows
+        # A sequence's R rows take positions offset .. offset + R - 1 even where it has fewer tokens:
+        # they must stay inside its block-table row and the model's RoPE table (else: eager).
+        rope = getattr(getattr(getattr(self.model, "model", None), "rotary_emb", None), "cos_sin", None)
+        self._verify_max_len = self.block_table.shape[1] * self.block_size
+        if rope is not None:
+            self._verify_max_len = min(self._verify_max_len, rope.shape[0])
+        n, dev = self.buckets[-1], self.device
+        self.vbuf_input_ids = torch.zeros(n * rows, dtype=torch.long, device=dev)
+        self.vbuf_positions = torch.zeros(n * rows, dtype=torch.int32, device=dev)
+        self.vbuf_slot_ids = torch.full((n * rows,), -1, dtype=torch.int32, device=dev)
+        self.vbuf_seq_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.vbuf_seq_lens = torch.full((n,), rows, dtype=torch.int32, device=dev)
+        self.vbuf_query_start_loc = torch.arange(0, n * rows + 1, rows, dtype=torch.int32, device=dev)
+        self.vbuf_logits_indices = torch.arange(n * rows, dtype=torch.long, device=dev)
+        self._verify_step = (_compile_decode(self._verify_forward, self.compile_backend, dev,
+                                             cpp_wrapper=getattr(self.model, "tp", None) is None)
+                             if self.compiled else self._verify_forward)
+        self._verify_graphs.clear()
+
+    def _verify_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                        seq_slots: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        logits_indices: torch.Tensor) -> torch.Tensor:
+        """The verify step that is compiled and captured: ``verify_rows`` query rows per sequence."""
+        attn = AttentionMetadata(slot_ids=slot_ids, seq_slots=seq_slots, block_table=self.block_table,
+                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=self.verify_rows)
+        return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
+
+    def is_static_verify(self, chunks: Sequence[BatchedRequest]) -> bool:
+        """Decodes only, some with drafts, each within ``verify_rows`` rows, no more sequences than the
+        largest bucket. Hybrid models only when every decode fills its rows (a padding row would
+        advance its linear-layer state, which the rollback restores only after a rejection)."""
+        rows = self.verify_rows
+        if rows is None or len(chunks) > self.buckets[-1] or any(c.is_prefill or len(c.token_ids) > rows
+                                                                 or c.position_offset + rows > self._verify_max_len
+                                                                 for c in chunks):
+            return False
+        if not any(c.draft_token_ids for c in chunks):
+            return False
+        return "linear" not in self.layer_kinds or all(len(c.token_ids) == rows for c in chunks)
+
+    def fill_verify_buffers(self, chunks: Sequence[BatchedRequest], bucket: int) -> None:
+        """Copy a verify batch into the static buffers: sequence i owns rows i*R .. i*R+R-1 at
+        positions offset.., the rows past its tokens and the sequences past the batch slot -1."""
+        R, n = self.verify_rows, len(chunks)
+        rows: list[list[int]] = []                      # (token, position, slot) per row
+        for c in chunks:
+            m, p0, slot = len(c.token_ids), c.position_offset, c.kv_cache_slot
+            rows += [[t, p0 + j, slot] for j, t in enumerate(c.token_ids)]
+            rows += [[0, p0 + j, -1] for j in range(m, R)]
+        rows += [[0, 0, -1]] * ((bucket - n) * R)
+        host = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        seq = torch.tensor([[c.kv_cache_slot, c.position_offset + R] for c in chunks] + [[-1, R]] * (bucket - n),
+                           dtype=torch.long).to(self.device, non_blocking=True)
+        total = bucket * R
+        self.vbuf_input_ids[:total].copy_(host[:, 0])
+        self.vbuf_positions[:total].copy_(host[:, 1])
+        self.vbuf_slot_ids[:total].copy_(host[:, 2])
+        self.vbuf_seq_slots[:bucket].copy_(seq[:, 0])
+        self.vbuf_seq_lens[:bucket].copy_(seq[:, 1])
+
+    def verify_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        rows = bucket * self.verify_rows
+        inputs = (self.vbuf_input_ids[:rows], self.vbuf_positions[:rows], self.vbuf_slot_ids[:rows],
+                  self.vbuf_seq_slots[:bucket], self.vbuf_query_start_loc[:bucket + 1], self.vbuf_seq_lens[:bucket],
+                  self.vbuf_logits_indices[:rows])
+        if self.compiled and bucket > 1:
+            for t in inputs:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return inputs
+
+    @torch.inference_mode()
+    def execute_verify(self, chunks: Sequence[BatchedRequest], executor: str) -> torch.Tensor:
+        """A static verify step (``is_static_verify``); returns the chunks' logits rows in
+        ``execute``'s layout (``num_logit_rows`` per chunk)."""
+        static = executor in ("cuda_graph", "compiled")
+        bucket = self.bucket_for(len(chunks)) if static else len(chunks)
+        if executor == "cuda_graph" and not self._verify_graphs:
+            self.capture()
+        self.fill_verify_buffers(chunks, bucket)
+        if executor == "cuda_graph":
+            graph, out = self._verify_graphs[bucket]
+            graph.replay()
+            logits = out
+        else:
+            with trusted_metadata(), bound_backends(self.op_backends):
+                logits = self._verify_step(*self.verify_inputs(bucket)) if static else \
+                    self._verify_forward(*self.verify_inputs(bucket))
+        R = self.verify_rows
+        keep = [i * R + j for i, c in enumerate(chunks) for j in range(c.num_logit_rows)]
+        return logits[torch.tensor(keep, device=logits.device)].float()
+
     def bucket_for(self, n: int) -> Optional[int]:
         """The smallest bucket holding ``n`` sequences, or None above the largest."""
         i = bisect.bisect_left(self.buckets, n)
@@ -335,11 +438,11 @@ class ModelRunner:
     def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
         """Which executor runs a step of ``chunks``, decided here and only here:
 
-        - "cuda_graph": a static decode batch, with CUDA graphs on;
+        - "cuda_graph": a static decode (or verify) batch, with CUDA graphs on;
         - "compiled": the same without CUDA graphs, with ``compile=True``;
         - "eager": the model's forward as written.
         """
-        if self.is_static_decode(chunks):
+        if self.is_static_decode(chunks) or self.is_static_verify(chunks):
             if self.cuda_graphs:
                 return "cuda_graph"
             if self.compiled:
@@ -449,6 +552,19 @@ class ModelRunner:
             api.warm_up(step)                      # (and compile) outside the capture
             graph, out, pool = api.capture(step, pool)
             self._graphs[bucket] = (graph, out)
+        if self.verify_rows is not None:
+            self._verify_graphs.clear()
+            for bucket in reversed(self.buckets):
+                self.fill_verify_buffers([], bucket)
+                inputs = self.verify_inputs(bucket)
+
+                def vstep(inputs=inputs):
+                    with trusted_metadata(), bound_backends(self.op_backends):
+                        return self._verify_step(*inputs)
+
+                api.warm_up(vstep)
+                graph, out, pool = api.capture(vstep, pool)
+                self._verify_graphs[bucket] = (graph, out)
         api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - api.free_bytes())
@@ -456,6 +572,7 @@ class ModelRunner:
     def _tensors_replaced(self) -> None:
         """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""
         self._graphs.clear()
+        self._verify_graphs.clear()
 
     def _layers(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
@@ -554,6 +671,8 @@ class ModelRunner:
         executor = self.executor_for(chunks)
         if self.is_static_decode(chunks):
             return self.execute_decode(chunks, executor)
+        if self.is_static_verify(chunks):
+            return self.execute_verify(chunks, executor)
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []

@@ -279,8 +279,10 @@ class LLM:
             self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
                                                      tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
                                                      quantization=quantization, **engine_kwargs)
-        if spec is not None and spec.method == "draft_model":
-            self._attach_draft(spec, cfg, dtype, device, max_model_len)
+        if spec is not None:
+            self.engine.runner.set_verify_rows(spec.num_speculative_tokens + 1)
+            if spec.method == "draft_model":
+                self._attach_draft(spec, cfg, dtype, device, max_model_len)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
