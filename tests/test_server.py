@@ -243,7 +243,11 @@ COMPLETION_ERRORS = [
     ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 5.0}, "presence_penalty"),
+    ({"logit_bias": {"3": 500}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"extra_body": {"allowed_token_ids": [99999]}}, "allowed_token_ids"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"min_tokens": 99}}, "min_tokens"),
     ({"extra_body": {"stop_token_ids": [1 << 20]}}, "stop_token_ids"),
@@ -479,6 +483,24 @@ def test_metrics_parse_and_count(client, server):
             for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds")}
     assert grew["time_to_first_token_seconds"] == grew["e2e_request_latency_seconds"] == 1
     assert grew["inter_token_latency_seconds"] >= 1
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client):
+    """OpenAI's penalties and logit_bias and vLLM's extras are honoured, not refused (issue 30)."""
+    from qwen_ops.models.defaults import default_model_path
+    from qwen_ops.models.loader import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    (word,) = tok.encode(" return", add_special_tokens=False)
+    plain = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], **GREEDY).choices[0].text
+    biased = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], logit_bias={str(word): 100}, **GREEDY)
+    assert biased.choices[0].text == " return" * MAX_TOKENS
+    banned = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], **GREEDY,
+                                       extra_body={"bad_words": [plain.split()[0]]}).choices[0].text
+    assert plain.split()[0] not in banned.split()
+    rep = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], frequency_penalty=2.0, presence_penalty=2.0,
+                                    **GREEDY).choices[0].text
+    assert isinstance(rep, str)
 
 
 def test_each_app_has_its_own_registry(engine):

@@ -379,3 +379,18 @@ def test_compiled_verify_equals_transformers(tmp_path):
                .outputs[0].token_ids)
     assert got == expected + expected[:1]
     assert seen and set(seen) == {"compiled"}, seen
+
+
+def test_requests_with_processed_logits_do_not_draft(tmp_path):
+    """A penalty's logits at draft i depend on drafts 1..i-1, so such requests decode one token a
+    step: no drafts, and their tokens are the penalized greedy tokens of transformers."""
+    path = make_qwen3_checkpoint(tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = grounded_prompts(4, 1)[0]
+    llm = LLM(path, speculative_config=NGRAM)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                repetition_penalty=1.5))[0].outputs[0].token_ids
+    ids = torch.tensor([prompt])
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
+                       do_sample=False, repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == want and llm.stats()["spec_num_drafts"] == 0

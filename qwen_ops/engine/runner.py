@@ -30,7 +30,7 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
-from qwen_ops.engine.sampling import filtered_probs, sample, token_logprobs
+from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
@@ -294,7 +294,9 @@ class ModelRunner:
             for j, ids in banned:
                 picked[j, list(ids)] = float("-inf")
         params = [tasks[i].sampling for i in rows]
-        tokens_t = sample(picked, params, [tasks[i].generator for i in rows])
+        # Penalties, bias, allowed tokens, bad words (vLLM's order); logprobs stay the raw logits'.
+        processed = apply_logits_processing(picked, params, [tasks[i].history for i in rows])
+        tokens_t = sample(processed, params, [tasks[i].generator for i in rows])
         if self.share_tokens is not None:
             self.share_tokens(tokens_t)
         tokens = tokens_t.tolist()

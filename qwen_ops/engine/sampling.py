@@ -59,6 +59,16 @@ class SamplingParams:
     - ``skip_special_tokens``: leave special tokens (EOS) out of the text, as vLLM does.
     - ``min_tokens``: stop tokens (``stop_token_ids`` and EOS) cannot be sampled, and stop strings
       do not match, before this many tokens are generated.
+
+    Logits processing, vLLM's semantics, batched on the logits before sampling (greedy rows too,
+    but ``min_p``), in vLLM's order: ``logit_bias`` (token id -> bias added, each in [-100, 100]),
+    ``allowed_token_ids`` (every other token masked), ``bad_words`` (strings whose tokens may not
+    be completed: a word's last token is masked where the text ends with the others), then
+    ``repetition_penalty`` (> 0, 1 = off: a token seen in the prompt or the output has a positive
+    logit divided by it, a negative one multiplied), ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2]: the logit less the penalty times the token's count in the
+    output, or once if it occurs there); then temperature, ``min_p`` (in [0, 1]: tokens below
+    ``min_p`` times the top token's probability masked), top-k and top-p.
     """
 
     max_new_tokens: int = 16
@@ -74,12 +84,23 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: Optional[tuple[tuple[int, float], ...]] = None
+    allowed_token_ids: Optional[tuple[int, ...]] = None
+    bad_words: tuple[str, ...] = field(default=())
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())   # set by prepare_requests
 
     def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 1.0, top_k: int = -1,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, *, max_tokens: Optional[int] = None, n: int = 1,
                  stop: Union[str, Sequence[str], None] = None, logprobs: Optional[int] = None,
-                 min_tokens: int = 0, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 min_tokens: int = 0, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 min_p: float = 0.0, logit_bias: Optional[dict] = None,
+                 allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
@@ -125,12 +146,56 @@ class SamplingParams:
             raise ValueError(f"logprobs = {logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= n:
             raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {n}]")
+        def number(name: str, value, low: float, high: float, low_open: bool = False) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < low or value > high or (low_open and value == low):
+                bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+                raise ValueError(f"{name} = {value!r}, expected a number in {bound}")
+            return float(value)
+
+        repetition_penalty = number("repetition_penalty", repetition_penalty, 0.0, float("inf"), low_open=True)
+        presence_penalty = number("presence_penalty", presence_penalty, -2.0, 2.0)
+        frequency_penalty = number("frequency_penalty", frequency_penalty, -2.0, 2.0)
+        min_p = number("min_p", min_p, 0.0, 1.0)
+        bias = None
+        if logit_bias is not None:
+            if not isinstance(logit_bias, dict):
+                raise ValueError(f"logit_bias = {logit_bias!r}, expected a dict of token id -> bias or None")
+            items = []
+            for t, b in logit_bias.items():
+                tid = int(t) if isinstance(t, str) and t.lstrip("-").isdigit() else t   # JSON keys are strings
+                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                    raise ValueError(f"logit_bias key {t!r}, expected a token id (an int >= 0)")
+                items.append((tid, number(f"logit_bias[{tid}]", b, -100.0, 100.0)))
+            bias = tuple(sorted(items)) or None
+        allowed = None
+        if allowed_token_ids is not None:
+            if isinstance(allowed_token_ids, (str, bytes)) or not isinstance(allowed_token_ids, Sequence) \
+                    or not allowed_token_ids:
+                raise ValueError(f"allowed_token_ids = {allowed_token_ids!r}, expected a non-empty list of token ids "
+                                 "or None")
+            for i, t in enumerate(allowed_token_ids):
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"allowed_token_ids[{i}] = {t!r}, expected an int >= 0")
+            allowed = tuple(sorted(set(allowed_token_ids)))
+        if bad_words is None:
+            words: tuple[str, ...] = ()
+        elif isinstance(bad_words, str) or not isinstance(bad_words, Sequence):
+            raise ValueError(f"bad_words = {bad_words!r}, expected a list of str or None")
+        else:
+            words = tuple(bad_words)
+            for i, w in enumerate(words):
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
         for name, value in (("max_new_tokens", n), ("temperature", float(temperature)),
                             ("top_k", top_k if top_k > 0 else -1), ("top_p", float(top_p)), ("seed", seed),
                             ("stop_token_ids", stops), ("ignore_eos", bool(ignore_eos)), ("n", num),
                             ("stop", stop_strs), ("logprobs", logprobs), ("min_tokens", min_tokens),
                             ("include_stop_str_in_output", bool(include_stop_str_in_output)),
-                            ("skip_special_tokens", bool(skip_special_tokens))):
+                            ("skip_special_tokens", bool(skip_special_tokens)),
+                            ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+                            ("frequency_penalty", frequency_penalty), ("min_p", min_p), ("logit_bias", bias),
+                            ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ())):
             object.__setattr__(self, name, value)
 
     @property
@@ -155,6 +220,40 @@ class SamplingParams:
         for i, t in enumerate(self.stop_token_ids):
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids[{i}] = {t}, expected < vocab_size = {vocab_size}")
+        for t, _ in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias key {t}, expected a token id < vocab_size = {vocab_size}")
+        for t in self.allowed_token_ids or ():
+            if t >= vocab_size:
+                raise ValueError(f"allowed_token_ids has {t}, expected token ids < vocab_size = {vocab_size}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's tokens (repetition, frequency, presence)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything before temperature changes this request's logits (``apply_logits_processing``)."""
+        return self.penalized or bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
+        """A copy whose ``bad_words`` are tokenized as vLLM does them: each word alone and after a
+        space (a word mid-text starts with one), every distinct token sequence kept."""
+        if not self.bad_words:
+            return self
+        if tokenizer is None:
+            raise ValueError(f"bad_words = {list(self.bad_words)!r}, but the checkpoint has no tokenizer.json "
+                             "to encode them with; use logit_bias or allowed_token_ids")
+        seqs = []
+        for w in self.bad_words:
+            for text in (w, " " + w.lstrip()):
+                ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        out = copy.copy(self)
+        object.__setattr__(out, "bad_words_token_ids", tuple(seqs))
+        return out
 
     def make_generator(self, device: torch.device) -> Optional["SeededNoise"]:
         if self.seed is None or self.greedy:
@@ -230,6 +329,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     n, vocab = logits.shape
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     scaled = logits / temps[:, None]
+    if any(p.min_p > 0 for p in params):
+        mp = torch.tensor([p.min_p for p in params], device=device)
+        pr = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(pr < mp[:, None] * pr.amax(dim=-1, keepdim=True), float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_ks):
         k_t = torch.tensor(top_ks, device=device)
@@ -246,6 +349,68 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs
+
+
+def _ends_with(prompt: Sequence[int], output: Sequence[int], suffix: Sequence[int]) -> bool:
+    """Whether prompt + output ends with ``suffix`` (without joining them)."""
+    n = len(suffix)
+    if n == 0:
+        return True
+    if n > len(prompt) + len(output):
+        return False
+    if n <= len(output):
+        return tuple(output[len(output) - n:]) == tuple(suffix)
+    k = n - len(output)
+    return tuple(prompt[len(prompt) - k:]) == tuple(suffix[:k]) and tuple(output) == tuple(suffix[k:])
+
+
+def apply_logits_processing(logits: torch.Tensor, params: Sequence[SamplingParams],
+                            histories: Sequence[Optional[tuple]]) -> torch.Tensor:
+    """Logit bias, allowed tokens, bad words and the penalties (``SamplingParams``' docstring) on
+    fp32 ``logits`` [N, vocab], one batched operation each; ``histories[i]`` is row i's
+    ``(prompt token ids, output token ids)``. Returns ``logits`` itself when no row asks for any."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    n, vocab = out.shape
+    device = out.device
+    for i in rows:
+        p = params[i]
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            out[i, list(ids)] += torch.tensor(bias, dtype=out.dtype, device=device)
+        if p.allowed_token_ids:
+            keep = torch.full((vocab,), float("-inf"), dtype=out.dtype, device=device)
+            keep[list(p.allowed_token_ids)] = 0.0
+            out[i] += keep
+        if p.bad_words_token_ids:
+            prompt, output = histories[i]
+            banned = [w[-1] for w in p.bad_words_token_ids if _ends_with(prompt, output, w[:-1])]
+            if banned:
+                out[i, banned] = float("-inf")
+    pen = [i for i in rows if params[i].penalized]
+    if pen:
+        hist = [histories[i] for i in pen]
+        width_o = max(1, max(len(h[1]) for h in hist))
+        width_p = max(1, max(len(h[0]) for h in hist))
+        # Padding index vocab: one column past the vocabulary, dropped after the scatter.
+        outs = torch.tensor([list(h[1]) + [vocab] * (width_o - len(h[1])) for h in hist], device=device)
+        prompts = torch.tensor([list(h[0]) + [vocab] * (width_p - len(h[0])) for h in hist], device=device)
+        counts = torch.zeros((len(pen), vocab + 1), dtype=out.dtype, device=device)
+        counts.scatter_add_(1, outs, torch.ones_like(outs, dtype=out.dtype))
+        counts = counts[:, :vocab]
+        seen = torch.zeros((len(pen), vocab + 1), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        col = lambda name: torch.tensor([getattr(params[i], name) for i in pen], dtype=out.dtype,  # noqa: E731
+                                        device=device)[:, None]
+        rep, freq, pres = col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty")
+        x = out[pen]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * counts - pres * (counts > 0).to(out.dtype)
+        out[pen] = x
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int

@@ -41,7 +41,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30     # KV budget when num_kv_blocks is None on t
 DEFAULT_MAX_MODEL_LEN = 4096         # cap of the default max_model_len (the model's max_position_embeddings)
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30   # kept free on a GPU for activations and CUDA-graph capture
 MAX_DEFAULT_SWAP_SPACE_BYTES = 4 << 30   # vLLM's default swap_space (4 GiB)
-PROMPTS_EXPECTED = "a str, a list of token ids, a 1-D integer tensor, or a list of those"
+PROMPTS_EXPECTED = ("a str, a list of token ids, a 1-D integer tensor, a dict {'prompt': str} or "
+                    "{'prompt_token_ids': [...]} (vLLM's TextPrompt / TokensPrompt), or a list of those")
 
 
 def default_swap_space_bytes() -> int:
@@ -81,7 +82,7 @@ def normalize_prompts(prompts) -> list:
     1-D tensor (one prompt), a 2-D tensor (one prompt per row), or a list of those."""
     if prompts is None:
         raise ValueError(f"prompts = None, expected {PROMPTS_EXPECTED}")
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
@@ -107,6 +108,17 @@ def _default_kv_budget(device: torch.device) -> int:
 
 
 def _encode(tokenizer: Optional[QwenTokenizer], prompt: Prompt, index: int) -> list[int]:
+    if isinstance(prompt, dict):                 # vLLM's TextPrompt / TokensPrompt
+        keys = set(prompt)
+        if keys == {"prompt_token_ids"}:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, torch.Tensor)):
+                raise ValueError(f"prompts[{index}]['prompt_token_ids'] = {ids!r}, expected a list of token ids")
+            return _encode(tokenizer, ids, index)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return _encode(tokenizer, prompt["prompt"], index)
+        raise ValueError(f"prompts[{index}] is a dict with keys {sorted(map(str, keys))}, expected exactly "
+                         "'prompt' (a str) or 'prompt_token_ids' (token ids)")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompts[{index}] is text, but the checkpoint has no tokenizer.json; "
@@ -159,7 +171,7 @@ def prepare_requests(prompts: Union[Prompt, Sequence[Prompt]],
         for j, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab_size})")
-        out.append((prompt, ids, sp))
+        out.append((prompt, ids, sp.with_bad_words_token_ids(tokenizer)))
     return out
 
 
@@ -291,6 +303,7 @@ class LLM:
             check_invariants=check_invariants), spec)
         self.scheduler = self.core.scheduler
         self.model_path = Path(default_model_path() if model is None else model)
+        self._chat_template = None      # LLM.chat's, compiled on first use
 
     def _attach_draft(self, spec: SpeculativeConfig, cfg: QwenConfig, dtype, device, max_model_len: int) -> None:
         """Load the draft model of ``"method": "draft_model"`` beside the target (``engine/draft.py``)."""
@@ -384,6 +397,41 @@ class LLM:
                 core.step()
         finally:
             core.abort_unfinished(states)
+
+    def get_tokenizer(self) -> Optional[QwenTokenizer]:
+        """The checkpoint's tokenizer (None when it has no tokenizer.json), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Generate replies to conversations (vLLM's ``LLM.chat``): ``messages`` is one conversation
+        (a list of ``{"role", "content"}`` dicts) or a list of them. Each is rendered by the
+        checkpoint's chat template (ChatML if it has none), the same ``ChatTemplate`` as
+        ``/v1/chat/completions``, and tokenized without special tokens, as the server does;
+        ``chat_template_kwargs`` go to the template (e.g. ``enable_thinking``)."""
+        from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
+
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer, but the checkpoint has no tokenizer.json")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs = {chat_template_kwargs!r}, expected a dict or None")
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError(f"messages = {messages!r}, expected a list of {{'role', 'content'}} dicts, or a list of "
+                             "such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.for_checkpoint(self.model_path)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, Sequence) or not all(isinstance(m, dict) for m in conv):
+                raise ValueError(f"messages[{i}] = {conv!r}, expected a list of {{'role', 'content'}} dicts")
+            try:
+                text = self._chat_template.render(conv, add_generation_prompt=add_generation_prompt,
+                                                  **(chat_template_kwargs or {}))
+            except ChatTemplateError as e:
+                raise ValueError(f"messages[{i}]: {e}") from None
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:
         """Abort a request by the id ``add_request`` returned (all its completions)."""

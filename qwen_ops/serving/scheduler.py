@@ -273,7 +273,7 @@ class Scheduler:
         decode one token a step."""
         sp = req.sampling
         n_out = len(req.output_token_ids)
-        if sp.logprobs is not None or n_out < sp.min_tokens:
+        if sp.logprobs is not None or n_out < sp.min_tokens or sp.processes_logits:
             return []
         room = min(budget.remaining_decode() + 1, sp.max_new_tokens - n_out, self.config.max_model_len - req.num_tokens) - 1
         if room <= 0:
@@ -397,8 +397,9 @@ class Scheduler:
         banned = req.stop_ids if req.stop_ids and len(req.output_token_ids) < req.sampling.min_tokens else ()
         if drafts:
             tokens = list(tokens) + list(drafts)
+        history = (req.prompt_token_ids, req.output_token_ids) if req.sampling.processes_logits else None
         return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids),
-                              req.sampling, req.generator, tuple(banned), tuple(drafts))
+                              req.sampling, req.generator, tuple(banned), tuple(drafts), history=history)
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config

@@ -84,12 +84,17 @@ class ChatTemplate:
                            eos_token=_token_text(config.get("eos_token")), origin=origin)
         return cls(bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text of ``messages``; ``template_kwargs`` (``chat_template_kwargs``, e.g.
+        ``enable_thinking``) are more variables for the template, never replacing its own."""
         from jinja2 import TemplateError
 
+        reserved = {"messages", "add_generation_prompt", "tools", *self._specials}.intersection(template_kwargs)
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}: the template's own variables")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=None, **self._specials)
+            return self._template.render(**template_kwargs, messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt, tools=None, **self._specials)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:

@@ -7,7 +7,9 @@ was expected in one sentence. Every error leaves as OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with ``param`` naming the request field.
 
 Unknown fields are ignored (as vLLM does); known OpenAI fields this server cannot honour
-(penalties, ``logit_bias``, ``tools``, ...) are a 400 unless they hold their no-op value.
+(``tools``, ``suffix``, ...) are a 400 unless they hold their no-op value. Penalties,
+``logit_bias``, and vLLM's ``min_p``, ``allowed_token_ids`` and ``bad_words`` go to
+``SamplingParams``, which names a bad value's field.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # Known but unsupported: accepted only at their no-op value.
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
@@ -89,6 +90,9 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -265,8 +269,7 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
 
 def check_unsupported(req: _SamplingFields) -> None:
     """A 400 for fields this server cannot honour unless they hold their no-op value."""
-    noop = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-            "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
+    noop = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
     for name, allowed in noop.items():
         if name in type(req).model_fields and getattr(req, name) not in allowed:
             raise bad_request(f"{name} = {_show(getattr(req, name))} is not supported by this server; "
@@ -321,7 +324,24 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional
         kw["include_stop_str_in_output"] = True
     if not req.skip_special_tokens:
         kw["skip_special_tokens"] = False
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                 "allowed_token_ids", "bad_words"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
     return kw
+
+
+def check_params(params, vocab_size: int, tokenizer):
+    """A request's token ids against the vocabulary and its ``bad_words`` tokenized (as
+    ``prepare_requests`` does offline); a ValueError becomes a 400 naming the field."""
+    try:
+        params.check_vocab(vocab_size)
+        return params.with_bad_words_token_ids(tokenizer)
+    except ValueError as e:
+        message = str(e)
+        field = next((f for f in ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+                      if message.startswith(f)), None)
+        raise bad_request(message, field) from None
 
 
 def sampling_params(kwargs: dict[str, Any], *, max_tokens_field: str, logprobs_field: str = "logprobs"):

@@ -486,8 +486,8 @@ class _Serving:
             self.check_ids(ids, where, "prompt")
             prompts.append(ids)
         max_tokens = self.max_tokens_for(prompts, req.max_tokens, "max_tokens", "prompt")
-        params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs),
-                                   max_tokens_field="max_tokens")
+        params = P.check_params(P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs),
+                                                  max_tokens_field="max_tokens"), self.vocab_size, self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
         return _Prepared(req, prompts, params, echoes, req.logprobs)
 
@@ -567,8 +567,9 @@ class _Serving:
         self.check_ids(ids, "messages (rendered)", "messages")
         max_tokens = self.max_tokens_for([ids], requested, field, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
-                                   max_tokens_field=field, logprobs_field="top_logprobs")
+        params = P.check_params(P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
+                                                  max_tokens_field=field, logprobs_field="top_logprobs"),
+                                self.vocab_size, self.tokenizer)
         return _Prepared(req, [ids], params, None, k, field)
 
     async def chat(self, request: Request, body: bytes):
