@@ -79,6 +79,12 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (default: 1)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV blocks of common prompt prefixes (default: on; off for hybrid models)")
+    s.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
+                   help="split chat replies into reasoning_content and content (qwen3: <think>...</think>)")
     s.add_argument("--compile", action="store_true", default=None,
                    help="compile the decode step (default: on for CUDA, off on the CPU)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,

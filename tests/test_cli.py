@@ -211,3 +211,13 @@ def test_generate_with_ngram_speculation_prints_the_same_text(capsys):
     spec = capsys.readouterr().out
     text = plain.rsplit("\n[24 tokens", 1)[0]
     assert len(text) > 40 and spec.rsplit("\n[24 tokens", 1)[0] == text
+
+
+def test_serve_flags_of_vllm():
+    """serve takes vLLM's --tensor-parallel-size, --[no-]enable-prefix-caching and --reasoning-parser."""
+    args = build_parser().parse_args(["serve", "-tp", "2", "--no-enable-prefix-caching", "--reasoning-parser", "qwen3"])
+    assert (args.tensor_parallel_size, args.enable_prefix_caching, args.reasoning_parser) == (2, False, "qwen3")
+    args = build_parser().parse_args(["serve"])
+    assert (args.tensor_parallel_size, args.enable_prefix_caching, args.reasoning_parser) == (1, True, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])

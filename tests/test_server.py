@@ -578,3 +578,84 @@ def test_qwen_ops_serve_end_to_end(tmp_path):
             proc.kill()
             _, err = proc.communicate(timeout=10)
     assert proc.returncode == 130 and err.strip().endswith("interrupted"), err     # the command's Ctrl-C exit
+
+
+# ----------------------------------------------------------------- issue 30: routes, vLLM metric names, reasoning
+def test_tokenize_detokenize_and_version(server, client):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize, /version."""
+    from qwen_ops.serving.openai.chat import ChatTemplate
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    base = server.url
+    r = httpx.post(f"{base}/tokenize", json={"prompt": "def fibonacci(n):"}, headers=headers).json()
+    ids = r["tokens"]
+    assert r["count"] == len(ids) > 0 and r["max_model_len"] == 512
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}, headers=headers).json() == {"prompt": "def fibonacci(n):"}
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}, headers=headers).json()
+    from qwen_ops.models.defaults import default_model_path
+    from qwen_ops.models.loader import load_tokenizer
+
+    text = ChatTemplate.for_checkpoint(default_model_path()).render(messages)
+    assert chat["tokens"] == load_tokenizer(default_model_path()).encode(text, add_special_tokens=False)
+    import qwen_ops
+
+    assert httpx.get(f"{base}/version").json() == {"version": qwen_ops.__version__}
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "messages"),
+                              ("/detokenize", {"tokens": [1 << 30]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"messages": messages, "chat_template_kwargs": {"messages": 1}},
+                               "chat_template_kwargs")):
+        resp = httpx.post(f"{base}{path}", json=body, headers=headers)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.text)
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "a"}).status_code == 401        # behind the key
+
+
+def test_vllm_metric_names(server, client):
+    """Dashboards built for vLLM read vllm:* names: the same values as qwen_ops:*."""
+    client.completions.create(model=SERVED_NAME, prompt=PROMPTS[1], **GREEDY)
+    m = scrape(server.url)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert m[f"vllm:{name}"] == m[f"qwen_ops:{name}"], name
+    assert m["vllm:gpu_cache_usage_perc"] == m["vllm:kv_cache_usage_perc"]
+    assert m["vllm:generation_tokens_total"] >= MAX_TOKENS
+
+
+THOUGHT = "<think>\nThe user wants code.\n</think>\n\n"
+
+
+class _ThinkingEngine(_FaultyEngine):
+    """The real engine, its chat replies prefixed with a think block revealed 5 characters per
+    update (so tags arrive split across stream chunks), as a thinking Qwen3 writes them."""
+
+    async def generate(self, prompt, params, request_id=None):
+        import dataclasses
+
+        n = 0
+        async for out in self.real.generate(prompt, params, request_id):
+            n += 1
+            outs = []
+            for c in out.outputs:
+                full = THOUGHT + c.text
+                shown = full if out.finished else full[:min(len(full), 5 * n)]
+                outs.append(dataclasses.replace(c, text=shown))
+            yield dataclasses.replace(out, outputs=outs)
+
+
+def test_reasoning_parser_splits_and_streams(engine):
+    with running_server(_ThinkingEngine(engine), reasoning_parser="qwen3") as srv:
+        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:
+            kw = dict(model=SERVED_NAME, messages=[{"role": "user", "content": "Write a function."}], **GREEDY)
+            full = c.chat.completions.create(**kw).choices[0].message
+            assert full.reasoning_content == "\nThe user wants code.\n"
+            assert full.content and not full.content.startswith("\n") and "<think>" not in full.content
+            reasoning, content = "", ""
+            for chunk in c.chat.completions.create(stream=True, **kw):
+                if chunk.choices:
+                    d = chunk.choices[0].delta
+                    reasoning += getattr(d, "reasoning_content", None) or ""
+                    content += d.content or ""
+            assert (reasoning, content) == (full.reasoning_content, full.content)
+    with pytest.raises(ValueError, match=r"reasoning_parser = 'deepseek', expected one of \['qwen3'\]"):
+        build_app(engine, served_model_name="x", reasoning_parser="deepseek")

@@ -1,6 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own (never prometheus_client's global).
 
-Names follow vLLM's with the ``qwen_ops:`` prefix. Engine state (running, waiting, KV blocks,
+Names follow vLLM's, each exported twice: with the ``qwen_ops:`` prefix and with vLLM's own
+``vllm:`` (so dashboards built for vLLM read this server unchanged; the KV usage gauge also as
+vLLM's older ``vllm:gpu_cache_usage_perc``). Engine state (running, waiting, KV blocks,
 preemptions, prefix-cache lookups) is read from ``engine.stats()`` when ``/metrics`` is scraped;
 token counts and latencies are measured in the server around each engine stream (``RequestTiming``).
 ``qwen_ops:engine_up`` is 1 while the engine runs; once it has died it is 0 and the engine's
@@ -17,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "qwen_ops:"
+VLLM_PREFIX = "vllm:"
+PREFIXES = (PREFIX, VLLM_PREFIX)
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -27,13 +31,15 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 class _EngineCollector(Collector):
     """Gauges and the preemption counter, read from ``stats()`` at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool]):
+    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool], prefix: str = PREFIX):
         self._stats = stats
         self._model = model_name
         self._is_up = is_up
+        self._prefix = prefix
 
     def _families(self, s: Optional[dict], up: Optional[bool] = None):
         labels = ["model_name"]
+        PREFIX = self._prefix                  # noqa: N806 - this collector's prefix, qwen_ops: or vllm:
         g = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs, 0 once it has stopped.", labels=labels)
         if up is not None:
             g.add_metric([self._model], 1.0 if up else 0.0)
@@ -55,6 +61,9 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", total)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
                     used / total if total else 0.0)
+        if PREFIX == VLLM_PREFIX:
+            yield gauge("gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (vLLM's older name).",
+                        used / total if total else 0.0)
         for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions since start."),
                                ("prefix_cache_queries", "prefix_cache_queries",
                                 "Prompt tokens looked up in the prefix cache."),
@@ -79,6 +88,24 @@ class _EngineCollector(Collector):
         return list(self._families(self._stats() if up else None, up))
 
 
+class _Fanout:
+    """One metric under each prefix: every call goes to all of them."""
+
+    def __init__(self, metrics: list):
+        self._metrics = metrics
+
+    def labels(self, *values) -> "_Fanout":
+        return _Fanout([m.labels(*values) for m in self._metrics])
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self._metrics:
+            m.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for m in self._metrics:
+            m.observe(value)
+
+
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the ``/metrics`` body."""
 
@@ -86,19 +113,25 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
-        self.registry.register(_EngineCollector(stats, model_name, is_up))
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.",
-                                     labels, registry=reg).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
-                                         labels, registry=reg).labels(model_name)
-        self._success = Counter(PREFIX + "request_success", "Finished completions (one per choice) by finish reason.",
-                                labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first generated token.",
-                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two updates of a stream.",
-                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+        for prefix in PREFIXES:
+            self.registry.register(_EngineCollector(stats, model_name, is_up, prefix))
+
+        def each(make):
+            return _Fanout([make(prefix) for prefix in PREFIXES])
+
+        self.prompt_tokens = each(lambda p: Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.",
+                                                    labels, registry=reg)).labels(model_name)
+        self.generation_tokens = each(lambda p: Counter(p + "generation_tokens", "Generated tokens.",
+                                                        labels, registry=reg)).labels(model_name)
+        self._success = each(lambda p: Counter(p + "request_success",
+                                               "Finished completions (one per choice) by finish reason.",
+                                               labels + ["finished_reason"], registry=reg))
+        self.ttft = each(lambda p: Histogram(p + "time_to_first_token_seconds", "Time to the first generated token.",
+                                             labels, buckets=TTFT_BUCKETS, registry=reg)).labels(model_name)
+        self.itl = each(lambda p: Histogram(p + "inter_token_latency_seconds", "Time between two updates of a stream.",
+                                            labels, buckets=ITL_BUCKETS, registry=reg)).labels(model_name)
+        self.e2e = each(lambda p: Histogram(p + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                                            labels, buckets=E2E_BUCKETS, registry=reg)).labels(model_name)
 
     def finished(self, reason: Optional[str]) -> None:
         self._success.labels(self.model_name, reason or "abort").inc()

@@ -104,6 +104,21 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt`` (text), or chat ``messages`` rendered by the template."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Any = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Any = None
     max_tokens: Optional[int] = None
@@ -112,6 +127,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Any = None
+    chat_template_kwargs: Optional[dict] = None
     response_format: Optional[dict] = None
     add_generation_prompt: bool = True
 

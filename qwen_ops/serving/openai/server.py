@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
+from qwen_ops.serving.openai.reasoning import make_parser
 from qwen_ops.serving.openai.metrics import ServerMetrics
 
 logger = logging.getLogger("qwen_ops.serving.openai")
@@ -236,10 +237,10 @@ class _Generation:
 
 class _Cursor:
     """What one choice's stream has sent so far."""
-    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen")
+    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen", "reasoning_chars", "content_chars")
 
     def __init__(self) -> None:
-        self.chars = self.tokens = self.offset = 0
+        self.chars = self.tokens = self.offset = self.reasoning_chars = self.content_chars = 0
         self.started = self.done = False
         self.seen = None          # the CompletionOutput last looked at (an unchanged one is the same object)
 
@@ -307,17 +308,19 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
 
 class _Prepared:
     """One request, parsed and tokenized (off the event loop for a big body)."""
-    __slots__ = ("req", "prompts", "params", "echoes", "k", "field")
+    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning")
 
     def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
         self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
+        self.reasoning = None          # a chat request's reasoning parser (reasoning.py), or None
 
 
 class _Serving:
     def __init__(self, engine, served_names: list[str], max_waiting: Optional[int], *,
                  heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 request_timeout: Optional[float] = None):
+                 request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None):
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.vocab_size)
@@ -387,6 +390,40 @@ class _Serving:
             raise P.bad_request(f"{param} has {len(text)} characters; this model's maximum context length is "
                                 f"{self.max_model_len} tokens, which no text over {bound} characters fits", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: Optional[dict]) -> str:
+        """The chat template's text of ``messages`` (a 400 naming the field it cannot render)."""
+        try:
+            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+        except ChatTemplateError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise P.bad_request(str(e), param) from None
+
+    def tokenize(self, body: bytes) -> dict:
+        """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens"}``."""
+        req = P.parse_request(P.TokenizeRequest, body)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise P.bad_request("give exactly one of prompt (text) and messages (a chat)",
+                                "prompt" if req.prompt is None else "messages")
+        if req.prompt is not None:
+            ids = self.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+        else:
+            text = self.render_chat(P.chat_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs)
+            ids = self.encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, body: bytes) -> dict:
+        """vLLM's ``/detokenize``: ``{"prompt": text}``."""
+        req = P.parse_request(P.DetokenizeRequest, body)
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise P.bad_request("this model has no tokenizer to decode with", "tokens")
+        for j, t in enumerate(req.tokens):
+            if not 0 <= t < self.vocab_size:
+                raise P.bad_request(f"tokens[{j}] = {t}, expected a token id in [0, {self.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def check_ids(self, ids: list[int], where: str, param: str) -> None:
         if not ids:
@@ -559,10 +596,7 @@ class _Serving:
             raise P.bad_request("top_logprobs needs logprobs = true", "top_logprobs")
         P.check_logprobs("top_logprobs", req.top_logprobs)
         P.stop_strings(req.stop)
-        try:
-            text = self.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise P.bad_request(str(e), "messages") from None
+        text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_ids(ids, "messages (rendered)", "messages")
         max_tokens = self.max_tokens_for([ids], requested, field, "messages")
@@ -570,13 +604,16 @@ class _Serving:
         params = P.check_params(P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
                                                   max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
-        return _Prepared(req, [ids], params, None, k, field)
+        prep = _Prepared(req, [ids], params, None, k, field)
+        prep.reasoning = make_parser(self.reasoning_parser, text)
+        return prep
 
     async def chat(self, request: Request, body: bytes):
         deadline = self.deadline()
         self.check_engine()
         prep = await self.prepare(self._prepare_chat, body)
         req, (ids,), params, k = prep.req, prep.prompts, prep.params, prep.k
+        parser = prep.reasoning
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, [ids], params, rid)
@@ -589,7 +626,10 @@ class _Serving:
                 lp = None
                 if k is not None and c.logprobs is not None:
                     lp = {"content": P.chat_logprobs(c.token_ids, c.logprobs, k, self.decode)}
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                message = {"role": "assistant", "content": c.text}
+                if parser is not None:
+                    message["reasoning_content"], message["content"] = parser.split(c.text)
+                choices.append({"index": c.index, "message": message,
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             generated = sum(len(c.token_ids) for c in out.outputs)
             return {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
@@ -614,7 +654,18 @@ class _Serving:
                     cur.seen = c
                     text = c.text[cur.chars:]
                     new_ids = c.token_ids[cur.tokens:]
-                    if text or (new_ids and k is not None):
+                    if parser is not None:
+                        reasoning, content = parser.split(c.text, final=c.finish_reason is not None)
+                        parts = []
+                        if reasoning is not None and len(reasoning) > cur.reasoning_chars:
+                            parts.append(f'"reasoning_content":{_json_str(reasoning[cur.reasoning_chars:])}')
+                            cur.reasoning_chars = len(reasoning)
+                        if len(content) > cur.content_chars:
+                            parts.append(f'"content":{_json_str(content[cur.content_chars:])}')
+                            cur.content_chars = len(content)
+                        if parts:
+                            events.append(event(c.index, "{" + ",".join(parts) + "}"))
+                    elif text or (new_ids and k is not None):
                         lp = None
                         if k is not None and c.logprobs is not None:
                             lp = {"content": P.chat_logprobs(new_ids, c.logprobs[cur.tokens:], k, self.decode)}
@@ -708,7 +759,7 @@ def _check_seconds(name: str, value) -> None:
 def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None,
               heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
-              request_timeout: Optional[float] = None) -> FastAPI:
+              request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
 
     ``served_model_name``: the name (or names; the first is reported) requests must use.
@@ -720,6 +771,8 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     ``heartbeat_timeout``: ``/health`` answers 503 while the engine has work and has finished no
     iteration for this many seconds (None: never). ``request_timeout``: a request still running
     after this many seconds is aborted and answered 504 (in-band once a stream has started).
+    ``reasoning_parser``: ``"qwen3"`` splits chat replies into ``reasoning_content`` and
+    ``content`` (``reasoning.py``), streamed too; None leaves the text whole.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -735,8 +788,9 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
                                     or max_waiting < 0):
         raise ValueError(f"max_waiting = {max_waiting!r}, expected an int >= 0 or None")
 
+    make_parser(reasoning_parser, "")                  # a bad name fails here, not per request
     serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
-                       request_timeout=request_timeout)
+                       request_timeout=request_timeout, reasoning_parser=reasoning_parser)
     expected_key = api_key.encode() if api_key is not None else None
 
     async def check_api_key(request: Request) -> None:
@@ -789,6 +843,20 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(request: Request):
         return await serving.chat(request, await request.body())
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize(request: Request):
+        return serving.tokenize(await request.body())
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize(request: Request):
+        return serving.detokenize(await request.body())
+
+    @app.get("/version")
+    async def version():
+        import qwen_ops
+
+        return {"version": qwen_ops.__version__}
 
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(_CatchAll)
@@ -967,10 +1035,13 @@ def run_server(args) -> int:
                                           dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                                           max_model_len=args.max_model_len, compile=args.compile,
                                           engine_process=args.engine_process, quantization=args.quantization,
-                                          speculative_config=args.speculative_config)
+                                          speculative_config=args.speculative_config,
+                                          tensor_parallel_size=args.tensor_parallel_size,
+                                          enable_prefix_caching=args.enable_prefix_caching)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                            heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout)
+                            heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
+                            reasoning_parser=args.reasoning_parser)
             port = sock.getsockname()[1]
             server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
                                                     timeout_keep_alive=args.timeout_keep_alive))
