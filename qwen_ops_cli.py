@@ -51,8 +51,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--swap-space", type=int, default=None,
-                   help="bytes of host memory for swapped KV (default: a quarter of RAM, at most 4 GiB)")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of host memory for swapped KV, as vLLM's (default: a quarter of RAM, at most 4 GiB)")
 
 
 def _add_serve_parser(sub) -> None:

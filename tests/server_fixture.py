@@ -18,6 +18,26 @@ ENGINE_KWARGS = {"max_num_seqs": 8, "max_model_len": 512}
 CLIENT_TIMEOUT_S = 60.0
 
 
+class PassThroughEngine:
+    """An ``AsyncLLM`` stand-in that forwards everything to ``real``: subclasses change
+    ``generate`` to inject faults or model output the tiny test models cannot write."""
+
+    def __init__(self, real):
+        self.real = real
+        self.tokenizer, self.vocab_size, self.max_model_len = real.tokenizer, real.vocab_size, real.max_model_len
+        self.model_path = real.model_path
+
+    def stats(self):
+        return self.real.stats()
+
+    def abort(self, request_id):
+        self.real.abort(request_id)
+
+    async def generate(self, prompt, params, request_id=None):
+        async for out in self.real.generate(prompt, params, request_id):
+            yield out
+
+
 def make_engine() -> AsyncLLM:
     return AsyncLLM.from_pretrained(None, **ENGINE_KWARGS)
 

@@ -217,7 +217,8 @@ def test_stream_with_a_bad_request_runs_nothing(ckpt, prompts):
     (dict(num_kv_blocks=0), r"num_kv_blocks = 0"),
     (dict(max_num_batched_tokens=0), r"max_num_batched_tokens = 0"),
     (dict(kv_cache_bytes=-1), r"kv_cache_bytes = -1"),
-    (dict(swap_space=-5), r"swap_space = -5, expected an int >= 0"),
+    (dict(swap_space=-5), r"swap_space = -5, expected a number of GiB >= 0"),
+    (dict(swap_space="4"), r"swap_space = '4', expected a number of GiB"),
     (dict(preemption_mode="evict"), r"preemption_mode = 'evict'"),
     (dict(check_invariants="yes"), r"check_invariants = 'yes'"),
     (dict(compile="no"), r"compile = 'no'"),
@@ -253,7 +254,7 @@ def test_swap_space_is_bounded(ckpt, prompts, expected):
     probe = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32)
     one_block = probe.engine.runner.host_copy_nbytes(1)
     llm = make_llm(ckpt, max_num_seqs=8, num_kv_blocks=16, max_num_batched_tokens=32, preemption_mode="swap",
-                   swap_space=4 * one_block)
+                   swap_space=4 * one_block / (1 << 30))             # GiB, as vLLM's
     peak = 0
     from qwen_ops.engine.batch import RequestId
 

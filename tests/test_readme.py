@@ -68,3 +68,27 @@ def test_readme_prefix_caching_example_hits(capsys):
     exec(compile(off, "README.md prefix caching, off", "exec"), {"__name__": "__main__"})
     assert float(capsys.readouterr().out.strip().splitlines()[-1]) == 0.0
     assert hit_rate > 0, f"the README's prefix-caching example printed {hit_rate}: the shared prompt was not reused"
+
+
+def test_readme_structured_and_tool_call_examples_print_valid_json(capsys, request):
+    """The structured-output snippet prints a dict that validates against its schema, and the
+    tool-call snippet a get_weather call whose arguments validate (issue 30); the oracle is
+    ``jsonschema`` on the printed values, the same text the README shows."""
+    import ast
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    (code,) = [b for b in BLOCKS if "structured_outputs" in b and "LLM()" in b]
+    scope = {"__name__": "__main__"}
+    exec(compile(code, "README.md structured outputs", "exec"), scope)
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    jsonschema.validate(ast.literal_eval(printed), scope["schema"])
+    assert printed in README.read_text(encoding="utf-8"), "the README shows what the snippet prints"
+    (code,) = [b for b in BLOCKS if "tool_calls" in b]
+    code = code.replace(SERVE_ADDRESS, request.getfixturevalue("readme_server").url)
+    scope = {"__name__": "__main__"}
+    exec(compile(code, "README.md tool call", "exec"), scope)
+    name, args = capsys.readouterr().out.strip().splitlines()[-1].split(" ", 1)
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(args), scope["tools"][0]["function"]["parameters"])
+    assert f"{name} {args}" in README.read_text(encoding="utf-8"), "the README shows what the snippet prints"

@@ -64,7 +64,7 @@ def draw_config(rng: random.Random) -> dict:
                                 rng.randint(per_seq, per_seq * max_num_seqs + 1)])
     mode = rng.choice(["recompute", "swap"])
     block_bytes = 2 * 2 * block_size * 2 * 16 * 4           # k + v, 2 layers, 2 kv heads, head_dim 16, fp32
-    swap_space = rng.choice([None, 0, block_bytes * rng.randint(1, 3 * per_seq)])
+    swap_space = rng.choice([None, 0, block_bytes * rng.randint(1, 3 * per_seq) / (1 << 30)])   # GiB
     return dict(max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
                 num_kv_blocks=num_kv_blocks, preemption_mode=mode, swap_space=swap_space,
                 max_num_batched_tokens=rng.choice([1, 2, rng.randint(3, 16), rng.randint(16, 128)]),

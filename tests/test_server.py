@@ -23,7 +23,7 @@ from qwen_ops.serving.cli import build_parser, main
 from qwen_ops.serving.openai import build_app
 from qwen_ops.serving.openai.chat import CHATML_TEMPLATE, ChatTemplate
 
-from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, blocks_in_use, make_engine,
+from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, PassThroughEngine, blocks_in_use, make_engine,
                             running_server, scrape, wait_for)
 
 API_KEY = "test-key-123"
@@ -336,19 +336,8 @@ def test_body_over_the_limit_is_413(client, server):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
-class _FaultyEngine:
+class _FaultyEngine(PassThroughEngine):
     """The real engine, except prompts saying 'queue-full', 'boom' or 'late-boom'."""
-
-    def __init__(self, real):
-        self.real = real
-        self.tokenizer, self.vocab_size, self.max_model_len = real.tokenizer, real.vocab_size, real.max_model_len
-        self.model_path = real.model_path
-
-    def stats(self):
-        return self.real.stats()
-
-    def abort(self, request_id):
-        self.real.abort(request_id)
 
     async def generate(self, prompt, params, request_id=None):
         text = self.tokenizer.decode(prompt)

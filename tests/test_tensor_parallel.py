@@ -355,7 +355,7 @@ def _launch(tmp_path, qwen3, nodes: int, *script_args: str, env: dict | None = N
     out = ""
     for k, log in enumerate(logs):
         log.seek(0)
-        out += f"--- launcher {k} (exit code {codes[k]}) ---\n" + log.read()[-3000:]
+        out += f"--- launcher {k} (exit code {codes[k]}) ---\n" + log.read()[-30000:]
         log.close()
     return codes, out, elapsed
 

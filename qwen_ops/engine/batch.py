@@ -58,6 +58,7 @@ class BatchedRequest:
     draft_token_ids: Sequence[int] = ()      # speculative drafts: the last len() of token_ids
     draft_probs: Any = None                  # [k, vocab] the draft model's q of each draft (sampled rows)
     history: Any = None                      # (prompt ids, output ids): penalties and bad words read them
+    grammar: Any = None                      # the request's xgrammar GrammarMatcher (structured outputs)
 
     @property
     def num_logit_rows(self) -> int:
@@ -117,7 +118,8 @@ class IterationPlan:
 
     def without_sampling(self) -> "IterationPlan":
         """The plan as a rank that does not sample gets it (no generators: they do not travel)."""
-        strip = [replace(t, sampling=None, generator=None, banned_token_ids=(), history=None) for t in self.tasks()]
+        strip = [replace(t, sampling=None, generator=None, banned_token_ids=(), history=None, grammar=None)
+                 for t in self.tasks()]
         n = len(self.prefill_tasks)
         return IterationPlan(strip[:n], strip[n:], list(self.evicted_requests), list(self.swap_out_requests),
                              list(self.swap_in_requests), list(self.freed_swaps))

@@ -178,6 +178,8 @@ class ModelRunner:
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model": a DraftRunner (attach_draft)
+        self._grammar_pool = None    # structured outputs: the thread that fills token bitmasks
+        self.overlap_grammar = True  # fill them while the forward pass runs (False: before it)
         self.workers = None          # in-process TP: the other ranks (call() sends them each call)
         self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
 
@@ -208,15 +210,33 @@ class ModelRunner:
         tasks = plan.tasks()
         if self.draft is not None:
             tasks = self.draft.propose(tasks)
+        # Structured outputs: the grammars' token bitmask is filled on a worker thread while the
+        # forward pass runs (it depends only on tokens already accepted).
+        constrained = [i for i, t in enumerate(tasks) if t.grammar is not None and t.sampling is not None]
+        mask_job = None
+        if constrained:
+            from qwen_ops.engine.structured import fill_bitmask
+
+            import concurrent.futures
+
+            if self._grammar_pool is None:
+                self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-grammar")
+            args = ([tasks[i].grammar for i in constrained], int(self.model.config.vocab_size))
+            if self.overlap_grammar:
+                mask_job = self._grammar_pool.submit(fill_bitmask, *args)
+            else:                                   # benchmarks: the same work, before the forward
+                mask_job = concurrent.futures.Future()
+                mask_job.set_result(fill_bitmask(*args))
         speculating = any(t.draft_token_ids for t in tasks)
         saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
         logits = self.execute(tasks)
+        grammar_mask = (constrained, mask_job.result()) if mask_job is not None else None
         if not speculating:
-            sampled, logprobs = self.sample_rows(tasks, logits)
+            sampled, logprobs = self.sample_rows(tasks, logits, grammar_mask)
             return RunnerOutput(logits, sampled, logprobs)
         last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
         sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
-                                             logits[last])
+                                             logits[last], grammar_mask)
         emitted = self.verify(tasks, logits)
         for i, e in enumerate(emitted):
             if e is not None:
@@ -278,9 +298,10 @@ class ModelRunner:
         if redo:
             self.execute(redo)
 
-    def sample_rows(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor
+    def sample_rows(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor, grammar_mask=None
                     ) -> tuple[list[Optional[int]], list[Optional[tuple]]]:
-        """Pick the next token of every task with ``sampling`` set (the one sampler of the package)."""
+        """Pick the next token of every task with ``sampling`` set (the one sampler of the package).
+        ``grammar_mask``: ``(task indices, bitmask rows)`` of the structured-output tasks."""
         n = len(tasks)
         sampled: list[Optional[int]] = [None] * n
         logprobs: list[Optional[tuple]] = [None] * n
@@ -296,6 +317,15 @@ class ModelRunner:
         params = [tasks[i].sampling for i in rows]
         # Penalties, bias, allowed tokens, bad words (vLLM's order); logprobs stay the raw logits'.
         processed = apply_logits_processing(picked, params, [tasks[i].history for i in rows])
+        if grammar_mask is not None:
+            from qwen_ops.engine.structured import GrammarBackend
+
+            where = {task: j for j, task in enumerate(rows)}
+            keep = [k for k, task in enumerate(grammar_mask[0]) if task in where]
+            if keep:
+                if processed is picked:
+                    processed = picked.clone()
+                GrammarBackend.apply(processed, grammar_mask[1][keep], [where[grammar_mask[0][k]] for k in keep])
         tokens_t = sample(processed, params, [tasks[i].generator for i in rows])
         if self.share_tokens is not None:
             self.share_tokens(tokens_t)

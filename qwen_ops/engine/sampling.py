@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -69,6 +69,9 @@ class SamplingParams:
     ``presence_penalty`` (in [-2, 2]: the logit less the penalty times the token's count in the
     output, or once if it occurs there); then temperature, ``min_p`` (in [0, 1]: tokens below
     ``min_p`` times the top token's probability masked), top-k and top-p.
+
+    ``structured_outputs`` (vLLM's ``StructuredOutputsParams``, or a dict of its fields): the
+    output follows a JSON schema, a regex, a choice or a grammar (``engine/structured.py``).
     """
 
     max_new_tokens: int = 16
@@ -92,6 +95,7 @@ class SamplingParams:
     allowed_token_ids: Optional[tuple[int, ...]] = None
     bad_words: tuple[str, ...] = field(default=())
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())   # set by prepare_requests
+    structured_outputs: Any = None           # StructuredOutputsParams (engine/structured.py)
 
     def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 1.0, top_k: int = -1,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
@@ -100,7 +104,8 @@ class SamplingParams:
                  min_tokens: int = 0, include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  min_p: float = 0.0, logit_bias: Optional[dict] = None,
-                 allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None):
+                 allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
+                 structured_outputs=None):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
@@ -187,6 +192,14 @@ class SamplingParams:
             for i, w in enumerate(words):
                 if not isinstance(w, str) or not w.strip():
                     raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
+        if structured_outputs is not None:
+            from qwen_ops.engine.structured import StructuredOutputsParams
+
+            if isinstance(structured_outputs, dict):
+                structured_outputs = StructuredOutputsParams(**structured_outputs)
+            elif not isinstance(structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs = {structured_outputs!r}, expected a StructuredOutputsParams, "
+                                 "a dict of its fields, or None")
         for name, value in (("max_new_tokens", n), ("temperature", float(temperature)),
                             ("top_k", top_k if top_k > 0 else -1), ("top_p", float(top_p)), ("seed", seed),
                             ("stop_token_ids", stops), ("ignore_eos", bool(ignore_eos)), ("n", num),
@@ -195,7 +208,8 @@ class SamplingParams:
                             ("skip_special_tokens", bool(skip_special_tokens)),
                             ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
                             ("frequency_penalty", frequency_penalty), ("min_p", min_p), ("logit_bias", bias),
-                            ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ())):
+                            ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ()),
+                            ("structured_outputs", structured_outputs)):
             object.__setattr__(self, name, value)
 
     @property

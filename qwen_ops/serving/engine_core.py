@@ -79,6 +79,7 @@ class EngineCore:
         self._next_state = 0             # default caller ids
         self.owned: set[str] = set()     # ids added by messages (add) and not yet finished or aborted
         self.num_added = 0               # completions added by messages: what a parent's waiting count holds
+        self._grammars = None            # structured outputs' GrammarBackend (grammar_backend)
 
     # ------------------------------------------------------------------ requests
     def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None
@@ -101,15 +102,27 @@ class EngineCore:
                     states.append(state)
                     for i in range(sp.n):
                         child = sp.for_completion(i)
+                        grammar = (self.grammar_backend().matcher(child.structured_outputs)
+                                   if child.structured_outputs is not None else None)
                         rid = RequestId(self._next_id)
                         self._next_id += 1
-                        self.outputs.add(state, self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child)),
-                                         child)
+                        self.outputs.add(state, self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child),
+                                                                           grammar), child)
             except BaseException:
                 for st in states:
                     self._abort_state(st)
                 raise
         return states
+
+    def grammar_backend(self):
+        """The engine's xgrammar backend (``engine/structured.py``), built on first use."""
+        if self._grammars is None:
+            from qwen_ops.engine.structured import GrammarBackend
+
+            if self.engine.tokenizer is None:
+                raise ValueError("structured_outputs needs the checkpoint's tokenizer.json, which it does not have")
+            self._grammars = GrammarBackend(self.engine.tokenizer, self.engine.vocab_size, self.engine.eos_token_ids)
+        return self._grammars
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams) -> Optional[RequestDelta]:
         """Queue one request from a message; a failure comes back as its (finished) error delta."""

@@ -15,6 +15,7 @@ several threads share forward passes; each caller gets exactly its own outputs.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -180,7 +181,7 @@ class LLM:
                  device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: Optional[int] = None,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, preemption_mode: str = "recompute",
-                 kv_cache_bytes: Optional[int] = None, swap_space: Optional[int] = None,
+                 kv_cache_bytes: Optional[int] = None, swap_space: Optional[float] = None,
                  check_invariants: bool = False,
                  compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
@@ -192,9 +193,10 @@ class LLM:
         supported format (``quantization_config`` fp8 / awq / gptq) loads as it is, with or without
         naming its method here.
 
-        ``swap_space``: bytes of host memory for KV swapped out by preemption (vLLM's
-        ``swap_space``, which is in GiB); default ``default_swap_space_bytes()``. When it is full,
-        preemption recomputes instead (``stats()["num_swap_full_recomputes"]``).
+        ``swap_space``: GiB of host memory for KV swapped out by preemption (vLLM's ``swap_space``,
+        a number: 0.5 is 512 MiB); default ``default_swap_space_bytes()`` (a quarter of RAM, at most
+        4 GiB). When it is full, preemption recomputes instead (``stats()["num_swap_full_recomputes"]``;
+        ``stats()["swap_space_bytes"]`` is the bound in bytes).
 
         ``enable_prefix_caching`` (default on, as in vLLM): full KV blocks are shared by content,
         so a prompt that starts like an earlier one (a system prompt, the previous turns of a
@@ -223,7 +225,9 @@ class LLM:
         _check_int("num_kv_blocks", num_kv_blocks, 1, optional=True)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, optional=True)
         _check_int("kv_cache_bytes", kv_cache_bytes, 1, optional=True)
-        _check_int("swap_space", swap_space, 0, optional=True)
+        if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float))
+                                       or not math.isfinite(swap_space) or swap_space < 0):
+            raise ValueError(f"swap_space = {swap_space!r}, expected a number of GiB >= 0 (vLLM's unit) or None")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {preemption_mode!r}, expected 'recompute' or 'swap'")
         if not isinstance(enable_prefix_caching, bool):
@@ -299,7 +303,7 @@ class LLM:
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
-            swap_space_bytes=default_swap_space_bytes() if swap_space is None else swap_space,
+            swap_space_bytes=default_swap_space_bytes() if swap_space is None else int(swap_space * (1 << 30)),
             check_invariants=check_invariants), spec)
         self.scheduler = self.core.scheduler
         self.model_path = Path(default_model_path() if model is None else model)

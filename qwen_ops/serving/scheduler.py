@@ -43,7 +43,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -78,6 +78,7 @@ class Request:
     stop_reason: Optional[int] = None
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
+    grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
 
     @property
     def num_tokens(self) -> int:
@@ -167,9 +168,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
-                    stop_ids: frozenset[int]) -> Request:
+                    stop_ids: frozenset[int], grammar=None) -> Request:
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
-                      generator=sampling.make_generator(self.device))
+                      generator=sampling.make_generator(self.device), grammar=grammar)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -273,7 +274,7 @@ class Scheduler:
         decode one token a step."""
         sp = req.sampling
         n_out = len(req.output_token_ids)
-        if sp.logprobs is not None or n_out < sp.min_tokens or sp.processes_logits:
+        if sp.logprobs is not None or n_out < sp.min_tokens or sp.processes_logits or req.grammar is not None:
             return []
         room = min(budget.remaining_decode() + 1, sp.max_new_tokens - n_out, self.config.max_model_len - req.num_tokens) - 1
         if room <= 0:
@@ -399,7 +400,8 @@ class Scheduler:
             tokens = list(tokens) + list(drafts)
         history = (req.prompt_token_ids, req.output_token_ids) if req.sampling.processes_logits else None
         return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids),
-                              req.sampling, req.generator, tuple(banned), tuple(drafts), history=history)
+                              req.sampling, req.generator, tuple(banned), tuple(drafts), history=history,
+                              grammar=req.grammar)
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config
@@ -475,6 +477,11 @@ class Scheduler:
                     self.num_spec_emitted_tokens += 1
                 reason = finish_reason(token, len(req.output_token_ids), req.sampling, req.stop_ids, req.num_tokens,
                                        max_len)
+                if req.grammar is not None:
+                    # The mask allowed only this grammar's tokens; a completed grammar ends the request.
+                    req.grammar.accept_token(token)
+                    if reason is None and req.grammar.is_terminated():
+                        reason = "stop"
                 if reason is not None:
                     self.finish(req, reason, token if reason == "stop" else None)
                     break

@@ -12,9 +12,33 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+# ChatML with tools in the hermes convention Qwen's models use: the functions as JSON lines
+# between <tools> tags in a system turn, calls as {"name", "arguments"} JSON between <tool_call>
+# tags, results as a user turn between <tool_response> tags. Without tools or tool turns it
+# renders exactly plain ChatML.
 CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nTo call a function, answer with a JSON object holding its name and arguments '"
+    " + 'between <tool_call> and </tool_call> tags, one call per pair. The functions:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' + call['arguments']"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -84,9 +108,11 @@ class ChatTemplate:
                            eos_token=_token_text(config.get("eos_token")), origin=origin)
         return cls(bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
 
-    def render(self, messages: Sequence[dict], /, *, add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """The prompt text of ``messages``; ``template_kwargs`` (``chat_template_kwargs``, e.g.
-        ``enable_thinking``) are more variables for the template, never replacing its own."""
+    def render(self, messages: Sequence[dict], /, *, add_generation_prompt: bool = True,
+               tools: Optional[list] = None, **template_kwargs) -> str:
+        """The prompt text of ``messages`` (and ``tools``: OpenAI's function objects, for templates
+        that list them); ``template_kwargs`` (``chat_template_kwargs``, e.g. ``enable_thinking``)
+        are more variables for the template, never replacing its own."""
         from jinja2 import TemplateError
 
         reserved = {"messages", "add_generation_prompt", "tools", *self._specials}.intersection(template_kwargs)
@@ -94,7 +120,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}: the template's own variables")
         try:
             return self._template.render(**template_kwargs, messages=list(messages),
-                                         add_generation_prompt=add_generation_prompt, tools=None, **self._specials)
+                                         add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                         **self._specials)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:

@@ -7,9 +7,10 @@ was expected in one sentence. Every error leaves as OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with ``param`` naming the request field.
 
 Unknown fields are ignored (as vLLM does); known OpenAI fields this server cannot honour
-(``tools``, ``suffix``, ...) are a 400 unless they hold their no-op value. Penalties,
-``logit_bias``, and vLLM's ``min_p``, ``allowed_token_ids`` and ``bad_words`` go to
-``SamplingParams``, which names a bad value's field.
+(``suffix``) are a 400 unless they hold their no-op value. Penalties, ``logit_bias``, and vLLM's
+``min_p``, ``allowed_token_ids`` and ``bad_words`` go to ``SamplingParams``, which names a bad
+value's field; ``response_format`` / ``structured_outputs`` / ``guided_*`` become its
+``structured_outputs``; ``tools`` / ``tool_choice`` are ``chat_tools`` and ``tools.py``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class _SamplingFields(_Strict):
     min_p: Optional[float] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Any = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -279,13 +285,71 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         for key in ("name", "tool_call_id"):
             if isinstance(m.get(key), str):
                 msg[key] = check_text(m[key], f"{where}.{key}")
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise bad_request(f"{where}.tool_calls = {_show(calls)}, expected an array", f"{where}.tool_calls")
+            msg["tool_calls"] = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                        not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                    raise bad_request(f"{where}.tool_calls[{j}] = {_show(call)}, expected {{\"type\": \"function\", "
+                                      '"function": {"name": str, "arguments": str}}', f"{where}.tool_calls[{j}]")
+                args = fn.get("arguments", "{}")
+                msg["tool_calls"].append({"name": fn["name"],
+                                          "arguments": args if isinstance(args, str) else json.dumps(args)})
         out.append(msg)
     return out
 
 
+def chat_tools(tools: Any, tool_choice: Any) -> tuple[Optional[list], str, Optional[dict]]:
+    """``(tools for the template, mode, forced function)``: mode is "none", "auto", "required" or
+    "named" (the forced function's object then). OpenAI's defaults: "auto" with tools, else "none"."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise bad_request(f"tool_choice = {_show(tool_choice)} needs tools", "tool_choice")
+        return None, "none", None
+    if not isinstance(tools, list) or not tools:
+        raise bad_request(f"tools = {_show(tools)}, expected a non-empty array of function tools", "tools")
+    names = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}] = {_show(t)}, expected {{\"type\": \"function\", \"function\": "
+                              '{"name": str, "parameters": {...}}}', f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters = {_show(params)}, expected a JSON schema object",
+                              f"tools[{i}].function.parameters")
+        names[fn["name"]] = fn
+    if tool_choice is None or tool_choice == "auto":
+        return tools, "auto", None
+    if tool_choice == "none":
+        return None, "none", None
+    if tool_choice == "required":
+        return tools, "required", None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if isinstance(fn, dict) and fn.get("name") in names:
+        return tools, "named", names[fn["name"]]
+    raise bad_request(f"tool_choice = {_show(tool_choice)}, expected \"none\", \"auto\", \"required\" or "
+                      f"{{\"type\": \"function\", \"function\": {{\"name\": one of {sorted(names)}}}}}", "tool_choice")
+
+
+def tool_call_schema(mode: str, tools: list, named: Optional[dict]) -> dict:
+    """The JSON schema a forced tool choice constrains the output to (vLLM's approach): a named
+    function's arguments, or for "required" an array of at least one ``{"name", "parameters"}``."""
+    if mode == "named":
+        return named.get("parameters", {"type": "object"})
+    items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                               "parameters": t["function"].get("parameters", {"type": "object"})},
+              "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+
+
 def check_unsupported(req: _SamplingFields) -> None:
     """A 400 for fields this server cannot honour unless they hold their no-op value."""
-    noop = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
+    noop = {"suffix": (None, "")}
     for name, allowed in noop.items():
         if name in type(req).model_fields and getattr(req, name) not in allowed:
             raise bad_request(f"{name} = {_show(getattr(req, name))} is not supported by this server; "
@@ -298,10 +362,6 @@ def check_unsupported(req: _SamplingFields) -> None:
     if best_of is not None and best_of != req.n:
         raise bad_request(f"best_of = {best_of} is not supported; leave it out or set it equal to n = {req.n}",
                           "best_of")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(f"response_format = {_show(fmt)} is not supported; only {{\"type\": \"text\"}}",
-                          "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream = true", "stream_options")
 
@@ -345,6 +405,58 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     return kw
+
+
+def structured_outputs(req: _SamplingFields):
+    """``(field, StructuredOutputsParams)`` of the request (or None), from OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` object, or its older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one of them.
+    Errors are 400s naming the field."""
+    from qwen_ops.engine.structured import StructuredOutputsParams
+
+    found = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format.json_schema must be an object with a \"schema\" object",
+                                  "response_format")
+            found.append(("response_format", {"json": spec.get("schema", {})}))
+        elif kind != "text":
+            raise bad_request(f"response_format.type = {_show(kind)}, expected \"text\", \"json_object\" or "
+                              "\"json_schema\"", "response_format")
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            if name == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise bad_request(f"guided_json is not valid JSON: {e}", name) from None
+            found.append((name, {key: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output; give one", found[1][0])
+    field, spec = found[0]
+    unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar", "any_whitespace",
+                                  "disable_any_whitespace"})
+    if unknown:
+        raise bad_request(f"{field}.{unknown[0]} is not a structured output this server supports; expected json, "
+                          "json_object, regex, choice or grammar", field)
+    if "disable_any_whitespace" in spec:
+        spec["any_whitespace"] = not spec.pop("disable_any_whitespace")
+    try:
+        return field, StructuredOutputsParams(**spec)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e).replace("structured_outputs", field, 1), field) from None
 
 
 def check_params(params, vocab_size: int, tokenizer):

@@ -37,6 +37,8 @@ from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
 from qwen_ops.serving.openai.reasoning import make_parser
+from qwen_ops.serving.openai import tools as T
+from qwen_ops.engine.structured import StructuredOutputsParams
 from qwen_ops.serving.openai.metrics import ServerMetrics
 
 logger = logging.getLogger("qwen_ops.serving.openai")
@@ -237,10 +239,10 @@ class _Generation:
 
 class _Cursor:
     """What one choice's stream has sent so far."""
-    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen", "reasoning_chars", "content_chars")
+    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen", "reasoning_chars", "content_chars", "calls")
 
     def __init__(self) -> None:
-        self.chars = self.tokens = self.offset = self.reasoning_chars = self.content_chars = 0
+        self.chars = self.tokens = self.offset = self.reasoning_chars = self.content_chars = self.calls = 0
         self.started = self.done = False
         self.seen = None          # the CompletionOutput last looked at (an unchanged one is the same object)
 
@@ -308,11 +310,12 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
 
 class _Prepared:
     """One request, parsed and tokenized (off the event loop for a big body)."""
-    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning")
+    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools")
 
     def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
         self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
         self.reasoning = None          # a chat request's reasoning parser (reasoning.py), or None
+        self.tools = ("none", None)    # a chat request's tool mode and forced function (tools.py)
 
 
 class _Serving:
@@ -321,6 +324,7 @@ class _Serving:
                  request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self._grammars = None          # structured outputs: an xgrammar backend for the 400s (engine/structured.py)
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.vocab_size)
@@ -391,10 +395,38 @@ class _Serving:
                                 f"{self.max_model_len} tokens, which no text over {bound} characters fits", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: Optional[dict]) -> str:
+    def constrained(self, req, kwargs: dict) -> dict:
+        """``kwargs`` with the request's structured output, compiled here first (cached) so that a bad
+        schema, regex or grammar is a 400 naming its field before anything reaches the engine."""
+        found = P.structured_outputs(req)
+        if found is None:
+            return kwargs
+        field, so = found
+        return {**kwargs, "structured_outputs": self.compile_spec(field, so)}
+
+    def compile_spec(self, field: str, so):
+        """``so`` compiled with this server's grammar backend (cached), or a 400 naming ``field``."""
+        if self._grammars is None:
+            from qwen_ops.engine.structured import GrammarBackend
+
+            if self.tokenizer is None:
+                raise P.bad_request("structured outputs need a tokenizer, and this model has none", field)
+            try:
+                # Validation only: the engine's own backend knows the stop tokens.
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, (0,))
+            except ValueError as e:                       # xgrammar is not installed
+                raise P.bad_request(str(e), field) from None
+        try:
+            self._grammars.compile(so)
+        except ValueError as e:
+            raise P.bad_request(str(e).replace("structured_outputs", field, 1), field) from None
+        return so
+
+    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: Optional[dict],
+                    tools: Optional[list] = None) -> str:
         """The chat template's text of ``messages`` (a 400 naming the field it cannot render)."""
         try:
-            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                              **(template_kwargs or {}))
         except ChatTemplateError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
@@ -523,8 +555,9 @@ class _Serving:
             self.check_ids(ids, where, "prompt")
             prompts.append(ids)
         max_tokens = self.max_tokens_for(prompts, req.max_tokens, "max_tokens", "prompt")
-        params = P.check_params(P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs),
-                                                  max_tokens_field="max_tokens"), self.vocab_size, self.tokenizer)
+        params = P.check_params(P.sampling_params(self.constrained(req, P.sampling_kwargs(
+            req, max_tokens=max_tokens, logprobs=req.logprobs)), max_tokens_field="max_tokens"),
+            self.vocab_size, self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
         return _Prepared(req, prompts, params, echoes, req.logprobs)
 
@@ -596,16 +629,24 @@ class _Serving:
             raise P.bad_request("top_logprobs needs logprobs = true", "top_logprobs")
         P.check_logprobs("top_logprobs", req.top_logprobs)
         P.stop_strings(req.stop)
-        text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools, mode, named = P.chat_tools(req.tools, req.tool_choice)
+        text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_ids(ids, "messages (rendered)", "messages")
         max_tokens = self.max_tokens_for([ids], requested, field, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = P.check_params(P.sampling_params(P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k),
-                                                  max_tokens_field=field, logprobs_field="top_logprobs"),
+        kwargs = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k))
+        if mode in ("required", "named"):          # forced: the reply is the call's JSON (tools.py)
+            if "structured_outputs" in kwargs:
+                raise P.bad_request(f"tool_choice = {mode!r} and a structured output both constrain the reply; "
+                                    "give one", "tool_choice")
+            kwargs["structured_outputs"] = self.compile_spec(
+                "tool_choice", StructuredOutputsParams(json=P.tool_call_schema(mode, tools, named)))
+        params = P.check_params(P.sampling_params(kwargs, max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
         prep = _Prepared(req, [ids], params, None, k, field)
-        prep.reasoning = make_parser(self.reasoning_parser, text)
+        prep.reasoning = make_parser(self.reasoning_parser, text) if mode == "none" else None
+        prep.tools = (mode, named)
         return prep
 
     async def chat(self, request: Request, body: bytes):
@@ -614,6 +655,7 @@ class _Serving:
         prep = await self.prepare(self._prepare_chat, body)
         req, (ids,), params, k = prep.req, prep.prompts, prep.params, prep.k
         parser = prep.reasoning
+        mode, named = prep.tools
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, [ids], params, rid)
@@ -627,10 +669,19 @@ class _Serving:
                 if k is not None and c.logprobs is not None:
                     lp = {"content": P.chat_logprobs(c.token_ids, c.logprobs, k, self.decode)}
                 message = {"role": "assistant", "content": c.text}
+                finish = c.finish_reason
                 if parser is not None:
                     message["reasoning_content"], message["content"] = parser.split(c.text)
+                if mode != "none":
+                    if mode == "auto":
+                        content, calls = T.parse_hermes(c.text)
+                    else:
+                        content, calls = None, T.forced_calls(mode, c.text, named)
+                    if calls:
+                        message["content"], message["tool_calls"] = content, T.openai_calls(calls)
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": c.index, "message": message,
-                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
             generated = sum(len(c.token_ids) for c in out.outputs)
             return {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
 
@@ -654,7 +705,23 @@ class _Serving:
                     cur.seen = c
                     text = c.text[cur.chars:]
                     new_ids = c.token_ids[cur.tokens:]
-                    if parser is not None:
+                    finish = c.finish_reason
+                    if mode != "none":
+                        final = c.finish_reason is not None
+                        if mode == "auto":
+                            content, calls = T.stream_split(c.text, final)
+                        else:
+                            content, calls = "", (T.forced_calls(mode, c.text, named) if final else [])
+                        if len(content) > cur.content_chars:
+                            events.append(event(c.index, f'{{"content":{_json_str(content[cur.content_chars:])}}}'))
+                            cur.content_chars = len(content)
+                        if len(calls) > cur.calls:
+                            deltas = T.openai_calls(calls[cur.calls:], with_index=True, start=cur.calls)
+                            events.append(event(c.index, _dumps({"tool_calls": deltas})))
+                            cur.calls = len(calls)
+                        if final and cur.calls and finish == "stop":
+                            finish = "tool_calls"
+                    elif parser is not None:
                         reasoning, content = parser.split(c.text, final=c.finish_reason is not None)
                         parts = []
                         if reasoning is not None and len(reasoning) > cur.reasoning_chars:
@@ -673,7 +740,7 @@ class _Serving:
                     cur.chars, cur.tokens = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         cur.done = True
-                        events.append(event(c.index, "{}", None, c.finish_reason, c.stop_reason))
+                        events.append(event(c.index, "{}", None, finish, c.stop_reason))
                 if events:
                     yield "".join(events)
             if req.stream_options is not None and req.stream_options.include_usage:

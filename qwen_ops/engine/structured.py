@@ -1,0 +1,155 @@
+"""Structured outputs (issue 30): vLLM's ``SamplingParams(structured_outputs=StructuredOutputsParams(...))``
+on xgrammar (vLLM's default grammar engine; the ``structured`` extra).
+
+- ``StructuredOutputsParams``: one of ``json`` (a JSON schema, dict or str), ``json_object`` (any
+  JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, xgrammar's GBNF
+  dialect); JSON is compact unless ``any_whitespace`` (vLLM's ``disable_any_whitespace`` inverted:
+  a small model given free whitespace can spend its whole budget on it).
+- ``GrammarBackend`` (one per engine, and one in the server for its 400s): the tokenizer's
+  xgrammar vocabulary, and compiled grammars cached by ``(kind, canonical spec, whitespace)``
+  (``cache_key``): a schema compiles once per process, whatever request brings it.
+- Per request, a ``GrammarMatcher`` lives on the scheduler's ``Request`` (it advances with the
+  request's accepted tokens, so preemption by recompute or swap leaves it right). Each step the
+  runner fills one token bitmask row per constrained sequence, for the whole batch, and applies it
+  to the logits in one ``apply_token_bitmask_inplace`` call, after the penalties and before
+  temperature; the bitmask is filled on a worker thread while the forward pass runs (the matchers'
+  state is known before it: it depends only on tokens already accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256          # compiled grammars kept per backend (LRU)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured_outputs needs the xgrammar package (pip install 'qwen_ops[structured]')") from e
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: Union[str, dict, None] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if (getattr(self, k) not in (None, False))]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs sets {given or 'nothing'}; expected exactly one of {list(KINDS)}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json = {self.json!r}, expected a JSON schema (a dict or a str)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex = {self.regex!r}, expected a non-empty str")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar = {self.grammar!r}, expected a non-empty EBNF str")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Sequence) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice = {self.choice!r}, expected a non-empty list of "
+                                 "non-empty str")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool) or not isinstance(self.any_whitespace, bool):
+            raise ValueError("structured_outputs.json_object and .any_whitespace must be True or False")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple:
+        """What a compiled grammar depends on: the kind, the spec (a schema as compact JSON in its
+        own key order: the order of its properties is the order of the output's) and the
+        whitespace rule."""
+        spec: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if isinstance(spec, dict):
+            spec = json.dumps(spec, separators=(",", ":"))
+        return self.kind, spec, self.any_whitespace
+
+
+class GrammarBackend:
+    """A tokenizer's xgrammar vocabulary and a cache of compiled grammars (module docstring)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+        xgr = _xgrammar()
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+        self.vocab_size = int(vocab_size)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                       stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0                           # cache misses (benchmarks, tests)
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of ``params`` (cached); a bad schema, regex or grammar is a
+        ValueError naming ``structured_outputs.<kind>``."""
+        key = params.cache_key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        kind, spec, any_ws = key
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=any_ws)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec)
+            elif kind == "choice":
+                alts = " | ".join(json.dumps(c) for c in spec)
+                compiled = self.compiler.compile_grammar(f"root ::= {alts}")
+            else:
+                compiled = self.compiler.compile_grammar(spec)
+        except Exception as e:                       # noqa: BLE001 - xgrammar raises several types
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {type(e).__name__}: {e}") from None
+        with self._lock:
+            self.compiles += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams):
+        return _xgrammar().GrammarMatcher(self.compile(params))
+
+    @staticmethod
+    def apply(logits, mask, rows: Sequence[int]) -> None:
+        """Mask ``logits`` rows ``rows`` (in place) with ``mask``'s rows, one call for the batch."""
+        xgr = _xgrammar()
+        if len(rows) == logits.shape[0]:
+            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
+        else:
+            full = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+            full[list(rows)] = mask
+            xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=list(rows))
+
+
+def fill_bitmask(matchers: Sequence[Any], vocab_size: int):
+    """One int32 bitmask row per matcher (``xgrammar.allocate_token_bitmask``): the tokens each
+    sequence's grammar allows next."""
+    xgr = _xgrammar()
+    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(mask, i)
+    return mask

@@ -1,0 +1,305 @@
+"""Structured outputs (issue 30) on xgrammar: offline through ``SamplingParams(structured_outputs=...)``
+and served through ``response_format`` / vLLM's fields, with the official ``openai`` client.
+
+The oracle is a library's validator (``jsonschema``), never hand-written checks; outputs are drawn
+at temperature 1.0 with different seeds, so the grammar, not the model's habits, makes them valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from qwen_ops import LLM, SamplingParams
+from qwen_ops.engine.structured import StructuredOutputsParams
+
+from server_fixture import PassThroughEngine, make_engine, running_server
+
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar")
+jsonschema = pytest.importorskip("jsonschema", reason="the schema validator is the oracle")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                      "zip": {"type": "integer"}},
+                    "required": ["city"], "additionalProperties": False},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "color", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=16)
+
+
+def test_json_schema_outputs_always_validate(llm):
+    """24 seeded requests at temperature 1.0: every output is JSON that validates, with nested
+    objects, enums, arrays, bounds and required fields; the schema compiles once."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_outputs={"json": SCHEMA})
+              for s in range(24)]
+    outs = llm.generate(["A person as JSON: "] * 24, params)
+    seen = set()
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c
+        value = json.loads(c.text)
+        jsonschema.validate(value, SCHEMA)
+        seen.add(c.text)
+    assert len(seen) > 12                                   # sampled, not one fixed string
+    assert llm.core.grammar_backend().compiles == 1
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    sp = lambda **so: SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=so)  # noqa: E731
+    date = llm.generate("Date: ", sp(regex=r"\d{4}-(0[1-9]|1[0-2])-[0-3]\d"))[0].outputs[0].text
+    assert re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-[0-3]\d", date), date
+    pick = [llm.generate("Pick: ", SamplingParams(temperature=1.0, seed=s, max_tokens=8,
+                                                  structured_outputs={"choice": ["yes", "no", "maybe"]}))[0]
+            .outputs[0].text for s in range(6)]
+    assert set(pick) <= {"yes", "no", "maybe"} and len(set(pick)) > 1
+    ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    expr = llm.generate("Sum: ", sp(grammar=ebnf))[0].outputs[0].text
+    assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", expr), expr
+    obj = llm.generate("JSON: ", SamplingParams(temperature=1.0, seed=5, max_tokens=200,
+                                                structured_outputs={"json_object": True}))[0].outputs[0]
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    else:                                                   # cut by max_tokens: still a JSON prefix
+        assert obj.text.startswith("{")
+
+
+def test_with_preemption_prefix_caching_and_speculation():
+    """A cache too small for all requests (preemption by recompute and swap), prefix caching on,
+    and n-gram speculation configured (constrained requests do not draft): outputs still validate."""
+    for mode in ("recompute", "swap"):
+        llm = LLM(max_num_seqs=8, max_model_len=256, num_kv_blocks=20, block_size=16, preemption_mode=mode,
+                  check_invariants=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        prompt = "A person as JSON, for the records of the city office: "
+        outs = llm.generate([prompt] * 8, [SamplingParams(temperature=1.0, seed=s, max_tokens=160,
+                                                          structured_outputs={"json": SCHEMA}) for s in range(8)])
+        for o in outs:
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        s = llm.stats()
+        assert s["num_preemptions"] > 0 and s["spec_num_drafts"] == 0, s
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"json": {"type": "object", "properties": {"a": {"type": "strnig"}}}}, r"structured_outputs.json cannot be compiled"),
+    ({"regex": "(unclosed"}, r"structured_outputs.regex cannot be compiled"),
+    ({"grammar": "root ::= undefined_rule"}, r"structured_outputs.grammar cannot be compiled"),
+])
+def test_bad_specs_name_the_field(llm, spec, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate("x", SamplingParams(structured_outputs=spec))
+    assert llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(), r"structured_outputs sets nothing; expected exactly one of"),
+    (dict(json={}, regex="a"), r"structured_outputs sets \['json', 'regex'\]"),
+    (dict(choice=[]), r"structured_outputs.choice = \[\], expected a non-empty list"),
+    (dict(json=5), r"structured_outputs.json = 5, expected a JSON schema"),
+])
+def test_bad_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match=r"structured_outputs = 3, expected a StructuredOutputsParams"):
+        SamplingParams(structured_outputs=3)
+
+
+# ----------------------------------------------------------------- served, with the openai client
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = make_engine()
+    try:
+        with running_server(engine) as srv:
+            with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+                yield c
+    finally:
+        engine.shutdown()
+
+
+def chat(client, **kw):
+    kw.setdefault("max_tokens", 160)
+    return client.chat.completions.create(model="qwen-ops-default", messages=[{"role": "user", "content": "A person."}],
+                                          **kw)
+
+
+def test_served_json_schema_validates(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for seed in range(8):
+        text = chat(client, temperature=1.0, seed=seed, response_format=fmt).choices[0].message.content
+        jsonschema.validate(json.loads(text), SCHEMA)
+    obj = chat(client, temperature=0, response_format={"type": "json_object"}, max_tokens=400)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       chat(client, temperature=1.0, seed=1, response_format=fmt, stream=True) if ch.choices)
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+    pick = client.completions.create(model="qwen-ops-default", prompt="Answer: ", max_tokens=8, temperature=1.0,
+                                     extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert pick.choices[0].text in ("alpha", "beta")
+    legacy = client.completions.create(model="qwen-ops-default", prompt="Answer: ", max_tokens=8, temperature=1.0,
+                                       extra_body={"guided_choice": ["gamma", "delta"]})
+    assert legacy.choices[0].text in ("gamma", "delta")
+
+
+def test_parse_with_a_pydantic_model(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=10)
+        population: int
+        kind: Literal["town", "city"]
+
+    done = client.chat.completions.parse(model="qwen-ops-default", messages=[{"role": "user", "content": "A city."}],
+                                         response_format=City, temperature=1.0, seed=2, max_tokens=120)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and city.kind in ("town", "city")
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}),
+     "response_format"),
+    (dict(response_format={"type": "yaml"}), "response_format"),
+    (dict(extra_body={"structured_outputs": {"regex": "(oops"}}), "structured_outputs"),
+    (dict(extra_body={"guided_json": "{not json"}), "guided_json"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), "guided_regex"),
+])
+def test_served_errors_name_the_field(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, **kw)
+    assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+
+
+# ----------------------------------------------------------------- tool calls (hermes), served
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def ask(client, **kw):
+    kw.setdefault("max_tokens", 120)
+    return client.chat.completions.create(model="qwen-ops-default",
+                                          messages=[{"role": "user", "content": "Weather in Paris?"}], **kw)
+
+
+def test_forced_tool_calls_always_parse(client):
+    """tool_choice naming a function, and "required": the reply is forced to the call's JSON, so
+    at temperature 1.0 every call parses and its arguments validate; streamed calls equal them."""
+    for seed in range(4):
+        r = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=seed,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+        assert r.choices[0].finish_reason == "tool_calls"
+        req = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=seed, tool_choice="required", max_tokens=200)
+        calls = req.choices[0].message.tool_calls
+        if req.choices[0].finish_reason == "length":
+            continue                                        # cut before the array closed
+        assert calls, req
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    full = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=9, tool_choice=named).choices[0].message.tool_calls
+    got = {}
+    for chunk in ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=9, tool_choice=named, stream=True):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = got.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(got.items())] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in full]
+
+
+CALL_TEXT = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+
+
+class _CallingEngine(PassThroughEngine):
+    """The real engine, its chat replies replaced by a hermes tool call revealed 6 characters per
+    update (so the tags arrive split across stream chunks), as a tool-using Qwen writes them."""
+
+    async def generate(self, prompt, params, request_id=None):
+        import dataclasses
+
+        n = 0
+        async for out in self.real.generate(prompt, params, request_id):
+            n += 1
+            shown = CALL_TEXT if out.finished else CALL_TEXT[:min(len(CALL_TEXT), 6 * n)]
+            yield dataclasses.replace(out, outputs=[dataclasses.replace(c, text=shown, finish_reason=c.finish_reason
+                                                                        and "stop") for c in out.outputs])
+
+
+def test_auto_tool_calls_parse_and_stream():
+    engine = make_engine()
+    try:
+        with running_server(_CallingEngine(engine)) as srv:
+            with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+                r = ask(c, tools=[WEATHER], temperature=0, max_tokens=40).choices[0]
+                assert r.finish_reason == "tool_calls" and r.message.content == "Let me check."
+                (call,) = r.message.tool_calls
+                assert call.function.name == "get_weather"
+                assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+                content, calls, finish = "", {}, None
+                for chunk in ask(c, tools=[WEATHER], temperature=0, max_tokens=40, stream=True):
+                    if not chunk.choices:
+                        continue
+                    ch = chunk.choices[0]
+                    content += ch.delta.content or ""
+                    for d in ch.delta.tool_calls or []:
+                        calls[d.index] = (d.function.name, json.loads(d.function.arguments))
+                    finish = ch.finish_reason or finish
+                assert content.strip() == "Let me check." and "<tool" not in content
+                assert calls == {0: ("get_weather", {"city": "Paris", "unit": "C"})} and finish == "tool_calls"
+                plain = ask(c, temperature=0, max_tokens=40).choices[0].message       # no tools: text as is
+                assert plain.content == CALL_TEXT and not plain.tool_calls
+    finally:
+        engine.shutdown()
+
+
+def test_tool_turns_render_and_errors_name_the_field(client):
+    from qwen_ops.serving.openai.chat import ChatTemplate
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}]
+    r = client.chat.completions.create(model="qwen-ops-default", messages=history, tools=[WEATHER], max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    from qwen_ops.serving.openai import protocol as P
+
+    text = ChatTemplate().render(P.chat_messages(history), tools=[WEATHER])
+    assert '"name": "get_weather"' in text and "<tools>" in text and "<tool_response>\n21 C and sunny" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in text
+    for kw, param in ((dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                      (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
+                      (dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                       "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as info:
+            ask(client, **kw)
+        assert info.value.body["param"] == param, info.value.body
