@@ -270,8 +270,8 @@ class Scheduler:
     def _drafts(self, req: Request, budget: TokenBudget) -> list[int]:
         """The proposer's drafts for the request's decode, cut to what the step may emit: the
         budget's decode tokens, ``max_tokens`` and ``max_model_len`` (k drafts emit up to k + 1
-        tokens). None while ``min_tokens`` bans stop tokens or for logprobs requests: those
-        decode one token a step."""
+        tokens). None while ``min_tokens`` bans stop tokens, and for requests with logprobs,
+        processed logits (penalties, bias, bad words) or a grammar: those decode one token a step."""
         sp = req.sampling
         n_out = len(req.output_token_ids)
         if sp.logprobs is not None or n_out < sp.min_tokens or sp.processes_logits or req.grammar is not None:
