@@ -293,6 +293,7 @@ def test_tool_turns_render_and_errors_name_the_field(client):
     from qwen_ops.serving.openai import protocol as P
 
     text = ChatTemplate().render(P.chat_messages(history), tools=[WEATHER])
+    assert ChatTemplate().render(history, tools=[WEATHER]) == text      # LLM.chat passes OpenAI's shape as is
     assert '"name": "get_weather"' in text and "<tools>" in text and "<tool_response>\n21 C and sunny" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in text
     for kw, param in ((dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
@@ -303,3 +304,66 @@ def test_tool_turns_render_and_errors_name_the_field(client):
         with pytest.raises(openai.BadRequestError) as info:
             ask(client, **kw)
         assert info.value.body["param"] == param, info.value.body
+
+
+def _random_mask(rows: int, vocab: int, density: float, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.rand(rows, vocab, generator=g) < density
+    words = (bits.view(rows, -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.002, 0.3, 1.0])
+def test_cpu_bitmask_kernel_matches_xgrammar(density):
+    """The C masking kernel against xgrammar's own apply_token_bitmask_inplace (the reference), on
+    fresh random logits and masks, all rows and a subset of rows; tokens past the mask are -inf."""
+    import torch
+    import xgrammar as xgr
+
+    from qwen_ops.ops.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.why_unavailable() is not None:
+        pytest.skip(cpu_kernels.why_unavailable())
+    n, vocab = 7, 8192 + 96
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=g) * 4
+    mask = _random_mask(n, vocab, density, 5)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, mask)
+    got = logits.clone()
+    cpu_kernels.apply_token_bitmask(got, mask, range(n))
+    assert torch.equal(got, want)
+    rows = [5, 1, 3]
+    want = logits.clone()
+    full = xgr.allocate_token_bitmask(n, vocab)
+    full[rows] = mask[:3]
+    xgr.apply_token_bitmask_inplace(want, full, indices=rows)
+    got = logits.clone()
+    cpu_kernels.apply_token_bitmask(got, mask[:3], rows)
+    assert torch.equal(got, want)
+    narrow = logits.clone()
+    cpu_kernels.apply_token_bitmask(narrow, torch.full((1, 8192 // 32), -1, dtype=torch.int32), [0])
+    assert torch.equal(narrow[0, :8192], logits[0, :8192]) and bool((narrow[0, 8192:] == float("-inf")).all())
+    with pytest.raises(ValueError, match=r"rows = \[9\], expected row indices in \[0, 7\)"):
+        cpu_kernels.apply_token_bitmask(logits.clone(), mask[:1], [9])
+    with pytest.raises(ValueError, match=r"mask has dtype torch.int64"):
+        cpu_kernels.apply_token_bitmask(logits.clone(), mask[:1].long(), [0])
+
+
+def test_bitmask_filled_beside_the_forward_pass_gives_the_same_tokens(llm):
+    """The worker-thread fill (used for fills slower than GRAMMAR_OVERLAP_MIN_S) and the inline
+    one produce the same seeded tokens."""
+    runner = llm.engine.runner
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs={"json": SCHEMA})
+              for s in range(6)]
+    inline = [o.outputs[0].text for o in llm.generate(["A person as JSON: "] * 6, params)]
+    runner.grammar_overlap_min_s = -1.0
+    try:
+        beside = [o.outputs[0].text for o in llm.generate(["A person as JSON: "] * 6, params)]
+    finally:
+        from qwen_ops.engine.runner import GRAMMAR_OVERLAP_MIN_S
+
+        runner.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S
+    assert beside == inline and runner._grammar_pool is not None

@@ -37,6 +37,11 @@ from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metad
 from qwen_ops.torch_library import SCHEMAS
 
 
+# Structured outputs: a bitmask fill that took longer than this runs beside the next forward pass,
+# on a worker thread; a cheaper one costs less inline than the handoff (benchmarks/README.md).
+GRAMMAR_OVERLAP_MIN_S = 0.5e-3
+
+
 def decode_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, then every 8 up to ``max_batch`` (which is always the last bucket)."""
     sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
@@ -179,7 +184,8 @@ class ModelRunner:
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model": a DraftRunner (attach_draft)
         self._grammar_pool = None    # structured outputs: the thread that fills token bitmasks
-        self.overlap_grammar = True  # fill them while the forward pass runs (False: before it)
+        self.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S   # fills slower than this go beside the forward
+        self.grammar_fill_s = 0.0    # the last fill's seconds
         self.workers = None          # in-process TP: the other ranks (call() sends them each call)
         self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
 
@@ -210,23 +216,24 @@ class ModelRunner:
         tasks = plan.tasks()
         if self.draft is not None:
             tasks = self.draft.propose(tasks)
-        # Structured outputs: the grammars' token bitmask is filled on a worker thread while the
-        # forward pass runs (it depends only on tokens already accepted).
+        # Structured outputs: the grammars' token bitmask (it depends only on tokens already
+        # accepted) is filled on a worker thread while the forward pass runs once filling it costs
+        # more than the thread handoff (grammar_overlap_min_s, judged by the last fill); cheaper
+        # fills run here, before the forward (benchmarks/README.md: handing 0.04 ms of work to a
+        # thread cost 6% of the step).
         constrained = [i for i, t in enumerate(tasks) if t.grammar is not None and t.sampling is not None]
         mask_job = None
         if constrained:
-            from qwen_ops.engine.structured import fill_bitmask
-
             import concurrent.futures
 
-            if self._grammar_pool is None:
-                self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-grammar")
             args = ([tasks[i].grammar for i in constrained], int(self.model.config.vocab_size))
-            if self.overlap_grammar:
-                mask_job = self._grammar_pool.submit(fill_bitmask, *args)
-            else:                                   # benchmarks: the same work, before the forward
+            if self.grammar_fill_s > self.grammar_overlap_min_s:
+                if self._grammar_pool is None:
+                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-grammar")
+                mask_job = self._grammar_pool.submit(self._fill_bitmask, *args)
+            else:
                 mask_job = concurrent.futures.Future()
-                mask_job.set_result(fill_bitmask(*args))
+                mask_job.set_result(self._fill_bitmask(*args))
         speculating = any(t.draft_token_ids for t in tasks)
         saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
         logits = self.execute(tasks)
@@ -246,6 +253,17 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.kept(tasks, emitted)
         return RunnerOutput(logits, sampled, logprobs, emitted)
+
+    def _fill_bitmask(self, matchers, vocab_size: int) -> torch.Tensor:
+        """``structured.fill_bitmask``, timed (``grammar_fill_s``: the last fill's seconds)."""
+        import time
+
+        from qwen_ops.engine.structured import fill_bitmask
+
+        t0 = time.perf_counter()
+        mask = fill_bitmask(matchers, vocab_size)
+        self.grammar_fill_s = time.perf_counter() - t0
+        return mask
 
     def verify(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor) -> list[Optional[list[int]]]:
         """The tokens each task with drafts emits (``speculative.py``): greedy rows keep the drafts

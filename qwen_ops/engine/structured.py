@@ -10,10 +10,10 @@ on xgrammar (vLLM's default grammar engine; the ``structured`` extra).
   (``cache_key``): a schema compiles once per process, whatever request brings it.
 - Per request, a ``GrammarMatcher`` lives on the scheduler's ``Request`` (it advances with the
   request's accepted tokens, so preemption by recompute or swap leaves it right). Each step the
-  runner fills one token bitmask row per constrained sequence, for the whole batch, and applies it
-  to the logits in one ``apply_token_bitmask_inplace`` call, after the penalties and before
-  temperature; the bitmask is filled on a worker thread while the forward pass runs (the matchers'
-  state is known before it: it depends only on tokens already accepted).
+  runner fills one token bitmask row per constrained sequence, for the whole batch, and masks the
+  logits in one call (``GrammarBackend.apply``), after the penalties and before temperature; a
+  fill slower than ``runner.GRAMMAR_OVERLAP_MIN_S`` moves to a worker thread beside the next
+  forward pass (the matchers' state is known before it: it depends only on accepted tokens).
 """
 
 from __future__ import annotations
@@ -135,7 +135,15 @@ class GrammarBackend:
 
     @staticmethod
     def apply(logits, mask, rows: Sequence[int]) -> None:
-        """Mask ``logits`` rows ``rows`` (in place) with ``mask``'s rows, one call for the batch."""
+        """Mask ``logits`` rows ``rows`` (in place) with ``mask``'s rows, one call for the batch: the
+        package's C kernel on the CPU (``kernels.cpu.apply_token_bitmask``, 8x xgrammar's CPU
+        kernel at 32 x 8192: benchmarks/README.md), xgrammar's elsewhere."""
+        from qwen_ops.ops.kernels import cpu as cpu_kernels
+
+        if logits.device.type == "cpu" and logits.dtype.is_floating_point and logits.dtype.itemsize == 4 and \
+                logits.stride(1) == 1 and cpu_kernels.why_unavailable() is None:
+            cpu_kernels.apply_token_bitmask(logits, mask, rows)
+            return
         xgr = _xgrammar()
         if len(rows) == logits.shape[0]:
             xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
@@ -143,7 +151,6 @@ class GrammarBackend:
             full = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
             full[list(rows)] = mask
             xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=list(rows))
-
 
 def fill_bitmask(matchers: Sequence[Any], vocab_size: int):
     """One int32 bitmask row per matcher (``xgrammar.allocate_token_bitmask``): the tokens each

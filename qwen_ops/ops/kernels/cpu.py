@@ -53,6 +53,7 @@ _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
     "qwen_argmax_rows": ([_p, _i64, _i64, _i64, _p], None),
+    "qwen_apply_token_bitmask": ([_p, _i64, _i64, _p, _i64, _p, _i64], None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
     "qwen_bf16_dot_products": ([], ctypes.c_int),
@@ -278,6 +279,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     library().qwen_argmax_rows(x.data_ptr(), rows, cols, x.stride(0), out.data_ptr())
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows) -> None:
+    """In place: fp32 ``logits [N, vocab]`` (contiguous rows) rows ``rows[i]`` keep only the tokens
+    whose bit is set in int32 ``mask [len(rows), words]`` (xgrammar's bitmask layout: bit b of word w
+    is token 32 w + b); the rest, and tokens past the mask, become -inf. ``xgrammar``'s
+    ``apply_token_bitmask_inplace`` is the reference (tests/test_structured.py)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits has dtype {logits.dtype}, shape {tuple(logits.shape)} and strides "
+                         f"{logits.stride()}, expected fp32 [N, vocab] with contiguous rows")
+    rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
+    if mask.dtype != torch.int32 or mask.dim() != 2 or mask.shape[0] != rows_t.numel():
+        raise ValueError(f"mask has dtype {mask.dtype} and shape {tuple(mask.shape)}, expected int32 "
+                         f"[{rows_t.numel()} rows, words]")
+    if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= logits.shape[0]):
+        raise ValueError(f"rows = {rows_t.tolist()}, expected row indices in [0, {logits.shape[0]})")
+    mask = mask.contiguous()
+    library().qwen_apply_token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(),
+                                       mask.shape[1], rows_t.data_ptr(), rows_t.numel())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -439,6 +439,36 @@ void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, in
     }
 }
 
+/* Structured outputs: rows[r] of logits [*, cols] (row stride s0) keep the tokens whose bit is set
+ * in mask[r] (int32 words, bit b of word w = token 32 w + b, words_per_row words); every other
+ * token, and every token past the mask's bits, becomes -inf. A word of all ones (allowed) is
+ * skipped and one of zeros (the common case: a grammar allows few tokens) is a plain fill. */
+void qwen_apply_token_bitmask(float *logits, int64_t s0, int64_t cols, const int32_t *mask, int64_t words_per_row,
+                              const int64_t *rows, int64_t nrows) {
+    const float ninf = -__builtin_inff();
+    for (int64_t r = 0; r < nrows; ++r) {
+        float *row = logits + rows[r] * s0;
+        const uint32_t *m = (const uint32_t *)(mask + r * words_per_row);
+        int64_t covered = words_per_row * 32 < cols ? words_per_row * 32 : cols;
+        for (int64_t w = 0; w * 32 < covered; ++w) {
+            const uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu)
+                continue;
+            float *dst = row + w * 32;
+            const int64_t n = covered - w * 32 < 32 ? covered - w * 32 : 32;
+            if (bits == 0) {
+                for (int64_t b = 0; b < n; ++b)
+                    dst[b] = ninf;
+                continue;
+            }
+            for (int64_t b = 0; b < n; ++b)
+                dst[b] = (bits >> b) & 1u ? dst[b] : ninf;
+        }
+        for (int64_t c = covered; c < cols; ++c)
+            row[c] = ninf;
+    }
+}
+
 /* exp(x) for any float x (clamped to [-87, 88]): exp_nonpositive's reduction, which is valid on
  * both sides of zero. */
 static inline float exp_any(float x) {

@@ -119,13 +119,27 @@ class ChatTemplate:
         if reserved:
             raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}: the template's own variables")
         try:
-            return self._template.render(**template_kwargs, messages=list(messages),
+            return self._template.render(**template_kwargs, messages=[_flat_tool_calls(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt, tools=tools or None,
                                          **self._specials)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template ({self.origin}) cannot render these messages: {e}") from e
+
+
+def _flat_tool_calls(message: dict) -> dict:
+    """An assistant message's OpenAI ``tool_calls`` (``{"function": {"name", "arguments"}}``, the
+    arguments a JSON string or an object) as the template reads them: ``{"name", "arguments": JSON}``."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not calls or not isinstance(calls, list):
+        return message
+    flat = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        args = fn.get("arguments", "{}")
+        flat.append({"name": fn.get("name", ""), "arguments": args if isinstance(args, str) else json.dumps(args)})
+    return {**message, "content": message.get("content") or "", "tool_calls": flat}
 
 
 def _raise(message: str):
