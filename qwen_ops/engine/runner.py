@@ -449,10 +449,7 @@ class ModelRunner:
         inputs = (self.vbuf_input_ids[:rows], self.vbuf_positions[:rows], self.vbuf_slot_ids[:rows],
                   self.vbuf_seq_slots[:bucket], self.vbuf_query_start_loc[:bucket + 1], self.vbuf_seq_lens[:bucket],
                   self.vbuf_logits_indices[:rows])
-        if self.compiled and bucket > 1:
-            for t in inputs:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return inputs
+        return self._dynamic_above_one(inputs, bucket)
 
     @torch.inference_mode()
     def execute_verify(self, chunks: Sequence[BatchedRequest], executor: str) -> torch.Tensor:
@@ -542,8 +539,12 @@ class ModelRunner:
         inputs = (self.buf_input_ids[:bucket], self.buf_positions[:bucket], self.buf_slots[:bucket],
                   self.buf_query_start_loc[:bucket + 1], self.buf_seq_lens[:bucket],
                   self.buf_logits_indices[:bucket])
+        return self._dynamic_above_one(inputs, bucket)
+
+    def _dynamic_above_one(self, inputs: tuple[torch.Tensor, ...], bucket: int) -> tuple[torch.Tensor, ...]:
+        """Compiled steps: mark dim 0 dynamic above bucket 1, so one graph serves every bucket
+        above 1 instead of a recompile per size."""
         if self.compiled and bucket > 1:
-            # One graph for every bucket above 1, instead of a recompile per size.
             for t in inputs:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         return inputs
@@ -590,34 +591,32 @@ class ModelRunner:
         api.synchronize()
         free_before = api.free_bytes()
         t0 = time.perf_counter()
-        pool = None
-        for bucket in reversed(self.buckets):
-            self.fill_decode_buffers([], bucket)
-            inputs = self.decode_inputs(bucket)
-
-            def step(inputs=inputs):
-                with trusted_metadata(), bound_backends(self.op_backends):   # what the graph replays
-                    return self._decode_step(*inputs)
-
-            api.warm_up(step)                      # (and compile) outside the capture
-            graph, out, pool = api.capture(step, pool)
-            self._graphs[bucket] = (graph, out)
+        pool = self._capture_buckets(self._graphs, self.fill_decode_buffers, self.decode_inputs, self._decode_step,
+                                     None)
         if self.verify_rows is not None:
             self._verify_graphs.clear()
-            for bucket in reversed(self.buckets):
-                self.fill_verify_buffers([], bucket)
-                inputs = self.verify_inputs(bucket)
-
-                def vstep(inputs=inputs):
-                    with trusted_metadata(), bound_backends(self.op_backends):
-                        return self._verify_step(*inputs)
-
-                api.warm_up(vstep)
-                graph, out, pool = api.capture(vstep, pool)
-                self._verify_graphs[bucket] = (graph, out)
+            self._capture_buckets(self._verify_graphs, self.fill_verify_buffers, self.verify_inputs,
+                                  self._verify_step, pool)
         api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - api.free_bytes())
+
+    def _capture_buckets(self, graphs: dict, fill, inputs_of, step_fn, pool):
+        """One graph per bucket, largest first, into ``graphs`` (``fill(chunks, bucket)`` and
+        ``inputs_of(bucket)`` give the static buffers ``step_fn`` reads); returns the memory pool."""
+        api = self.graph_api
+        for bucket in reversed(self.buckets):
+            fill([], bucket)
+            inputs = inputs_of(bucket)
+
+            def step(inputs=inputs):
+                with trusted_metadata(), bound_backends(self.op_backends):   # what the graph replays
+                    return step_fn(*inputs)
+
+            api.warm_up(step)                      # (and compile) outside the capture
+            graph, out, pool = api.capture(step, pool)
+            graphs[bucket] = (graph, out)
+        return pool
 
     def _tensors_replaced(self) -> None:
         """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""

@@ -254,8 +254,8 @@ class SamplingParams:
     def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
         """A copy whose ``bad_words`` are tokenized as vLLM does them: each word alone and after a
         space (a word mid-text starts with one), every distinct token sequence kept."""
-        if not self.bad_words:
-            return self
+        if not self.bad_words or self.bad_words_token_ids:
+            return self                              # nothing to encode, or encoded already
         if tokenizer is None:
             raise ValueError(f"bad_words = {list(self.bad_words)!r}, but the checkpoint has no tokenizer.json "
                              "to encode them with; use logit_bias or allowed_token_ids")

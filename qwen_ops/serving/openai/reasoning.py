@@ -20,7 +20,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3",)
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tag_tail(text: str, tag: str) -> int:
     """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -45,7 +45,7 @@ class Qwen3ReasoningParser:
         end = body.find(THINK_END)
         if end >= 0:
             return body[:end], body[end + len(THINK_END):].lstrip("\n")
-        hold = 0 if final else _partial_tail(body, THINK_END)
+        hold = 0 if final else partial_tag_tail(body, THINK_END)
         return body[:len(body) - hold], ""
 
 

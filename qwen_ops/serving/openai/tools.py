@@ -18,6 +18,8 @@ import re
 import uuid
 from typing import Optional
 
+from qwen_ops.serving.openai.reasoning import partial_tag_tail
+
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_START) + r"(.*?)" + re.escape(TOOL_END), re.DOTALL)
 
@@ -54,10 +56,7 @@ def stream_split(text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
     """``(content so far, complete calls so far)`` of a streamed reply."""
     at = text.find(TOOL_START)
     if at < 0:
-        hold = 0
-        if not final:
-            hold = next((n for n in range(min(len(TOOL_START) - 1, len(text)), 0, -1)
-                         if text.endswith(TOOL_START[:n])), 0)
+        hold = 0 if final else partial_tag_tail(text, TOOL_START)
         return text[:len(text) - hold], []
     return text[:at], _blocks(text)
 
