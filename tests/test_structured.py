@@ -99,9 +99,14 @@ def test_with_preemption_prefix_caching_and_speculation():
     ({"grammar": "root ::= undefined_rule"}, r"structured_outputs.grammar cannot be compiled"),
 ])
 def test_bad_specs_name_the_field(llm, spec, match):
+    """A bad spec in a batch fails the whole call before anything is queued; the engine then
+    serves the same good request as before, valid."""
+    good = SamplingParams(temperature=1.0, seed=4, max_tokens=160, structured_outputs={"json": SCHEMA})
     with pytest.raises(ValueError, match=match):
-        llm.generate("x", SamplingParams(structured_outputs=spec))
+        llm.generate(["ok", "x"], [good, SamplingParams(structured_outputs=spec)])
     assert llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0
+    out = llm.generate("A person as JSON: ", good)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
 @pytest.mark.parametrize("kwargs,match", [
