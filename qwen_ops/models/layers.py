@@ -57,12 +57,12 @@ def uses_cpu_kernels(weight: torch.Tensor) -> bool:
 
 
 def forward_choices(model: nn.Module) -> dict[str, str]:
-    """``{module name: "cpu" | "native" | "int8" | "int4" | "fp8"}``: the forward each layer of
+    """``{module name: "cpu" | "native" | "int8" | "int4" | "fp8" | "int8_a8" | "int4_a8"}``: the forward each layer of
     ``model`` chose (the CPU fast path's ops, or its plain-torch forward), and the scheme of each
     quantized projection; the gate and the tests read it."""
     choices = {name: m._forward_method.__name__.removeprefix("forward_")
                for name, m in model.named_modules() if "_forward_method" in m.__dict__}
-    choices.update({name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)})
+    choices.update({name: m.kernel for name, m in model.named_modules() if isinstance(m, QuantLinear)})
     head = getattr(model, "_lm_head", None)
     if head is not None:
         choices["lm_head"] = head.__name__.removeprefix("_lm_head_")
@@ -113,7 +113,7 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         fused = linears[0] if len(linears) == 1 else QuantLinear.concat(list(linears))
         if len(linears) > 1:
             owner.add_module(f"{name}_quant", fused)
-        owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.scheme} (linear_{fused.scheme})"
+        owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} (linear_{fused.kernel})"
         return fused.forward
     if any(isinstance(m, QuantLinear) for m in linears):
         return None

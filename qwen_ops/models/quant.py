@@ -37,7 +37,7 @@ model dtype, as do the KV cache and activations.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,8 +51,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # The decoder layers' projections that may be quantized (dense, MoE shared experts, hybrid layers).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
-ONLINE_METHODS = ("int8", "fp8")
+ONLINE_METHODS = ("int8", "fp8", "w8a8")
 CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
+# ``quantization`` values that load a checkpoint format with int8 activations (W4A8 / W8A8), as vLLM's
+# ``awq_marlin`` names another kernel for an awq checkpoint.
+A8_METHODS = {"awq_a8": "awq", "gptq_a8": "gptq"}
 FP8_MAX = 448.0
 INT8_MAX = 127
 
@@ -64,14 +67,21 @@ class QuantConfig:
 
     method: str
     online: bool = False
+    # "int8": the products quantize their input per row and block (the ``*_a8`` ops), None: x as is
+    activations: Optional[str] = None
     bits: int = 8
     group_size: int = -1            # -1: one group per output channel (int8 / gptq)
     block: tuple[int, int] = (0, 0)  # fp8 checkpoints: weight_block_size
     source: str = "<config>"
 
     @property
+    def kernel(self) -> str:
+        """The op the layers run: ``scheme``, with ``_a8`` for int8 activations."""
+        return self.scheme + ("_a8" if self.activations == "int8" else "")
+
+    @property
     def scheme(self) -> str:
-        """The op the layers run: ``int8``, ``int4`` or ``fp8``."""
+        """The weights' layout: ``int8``, ``int4`` or ``fp8``."""
         if self.method == "fp8":
             return "fp8"
         if self.method == "awq" or (self.method == "gptq" and self.bits == 4):
@@ -135,8 +145,12 @@ def parse_quantization_config(qc: Any, source: str) -> QuantConfig:
 
 def online_config(quantization: str, source: str = "quantization") -> QuantConfig:
     if quantization not in ONLINE_METHODS:
+        hint = (f"; {quantization!r} loads a checkpoint in that format with int8 activations, and this checkpoint "
+                "has no quantization_config" if quantization in A8_METHODS else "")
         raise ValueError(f"{source} = {quantization!r}; expected one of {', '.join(ONLINE_METHODS)} (online "
-                         "quantization of a full-precision checkpoint), or None")
+                         f"quantization of a full-precision checkpoint), or None{hint}")
+    if quantization == "w8a8":      # int8 weights as "int8", and int8 activations
+        return QuantConfig("int8", online=True, bits=8, activations="int8", source=source)
     return QuantConfig(quantization, online=True, bits=8, source=source)
 
 
@@ -154,10 +168,12 @@ def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[Quant
     if qc is None:
         return None if quantization is None else online_config(quantization)
     parsed = parse_quantization_config(qc, str(file))
-    if quantization is not None and quantization != parsed.method:
+    a8 = parsed.method + "_a8" if parsed.method in A8_METHODS.values() else None
+    if quantization is not None and quantization not in (parsed.method, a8):
         raise ValueError(f"quantization = {quantization!r}, but {file} holds a {parsed.method!r} checkpoint "
-                         f"(quantization_config.quant_method); pass quantization=None or {parsed.method!r}")
-    return parsed
+                         f"(quantization_config.quant_method); pass quantization=None or {parsed.method!r}"
+                         + (f" (or {a8!r}: int8 activations)" if a8 else ""))
+    return replace(parsed, activations="int8") if a8 is not None and quantization == a8 else parsed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +181,8 @@ def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[Quant
 # ----------------------------------------------------------------------------------------------
 
 _OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linear_int4.default,
-        "fp8": torch.ops.qwen.linear_fp8.default}
+        "fp8": torch.ops.qwen.linear_fp8.default, "int8_a8": torch.ops.qwen.linear_int8_a8.default,
+        "int4_a8": torch.ops.qwen.linear_int4_a8.default}
 
 
 class QuantLinear(nn.Module):
@@ -177,9 +194,16 @@ class QuantLinear(nn.Module):
     forward is one op call, the same on every device (the op picks its kernel by device)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: str, groups: int,
-                 block: tuple[int, int], dtype: torch.dtype, device: Any = None) -> None:
+                 block: tuple[int, int], dtype: torch.dtype, device: Any = None,
+                 activations: Optional[str] = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        if activations not in (None, "int8") or (activations == "int8" and scheme == "fp8"):
+            raise ValueError(f"activations = {activations!r} for {scheme} weights; expected None, or 'int8' with "
+                             "int8 / int4 weights")
+        self.activations = activations
+        # the op, chosen once: linear_<scheme>, or linear_<scheme>_a8 quantizing x to int8
+        self.kernel = scheme + ("_a8" if activations == "int8" else "")
         self.block = block
         self.dtype = dtype
         n, k = out_features, in_features
@@ -203,7 +227,7 @@ class QuantLinear(nn.Module):
         # x is gathered by it before the product (None: natural order).
         self.register_buffer("perm", None)
         self._bias32: Optional[torch.Tensor] = None
-        self._op = _OPS[scheme]
+        self._op = _OPS[self.kernel]
 
     @classmethod
     def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype) -> "QuantLinear":
@@ -220,10 +244,10 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"{quant.source}: group_size = {g} does not divide in_features = {k}")
             groups, block = k // g, (0, 0)
         with torch.device("meta"):
-            return cls(k, n, linear.bias is not None, scheme, groups, block, dtype)
+            return cls(k, n, linear.bias is not None, scheme, groups, block, dtype, activations=quant.activations)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
                 f"scales={list(self.scales.shape)}, bias={self.bias is not None}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +258,7 @@ class QuantLinear(nn.Module):
         bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
         if self.scheme == "int4":
             y = self._op(x2, self.qweight, self.scales, self.zeros, bias)
-        elif self.scheme == "int8":
+        elif self.scheme == "int8":     # linear_int8 or linear_int8_a8
             y = self._op(x2, self.qweight, self.scales, bias)
         else:
             y = self._op(x2, self.qweight, self.scales, bias, self.block[0], self.block[1])
@@ -248,7 +272,7 @@ class QuantLinear(nn.Module):
     def can_concat(layers: list["QuantLinear"]) -> bool:
         """Whether ``layers`` (same input) fuse into one product by stacking output features."""
         first = layers[0]
-        if any(not isinstance(m, QuantLinear) or m.scheme != first.scheme or m.in_features != first.in_features
+        if any(not isinstance(m, QuantLinear) or m.kernel != first.kernel or m.in_features != first.in_features
                or m.scales.shape[1] != first.scales.shape[1] or m.block != first.block for m in layers):
             return False
         if any((m.perm is None) != (first.perm is None) or (m.perm is not None and not torch.equal(m.perm, first.perm))
@@ -263,7 +287,7 @@ class QuantLinear(nn.Module):
         n = sum(m.out_features for m in layers)
         has_bias = any(m.bias is not None for m in layers)
         fused = cls(first.in_features, n, has_bias, first.scheme, first.scales.shape[1], first.block, first.dtype,
-                    device=first.qweight.device)
+                    device=first.qweight.device, activations=first.activations)
         with torch.no_grad():
             fused.qweight = torch.cat([m.qweight for m in layers]).contiguous()
             fused.scales = torch.cat([m.scales for m in layers]).contiguous()
@@ -429,6 +453,7 @@ def quantized_bytes(model: nn.Module) -> int:
 
 
 def describe(model: nn.Module) -> dict[str, str]:
-    """``{layer name: scheme}`` of every quantized layer (the choice made at construction)."""
-    return {name: m.scheme for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    """``{layer name: kernel}`` of every quantized layer (the op chosen at construction: ``int8``,
+    ``int4``, ``fp8``, or ``int8_a8`` / ``int4_a8`` with int8 activations)."""
+    return {name: m.kernel for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 

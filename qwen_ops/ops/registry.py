@@ -400,6 +400,22 @@ def _linear_int4_cpu(x, qweight, scales, zeros, bias):
     return _cpu().linear_quant_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1], 1)
 
 
+def _linear_int8_a8_cpu(x, qweight, scales, bias):
+    V.check_linear_int8(x, qweight, scales, bias)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_int8_a8_reference(x, qweight, scales, bias)
+    return _cpu().linear_quant_a8_cpu(0, x, qweight, scales, None, bias, qweight.shape[0], qweight.shape[1],
+                                      qweight.shape[1] // scales.shape[1])
+
+
+def _linear_int4_a8_cpu(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_int4_a8_reference(x, qweight, scales, zeros, bias)
+    k = 2 * qweight.shape[1]
+    return _cpu().linear_quant_a8_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1])
+
+
 def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _cpu().why_unavailable() is not None:
@@ -434,6 +450,19 @@ def _linear_int4_other(x, qweight, scales, zeros, bias):
     return RQ.linear_int4_reference(x, qweight, scales, zeros, bias)
 
 
+def _linear_int8_a8_other(x, qweight, scales, bias):
+    """On CUDA: x quantized as the contract says (in torch), then linear_int8's kernel."""
+    V.check_linear_int8(x, qweight, scales, bias)
+    xq = RQ.quantize_activations(x, qweight.shape[1] // scales.shape[1])
+    return _linear_int8_other(xq, qweight, scales, bias).to(x.dtype)
+
+
+def _linear_int4_a8_other(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    xq = RQ.quantize_activations(x, 2 * qweight.shape[1] // scales.shape[1])
+    return _linear_int4_other(xq, qweight, scales, zeros, bias).to(x.dtype)
+
+
 def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _quant_triton(x) and block_k % 16 == 0:
@@ -445,7 +474,8 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
 
 
 # The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by op_library).
-_CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu}
+_CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu,
+                     "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu}
 
 
 def _first_quant_call(name: str):
@@ -463,7 +493,8 @@ def _first_quant_call(name: str):
 
 _QUANT_LIB = torch.library.Library(NAMESPACE, "IMPL")
 for _name, _other in (("linear_int8", _linear_int8_other), ("linear_int4", _linear_int4_other),
-                      ("linear_fp8", _linear_fp8_other)):
+                      ("linear_fp8", _linear_fp8_other), ("linear_int8_a8", _linear_int8_a8_other),
+                      ("linear_int4_a8", _linear_int4_a8_other)):
     _QUANT_LIB.impl(_name, _first_quant_call(_name), "CPU")
     _QUANT_LIB.impl(_name, _other, "CUDA")
 
@@ -476,6 +507,18 @@ def _linear_int8_fake(x, qweight, scales, bias):
 
 @torch.library.register_fake(f"{NAMESPACE}::linear_int4", lib=_LIB)
 def _linear_int4_fake(x, qweight, scales, zeros, bias):
+    V.check_linear_int4(x, qweight, scales, zeros, bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_int8_a8", lib=_LIB)
+def _linear_int8_a8_fake(x, qweight, scales, bias):
+    V.check_linear_int8(x, qweight, scales, bias)
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_int4_a8", lib=_LIB)
+def _linear_int4_a8_fake(x, qweight, scales, zeros, bias):
     V.check_linear_int4(x, qweight, scales, zeros, bias)
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
@@ -498,6 +541,19 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     """``x @ w.T (+ bias)`` with ``w = (q - zeros) * scales`` per group; ``qweight`` uint8 ``[N, K / 2]``
     holds element k in nibble ``k % 2`` (low first), ``zeros`` uint8 and ``scales`` fp32 ``[N, G]``."""
     return torch.ops.qwen.linear_int4(x, qweight, scales, zeros, bias)
+
+
+def linear_int8_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear_int8`` with x quantized to int8 per row and block (``reference_quant.quantize_activations``):
+    integer products (AVX512-VNNI on CPUs that have it)."""
+    return torch.ops.qwen.linear_int8_a8(x, qweight, scales, bias)
+
+
+def linear_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear_int4`` with x quantized to int8 per row and block, as ``linear_int8_a8``."""
+    return torch.ops.qwen.linear_int4_a8(x, qweight, scales, zeros, bias)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: Optional[torch.Tensor],

@@ -67,6 +67,8 @@ _SIGNATURES = {
     "qwen_moe_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64], ctypes.c_int),
     "qwen_linear_quant": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64],
                           ctypes.c_int),
+    "qwen_linear_quant_a8": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64],
+                             ctypes.c_int),
 }
 
 
@@ -373,6 +375,22 @@ def linear_quant_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales: t
                                    None if bias is None else bias.data_ptr(), out_features, in_features,
                                    out.data_ptr(), out_features, torch.get_num_threads()):
         _status(-1, "linear quant")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def linear_quant_a8_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                        zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
+                        in_features: int, group: int, portable: bool = False) -> torch.Tensor:
+    """qwen_linear_quant_a8 (kind 0 int8, 1 int4) on validated tensors: x quantized to int8 per row
+    and block, integer products; ``portable`` runs the scalar loop (the tests' check that every path
+    computes the same bits)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    if library().qwen_linear_quant_a8(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(),
+                                      scales.data_ptr(), None if zeros is None else zeros.data_ptr(), group,
+                                      None if bias is None else bias.data_ptr(), out_features, in_features,
+                                      out.data_ptr(), out_features, torch.get_num_threads(), int(portable)):
+        _status(-1, "linear quant a8")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

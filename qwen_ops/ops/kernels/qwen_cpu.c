@@ -1676,6 +1676,331 @@ static int int4_vnni(const float *x, const uint8_t *q, const float *s, const uin
 #define QWEN_INT4_VNNI 0
 #endif
 
+/* ----------------------------------------------------------------------------------------------
+ * Dynamic int8 activations: torch.ops.qwen.linear_int8_a8 / linear_int4_a8 (reference in
+ * reference_quant.py, whose docstring is the contract). Each row of x is quantized per block of
+ * ab = 128 elements when 128 divides the weight's group g (else ab = g): unit = amax / 127,
+ * d = round_half_even(x * (127 / amax)) in -127..127 (d = 0 where amax is 0; unit NaN where amax is
+ * not finite). Then, with u the weight as an unsigned byte (int8: q + 128 and z = 128; int4: the
+ * nibble and its group's zero z), per output:
+ *     y = sum over blocks b, in order, of fma(float(sum_k d u - z * sum_k d), s[n][grp] * unit[b], .)
+ * + bias. The integer sums are exact (|.| < 2^24), so every path below (portable, few rows, many
+ * rows) computes the same fp32 operations on the same values: a row's outputs do not depend on
+ * the rows beside it, nor on the thread count. VPDPBUSD (AVX512-VNNI: unsigned weight bytes times
+ * signed activation bytes, 4 products into each 32-bit lane) is 64 multiply-adds an instruction,
+ * against 16 for an fp32 FMA, as llama.cpp's Q8_0 dot products.
+ * - up to 4 rows: each weight row is read once, 4 rows side by side against the rows' digits (in
+ *   L1); lanes are k, so each block's integer sums are reduced across lanes (exact) before the fp32
+ *   step.
+ * - more rows: 32 weight rows are turned into a panel of unsigned bytes (lanes are output features,
+ *   4 consecutive k a lane: VPDPBUSD's layout), and every 4 rows of x run against it with the
+ *   digits broadcast: no reductions across lanes.
+ * ---------------------------------------------------------------------------------------------- */
+
+static inline int64_t a8_block(int64_t g) { return g % 128 == 0 ? 128 : g; }
+
+/* d [M][K] digits, unit and dsum [M][K / ab]; int4p: when not NULL (K % 64 == 0), d also permuted
+ * per 64 as the int4 nibble split reads weights (even k, then odd k). */
+static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t ab, int8_t *d, int8_t *int4p,
+                        float *unit, int32_t *dsum) {
+    const int64_t nb = K / ab;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *xb = x + m * xs + b * ab;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < ab; ++i) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+            }
+            int finite = amax <= 3.4028234663852886e38f;
+            for (int64_t i = 0; i < ab; ++i) finite &= xb[i] == xb[i];
+            unit[m * nb + b] = finite ? amax / 127.0f : NAN;
+            const float scale = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t total = 0;
+            for (int64_t i = 0; i < ab; ++i) {
+                const float v = nearbyintf(finite ? xb[i] * scale : 0.0f);
+                const int8_t di = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+                const int64_t k = b * ab + i;
+                d[m * K + k] = di;
+                if (int4p != NULL) {
+                    const int64_t j = k & 63;
+                    int4p[m * K + (k & ~(int64_t)63) + (j & 1 ? 32 + j / 2 : j / 2)] = di;
+                }
+                total += di;
+            }
+            dsum[m * nb + b] = total;
+        }
+}
+
+static inline int32_t a8_weight(int kind, const uint8_t *row, int64_t k) {
+    return kind == 0 ? (int32_t)(int8_t)row[k] + 128 : (int32_t)((row[k >> 1] >> ((k & 1) * 4)) & 15);
+}
+static inline float a8_zero(int kind, const uint8_t *z, int64_t at) { return kind == 0 ? 128.0f : (float)z[at]; }
+
+static void a8_rows_portable(int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t M,
+                             const uint8_t *q, const float *s, const uint8_t *z, int64_t g, int64_t ab,
+                             const float *bias, int64_t n0, int64_t N, int64_t K, float *y, int64_t ys, int threads) {
+    (void)threads;
+    const int64_t sg = K / g, nb = K / ab, row_bytes = kind == 1 ? K / 2 : K;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t n = n0; n < N; ++n) {
+        const uint8_t *qr = q + n * row_bytes;
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                int32_t isum = 0;
+                for (int64_t k = b * ab; k < (b + 1) * ab; ++k) isum += (int32_t)d[m * K + k] * a8_weight(kind, qr, k);
+                const int64_t at = n * sg + b * ab / g;
+                const float f = (float)isum - a8_zero(kind, z, at) * (float)dsum[m * nb + b];
+                acc = fmaf(f, s[at] * unit[m * nb + b], acc);
+            }
+            y[m * ys + n] = acc + (bias == NULL ? 0.0f : bias[n]);
+        }
+    }
+}
+
+#if QWEN_AVX512 && defined(__AVX512VNNI__)
+#define QWEN_A8_VNNI 1
+/* 64 weights of a row from element k as unsigned bytes (int4: even k, then odd k). */
+static inline __attribute__((always_inline)) __m512i a8_load64(int kind, const uint8_t *row, int64_t k) {
+    if (kind == 0) return _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + k)), _mm512_set1_epi8((char)0x80));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(row + k / 2)), mask = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, mask)),
+                              _mm256_and_si256(_mm256_srli_epi16(b, 4), mask), 1);
+}
+
+/* Lane sums of four int32 vectors: [sum a0, sum a1, sum a2, sum a3] (exact). */
+static inline __attribute__((always_inline)) __m128i a8_sum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Up to 4 rows (MR), 4 weight rows n .. n + 3 a step. xd: the digits in a8_load64's order. */
+static inline __attribute__((always_inline)) void a8_stream(
+        int kind, int MR, const int8_t *xd, const float *unit, const int32_t *dsum, const uint8_t *q,
+        const float *s, const uint8_t *z, int64_t g, int64_t ab, const float *bias, int64_t n0, int64_t n1, int64_t K,
+        float *y, int64_t ys) {
+    const int64_t sg = K / g, nb = K / ab, row_bytes = kind == 1 ? K / 2 : K;
+    for (int64_t n = n0; n + 4 <= n1; n += 4) {
+        const uint8_t *rows[4] = {q + n * row_bytes, q + (n + 1) * row_bytes, q + (n + 2) * row_bytes,
+                                  q + (n + 3) * row_bytes};
+        __m128 acc[4];
+        for (int m = 0; m < MR; ++m) acc[m] = _mm_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512i ia[4][4];
+            for (int r = 0; r < 4; ++r)
+                for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_setzero_si512();
+            for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
+                if (n + 8 <= n1 && ((kind == 1 ? k / 2 : k) & 63) == 0)
+                    for (int r = 0; r < 4; ++r)
+                        _mm_prefetch((const char *)(rows[r] + 4 * row_bytes + (kind == 1 ? k / 2 : k)), _MM_HINT_T0);
+                __m512i xv[4];
+                for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512((const void *)(xd + m * K + k));
+                for (int r = 0; r < 4; ++r) {
+                    const __m512i w = a8_load64(kind, rows[r], k);
+                    for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_dpbusd_epi32(ia[r][m], w, xv[m]);
+                }
+            }
+            const int64_t grp = b * ab / g;
+            const __m128 sc = _mm_setr_ps(s[n * sg + grp], s[(n + 1) * sg + grp], s[(n + 2) * sg + grp],
+                                          s[(n + 3) * sg + grp]);
+            const __m128 zc = kind == 0 ? _mm_set1_ps(128.0f)
+                                        : _mm_setr_ps((float)z[n * sg + grp], (float)z[(n + 1) * sg + grp],
+                                                      (float)z[(n + 2) * sg + grp], (float)z[(n + 3) * sg + grp]);
+            for (int m = 0; m < MR; ++m) {
+                const __m128 f = _mm_fnmadd_ps(zc, _mm_set1_ps((float)dsum[m * nb + b]),
+                                               _mm_cvtepi32_ps(a8_sum4(ia[0][m], ia[1][m], ia[2][m], ia[3][m])));
+                acc[m] = _mm_fmadd_ps(f, _mm_mul_ps(sc, _mm_set1_ps(unit[m * nb + b])), acc[m]);
+            }
+        }
+        const __m128 bv = bias == NULL ? _mm_setzero_ps() : _mm_loadu_ps(bias + n);
+        for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * ys + n, _mm_add_ps(acc[m], bv));
+    }
+}
+
+#define A8_STREAM(KIND, MR)                                                                                   \
+    static void a8_stream_##KIND##_##MR(const int8_t *xd, const float *unit, const int32_t *dsum,              \
+                                        const uint8_t *q, const float *s, const uint8_t *z, int64_t g,          \
+                                        int64_t ab, const float *bias, int64_t n0, int64_t n1, int64_t K,       \
+                                        float *y, int64_t ys) {                                                 \
+        a8_stream(KIND, MR, xd, unit, dsum, q, s, z, g, ab, bias, n0, n1, K, y, ys);                            \
+    }
+A8_STREAM(0, 1) A8_STREAM(0, 2) A8_STREAM(0, 3) A8_STREAM(0, 4)
+A8_STREAM(1, 1) A8_STREAM(1, 2) A8_STREAM(1, 3) A8_STREAM(1, 4)
+#undef A8_STREAM
+typedef void (*a8_stream_kernel)(const int8_t *, const float *, const int32_t *, const uint8_t *, const float *,
+                                 const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, float *,
+                                 int64_t);
+static const a8_stream_kernel A8_STREAMS[2][5] = {
+    {NULL, a8_stream_0_1, a8_stream_0_2, a8_stream_0_3, a8_stream_0_4},
+    {NULL, a8_stream_1_1, a8_stream_1_2, a8_stream_1_3, a8_stream_1_4},
+};
+
+/* The panel of weight rows n0 .. n0 + 31 (rows past N repeat the last): wt[(k / 4) * 128 + j * 4 + i] =
+ * u[n0 + j][k + i]; st / zt [nb][32]: each block's scale and zero (fp32) per row. scratch [32][K]
+ * bytes for int4's unpacked rows. */
+static void a8_panel(int kind, const uint8_t *q, const float *s, const uint8_t *z, int64_t g, int64_t ab,
+                     int64_t n0, int64_t N, int64_t K, uint8_t *wt, float *st, float *zt, uint8_t *scratch) {
+    const int64_t sg = K / g, nb = K / ab, row_bytes = kind == 1 ? K / 2 : K;
+    const uint8_t *src = q;
+    int64_t stride = row_bytes, first = n0;
+    if (kind == 1) {          /* unpack the nibbles of the 32 rows in natural order */
+        for (int j = 0; j < 32; ++j) {
+            const uint8_t *row = q + (n0 + j < N ? n0 + j : N - 1) * row_bytes;
+            for (int64_t c = 0; c < row_bytes; c += 32) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + c)));
+                const __m512i u = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)),
+                                                  _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0xf0)), 4));
+                _mm512_storeu_si512((void *)(scratch + j * K + 2 * c), u);
+            }
+        }
+        src = scratch, stride = K, first = 0;
+    }
+    int32_t idx[32];
+    for (int j = 0; j < 32; ++j)
+        idx[j] = (int32_t)((kind == 1 ? j : (n0 + j < N ? n0 + j : N - 1) - first) * stride);
+    const __m512i i0 = _mm512_loadu_si512((const void *)idx), i1 = _mm512_loadu_si512((const void *)(idx + 16));
+    const uint8_t *base = src + first * stride;
+    const __m512i flip = _mm512_set1_epi8(kind == 0 ? (char)0x80 : 0);
+    for (int64_t k = 0; k < K; k += 4) {
+        const __m512i a = _mm512_i32gather_epi32(i0, (const void *)(base + k), 1);
+        const __m512i b = _mm512_i32gather_epi32(i1, (const void *)(base + k), 1);
+        _mm512_storeu_si512((void *)(wt + k * 32), _mm512_xor_si512(a, flip));
+        _mm512_storeu_si512((void *)(wt + k * 32 + 64), _mm512_xor_si512(b, flip));
+    }
+    for (int64_t b = 0; b < nb; ++b)
+        for (int j = 0; j < 32; ++j) {
+            const int64_t at = (n0 + j < N ? n0 + j : N - 1) * sg + b * ab / g;
+            st[b * 32 + j] = s[at];
+            zt[b * 32 + j] = a8_zero(kind, z, at);
+        }
+}
+
+/* y rows m .. m + MR - 1 (MR <= 4), outputs n0 .. n0 + cols - 1, against the panel. */
+static inline __attribute__((always_inline)) void a8_panel_rows(
+        int MR, const int8_t *d, const float *unit, const int32_t *dsum, const uint8_t *wt, const float *st,
+        const float *zt, int64_t ab, int64_t K, const float *bias, int64_t n0, int64_t cols, float *y, int64_t ys) {
+    const int64_t nb = K / ab;
+    __m512 acc[4][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i ia[4][2];
+        for (int m = 0; m < MR; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+        for (int64_t k = b * ab; k < (b + 1) * ab; k += 4) {
+            const __m512i w0 = _mm512_loadu_si512((const void *)(wt + k * 32));
+            const __m512i w1 = _mm512_loadu_si512((const void *)(wt + k * 32 + 64));
+            for (int m = 0; m < MR; ++m) {
+                int32_t quad;
+                memcpy(&quad, d + m * K + k, 4);
+                const __m512i xb = _mm512_set1_epi32(quad);
+                ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
+                ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m512 sc = _mm512_loadu_ps(st + b * 32 + 16 * h), zc = _mm512_loadu_ps(zt + b * 32 + 16 * h);
+            for (int m = 0; m < MR; ++m) {
+                const __m512 f = _mm512_fnmadd_ps(zc, _mm512_set1_ps((float)dsum[m * nb + b]),
+                                                  _mm512_cvtepi32_ps(ia[m][h]));
+                acc[m][h] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(unit[m * nb + b])), acc[m][h]);
+            }
+        }
+    }
+    const __mmask16 mk[2] = {lanes_left(cols), lanes_left(cols - 16)};
+    for (int h = 0; h < 2; ++h) {
+        const __m512 bv = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk[h], bias + n0 + 16 * h);
+        for (int m = 0; m < MR; ++m)
+            _mm512_mask_storeu_ps(y + m * ys + n0 + 16 * h, mk[h], _mm512_add_ps(acc[m][h], bv));
+    }
+}
+static void a8_panel_4(const int8_t *d, const float *unit, const int32_t *dsum, const uint8_t *wt, const float *st,
+                       const float *zt, int64_t ab, int64_t K, const float *bias, int64_t n0, int64_t cols, float *y,
+                       int64_t ys) {
+    a8_panel_rows(4, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
+}
+static void a8_panel_rest(int MR, const int8_t *d, const float *unit, const int32_t *dsum, const uint8_t *wt,
+                          const float *st, const float *zt, int64_t ab, int64_t K, const float *bias, int64_t n0,
+                          int64_t cols, float *y, int64_t ys) {
+    if (MR == 1) a8_panel_rows(1, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
+    else if (MR == 2) a8_panel_rows(2, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
+    else a8_panel_rows(3, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
+}
+#else
+#define QWEN_A8_VNNI 0
+#endif
+
+/* The entry point of the two ops: kind 0 int8, 1 int4 (z its zeros, else NULL). Returns 0, or -1
+ * when scratch memory could not be allocated (nothing written). */
+int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
+                         const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                         int64_t threads, int64_t portable) {
+    const int64_t ab = a8_block(g), nb = K / ab;
+    if (M <= 0 || N <= 0) return 0;
+    int8_t *d = malloc((size_t)(2 * M * K) + sizeof(float) * (size_t)(2 * M * nb) + 64);
+    if (d == NULL) return -1;
+    int8_t *dp = d + M * K;
+    float *unit = (float *)(void *)(((uintptr_t)(d + 2 * M * K) + 63) & ~(uintptr_t)63);
+    int32_t *dsum = (int32_t *)(unit + M * nb);
+    a8_quantize(x, xs, M, K, ab, d, kind == 1 && K % 64 == 0 ? dp : NULL, unit, dsum);
+    int status = 0;
+    int64_t done = 0;    /* outputs 0 .. done - 1 written by the vector paths */
+#if QWEN_A8_VNNI
+    if (!portable && K % 64 == 0 && ab % 64 == 0) {
+        if (M <= 4) {
+            const int64_t blocks = N / 4;
+            const int8_t *xd = kind == 1 ? dp : d;
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+            {
+#ifdef _OPENMP
+                const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+                const int64_t t = 0, nt = 1;
+#endif
+                const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+                A8_STREAMS[kind][M](xd, unit, dsum, q, s, z, g, ab, bias, 4 * b0, 4 * b1, K, y, ys);
+            }
+            done = 4 * blocks;
+        } else {
+            const int64_t panels = (N + 31) / 32;
+            int failed = 0;
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+            {
+                uint8_t *wt = malloc((size_t)(32 * K * (kind == 1 ? 2 : 1)) + sizeof(float) * (size_t)(64 * nb));
+                if (wt == NULL) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+                float *st = (float *)(void *)(wt + 32 * K * (kind == 1 ? 2 : 1)), *zt = st + 32 * nb;
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; ++p) {
+                    if (wt == NULL) continue;
+                    const int64_t n0 = 32 * p, cols = N - n0 < 32 ? N - n0 : 32;
+                    a8_panel(kind, q, s, z, g, ab, n0, N, K, wt, st, zt, wt + 32 * K);
+                    int64_t m = 0;
+                    for (; m + 4 <= M; m += 4)
+                        a8_panel_4(d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias, n0, cols,
+                                   y + m * ys, ys);
+                    if (m < M)
+                        a8_panel_rest((int)(M - m), d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias,
+                                      n0, cols, y + m * ys, ys);
+                }
+                free(wt);
+            }
+            if (failed) status = -1;
+            done = N;
+        }
+    }
+#endif
+    (void)portable;
+    if (status == 0 && done < N)
+        a8_rows_portable(kind, d, unit, dsum, M, q, s, z, g, ab, bias, done, N, K, y, ys, (int)threads);
+    free(d);
+    return status;
+}
+
 /* x permuted per 32 elements as raw32_int4's lanes read them: [x0, x2, ..., x30, x1, x3, ..., x31]. */
 static void quant_permute_x(const float *x, int64_t xs, int64_t M, int64_t K, float *xp) {
     for (int64_t m = 0; m < M; ++m)

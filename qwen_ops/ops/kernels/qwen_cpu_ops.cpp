@@ -50,6 +50,9 @@ int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, co
 int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
                       const uint8_t *z, int64_t g, int64_t bn, const float *bias, int64_t N, int64_t K, float *y,
                       int64_t ys, int64_t threads);
+int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
+                         const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                         int64_t threads, int64_t portable);
 }
 
 namespace {
@@ -429,31 +432,38 @@ int64_t quant_groups(const char *name, const at::Tensor &t, at::ScalarType dtype
   return k / t.size(1);
 }
 
+// kind 0 int8, 1 int4, 2 fp8; a8: the products with int8 activations (linear_int8_a8 / linear_int4_a8).
 at::Tensor quant_run(int kind, const at::Tensor &x, const at::Tensor &w, const at::Tensor &s, const at::Tensor *z,
-                     const std::optional<at::Tensor> &bias, int64_t n, int64_t k, int64_t g, int64_t bn) {
+                     const std::optional<at::Tensor> &bias, int64_t n, int64_t k, int64_t g, int64_t bn, bool a8 = false) {
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = fresh({x.size(0), n}, xf.options());
-  check_alloc(qwen_linear_quant(kind, xf.const_data_ptr<float>(), xf.stride(0), x.size(0),
-                                static_cast<const uint8_t *>(w.const_data_ptr()), s.const_data_ptr<float>(),
-                                z == nullptr ? nullptr : z->const_data_ptr<uint8_t>(), g, bn,
-                                bias.has_value() ? bias->const_data_ptr<float>() : nullptr, n, k,
-                                out.mutable_data_ptr<float>(), n, at::get_num_threads()),
-              "linear quant");
+  const auto *wq = static_cast<const uint8_t *>(w.const_data_ptr());
+  const uint8_t *zq = z == nullptr ? nullptr : z->const_data_ptr<uint8_t>();
+  const float *b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  if (a8)
+    check_alloc(qwen_linear_quant_a8(kind, xf.const_data_ptr<float>(), xf.stride(0), x.size(0), wq,
+                                     s.const_data_ptr<float>(), zq, g, b, n, k, out.mutable_data_ptr<float>(), n,
+                                     at::get_num_threads(), 0),
+                "linear quant a8");
+  else
+    check_alloc(qwen_linear_quant(kind, xf.const_data_ptr<float>(), xf.stride(0), x.size(0), wq, s.const_data_ptr<float>(),
+                                  zq, g, bn, b, n, k, out.mutable_data_ptr<float>(), n, at::get_num_threads()),
+                "linear quant");
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-at::Tensor linear_int8(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
-                       const std::optional<at::Tensor> &bias) {
+at::Tensor int8_product(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                        const std::optional<at::Tensor> &bias, bool a8) {
   TORCH_CHECK_VALUE(qweight.scalar_type() == at::kChar && qweight.dim() == 2, "qweight has shape ", py_shape(qweight),
                     " and dtype ", py_dtype(qweight), ", expected int8 [out_features, in_features]");
   const int64_t n = qweight.size(0), k = qweight.size(1);
   quant_common(x, bias, n, k, {{"qweight", &qweight}, {"scales", &scales}});
   const int64_t g = quant_groups("scales", scales, at::kFloat, "torch.float32", n, k);
-  return quant_run(0, x, qweight, scales, nullptr, bias, n, k, g, 1);
+  return quant_run(0, x, qweight, scales, nullptr, bias, n, k, g, 1, a8);
 }
 
-at::Tensor linear_int4(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales, const at::Tensor &zeros,
-                       const std::optional<at::Tensor> &bias) {
+at::Tensor int4_product(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales, const at::Tensor &zeros,
+                        const std::optional<at::Tensor> &bias, bool a8) {
   TORCH_CHECK_VALUE(qweight.scalar_type() == at::kByte && qweight.dim() == 2, "qweight has shape ", py_shape(qweight),
                     " and dtype ", py_dtype(qweight), ", expected uint8 [out_features, in_features / 2] (two 4-bit "
                     "elements a byte)");
@@ -464,7 +474,27 @@ at::Tensor linear_int4(const at::Tensor &x, const at::Tensor &qweight, const at:
                     py_shape(zeros), " and dtype ", py_dtype(zeros), ", expected uint8 ",
                     py_list({scales.size(0), scales.size(1)}), " (scales' shape)");
   TORCH_CHECK_VALUE(g % 2 == 0, "scales has ", scales.size(1), " groups of ", g, " elements; expected an even group size");
-  return quant_run(1, x, qweight, scales, &zeros, bias, n, k, g, 1);
+  return quant_run(1, x, qweight, scales, &zeros, bias, n, k, g, 1, a8);
+}
+
+at::Tensor linear_int8(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                       const std::optional<at::Tensor> &bias) {
+  return int8_product(x, qweight, scales, bias, false);
+}
+
+at::Tensor linear_int8_a8(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                          const std::optional<at::Tensor> &bias) {
+  return int8_product(x, qweight, scales, bias, true);
+}
+
+at::Tensor linear_int4(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales, const at::Tensor &zeros,
+                       const std::optional<at::Tensor> &bias) {
+  return int4_product(x, qweight, scales, zeros, bias, false);
+}
+
+at::Tensor linear_int4_a8(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
+                          const at::Tensor &zeros, const std::optional<at::Tensor> &bias) {
+  return int4_product(x, qweight, scales, zeros, bias, true);
 }
 
 at::Tensor linear_fp8(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale_inv,
@@ -489,6 +519,8 @@ at::Tensor linear_fp8(const at::Tensor &x, const at::Tensor &weight, const at::T
 TORCH_LIBRARY_IMPL(qwen, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("linear_int8_a8", &linear_int8_a8);
+  m.impl("linear_int4_a8", &linear_int4_a8);
   m.impl("linear_fp8", &linear_fp8);
   m.impl("linear_packed", &linear_packed);
   m.impl("rms_norm", &rms_norm);

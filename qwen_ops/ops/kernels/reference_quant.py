@@ -1,5 +1,6 @@
 """Plain-torch references (the specification and test oracle) of the quantized linear ops:
-``linear_int8``, ``linear_int4`` and ``linear_fp8`` (schemas in ``torch_library/qwen.schema``).
+``linear_int8``, ``linear_int4`` and ``linear_fp8`` (schemas in ``torch_library/qwen.schema``), and
+``linear_int8_a8`` / ``linear_int4_a8``, the same products on int8-quantized activations.
 
 Each dequantizes the weight to fp32 with one rounding per element, then multiplies in fp32 and
 rounds the result once to x's dtype:
@@ -75,5 +76,41 @@ def linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k) -> torch.
     return _product(x, dequantize_fp8(weight, scale_inv, block_n, block_k), bias)
 
 
+def activation_block(group: int) -> int:
+    """The block of x elements that share one int8 scale in the ``*_a8`` products: 128 when it divides
+    the weight's group (a per-channel weight's group is all of K), else the group."""
+    return 128 if group % 128 == 0 else group
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the ``*_a8`` products see it (fp32): per row and block of ``activation_block(group)``
+    elements, ``unit = amax / 127`` and ``x ~ round_half_even(x * (127 / amax)) * unit`` (the digits in
+    -127..127: llama.cpp's Q8_0 activations, one scale a block). A block of zeros stays zero; a block
+    holding a NaN or an infinity is NaN."""
+    xf = x.float()
+    rows, k = xf.shape
+    ab = activation_block(group)
+    blocks = xf.reshape(rows, k // ab, ab)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    digits = torch.round(torch.where(finite, blocks * scale, torch.zeros_like(blocks))).clamp(-127, 127)
+    unit = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
+    return (digits * unit).reshape(rows, k)
+
+
+def linear_int8_a8_reference(x, qweight, scales, bias=None) -> torch.Tensor:
+    """``linear_int8`` on ``quantize_activations(x)``: int8 weights and int8 activations (W8A8)."""
+    xq = quantize_activations(x, qweight.shape[1] // scales.shape[1])
+    return _product(xq, dequantize_int8(qweight, scales), bias).to(x.dtype)
+
+
+def linear_int4_a8_reference(x, qweight, scales, zeros, bias=None) -> torch.Tensor:
+    """``linear_int4`` on ``quantize_activations(x)`` (W4A8)."""
+    xq = quantize_activations(x, 2 * qweight.shape[1] // scales.shape[1])
+    return _product(xq, dequantize_int4(qweight, scales, zeros), bias).to(x.dtype)
+
+
 # The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
-REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference}
+REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference,
+              "int8_a8": linear_int8_a8_reference, "int4_a8": linear_int4_a8_reference}
