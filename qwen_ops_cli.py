@@ -41,7 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "default: the embedded model")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
+    p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")
@@ -72,7 +72,7 @@ def _add_serve_parser(sub) -> None:
                         "qwen-ops-default for the embedded model)")
     s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    s.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads; a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (default: none)")
+    s.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
     s.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")

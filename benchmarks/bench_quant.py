@@ -37,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_realsize import default_cache_dir, make_checkpoint, prompts, read_bandwidth_probe  # noqa: E402
 
 # "<scheme>-bf16": bf16 activations, embeddings and (but for int8) LM head; else fp32.
-VARIANTS = ("float32", "bfloat16", "int8", "int8-bf16", "fp8-bf16", "gptq4", "gptq4-bf16", "gptq8-bf16", "awq4-bf16")
+# "...a8": int8 activations too (quantization "w8a8" online, "gptq_a8" / "awq_a8" on those files).
+VARIANTS = ("float32", "bfloat16", "int8", "int8-bf16", "fp8-bf16", "gptq4", "gptq4-bf16", "gptq8-bf16", "awq4-bf16",
+            "w8a8", "w8a8-bf16", "gptq4a8-bf16", "awq4a8-bf16")
 
 
 def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
@@ -47,9 +49,13 @@ def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
         return base, {"dtype": variant}
     scheme, _, act = variant.partition("-")
     kwargs = {"dtype": "bfloat16" if act == "bf16" else "float32"}
-    if scheme in ("int8", "fp8"):
+    if scheme in ("int8", "fp8", "w8a8"):
         return base, {**kwargs, "quantization": scheme}
+    a8 = scheme.endswith("a8")
+    scheme = scheme.removesuffix("a8")
     fmt, bits = scheme[:-1], int(scheme[-1])
+    if a8:
+        kwargs["quantization"] = f"{fmt}_a8"
     path = default_cache_dir() / f"{base.name}-{scheme}-g128"       # never beside a checkpoint in the repo
     if not (path / "model.safetensors").exists():
         from qwen_ops.models.quant_export import export
@@ -79,7 +85,7 @@ def reference_twin(llm) -> None:
 
     for m in llm.engine.model.modules():
         if isinstance(m, QuantLinear):
-            m._op = RQ.REFERENCES[m.scheme]
+            m._op = RQ.REFERENCES[m.kernel]
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:

@@ -28,16 +28,17 @@ def make_qwen3_checkpoint(path: Path, *, vocab_size: int = 128, hidden_size: int
     return Path(path)
 
 
-def make_qwen3_5_checkpoint(path: Path, *, seed: int = 0) -> Path:
+def make_qwen3_5_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     """A tiny Qwen3.5 hybrid (linear, linear, linear, full attention) with random, peaked weights."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(vocab_size=128, intermediate_size=64, max_position_embeddings=256, rms_norm_eps=1e-6,
-                            hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                            linear_value_head_dim=12, eos_token_id=1,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    kwargs = dict(vocab_size=128, intermediate_size=64, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=12, eos_token_id=1,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    cfg = Qwen3_5TextConfig(**{**kwargs, **overrides})
     model = Qwen3_5ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():

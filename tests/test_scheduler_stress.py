@@ -128,12 +128,15 @@ class Reference:
 
 
 def check_draw(ckpt, ref: Reference, seed: int, summary: dict, speculative=None) -> None:
-    """``speculative``: None, or the dense checkpoint to draw drafts from (n-gram or that draft model)."""
+    """``speculative``: None, the dense checkpoint to draw drafts from (n-gram or that draft model),
+    or "mtp" (the checkpoint's own MTP layer)."""
     rng = random.Random(seed)
     cfg = draw_config(rng)
     if speculative is not None:       # 1..6 drafts a step; the reference runs without them
         k = rng.randint(1, 6)
-        if rng.random() < 0.5:
+        if speculative == "mtp":
+            cfg["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        elif rng.random() < 0.5:
             cfg["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": rng.randint(1, 4)}
         else:
@@ -206,6 +209,28 @@ def test_randomized_with_speculation(ckpt, hybrid_ckpt):
             check_draw(path, ref, offset + STRESS_SEED * 1_000_003 + k, summary, speculative=ckpt)
         print(f"\nstress (speculative, {path.name}): {summary}")
         assert summary["preemptions"] > 0 and summary["drafts"] > 0 and summary["accepted"] > 0, summary
+
+
+def test_randomized_with_mtp(hybrid_ckpt, tmp_path_factory):
+    """Speculation by the checkpoint's own MTP layer (random mtp.* weights: nearly every draft is
+    rejected, the rollback and the MTP catch-up run every step) under the same draws: outputs equal
+    the plain reference's (the same files, MTP not loaded), preemption and swap carry the MTP's KV
+    and remembered rows with the request."""
+    import shutil
+
+    import torch
+    import transformers
+    from test_speculative_mtp import add_mtp
+
+    path = tmp_path_factory.mktemp("qwen3_5_mtp_stress") / "ckpt"
+    shutil.copytree(hybrid_ckpt, path)
+    add_mtp(path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    ref = Reference(path)
+    summary = _summary()
+    for k in range(max(4, STRESS_DRAWS // 4)):
+        check_draw(path, ref, 40_000 + STRESS_SEED * 1_000_003 + k, summary, speculative="mtp")
+    print(f"\nstress (mtp): {summary}")
+    assert summary["preemptions"] > 0 and summary["drafts"] > 0, summary
 
 
 # ----------------------------------------------------------------- the two hangs of issue 14

@@ -224,18 +224,25 @@ def _top_k_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.
     return torch.softmax(z, dim=-1)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 def test_sampled_speculation_draws_from_the_target_distribution(tmp_path, method):
     """A model with an 8-token vocabulary, temperature 0.9 and top-k 6: the 2nd and 3rd tokens come
     from verify steps (n-gram drafts from the prompt, or a sampled draft model's with its own q);
     their joint over 4,000 seeded requests must match the distribution computed from transformers'
     logits (chi-square below the 0.1% critical value, total variation < 0.05). Seeded requests
-    reproduce exactly."""
+    reproduce exactly. MTP: a Qwen3.5 hybrid with random mtp.* weights (test_speculative_mtp.py)."""
     vocab, temp, top_k, draws = 8, 0.9, 6, 4000
-    path = make_qwen3_checkpoint(tmp_path / "m", vocab_size=vocab, eos_token_id=1)
-    draft = make_qwen3_checkpoint(tmp_path / "d", vocab_size=vocab, eos_token_id=1, seed=3, layers=1)
-    config = ({"method": "ngram", "num_speculative_tokens": 2} if method == "ngram" else
-              {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    if method == "mtp":
+        from test_speculative_mtp import add_mtp
+
+        path = make_qwen3_5_checkpoint(tmp_path / "m", vocab_size=vocab, eos_token_id=1)
+        add_mtp(path, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+        config = {"method": "mtp", "num_speculative_tokens": 2}
+    else:
+        path = make_qwen3_checkpoint(tmp_path / "m", vocab_size=vocab, eos_token_id=1)
+        draft = make_qwen3_checkpoint(tmp_path / "d", vocab_size=vocab, eos_token_id=1, seed=3, layers=1)
+        config = ({"method": "ngram", "num_speculative_tokens": 2} if method == "ngram" else
+                  {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = [2, 3, 4, 5, 6, 7, 0, 1, 2, 4, 6, 3, 5, 7, 1, 0]          # every token occurs: n-gram always drafts
 

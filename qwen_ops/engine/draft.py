@@ -25,9 +25,27 @@ from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.sampling import filtered_probs, sample
 
 
+def pick_drafts(logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[list[int], list]:
+    """Draft tokens from a proposer's logits rows (greedy: argmax; sampled: a draw from its filtered
+    distribution ``q`` with the request's own noise), and ``q`` per sampled row (None for greedy rows):
+    rejection sampling against ``q`` keeps the target's distribution."""
+    params = [t.sampling for t in tasks]
+    tokens = sample(logits, params, [t.generator for t in tasks]).tolist()
+    qs: list[Optional[torch.Tensor]] = [None] * len(tasks)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        probs = filtered_probs(logits[sampled].float(), [params[i] for i in sampled])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        for j, i in enumerate(sampled):
+            qs[i] = probs[j]
+    return tokens, qs
+
+
 class DraftModelProposer:
     """The scheduler's side of a draft model: it only asks for ``k`` draft places per decode (the
     runner fills them), so budget and blocks are reserved as for any drafts."""
+
+    reads_tokens = False              # the scheduler passes no tokens (propose ignores them)
 
     def __init__(self, num_speculative_tokens: int):
         self.k = num_speculative_tokens
@@ -52,18 +70,7 @@ class DraftRunner:
         self.seconds = 0.0               # wall time of propose() (benchmarks: the draft's share of a step)
 
     def _pick(self, logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[list[int], list]:
-        """Draft tokens from the draft's logits rows (greedy: argmax; sampled: a draw from ``q``), and
-        ``q`` per sampled row (None for greedy rows)."""
-        params = [t.sampling for t in tasks]
-        tokens = sample(logits, params, [t.generator for t in tasks]).tolist()
-        qs: list[Optional[torch.Tensor]] = [None] * len(tasks)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            probs = filtered_probs(logits[sampled].float(), [params[i] for i in sampled])
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            for j, i in enumerate(sampled):
-                qs[i] = probs[j]
-        return tokens, qs
+        return pick_drafts(logits, tasks)
 
     def propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
         """Feed every task's tokens to the draft and fill the draft places of the verifying decodes
@@ -110,7 +117,7 @@ class DraftRunner:
             out[i] = replace(t, token_ids=ctx + drafts[i], draft_token_ids=tuple(drafts[i]), draft_probs=q)
         return out
 
-    def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]]) -> None:
+    def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]], hidden=None) -> None:
         """After verification: remember draft k of every decode that kept all k (fed next step)."""
         for t, e in zip(tasks, emitted):
             k = len(t.draft_token_ids)

@@ -182,7 +182,7 @@ class ModelRunner:
         self.capture_bytes = 0
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
-        self.draft = None            # speculative "draft_model": a DraftRunner (attach_draft)
+        self.draft = None            # speculative "draft_model" / "mtp": a DraftRunner / MTPRunner (attach_*)
         self._grammar_pool = None    # structured outputs: the thread that fills token bitmasks
         self.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S   # fills slower than this go beside the forward
         self.grammar_fill_s = 0.0    # the last fill's seconds
@@ -203,6 +203,12 @@ class ModelRunner:
         from qwen_ops.engine.draft import DraftRunner
 
         self.draft = DraftRunner(model, self)
+
+    def attach_mtp(self) -> None:
+        """Run the model's own MTP layer (``model.mtp``) as the proposer, in this runner's slots and blocks."""
+        from qwen_ops.engine.mtp import MTPRunner
+
+        self.draft = MTPRunner(self.model, self)
 
     @torch.inference_mode()
     def step(self, plan: IterationPlan) -> RunnerOutput:
@@ -237,9 +243,14 @@ class ModelRunner:
         speculating = any(t.draft_token_ids for t in tasks)
         saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
         logits = self.execute(tasks)
+        # speculative "mtp": the target's final hidden state of every row (a later forward of the
+        # hybrid rollback would replace it)
+        hidden = self.model.hidden_out if getattr(self.model, "keep_hidden", False) else None
         grammar_mask = (constrained, mask_job.result()) if mask_job is not None else None
         if not speculating:
             sampled, logprobs = self.sample_rows(tasks, logits, grammar_mask)
+            if self.draft is not None and hidden is not None:
+                self.draft.kept(tasks, [None] * len(tasks), hidden)
             return RunnerOutput(logits, sampled, logprobs)
         last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
         sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
@@ -251,7 +262,7 @@ class ModelRunner:
         if saved is not None:
             self._rollback_linear_state(tasks, emitted, saved)
         if self.draft is not None:
-            self.draft.kept(tasks, emitted)
+            self.draft.kept(tasks, emitted, hidden)
         return RunnerOutput(logits, sampled, logprobs, emitted)
 
     def _fill_bitmask(self, matchers, vocab_size: int) -> torch.Tensor:

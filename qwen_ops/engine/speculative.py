@@ -38,11 +38,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The speculative_config keys each method takes (vLLM's names).
 _COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _METHOD_KEYS = {"ngram": _COMMON_KEYS | {"prompt_lookup_min", "prompt_lookup_max"},
-                "draft_model": _COMMON_KEYS | {"model"}}
+                "draft_model": _COMMON_KEYS | {"model"}, "mtp": _COMMON_KEYS}
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -55,7 +55,8 @@ class SpeculativeConfig:
     """``LLM(speculative_config={...})`` in vLLM's shape: ``method`` and ``num_speculative_tokens``
     (drafts per step); for ``"ngram"`` ``prompt_lookup_min`` / ``prompt_lookup_max`` (the n-gram
     sizes tried, longest first), for ``"draft_model"`` ``model`` (a checkpoint directory with the
-    target's vocabulary: ``engine/draft.py``). ``disable_by_batch_size`` (vLLM V0's
+    target's vocabulary: ``engine/draft.py``); ``"mtp"`` runs the target checkpoint's own
+    multi-token-prediction layer (Qwen3-Next / Qwen3.5 ``mtp.*`` weights: ``engine/mtp.py``). ``disable_by_batch_size`` (vLLM V0's
     ``speculative_disable_by_batch_size``): no drafts in a step with at least that many decodes,
     where the step is no longer bound by reading the weights and k + 1 rows a sequence cost about
     k + 1 times the work (on the CPU from a few sequences on: benchmarks/README.md). Unknown keys
@@ -88,7 +89,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model = {config.get('model')!r}, expected the draft checkpoint's "
                              "directory (a str)")
         out = cls(method, config["num_speculative_tokens"], config.get("prompt_lookup_min", 1),
-                  config.get("prompt_lookup_max"), None if method == "ngram" else str(config["model"]),
+                  config.get("prompt_lookup_max"), str(config["model"]) if method == "draft_model" else None,
                   config.get("disable_by_batch_size"))
         if out.disable_by_batch_size is not None:
             _check_int("speculative_config.disable_by_batch_size", out.disable_by_batch_size, 1)
@@ -102,8 +103,9 @@ class SpeculativeConfig:
         return out
 
     def proposer(self):
-        """The scheduler's proposer: n-gram lookup, or the draft model's k places (filled in the runner)."""
-        if self.method == "draft_model":
+        """The scheduler's proposer: n-gram lookup, or k places that the runner fills (the draft
+        model's or the MTP layer's)."""
+        if self.method in ("draft_model", "mtp"):
             from qwen_ops.engine.draft import DraftModelProposer
             return DraftModelProposer(self.num_speculative_tokens)
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
@@ -113,6 +115,8 @@ class NgramProposer:
     """Prompt lookup: the longest suffix n-gram of the tokens so far (``prompt_lookup_max`` down to
     ``prompt_lookup_min`` tokens) that occurred earlier; the up to ``num_speculative_tokens`` tokens
     that followed its latest earlier occurrence are the draft. Finding nothing drafts nothing."""
+
+    reads_tokens = True               # the scheduler passes the request's tokens so far
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1,
                  prompt_lookup_max: Optional[int] = None) -> None:

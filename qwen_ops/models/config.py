@@ -217,6 +217,14 @@ class RopeConfig:
         return inv_freq, float(attention_factor)
 
 
+def _read_mtp_layers(d: Mapping[str, Any], source: str) -> int:
+    key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in d else "mtp_num_hidden_layers"
+    value = d.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source}: {key} = {value!r}, expected an int >= 0")
+    return value
+
+
 @dataclass(frozen=True)
 class QwenConfig:
     """Architecture and numbers of a dense Qwen2/Qwen3 model (the fields the model and engine read)."""
@@ -243,6 +251,9 @@ class QwenConfig:
     linear: Optional["LinearAttentionConfig"] = None
     # Mixture-of-experts models only (qwen3_moe, qwen3_next, qwen3_5_moe*).
     moe: Optional["MoeConfig"] = None
+    # Multi-token-prediction layers (``mtp.*`` weights; ``num_nextn_predict_layers`` of Qwen3-Next,
+    # ``mtp_num_hidden_layers`` of Qwen3.5): the proposer of speculative ``"method": "mtp"``.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -346,7 +357,7 @@ class QwenConfig:
         hybrid: dict[str, Any] = {}
         if arch.hybrid:
             hybrid = dict(layer_types=_read_layer_types(d, need("num_hidden_layers"), source),
-                          linear=_read_linear(d, source))
+                          linear=_read_linear(d, source), mtp_layers=_read_mtp_layers(d, source))
             # transformers ties lm_head by the outer (multimodal) config's flag, default False.
             if outer:
                 d["tie_word_embeddings"] = outer.get("tie_word_embeddings", False)

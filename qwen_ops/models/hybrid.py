@@ -181,6 +181,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = None           # the MTP layer (models/mtp.py), when loaded for speculative "mtp"
+        # Speculative "mtp" (engine/mtp.py) reads every row's final hidden state: the forward then
+        # normalises all rows and keeps them in ``hidden_out`` (eager; chosen when the MTP is attached).
+        self.keep_hidden = False
+        self.hidden_out = None
+
+    def attach_mtp(self) -> None:
+        """Give the model its MTP layer's parameters (``mtp.*``; filled by the loader)."""
+        from qwen_ops.models.mtp import MTPHead
+
+        self.mtp = MTPHead(self.config)
 
     @property
     def layer_kinds(self) -> list[str]:
@@ -224,5 +235,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             h = layer(h, cos, sin, positions32, attn, cache)
+        if self.keep_hidden:      # the norm is row-wise: the selected rows' logits are the same
+            self.hidden_out = self.model.norm(h)
+            return self.lm_head(torch.index_select(self.hidden_out, 0, logits_indices))
         h = self.model.norm(torch.index_select(h, 0, logits_indices))
         return self.lm_head(h)

@@ -88,7 +88,8 @@ class Checkpoint:
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                     tp: Optional[TPGroup] = None, max_positions: Optional[int] = None,
-                    config: Optional[QwenConfig] = None, quantization: Optional[str] = None) -> Checkpoint:
+                    config: Optional[QwenConfig] = None, quantization: Optional[str] = None,
+                    mtp: bool = False) -> Checkpoint:
     """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
     tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``);
     ``config``: ``path``'s config when the caller has read it already; ``quantization``: online
@@ -96,7 +97,7 @@ def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions,
-                       quantization=quantization)
+                       quantization=quantization, mtp=mtp)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))
 
@@ -134,7 +135,8 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None,
-               max_positions: Optional[int] = None, quantization: Optional[str] = None) -> QwenForCausalLM:
+               max_positions: Optional[int] = None, quantization: Optional[str] = None,
+               mtp: bool = False) -> QwenForCausalLM:
     """Build the model of ``path`` (:class:`QwenForCausalLM` for qwen2 / qwen3 / qwen3_moe;
     :class:`Qwen3_5ForCausalLM` for the hybrids qwen3_5_text / qwen3_5 / qwen3_5_moe_text / qwen3_5_moe /
     qwen3_next, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors
@@ -151,7 +153,10 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     Quantized weights (``models/quant.py``): a checkpoint whose config.json has a
     ``quantization_config`` (fp8, awq, gptq) gets QuantLinear layers where its files hold quantized
     tensors, read into the ops' layouts without a full-precision copy; ``quantization`` ("int8",
-    "fp8") quantizes a full-precision checkpoint's projections one tensor at a time as they are read."""
+    "fp8") quantizes a full-precision checkpoint's projections one tensor at a time as they are read.
+
+    ``mtp``: also read the multi-token-prediction layer (``mtp.*``, ``models/mtp.py``) of a Qwen3-Next /
+    Qwen3.5 checkpoint, as ``model.mtp`` (speculative decoding's ``"method": "mtp"``)."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
@@ -162,8 +167,16 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     if quant is not None and tp is not None and tp.size > 1:
         raise ValueError(f"tensor parallelism (size {tp.size}) with quantized weights ({quant.method}) is not "
                          "supported yet; load with tensor_parallel_size=1")
+    if mtp and (not config.is_hybrid or config.mtp_layers < 1):
+        raise ValueError(f"{path / 'config.json'}: model_type = {config.model_type!r} with {config.mtp_layers} MTP "
+                         "layers; speculative 'mtp' needs a Qwen3-Next or Qwen3.5 checkpoint with its mtp.* layer "
+                         "(num_nextn_predict_layers / mtp_num_hidden_layers >= 1)")
+    if mtp and tp is not None and tp.size > 1:
+        raise ValueError("the MTP layer with tensor parallelism is not supported; load with tensor_parallel_size=1")
     with torch.device("meta"):
         model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
+        if mtp:
+            model.attach_mtp()
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
     quantized = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else {}

@@ -262,7 +262,7 @@ class LLM:
                              f"{cfg.max_position_embeddings}; expected at most that")
         if tensor_parallel_size == 1:
             ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg,
-                                   quantization=quantization)
+                                   quantization=quantization, mtp=spec is not None and spec.method == "mtp")
             elem = next(ckpt.model.parameters()).element_size()
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             kv_heads = cfg.num_key_value_heads
@@ -299,6 +299,8 @@ class LLM:
             self.engine.runner.set_verify_rows(spec.num_speculative_tokens + 1)
             if spec.method == "draft_model":
                 self._attach_draft(spec, cfg, dtype, device, max_model_len)
+            elif spec.method == "mtp":
+                self.engine.runner.attach_mtp()
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -279,7 +279,8 @@ class Scheduler:
         room = min(budget.remaining_decode() + 1, sp.max_new_tokens - n_out, self.config.max_model_len - req.num_tokens) - 1
         if room <= 0:
             return []
-        return self.proposer.propose(req.all_token_ids())[:room]
+        # a draft model's or MTP's places are filled in the runner: no token list to build for them
+        return self.proposer.propose(req.all_token_ids() if getattr(self.proposer, "reads_tokens", True) else ())[:room]
 
     def _schedule_running(self, req: Request, budget: TokenBudget, plan: IterationPlan) -> None:
         """Give a running request its decode token or next prefill chunk, if budget and blocks allow."""

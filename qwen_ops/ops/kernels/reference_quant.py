@@ -82,33 +82,63 @@ def activation_block(group: int) -> int:
     return 128 if group % 128 == 0 else group
 
 
+def _activation_digits(x: torch.Tensor, group: int):
+    """Per row and block of ``activation_block(group)`` elements: the digits ``d = round_half_even(x *
+    (127 / amax))`` in -127..127 (fp32 arithmetic; 0 where amax is 0) ``[rows, blocks, ab]`` and
+    ``unit = amax / 127`` ``[rows, blocks]`` (NaN for a block holding a NaN or an infinity)."""
+    xf = x.float()
+    rows, k = xf.shape
+    ab = activation_block(group)
+    blocks = xf.reshape(rows, k // ab, ab)
+    amax = blocks.abs().amax(dim=-1)
+    finite = torch.isfinite(blocks).all(dim=-1)
+    scale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    digits = torch.round(torch.where(finite[..., None], blocks * scale[..., None], torch.zeros_like(blocks)))
+    unit = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
+    return digits.clamp(-127, 127), unit
+
+
 def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     """x as the ``*_a8`` products see it (fp32): per row and block of ``activation_block(group)``
     elements, ``unit = amax / 127`` and ``x ~ round_half_even(x * (127 / amax)) * unit`` (the digits in
     -127..127: llama.cpp's Q8_0 activations, one scale a block). A block of zeros stays zero; a block
     holding a NaN or an infinity is NaN."""
-    xf = x.float()
-    rows, k = xf.shape
-    ab = activation_block(group)
-    blocks = xf.reshape(rows, k // ab, ab)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    digits = torch.round(torch.where(finite, blocks * scale, torch.zeros_like(blocks))).clamp(-127, 127)
-    unit = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
-    return (digits * unit).reshape(rows, k)
+    digits, unit = _activation_digits(x, group)
+    return (digits * unit[..., None]).reshape(x.shape[0], x.shape[1])
+
+
+def _a8_product(x, weights: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias) -> torch.Tensor:
+    """The contract of the ``*_a8`` products, computed as the kernels compute it: ``weights`` the
+    unsigned weights ``u`` ``[N, K]`` and ``zeros`` ``[N, G]`` (int8: ``q + 128`` and 128), then per
+    output ``acc = fma(float(sum_k d u - z sum_k d), s * unit, acc)`` over the blocks in order (each
+    integer sum exact in float64, each fma one fp32 rounding, as float64 computes it), ``+ bias``."""
+    n, k = weights.shape
+    group = k // scales.shape[1]
+    digits, unit = _activation_digits(x, group)
+    ab = digits.shape[-1]
+    dsum = digits.sum(dim=-1).double()
+    u = weights.double()
+    acc = torch.zeros((x.shape[0], n), dtype=torch.float32)
+    for b in range(digits.shape[1]):
+        g = b * ab // group
+        isum = digits[:, b].double() @ u[:, b * ab:(b + 1) * ab].T
+        f = isum - dsum[:, b, None] * zeros[:, g].double()[None, :]
+        sc = scales[:, g][None, :].float() * unit[:, b, None]
+        acc = (f * sc.double() + acc.double()).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
 
 
 def linear_int8_a8_reference(x, qweight, scales, bias=None) -> torch.Tensor:
-    """``linear_int8`` on ``quantize_activations(x)``: int8 weights and int8 activations (W8A8)."""
-    xq = quantize_activations(x, qweight.shape[1] // scales.shape[1])
-    return _product(xq, dequantize_int8(qweight, scales), bias).to(x.dtype)
+    """``linear_int8`` on int8 activations (W8A8): ``quantize_activations(x) @ dequantize_int8(...).T``,
+    with the kernels' arithmetic (``_a8_product``)."""
+    return _a8_product(x, qweight.to(torch.int16) + 128, torch.full_like(scales, 128.0), scales, bias)
 
 
 def linear_int4_a8_reference(x, qweight, scales, zeros, bias=None) -> torch.Tensor:
-    """``linear_int4`` on ``quantize_activations(x)`` (W4A8)."""
-    xq = quantize_activations(x, 2 * qweight.shape[1] // scales.shape[1])
-    return _product(xq, dequantize_int4(qweight, scales, zeros), bias).to(x.dtype)
+    """``linear_int4`` on int8 activations (W4A8), as ``linear_int8_a8_reference``."""
+    return _a8_product(x, unpack_int4(qweight), zeros.float(), scales, bias)
 
 
 # The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
