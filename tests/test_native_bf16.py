@@ -212,3 +212,30 @@ def test_mixed_dtypes_keep_the_plain_forward(tmp_path):
     mixed.process_weights_after_loading()
     assert set(forward_choices(mixed).values()) == {"native"}
     assert set(forward_choices(_packed(model)).values()) == {"cpu"}
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_both_bf16_product_paths_match_float64(tmp_path, monkeypatch, rows):
+    """The two ways of a bf16 product, each forced (``QWEN_OPS_BF16_PRODUCTS``) in a library of its
+    own: AVX512-BF16 dot products (only where the CPU has them; elsewhere "dot" falls back to
+    widening) and widening loads into fp32 FMAs, against float64 on bf16 inputs (whose products are
+    exact: only the fp32 sums round). Which one the engine runs is the CPU's measured choice
+    (``cpu.bf16_products()``: this Intel Xeon's dot products issue at a quarter of its FMA rate)."""
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 192
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16().float()
+    bias = torch.randn(n, generator=g)
+    packed = cpu.pack_panels(w)
+    want = x.double() @ w.double().T + bias.double()
+    has_dot = " avx512_bf16" in f" {cpu._cpu_flags()} "
+    for mode in ("dot", "widening"):
+        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
+        monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", mode)
+        lib = cpu.library.__wrapped__()
+        assert lib.qwen_bf16_dot_products() == (1 if mode == "dot" and has_dot else 0)
+        y = torch.full((rows, n), float("nan"))
+        lib.qwen_linear_packed_bf16(x.data_ptr(), k, rows, packed.data_ptr(), bias.data_ptr(), n, k, y.data_ptr(), n, 1)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)

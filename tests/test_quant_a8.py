@@ -231,3 +231,33 @@ def test_llm_w8a8_tokens_do_not_depend_on_the_batch(ckpt):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+def _fma32_exact(a: float, b: float, c: float) -> float:
+    """fp32 fma by exact rationals: the nearer of the two fp32 values around a * b + c (ties: even)."""
+    from fractions import Fraction
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = torch.tensor(float(exact), dtype=torch.float64).float()          # within one fp32 step
+    cands = {float(near), float(torch.nextafter(near, torch.tensor(float("inf")))),
+             float(torch.nextafter(near, torch.tensor(float("-inf"))))}
+    best = sorted(cands, key=lambda v: (abs(Fraction(v) - exact),
+                                        int(torch.tensor(v, dtype=torch.float32).view(torch.int32)) & 1))
+    return best[0]
+
+
+def test_reference_fma_rounds_once():
+    """The references' fp32 FMA (``_fma32``) against exact rational arithmetic, on a case where a
+    float64 sum rounded to fp32 rounds twice (8(1+2^-23) * -8(1-2^-23) + (2^30 + 128): exactly
+    2^30 + 64 + 2^-40, just above an fp32 midpoint; float64 drops the 2^-40, the tie goes to 2^30)
+    and on random ones."""
+    a = torch.tensor([8 * (1 + 2 ** -23)], dtype=torch.float32)
+    b = torch.tensor([-8 * (1 - 2 ** -23)], dtype=torch.float32)
+    c = torch.tensor([2.0 ** 30 + 128], dtype=torch.float32)
+    assert float((a.double() * b.double() + c.double()).float()) == 2.0 ** 30          # rounded twice
+    assert float(RQ._fma32(a, b, c)) == 2.0 ** 30 + 128 == _fma32_exact(float(a), float(b), float(c))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2000, generator=g), torch.randn(2000, generator=g)
+    c = torch.randn(2000, generator=g) * torch.exp2(torch.randint(-30, 30, (2000,), generator=g).float())
+    got = RQ._fma32(a, b, c)
+    assert [float(v) for v in got] == [_fma32_exact(float(x), float(y), float(z)) for x, y, z in zip(a, b, c)]

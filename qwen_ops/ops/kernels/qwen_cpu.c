@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -937,10 +938,72 @@ void qwen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp
 #define QWEN_DPBF16 0
 #endif
 
-/* 1 when the products on bf16 weights use AVX512-BF16 dot products here, 0 when they widen. */
+#if QWEN_DPBF16
+/* Seconds of n rounds of 12 independent VDPBF16PS (dot != 0) or FMAs: their issue rate. */
+static QWEN_DPBF16_TARGET double bf16_probe_seconds(int dot, long n) {
+    struct timespec t0, t1;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+           a9 = a0, a10 = a0, a11 = a0;
+    const __m512 x = _mm512_set1_ps(1e-3f), y = _mm512_set1_ps(1e-6f);
+    const __m512bh p = (__m512bh)_mm512_set1_epi32(0x3a803a80), q = (__m512bh)_mm512_set1_epi32(0x3a803a80);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (dot) {
+        for (long i = 0; i < n; ++i) {
+#define QWEN_DP(A) A = _mm512_dpbf16_ps(A, p, q);
+            QWEN_DP(a0) QWEN_DP(a1) QWEN_DP(a2) QWEN_DP(a3) QWEN_DP(a4) QWEN_DP(a5)
+            QWEN_DP(a6) QWEN_DP(a7) QWEN_DP(a8) QWEN_DP(a9) QWEN_DP(a10) QWEN_DP(a11)
+#undef QWEN_DP
+            __asm__ volatile("" : "+v"(a0), "+v"(a6));
+        }
+    } else {
+        for (long i = 0; i < n; ++i) {
+#define QWEN_FMA(A) A = _mm512_fmadd_ps(A, x, y);
+            QWEN_FMA(a0) QWEN_FMA(a1) QWEN_FMA(a2) QWEN_FMA(a3) QWEN_FMA(a4) QWEN_FMA(a5)
+            QWEN_FMA(a6) QWEN_FMA(a7) QWEN_FMA(a8) QWEN_FMA(a9) QWEN_FMA(a10) QWEN_FMA(a11)
+#undef QWEN_FMA
+            __asm__ volatile("" : "+v"(a0), "+v"(a6));
+        }
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const __m512 all = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                     _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)),
+                                                   _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11))));
+    volatile float sink = _mm512_reduce_add_ps(all);
+    (void)sink;
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
+/* Whether VDPBF16PS beats the widening path's two FMAs per pair of k on this CPU. Some CPUs with
+ * AVX512-BF16 issue it at a quarter of the FMA rate (this Intel Xeon VM: 1.34 against 5.38 per ns,
+ * so the widening products of many rows run 1.7x faster there); others at the FMA rate or faster.
+ * Measured once, interleaved, best of 5 rounds of about 0.1 ms each: the dot products win when one
+ * takes under 1.6 FMAs' time (the widening path also spends a shift and a mask per weight vector). */
+static int bf16_dot_is_faster(void) {
+    double dot = 1e9, fma = 1e9;
+    for (int r = 0; r < 5; ++r) {
+        const double d = bf16_probe_seconds(1, 20000), f = bf16_probe_seconds(0, 20000);
+        dot = d < dot ? d : dot;
+        fma = f < fma ? f : fma;
+    }
+    return dot < 1.6 * fma;
+}
+#endif
+
+/* 1 when the products on bf16 weights use AVX512-BF16 dot products here, 0 when they widen: the
+ * CPU has AVX512-BF16 and its dot products are the faster (bf16_dot_is_faster, decided once per
+ * process), or QWEN_OPS_BF16_PRODUCTS names the path ("dot" where the CPU has it, or "widening").
+ * One choice for every product and row count, so a row's result never depends on its batch. */
 int qwen_bf16_dot_products(void) {
 #if QWEN_DPBF16
-    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+    static int choice = -1;
+    if (choice < 0) {
+        const char *forced = getenv("QWEN_OPS_BF16_PRODUCTS");
+        const int has = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+        if (forced != NULL && strcmp(forced, "widening") == 0) choice = 0;
+        else if (forced != NULL && strcmp(forced, "dot") == 0) choice = has;
+        else choice = has && bf16_dot_is_faster();
+    }
+    return choice;
 #else
     return 0;
 #endif

@@ -107,11 +107,28 @@ def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return (digits * unit[..., None]).reshape(x.shape[0], x.shape[1])
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fma(a, b, c)`` of fp32 tensors with one rounding, as the kernels' FMA: the product is exact in
+    float64; a float64 sum rounded to fp32 rounds twice, which differs from one rounding only when
+    the float64 sum lands exactly on an fp32 midpoint (about once in 2^29 operations, so some
+    thousands of times in a real-size generate): there TwoSum's error term decides the side."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)                      # s + err == p + c exactly
+    r = s.float()
+    diff = s - r.double()
+    toward = torch.nextafter(r, torch.where(diff > 0, torch.tensor(float("inf")), torch.tensor(float("-inf"))))
+    tie = (diff != 0) & (diff.abs() * 2 == (toward.double() - r.double()).abs())
+    return torch.where(tie & (err * diff > 0), toward, r)
+
+
 def _a8_product(x, weights: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias) -> torch.Tensor:
     """The contract of the ``*_a8`` products, computed as the kernels compute it: ``weights`` the
     unsigned weights ``u`` ``[N, K]`` and ``zeros`` ``[N, G]`` (int8: ``q + 128`` and 128), then per
     output ``acc = fma(float(sum_k d u - z sum_k d), s * unit, acc)`` over the blocks in order (each
-    integer sum exact in float64, each fma one fp32 rounding, as float64 computes it), ``+ bias``."""
+    integer sum exact in float64, each fma one fp32 rounding: ``_fma32``), ``+ bias``."""
     n, k = weights.shape
     group = k // scales.shape[1]
     digits, unit = _activation_digits(x, group)
@@ -124,7 +141,7 @@ def _a8_product(x, weights: torch.Tensor, zeros: torch.Tensor, scales: torch.Ten
         isum = digits[:, b].double() @ u[:, b * ab:(b + 1) * ab].T
         f = isum - dsum[:, b, None] * zeros[:, g].double()[None, :]
         sc = scales[:, g][None, :].float() * unit[:, b, None]
-        acc = (f * sc.double() + acc.double()).float()
+        acc = _fma32(f.float(), sc, acc)
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(x.dtype)
