@@ -261,3 +261,23 @@ def test_reference_fma_rounds_once():
     c = torch.randn(2000, generator=g) * torch.exp2(torch.randint(-30, 30, (2000,), generator=g).float())
     got = RQ._fma32(a, b, c)
     assert [float(v) for v in got] == [_fma32_exact(float(x), float(y), float(z)) for x, y, z in zip(a, b, c)]
+
+
+def test_a8_digits_at_rounding_midpoints():
+    """Blocks whose elements sit within an ulp of a digit's rounding midpoint (x * 127 / amax near
+    n + 1/2), for amax values where one division (the kernels') and torch's number-over-tensor
+    (a reciprocal, then a product) give different scales: the reference's digits must be the
+    kernel's there too, so the products agree bit for bit. (The reference once divided the second
+    way; on the real-size model that moved a digit in a few rows of a generate.)"""
+    g = torch.Generator().manual_seed(4)
+    amax = torch.rand(4096, generator=g) + 0.5
+    one_division = torch.full_like(amax, 127.0) / amax
+    rows = []
+    for a, sc in zip(amax[one_division != 127.0 / amax][:64], one_division[one_division != 127.0 / amax][:64]):
+        mids = (torch.arange(127, dtype=torch.float64) + 0.5) / float(sc)      # x with x * scale = n + 1/2
+        x = torch.cat([mids.float(), torch.nextafter(mids.float(), torch.tensor(0.0))])[:127]
+        rows.append(torch.cat([a.view(1), x * torch.where(torch.rand(127, generator=g) < 0.5, -1.0, 1.0)]))
+    x = torch.stack(rows) if rows else torch.randn(8, 128, generator=g)
+    q = torch.randint(-127, 128, (16, 128), generator=g, dtype=torch.int8)
+    s = torch.rand(16, 1, generator=g) * 0.01
+    assert torch.equal(torch.ops.qwen.linear_int8_a8(x, q, s, None), RQ.linear_int8_a8_reference(x, q, s, None))

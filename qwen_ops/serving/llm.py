@@ -265,6 +265,8 @@ class LLM:
                                    quantization=quantization, mtp=spec is not None and spec.method == "mtp")
             elem = next(ckpt.model.parameters()).element_size()
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
+            if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
+                attention_layers += 1
             kv_heads = cfg.num_key_value_heads
         else:
             # Each rank loads its own slice in from_pretrained; size the cache from the config.

@@ -92,9 +92,12 @@ def _activation_digits(x: torch.Tensor, group: int):
     blocks = xf.reshape(rows, k // ab, ab)
     amax = blocks.abs().amax(dim=-1)
     finite = torch.isfinite(blocks).all(dim=-1)
-    scale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # Tensor by tensor: torch computes a Python number divided by a tensor (and a tensor by a number)
+    # through a reciprocal, two roundings; the kernels divide once.
+    n127 = torch.full_like(amax, 127.0)
+    scale = torch.where(amax > 0, n127 / amax, torch.zeros_like(amax))
     digits = torch.round(torch.where(finite[..., None], blocks * scale[..., None], torch.zeros_like(blocks)))
-    unit = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
+    unit = torch.where(finite, amax / n127, torch.full_like(amax, float("nan")))
     return digits.clamp(-127, 127), unit
 
 
