@@ -281,3 +281,16 @@ def test_a8_digits_at_rounding_midpoints():
     q = torch.randint(-127, 128, (16, 128), generator=g, dtype=torch.int8)
     s = torch.rand(16, 1, generator=g) * 0.01
     assert torch.equal(torch.ops.qwen.linear_int8_a8(x, q, s, None), RQ.linear_int8_a8_reference(x, q, s, None))
+
+
+def test_a8_products_report_their_path_and_warn_without_vnni(ckpt, monkeypatch, caplog):
+    """This CPU has AVX512-VNNI, so the products run VPDPBUSD; on one without, loading a model with
+    int8 activations warns that the portable loop runs instead (forced here)."""
+    import logging
+
+    has_vnni = " avx512_vnni" in f" {cpu._cpu_flags()} "
+    assert cpu.int8_dot_products() == has_vnni
+    monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="qwen_ops.models.loader"):
+        load_model(ckpt, quantization="w8a8")
+    assert "no AVX512-VNNI" in caplog.text

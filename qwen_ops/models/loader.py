@@ -23,6 +23,7 @@ allocated once: no second copy of the experts.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from qwen_ops.models.parallel import TPGroup, shard_model, tp_slice
 from qwen_ops.models import quant as Q
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 
+logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -202,6 +204,13 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant is not None and quant.online and quant.method == "int8":
         _quantize_lm_head(model, quant, dtype, device)
+    if quant is not None and quant.activations == "int8" and device.type == "cpu":
+        from qwen_ops.ops.kernels import cpu
+
+        if cpu.why_unavailable() is None and not cpu.int8_dot_products():
+            logger.warning("quantization with int8 activations (%s): this CPU (or build) has no AVX512-VNNI, so "
+                           "the products run a portable loop, correct but tens of times slower than the "
+                           "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
 

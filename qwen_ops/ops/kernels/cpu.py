@@ -57,6 +57,7 @@ _SIGNATURES = {
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
     "qwen_bf16_dot_products": ([], ctypes.c_int),
+    "qwen_int8_dot_products": ([], ctypes.c_int),
     "qwen_linear_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
     "qwen_linear_packed_bf16": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
     "qwen_linear": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32, _i64], ctypes.c_int),
@@ -326,6 +327,13 @@ def has_amx_bf16() -> bool:
     torch's own ``F.linear``, then runs bf16 products of many rows on them, far faster than the
     packed panels' AVX-512 FMAs (which still win at a few rows, where the weights stream)."""
     return " amx_bf16" in f" {_cpu_flags()} "
+
+
+def int8_dot_products() -> bool:
+    """Whether the int8-activation products (``linear_int8_a8`` / ``linear_int4_a8``) run AVX512-VNNI
+    integer dot products on this CPU; without, they run a portable loop that is correct but tens of
+    times slower."""
+    return bool(library().qwen_int8_dot_products())
 
 
 def bf16_products() -> str:
