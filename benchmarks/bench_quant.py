@@ -15,6 +15,8 @@ For each variant and thread count:
   layers on their ops' references (dequantize, then multiply: the oracle): with fp32 activations a
   mismatch marks the row FAIL and the script exits 1 (with bf16 the count of equal tokens is shown);
 - the peak host memory of loading each GPTQ / AWQ checkpoint, in a fresh process, against its size.
+``--vs-bf16``: only the one-request decode step of each variant against the bf16 model's, the two
+stepped alternately in one process (the ratio the issue's decode targets name).
 Figures: benchmarks/README.md ("Quantized weights (issue 28)").
 """
 
@@ -160,6 +162,42 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     return row
 
 
+def decode_vs_bf16(variants, base: Path, threads: int, steps: int) -> list[dict]:
+    """The one-request decode step of each variant against the bf16 model's, the two stepped
+    alternately in one process (this VM's read bandwidth drifts by a third between minutes, so a
+    ratio of two sequential measurements is mostly noise): medians of ``steps`` each."""
+    from qwen_ops import LLM
+
+    torch.set_num_threads(threads)
+    engines = {"bfloat16": LLM(str(base), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
+                               dtype="bfloat16").engine}
+    out = []
+    for variant in variants:
+        path, kwargs = checkpoint_for(variant, base)
+        engines[variant] = LLM(str(path), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
+                               **kwargs).engine
+        state = {}
+        for name in ("bfloat16", variant):
+            eng = engines[name]
+            slot = eng.allocate_slot("vs_bf16")
+            state[name] = [eng, slot, eng.prefill(prompts(1, 32, eng.vocab_size)[0], slot_id=slot).next_token, []]
+        for i in range(steps + 1):
+            for name in ("bfloat16", variant):
+                st = state[name]
+                t = time.perf_counter()
+                st[2] = st[0].decode_step(st[2], slot_id=st[1]).next_token
+                if i:
+                    st[3].append(time.perf_counter() - t)
+        for name in ("bfloat16", variant):
+            state[name][0].free_slot(state[name][1])
+        bf16, var = statistics.median(state["bfloat16"][3]), statistics.median(state[variant][3])
+        out.append({"variant": variant, "threads": threads, "bf16_tok_s": 1 / bf16, "tok_s": 1 / var,
+                    "ratio": bf16 / var})
+        del engines[variant]
+        gc.collect()
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=None)
@@ -170,8 +208,19 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--vs-bf16", action="store_true",
+                        help="only the decode step of each variant against bf16's, stepped alternately")
     args = parser.parse_args(argv)
     base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
+    if args.vs_bf16:
+        rows = [r for threads in args.threads for r in decode_vs_bf16(args.variants, base, threads, 3 * args.steps)]
+        print("| variant | threads | bf16 decode (tok/s) | variant decode (tok/s) | ratio |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['threads']} | {r['bf16_tok_s']:.1f} | {r['tok_s']:.1f} | {r['ratio']:.2f}x |")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     rows = []
     print("| variant | threads | weights read (GB) | decode alone (tok/s) | of read bandwidth | "
           "1 request e2e (tok/s) | 8 requests e2e (tok/s) | greedy = reference |")

@@ -294,3 +294,24 @@ def test_a8_products_report_their_path_and_warn_without_vnni(ckpt, monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="qwen_ops.models.loader"):
         load_model(ckpt, quantization="w8a8")
     assert "no AVX512-VNNI" in caplog.text
+
+
+def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys):
+    """bench_quant.py's w8a8 row must match its reference twin (the a8 references compute the
+    kernels' arithmetic, so fp32 tokens agree exactly): a kernel made 1.5x too large fails it.
+    ``--vs-bf16`` steps a variant and the bf16 model alternately and reports their ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_quant", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--checkpoint", str(ckpt), "--variants", "w8a8", "--threads", "1", "--reps", "1", "--steps", "2"]
+    assert bench.main(args) == 0
+    assert bench.main(args + ["--vs-bf16"]) == 0
+    assert "| w8a8 | 1 |" in capsys.readouterr().out
+    real = Q._OPS["int8_a8"]
+    monkeypatch.setitem(Q._OPS, "int8_a8", lambda x, *rest: real(x, *rest) * 1.5)
+    assert bench.main(args) == 1
+    assert "FAIL" in capsys.readouterr().out
