@@ -26,6 +26,7 @@ from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.serving.llm import LLM
 
 from checkpoints import make_moe_checkpoint, make_qwen3_5_checkpoint
+from test_speculative_engine import hf_greedy
 
 transformers = pytest.importorskip("transformers", reason="transformers is the parity reference")
 
@@ -86,14 +87,6 @@ def mtp_family(request, tmp_path_factory):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     oracle = add_mtp(path, hf)
     return request.param, path, hf, oracle
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt, n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @torch.no_grad()

@@ -41,6 +41,30 @@ def pick_drafts(logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[
     return tokens, qs
 
 
+def with_drafts(task: BatchedRequest, drafts: list[int], probs: list) -> BatchedRequest:
+    """``task`` with its draft places filled: ``drafts`` after its context, and for a sampled request
+    the proposer's ``q`` of each (``probs``) for rejection sampling."""
+    ctx = list(task.token_ids[:len(task.token_ids) - len(task.draft_token_ids)])
+    q = None if task.sampling.greedy else torch.stack(probs)
+    return replace(task, token_ids=ctx + drafts, draft_token_ids=tuple(drafts), draft_probs=q)
+
+
+class RunnerProposer:
+    """A proposer that fills the draft places in the runner (a draft model, the MTP layer):
+    ``propose(tasks)`` runs the subclass's ``_propose`` and adds its wall time to ``seconds``
+    (benchmarks: the proposer's share of a step)."""
+
+    seconds = 0.0
+
+    def propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
+        """The tasks with their draft places filled (and ``draft_probs``); see the module docstring."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(tasks)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 class DraftModelProposer:
     """The scheduler's side of a draft model: it only asks for ``k`` draft places per decode (the
     runner fills them), so budget and blocks are reserved as for any drafts."""
@@ -54,7 +78,7 @@ class DraftModelProposer:
         return [0] * self.k               # placeholders: DraftRunner.propose writes the drafts
 
 
-class DraftRunner:
+class DraftRunner(RunnerProposer):
     def __init__(self, model: torch.nn.Module, target) -> None:
         from qwen_ops.engine.runner import ModelRunner
 
@@ -67,19 +91,6 @@ class DraftRunner:
                                   native_cpu=target.native_cpu)
         # slot -> (request id, position, token): a kept draft the draft model has not fed yet.
         self.pending: dict[int, tuple] = {}
-        self.seconds = 0.0               # wall time of propose() (benchmarks: the draft's share of a step)
-
-    def _pick(self, logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[list[int], list]:
-        return pick_drafts(logits, tasks)
-
-    def propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
-        """Feed every task's tokens to the draft and fill the draft places of the verifying decodes
-        (module docstring); returns the tasks with their drafts (and ``draft_probs``)."""
-        t0 = time.perf_counter()
-        try:
-            return self._propose(tasks)
-        finally:
-            self.seconds += time.perf_counter() - t0
 
     def _propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
         feed = []
@@ -96,7 +107,7 @@ class DraftRunner:
             return list(tasks)
         drafts: dict[int, list[int]] = {i: [] for i in spec}
         probs: dict[int, list] = {i: [] for i in spec}
-        tokens, qs = self._pick(logits[spec], [tasks[i] for i in spec])
+        tokens, qs = pick_drafts(logits[spec], [tasks[i] for i in spec])
         for i, tok, q in zip(spec, tokens, qs):
             drafts[i].append(tok)
             probs[i].append(q)
@@ -105,16 +116,13 @@ class DraftRunner:
             step = [BatchedRequest(tasks[i].kv_cache_slot, [drafts[i][-1]], tasks[i].seq_len - len(tasks[i].draft_token_ids)
                                    - 1 + j, tasks[i].request_id, False, tasks[i].block_table) for i in live]
             logits = self.runner.execute(step)
-            tokens, qs = self._pick(logits, [tasks[i] for i in live])
+            tokens, qs = pick_drafts(logits, [tasks[i] for i in live])
             for i, tok, q in zip(live, tokens, qs):
                 drafts[i].append(tok)
                 probs[i].append(q)
         out = list(tasks)
         for i in spec:
-            t = tasks[i]
-            ctx = list(t.token_ids[:len(t.token_ids) - len(t.draft_token_ids)])
-            q = None if t.sampling.greedy else torch.stack(probs[i])
-            out[i] = replace(t, token_ids=ctx + drafts[i], draft_token_ids=tuple(drafts[i]), draft_probs=q)
+            out[i] = with_drafts(tasks[i], drafts[i], probs[i])
         return out
 
     def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]], hidden=None) -> None:

@@ -19,17 +19,16 @@ re-prefills) drafts its own last token (a point mass, verified like an n-gram dr
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
 
 from qwen_ops.engine.batch import BatchedRequest
-from qwen_ops.engine.draft import pick_drafts
+from qwen_ops.engine.draft import RunnerProposer, pick_drafts, with_drafts
 
 
-class MTPRunner:
+class MTPRunner(RunnerProposer):
     def __init__(self, target_model: torch.nn.Module, target) -> None:
         from qwen_ops.engine.runner import ModelRunner
         from qwen_ops.models.mtp import MTPModel
@@ -46,7 +45,6 @@ class MTPRunner:
                                   native_cpu=target.native_cpu)
         # slot -> (request id, first position, tokens after each row but the last, hidden states [n, H])
         self.pending: dict[int, tuple] = {}
-        self.seconds = 0.0               # wall time of propose() (benchmarks: the proposer's share of a step)
 
     def _pass(self, feed: list[BatchedRequest], hidden: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One MTP pass: logits of each feed task's last row and that row's normed output."""
@@ -59,16 +57,8 @@ class MTPRunner:
         ends = torch.tensor([len(t.token_ids) for t in feed]).cumsum(0) - 1
         return logits, [out[int(e)].unsqueeze(0) for e in ends]
 
-    def propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
-        """Catch the MTP KV up with every task's remembered rows and fill the draft places of the
-        verifying decodes (module docstring); returns the tasks with their drafts (and ``draft_probs``)."""
-        t0 = time.perf_counter()
-        try:
-            return self._propose(tasks)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
     def _propose(self, tasks: Sequence[BatchedRequest]) -> list[BatchedRequest]:
+        """Catch the MTP KV up with every task's remembered rows, then fill the draft places."""
         feed, hidden, fed = [], [], []
         for i, t in enumerate(tasks):
             got = self.pending.pop(t.kv_cache_slot, None)
@@ -115,13 +105,12 @@ class MTPRunner:
                 last[i] = outs[n]
         for i in spec:
             t = tasks[i]
-            k = len(t.draft_token_ids)
-            ctx = list(t.token_ids[:len(t.token_ids) - k])
-            if not drafts[i]:            # nothing remembered for this slot: a point-mass draft
+            if drafts[i]:
+                out[i] = with_drafts(t, drafts[i], probs[i])
+            else:                        # nothing remembered for this slot: a point-mass draft
+                k = len(t.draft_token_ids)
+                ctx = list(t.token_ids[:len(t.token_ids) - k])
                 out[i] = replace(t, token_ids=ctx + [ctx[-1]] * k, draft_token_ids=(ctx[-1],) * k, draft_probs=None)
-                continue
-            q = None if t.sampling.greedy else torch.stack(probs[i])
-            out[i] = replace(t, token_ids=ctx + drafts[i], draft_token_ids=tuple(drafts[i]), draft_probs=q)
         return out
 
     def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]],
