@@ -118,6 +118,17 @@ def _moe_launches(dtype: torch.dtype):
         act = torch.empty(num_tokens * top_k, inter, dtype=dtype)
         partial = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
         plans += qm.fused_moe_launches(x, w13, w2, topk_weights, alignment, top_k, act, partial, cfg, upcast=False)
+        # quantized experts (fused_moe_quant): int8 / int4 / fp8 weights, groups of 128 as the checkpoints'
+        packed = {1: (torch.int8, 1), 2: (torch.uint8, 2), 3: (torch.float8_e4m3fn, 1)}
+        for kind, (wdtype, per) in packed.items():
+            q13 = torch.empty(num_experts, 2 * inter, hidden // per, dtype=wdtype)
+            q2 = torch.empty(num_experts, hidden, inter // per, dtype=wdtype)
+            s13 = torch.empty(num_experts, 2 * inter, hidden // 128, dtype=torch.float32)
+            s2 = torch.empty(num_experts, hidden, inter // 128, dtype=torch.float32)
+            z13, z2 = (s13.to(torch.uint8), s2.to(torch.uint8)) if kind == 2 else (None, None)
+            quant = qm.QuantWeights(kind, s13, z13, 128, s2, z2, 128)
+            plans += qm.fused_moe_launches(x, q13, q2, topk_weights, alignment, top_k, act, partial, cfg,
+                                           upcast=False, quant=quant)
     return plans
 
 

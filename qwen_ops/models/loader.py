@@ -181,13 +181,13 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
             model.attach_mtp()
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
-    quantized = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else {}
+    quantized, qexperts = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else ({}, {})
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
     params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
     stacked = {piece.param for piece in experts}
     params = {name: p for name, p in params.items() if name not in stacked}
-    handled = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
+    handled = _quantized_tensors(quant, quantized, qexperts, model, files) if quant is not None else set()
     _check_tensors(path, files, params, config, experts, handled)
 
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -200,6 +200,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_expert_pieces(files, experts, model, dtype, device, renamed)
     if quantized:
         _copy_quantized(files, quantized, model, quant, device)
+    if qexperts:
+        _copy_quantized_experts(files, qexperts, model, quant, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant is not None and quant.online and quant.method == "int8":
@@ -489,20 +491,33 @@ _QUANT_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale_inv")
 
 
 def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", files: dict[str, Path],
-                      config: QwenConfig, dtype: torch.dtype) -> dict[str, str]:
+                      config: QwenConfig, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, str]]:
     """Replace the decoder layers' projections (``quant.LINEAR_NAMES``) that the checkpoint stores
-    quantized (online: all of them) by meta-device QuantLinear layers; returns ``{checkpoint prefix:
-    module name}``. A quantized tensor the model cannot take (an LM head, per-expert weights) is an
-    error naming it."""
+    quantized (online: all of them) by meta-device QuantLinear layers, and the routed experts stored
+    quantized by QuantMoeExperts; returns ``{checkpoint prefix: module name}`` of each. A quantized
+    tensor the model cannot take (an LM head) is an error naming it."""
+    from qwen_ops.models.moe import MoeExperts
+
     quantized: dict[str, str] = {}
+    experts: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
+        parent_name, _, attr = name.rpartition(".")
+        if isinstance(module, MoeExperts) and ".layers." in f".{name}":
+            prefix = checkpoint_name(name + ".gate_up_proj", config).removesuffix(".gate_up_proj")
+            if Q.experts_quantized_in_files(quant, prefix, files):
+                try:
+                    layer = Q.QuantMoeExperts.like(module, quant)
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: experts {prefix!r}: {e}") from None
+                setattr(model.get_submodule(parent_name), attr, layer)
+                experts[prefix] = name
+            continue
         if not (isinstance(module, nn.Linear) and leaf in Q.LINEAR_NAMES and ".layers." in f".{name}"):
             continue
         prefix = checkpoint_name(name + ".weight", config).removesuffix(".weight")
         if not Q.is_quantized_in_files(quant, prefix, files):
             continue
-        parent_name, _, attr = name.rpartition(".")
         try:
             layer = Q.QuantLinear.like(module, quant, dtype)
         except ValueError as e:
@@ -510,16 +525,73 @@ def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", file
         setattr(model.get_submodule(parent_name), attr, layer)
         quantized[prefix] = name
     if not quant.online:
-        taken = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
+        taken = _quantized_tensors(quant, quantized, experts, model, files)
         stray = sorted(n for n in files if n.endswith(_QUANT_SUFFIXES) and n not in taken)
         if stray:
             raise CheckpointError(f"{path}: quantized tensors of layers that qwen_ops does not quantize "
                                   f"({quant.method}): {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} "
-                                  "(quantized LM heads and per-expert weights are not supported yet)")
-    if not quantized:
+                                  "(quantized LM heads are not supported yet)")
+    if not quantized and not experts:
         raise CheckpointError(f"{path}: quantization {quant.method!r} but no layer of the checkpoint is stored "
                               f"quantized (expected tensors such as {Q.checkpoint_tensors(quant, 'model.layers.0.self_attn.q_proj')})")
-    return quantized
+    return quantized, experts
+
+
+def _quantized_tensors(quant: "Q.QuantConfig", quantized: dict[str, str], experts: dict[str, str], model: nn.Module,
+                       files: dict[str, Path]) -> set[str]:
+    """The file tensors that the quantized layers and experts read."""
+    taken = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
+    for prefix, name in experts.items():
+        taken.update(Q.expert_tensors(quant, prefix, model.get_submodule(name).num_experts, files))
+    return taken
+
+
+def _copy_quantized_experts(files: dict[str, Path], experts: dict[str, str], model: nn.Module,
+                            quant: "Q.QuantConfig", device: torch.device) -> None:
+    """Fill each QuantMoeExperts' stacked buffers one expert projection at a time (converted as
+    QuantLinear's, ``quant.convert_layer``): no layer's full-precision or stacked file tensors are
+    ever held whole."""
+    handles: dict[Path, Any] = {}
+
+    def handle(name: str):
+        file = files[name]
+        if file not in handles:
+            handles[file] = _open(file).__enter__()
+        return handles[file]
+
+    try:
+        for prefix, module_name in experts.items():
+            layer = model.get_submodule(module_name)
+            for key, buf in list(layer._buffers.items()):
+                if buf is not None:
+                    layer._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            stacked = quant.online and prefix + ".gate_up_proj" in files
+            for e in range(layer.num_experts):
+                for proj, (buffer, rows, n, k) in layer.projections().items():
+                    groups = getattr(layer, buffer + "_scales").shape[2]
+                    if stacked:           # transformers' stacked layout, quantized one expert's rows at a time
+                        source = prefix + (".down_proj" if buffer == "w2" else ".gate_up_proj")
+                        weight = handle(source).get_slice(source)[e][rows]
+                        tensors = {f"{prefix}.{e}.{proj}.weight": weight}
+                    else:
+                        tensors = {t: handle(t).get_tensor(t) for t in Q.checkpoint_tensors(quant, f"{prefix}.{e}.{proj}")}
+                    where = files[source] if stacked else files[next(iter(tensors))]
+                    try:
+                        converted = Q.convert_layer(quant, f"{prefix}.{e}.{proj}", tensors, n, k, groups)
+                    except ValueError as err:
+                        raise CheckpointError(f"{where}: {err}") from None
+                    if "perm" in converted:
+                        raise CheckpointError(f"{where}: expert {prefix}.{e}.{proj} has act-order "
+                                              "groups (quantization_config.desc_act true with a g_idx that is not "
+                                              "k // group_size): not supported for mixture-of-experts layers")
+                    getattr(layer, buffer)[e, rows] = converted["qweight"].to(device)
+                    getattr(layer, buffer + "_scales")[e, rows] = converted["scales"].to(device)
+                    if "zeros" in converted:
+                        getattr(layer, buffer + "_zeros")[e, rows] = converted["zeros"].to(device)
+                    del tensors, converted
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
 
 
 def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn.Module, quant: "Q.QuantConfig",
@@ -539,7 +611,8 @@ def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn
                 tensors[name] = handles[file].get_tensor(name)
                 mapped[file] += tensors[name].numel() * tensors[name].element_size()
             try:
-                buffers = Q.convert_layer(quant, prefix, tensors, layer)
+                buffers = Q.convert_layer(quant, prefix, tensors, layer.out_features, layer.in_features,
+                                          layer.scales.shape[1])
             except ValueError as e:
                 raise CheckpointError(f"{files[next(iter(tensors))]}: {e}") from None
             del tensors

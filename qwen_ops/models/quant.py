@@ -315,6 +315,63 @@ class QuantLinear(nn.Module):
         return fused
 
 
+class QuantMoeExperts(nn.Module):
+    """A mixture-of-experts layer's routed experts with quantized weights (``MoeExperts``'s place):
+    ``w13 [E, 2I, ...]`` (each expert's gate rows, then its up rows) and ``w2 [E, H, ...]``, each expert
+    laid out as QuantLinear's ``qweight`` for ``scheme``, with ``*_scales`` (and int4's ``*_zeros``)
+    ``[E, N, G]``. The forward is one ``torch.ops.qwen.fused_moe_quant`` call running the op ``kernel``
+    chosen at construction (QuantLinear's: ``int8``, ``int4``, ``fp8``, ``int8_a8``, ``int4_a8``)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, quant: QuantConfig, device: Any = None) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.scheme, self.kernel = quant.scheme, quant.kernel
+        # fp8: one scale row per output feature and block_k inputs a column; int: K / G inputs a group
+        self.block_k = 0
+        if self.scheme == "fp8":
+            self.block_k = max(hidden, inter) if quant.online else quant.block[1]
+        for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+            if self.scheme == "fp8":
+                groups = -(-k // self.block_k)
+            else:
+                g = k if quant.online or quant.group_size == -1 else quant.group_size
+                if k % g:
+                    raise ValueError(f"{quant.source}: group_size = {g} does not divide the experts' in_features = {k}")
+                groups = k // g
+            dtype = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}[self.scheme]
+            cols = k // 2 if self.scheme == "int4" else k
+            self.register_buffer(name, torch.empty((num_experts, n, cols), dtype=dtype, device=device))
+            self.register_buffer(name + "_scales", torch.empty((num_experts, n, groups), dtype=torch.float32,
+                                                               device=device))
+            self.register_buffer(name + "_zeros", torch.empty((num_experts, n, groups), dtype=torch.uint8,
+                                                              device=device) if self.scheme == "int4" else None)
+
+    @classmethod
+    def like(cls, experts: nn.Module, quant: QuantConfig) -> "QuantMoeExperts":
+        """A meta-device QuantMoeExperts of ``experts``' (a ``MoeExperts``) shape for ``quant``."""
+        e, two_inter, hidden = experts.gate_up_proj.shape
+        with torch.device("meta"):
+            return cls(e, hidden, two_inter // 2, quant)
+
+    def projections(self) -> dict[str, tuple[str, slice, int, int]]:
+        """Each checkpoint projection of an expert: ``{name: (buffer, rows of it, out_features, in_features)}``."""
+        i, h = self.inter, self.hidden
+        return {"gate_proj": ("w13", slice(0, i), i, h), "up_proj": ("w13", slice(i, 2 * i), i, h),
+                "down_proj": ("w2", slice(0, h), h, i)}
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, kernel={self.kernel}, "
+                f"w13_scales={list(self.w13_scales.shape)}, w2_scales={list(self.w2_scales.shape)}")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qwen.fused_moe_quant(x, self.w13, self.w13_scales, self.w13_zeros, self.w2,
+                                              self.w2_scales, self.w2_zeros, weights, ids, self.kernel,
+                                              self.block_k)
+
+    def process_weights_after_loading(self) -> None:
+        """Nothing to prepare: the op reads the loader's buffers as they are."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading each format into QuantLinear's buffers
 # ----------------------------------------------------------------------------------------------
@@ -328,6 +385,26 @@ def checkpoint_tensors(quant: QuantConfig, prefix: str) -> tuple[str, ...]:
     if quant.method == "awq":
         return (prefix + ".qweight", prefix + ".qzeros", prefix + ".scales")
     return (prefix + ".qweight", prefix + ".qzeros", prefix + ".scales", prefix + ".g_idx")
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_tensors(quant: QuantConfig, prefix: str, num_experts: int, files: dict) -> tuple[str, ...]:
+    """The file tensors of the routed experts ``prefix`` (``...mlp.experts``) of a quantized model:
+    per expert and projection as the format stores them (``<prefix>.<e>.gate_proj.qweight`` ...), or,
+    online, the stacked ``<prefix>.gate_up_proj`` / ``down_proj`` where the file holds them so."""
+    if quant.online and prefix + ".gate_up_proj" in files:
+        return (prefix + ".gate_up_proj", prefix + ".down_proj")
+    return tuple(t for e in range(num_experts) for proj in EXPERT_PROJECTIONS
+                 for t in checkpoint_tensors(quant, f"{prefix}.{e}.{proj}"))
+
+
+def experts_quantized_in_files(quant: QuantConfig, prefix: str, files: dict) -> bool:
+    """Whether the checkpoint stores the routed experts ``prefix`` quantized (online: always)."""
+    if quant.online:
+        return prefix + ".gate_up_proj" in files or prefix + ".0.gate_proj.weight" in files
+    return is_quantized_in_files(quant, prefix + ".0.gate_proj", files)
 
 
 def is_quantized_in_files(quant: QuantConfig, prefix: str, files: dict) -> bool:
@@ -367,11 +444,11 @@ def _unpack_cols(packed: torch.Tensor, bits: int, order: Optional[tuple[int, ...
     return values.reshape(packed.shape[0], packed.shape[1] * per)
 
 
-def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tensor], layer: QuantLinear
+def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tensor], n: int, k: int, groups: int
                   ) -> dict[str, torch.Tensor]:
-    """QuantLinear buffers (``qweight``, ``scales``, ``zeros``) of layer ``prefix`` from its file tensors
-    (``checkpoint_tensors``), checked against the layer's shape; errors name the tensor."""
-    n, k = layer.out_features, layer.in_features
+    """QuantLinear buffers (``qweight``, ``scales``, ``zeros``) of layer ``prefix`` (``out_features`` n,
+    ``in_features`` k, ``groups`` scale columns) from its file tensors (``checkpoint_tensors``), checked
+    against that shape; errors name the tensor."""
     if quant.online:
         (w,) = (tensors[prefix + ".weight"],)
         _expect(prefix + ".weight", w, (n, k), (torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -384,7 +461,6 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
         # One scale row per output feature (block_n = 1): layers then stack into one product whatever
         # their sizes (q|k|v, gate|up), for n / 128 floats of memory more per layer.
         return {"qweight": w.contiguous(), "scales": s.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()}
-    groups = layer.scales.shape[1]
     g = k // groups
     if quant.method == "awq":
         qw, qz, sc = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales"))
@@ -447,13 +523,13 @@ def relative_error_bound(method: str) -> float:
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the quantized layers' buffers (qweight, scales, zeros)."""
-    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear)
-               for b in (m.qweight, m.scales, m.zeros) if b is not None)
+    """Bytes of the quantized layers' buffers (qweight, scales, zeros; the quantized experts' too)."""
+    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, (QuantLinear, QuantMoeExperts))
+               for b in m.buffers(recurse=False) if b is not None and b.dtype != torch.int64)
 
 
 def describe(model: nn.Module) -> dict[str, str]:
     """``{layer name: kernel}`` of every quantized layer (the op chosen at construction: ``int8``,
     ``int4``, ``fp8``, or ``int8_a8`` / ``int4_a8`` with int8 activations)."""
-    return {name: m.kernel for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    return {name: m.kernel for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantMoeExperts))}
 

@@ -522,6 +522,71 @@ def _linear_fp8_fake(x, weight, scale_inv, bias, block_n, block_k):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+# --------------------------------------------------------------------------------------------
+# Quantized experts: fused_moe_quant
+# --------------------------------------------------------------------------------------------
+# The model's QuantMoeExperts (qwen_ops/models/quant.py) call it. On the CPU: the (token, choice) pairs
+# grouped by expert (one stable sort), then per non-empty expert linear_<kernel>'s C kernels on its
+# contiguous rows in fp32 (the quantized products' kernels, so every path they have serves the experts
+# too). On CUDA: the fused MoE Triton kernels with the weight tiles dequantized as they are loaded
+# (kernels/triton_moe.py). The reference (kernels/reference_quant.py) is the oracle.
+
+def _fused_moe_quant_cpu(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                         topk_ids, kernel, block_k):
+    V.check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                            topk_ids, kernel, block_k)
+    if value_checks_enabled("cpu"):
+        V.check_fused_moe_values(topk_ids, w13.shape[0])
+    num_tokens, hidden = hidden_states.shape
+    if num_tokens == 0:
+        return hidden_states.new_zeros(0, hidden)
+    top_k, inter = topk_ids.shape[1], w13.shape[1] // 2
+    linear = getattr(torch.ops.qwen, "linear_" + kernel).default
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    tokens = torch.div(order, top_k, rounding_mode="floor")
+    rows = hidden_states.index_select(0, tokens).float()
+    out_rows = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        z13 = None if w13_zeros is None else w13_zeros[e]
+        z2 = None if w2_zeros is None else w2_zeros[e]
+        gate_up = RQ.expert_product(kernel, rows[start:start + n], w13[e], w13_scales[e], z13, block_k, linear)
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out_rows[start:start + n] = RQ.expert_product(kernel, act, w2[e], w2_scales[e], z2, block_k, linear)
+        start += n
+    out_rows *= topk_weights.reshape(-1).index_select(0, order).float()[:, None]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32).index_add_(0, tokens, out_rows)
+    return out.to(hidden_states.dtype)
+
+
+def _fused_moe_quant_other(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                           topk_ids, kernel, block_k):
+    V.check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                            topk_ids, kernel, block_k)
+    if value_checks_enabled("triton"):
+        V.check_fused_moe_values(topk_ids, w13.shape[0])
+    args = (hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights, topk_ids, kernel,
+            block_k)
+    if _quant_triton(hidden_states):
+        from qwen_ops.ops.kernels.triton_moe import fused_moe_quant_triton
+
+        return fused_moe_quant_triton(*args)
+    return RQ.fused_moe_quant_reference(*args)
+
+
+_QUANT_LIB.impl("fused_moe_quant", _fused_moe_quant_cpu, "CPU")
+_QUANT_LIB.impl("fused_moe_quant", _fused_moe_quant_other, "CUDA")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::fused_moe_quant", lib=_LIB)
+def _fused_moe_quant_fake(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                          topk_ids, kernel, block_k):
+    V.check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                            topk_ids, kernel, block_k)
+    return hidden_states.new_empty(hidden_states.shape)
+
+
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [rows, K] @ w.T (+ bias)`` with ``w = qweight (int8 [N, K]) * scales (fp32 [N, G])`` per group of

@@ -330,6 +330,10 @@ def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     for name, t in (("w13", w13), ("w2", w2)):
         if t.dtype != hidden_states.dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected hidden_states' dtype {hidden_states.dtype}")
+    _check_routing(num_tokens, topk_weights, topk_ids)
+
+
+def _check_routing(num_tokens: int, topk_weights, topk_ids) -> None:
     _rank("topk_weights", topk_weights, 2, "[num_tokens, top_k]")
     _float("topk_weights", topk_weights)
     _index("topk_ids", topk_ids, 2, "[num_tokens, top_k]")
@@ -339,6 +343,75 @@ def check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     if topk_ids.shape != topk_weights.shape:
         raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}, expected topk_weights' shape "
                          f"{tuple(topk_weights.shape)}")
+
+
+# fused_moe_quant's kernels: the weight dtype of each, and whether its elements pack two a byte.
+MOE_QUANT_KERNELS = {"int8": (torch.int8, False), "int8_a8": (torch.int8, False), "int4": (torch.uint8, True),
+                     "int4_a8": (torch.uint8, True), "fp8": (torch.float8_e4m3fn, False)}
+
+
+def _moe_quant_weight(name: str, w, scales, zeros, kernel: str, block_k: int, experts: Optional[int],
+                      rows: Optional[int], in_features: Optional[int], what: str) -> tuple[int, int, int]:
+    """One of fused_moe_quant's weights with its scales and zeros; returns (experts, rows, in_features)."""
+    dtype, packed = MOE_QUANT_KERNELS[kernel]
+    layout = f"[num_experts, {what}{' / 2' if packed else ''}]"
+    if w.dtype != dtype or w.dim() != 3:
+        raise ValueError(f"{name} has shape {tuple(w.shape)} and dtype {w.dtype}, expected {dtype} {layout} "
+                         f"(kernel = {kernel!r})")
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * (2 if packed else 1)
+    if (experts is not None and e != experts) or (rows is not None and n != rows) or (
+            in_features is not None and k != in_features) or e < 1:
+        want = [experts or "num_experts >= 1", rows or "N", (in_features // 2 if packed else in_features)
+                if in_features else "K"]
+        raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [{', '.join(str(v) for v in want)}] ({layout})")
+    for label, t in ((name, w), (name + "_scales", scales), (name + "_zeros", zeros)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{label} has shape {tuple(t.shape)} and strides {t.stride()}, expected a contiguous "
+                             "tensor")
+    if scales.dtype != torch.float32 or scales.dim() != 3 or tuple(scales.shape[:2]) != (e, n) or scales.shape[2] < 1:
+        raise ValueError(f"{name}_scales has shape {tuple(scales.shape)} and dtype {scales.dtype}, expected float32 "
+                         f"[{e}, {n}, G]")
+    groups = scales.shape[2]
+    if kernel == "fp8":
+        if groups != -(-k // block_k):
+            raise ValueError(f"{name}_scales has {groups} groups, expected ceil({k} / block_k = {block_k}) = "
+                             f"{-(-k // block_k)}")
+    elif k % groups or (packed and (k // groups) % 2):
+        raise ValueError(f"{name}_scales has {groups} groups, expected G dividing in_features = {k}"
+                         + (" into groups of an even size" if packed else ""))
+    if packed:
+        if zeros is None or zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape):
+            got = "None" if zeros is None else f"shape {tuple(zeros.shape)} and dtype {zeros.dtype}"
+            raise ValueError(f"{name}_zeros is {got}, expected uint8 {list(scales.shape)} ({name}_scales' shape)")
+    elif zeros is not None:
+        raise ValueError(f"{name}_zeros has shape {tuple(zeros.shape)}, expected None (kernel = {kernel!r} has no "
+                         "zero points)")
+    return e, n, k
+
+
+def check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                          topk_ids, kernel: str, block_k: int) -> None:
+    _same_device(hidden_states=hidden_states, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales,
+                 topk_weights=topk_weights, topk_ids=topk_ids)
+    if any(z is not None and z.device != hidden_states.device for z in (w13_zeros, w2_zeros)):
+        _same_device(hidden_states=hidden_states, w13_zeros=w13_zeros, w2_zeros=w2_zeros)
+    if kernel not in MOE_QUANT_KERNELS:
+        raise ValueError(f"kernel = {kernel!r}, expected one of {', '.join(MOE_QUANT_KERNELS)}")
+    if kernel == "fp8":
+        if isinstance(block_k, bool) or not isinstance(block_k, int) or block_k < 1:
+            raise ValueError(f"block_k = {block_k!r}, expected a positive int (fp8: input features per scale)")
+    elif block_k != 0:
+        raise ValueError(f"block_k = {block_k!r}, expected 0 for kernel = {kernel!r} (its group is K / G)")
+    _rank("hidden_states", hidden_states, 2, "[num_tokens, hidden_size]")
+    _float("hidden_states", hidden_states)
+    num_tokens, hidden = hidden_states.shape
+    experts, two_inter, _ = _moe_quant_weight("w13", w13, w13_scales, w13_zeros, kernel, block_k, None, None,
+                                              hidden, "2 * intermediate_size, hidden_size")
+    if two_inter < 2 or two_inter % 2:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}, expected an even 2 * intermediate_size >= 2 rows")
+    _moe_quant_weight("w2", w2, w2_scales, w2_zeros, kernel, block_k, experts, hidden, two_inter // 2,
+                      "hidden_size, intermediate_size")
+    _check_routing(num_tokens, topk_weights, topk_ids)
 
 
 def check_fused_moe_values(topk_ids, num_experts: int) -> None:

@@ -164,3 +164,34 @@ def linear_int4_a8_reference(x, qweight, scales, zeros, bias=None) -> torch.Tens
 # The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
 REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference,
               "int8_a8": linear_int8_a8_reference, "int4_a8": linear_int4_a8_reference}
+
+
+def expert_product(kernel: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                   zeros: Optional[torch.Tensor], block_k: int, linear=None) -> torch.Tensor:
+    """``linear_<kernel>`` of one expert's weight on rows ``x`` (no bias), through ``linear`` (a function
+    of the op's arguments; default: the reference)."""
+    linear = linear or REFERENCES[kernel]
+    if kernel in ("int4", "int4_a8"):
+        return linear(x, w, scales, zeros, None)
+    if kernel == "fp8":
+        return linear(x, w, scales, None, 1, block_k)
+    return linear(x, w, scales, None)
+
+
+def fused_moe_quant_reference(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
+                              topk_ids, kernel: str, block_k: int) -> torch.Tensor:
+    """The specification of ``fused_moe_quant``: ``fused_moe_reference``'s loop (one expert at a time,
+    everything in fp32) with each product the reference of ``linear_<kernel>`` on fp32 rows."""
+    num_tokens, hidden = hidden_states.shape
+    inter = w13.shape[1] // 2
+    x = hidden_states.float()
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token, choice = (topk_ids == expert).nonzero(as_tuple=True)
+        z13 = None if w13_zeros is None else w13_zeros[expert]
+        z2 = None if w2_zeros is None else w2_zeros[expert]
+        gate_up = expert_product(kernel, x[token], w13[expert], w13_scales[expert], z13, block_k)
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = expert_product(kernel, act, w2[expert], w2_scales[expert], z2, block_k)
+        out.index_add_(0, token, y * topk_weights[token, choice].float()[:, None])
+    return out.to(hidden_states.dtype)
