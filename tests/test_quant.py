@@ -574,9 +574,9 @@ def test_triton_kernels_match_the_reference(rows, poisoned_empty):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_online_int8_on_hybrid_and_moe_models(family, tmp_path):
-    """Gated DeltaNet projections, full-attention layers and shared experts take QuantLinear layers
-    (the routed experts stay in full precision); the greedy tokens equal the same model's with its
-    quantized layers on the ops' references (dequantize, then multiply)."""
+    """Gated DeltaNet projections, full-attention layers and shared experts take QuantLinear layers,
+    the routed experts a QuantMoeExperts (test_quant_moe.py checks those against transformers); the
+    greedy tokens equal the same model's with its quantized layers on the ops' references."""
     from checkpoints import make_moe_checkpoint, make_qwen3_5_checkpoint
     from qwen_ops import LLM, SamplingParams
 
@@ -588,12 +588,17 @@ def test_online_int8_on_hybrid_and_moe_models(family, tmp_path):
     assert any(".self_attn.o_proj" in name for name in schemes), sorted(schemes)
     if family == "qwen3_next":
         assert any(".shared_expert." in name for name in schemes), sorted(schemes)
+        assert any(name.endswith(".mlp.experts") for name in schemes), sorted(schemes)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 2, 60, 9], [33, 9, 41]]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     for m in llm.engine.model.modules():
         if isinstance(m, Q.QuantLinear):
             m._op = RQ.REFERENCES[m.scheme]
+        if isinstance(m, Q.QuantMoeExperts):
+            m.forward = (lambda self: lambda x, w, i: RQ.fused_moe_quant_reference(
+                x, self.w13, self.w13_scales, self.w13_zeros, self.w2, self.w2_scales, self.w2_zeros, w, i,
+                self.kernel, self.block_k))(m)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == got
 
 

@@ -28,10 +28,14 @@ read, so the full-precision model is never held:
 * ``fp8``: vLLM's dynamic FP8 weights, one scale per tensor: ``s = max|w| / 448``,
   ``q = float8_e4m3fn(w / s)``; ``linear_fp8`` (the scale repeated per output feature).
 
-Which layers: the decoder layers' projections (``LINEAR_NAMES``). A checkpoint format quantizes the
-ones whose tensors are quantized in the files (its ``modules_to_not_convert`` are simply stored in
-full precision); online quantization takes them all. Embeddings, norms and the LM head stay in the
-model dtype, as do the KV cache and activations.
+Which layers: the decoder layers' projections (``LINEAR_NAMES``) and the routed experts of MoE layers
+(:class:`QuantMoeExperts`, read from ``<layer>.mlp.experts.<e>.{gate,up,down}_proj.*`` in the format's
+tensors, as Qwen3-30B-A3B-GPTQ-Int4 / -FP8 store them, or quantized online from either stacked or
+per-expert full-precision tensors; online fp8 takes one scale per file tensor: per expert projection,
+or per expert's gate|up rows of a stacked file). A checkpoint format quantizes the ones whose tensors
+are quantized in the files (its ``modules_to_not_convert`` are simply stored in full precision); online
+quantization takes them all. Embeddings, norms, the router and the LM head (but for online int8) stay
+in the model dtype, as do the KV cache and activations. GPTQ act order is not supported in experts.
 """
 
 from __future__ import annotations
