@@ -40,8 +40,9 @@ from bench_realsize import default_cache_dir, make_checkpoint, prompts, read_ban
 
 # "<scheme>-bf16": bf16 activations, embeddings and (but for int8) LM head; else fp32.
 # "...a8": int8 activations too (quantization "w8a8" online, "gptq_a8" / "awq_a8" on those files).
+# "...-qhead": the GPTQ file stores the LM head quantized too (``lm_head: true``).
 VARIANTS = ("float32", "bfloat16", "int8", "int8-bf16", "fp8-bf16", "gptq4", "gptq4-bf16", "gptq8-bf16", "awq4-bf16",
-            "w8a8", "w8a8-bf16", "gptq4a8-bf16", "awq4a8-bf16")
+            "w8a8", "w8a8-bf16", "gptq4a8-bf16", "awq4a8-bf16", "gptq4-bf16-qhead", "gptq4a8-bf16-qhead")
 
 
 def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
@@ -49,7 +50,8 @@ def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
     cache dir (``bench_realsize.default_cache_dir``)."""
     if variant in ("float32", "bfloat16"):
         return base, {"dtype": variant}
-    scheme, _, act = variant.partition("-")
+    qhead = variant.endswith("-qhead")
+    scheme, _, act = variant.removesuffix("-qhead").partition("-")
     kwargs = {"dtype": "bfloat16" if act == "bf16" else "float32"}
     if scheme in ("int8", "fp8", "w8a8"):
         return base, {**kwargs, "quantization": scheme}
@@ -58,10 +60,11 @@ def checkpoint_for(variant: str, base: Path) -> tuple[Path, dict]:
     fmt, bits = scheme[:-1], int(scheme[-1])
     if a8:
         kwargs["quantization"] = f"{fmt}_a8"
-    path = default_cache_dir() / f"{base.name}-{scheme}-g128"       # never beside a checkpoint in the repo
+    # never beside a checkpoint in the repo
+    path = default_cache_dir() / f"{base.name}-{scheme}-g128{'-qhead' if qhead else ''}"
     if not (path / "model.safetensors").exists():
         from qwen_ops.models.quant_export import export
-        export(base, path, fmt, bits, 128)
+        export(base, path, fmt, bits, 128, lm_head=qhead)
     return path, kwargs
 
 

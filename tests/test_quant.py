@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qwen_ops.models import quant as Q
@@ -468,7 +469,8 @@ def _with_config(path: Path, **changes) -> None:
     ({"quant_method": "bitsandbytes"}, r"quantization_config.quant_method = 'bitsandbytes'"),
     ({"group_size": 20}, r"quantization_config.group_size = 20, expected a positive multiple of 16"),
     ({"checkpoint_format": "marlin"}, r"quantization_config.checkpoint_format = 'marlin'"),
-    ({"lm_head": True}, r"quantization_config.lm_head = True"),
+    ({"lm_head": "yes"}, r"quantization_config.lm_head = 'yes'; supported: False, True"),
+    ({"lm_head": True}, r"quantization_config.lm_head = true, but the checkpoint has no quantized LM head"),
 ])
 def test_unsupported_gptq_fields_are_named(change, match, fp32_ckpt, tmp_path):
     path, _, _ = write_quantized(fp32_ckpt, tmp_path / "q", "gptq", 4)
@@ -539,6 +541,48 @@ def test_export_round_trips_within_one_step(fmt, bits, fp32_ckpt, tmp_path):
              else RQ.dequantize_int8(layer.qweight, layer.scales))
         step = layer.scales.repeat_interleave(GROUP, 1)
         assert bool(((d - w).abs() <= step * 1.0001).all()), prefix
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gptq_quantized_lm_head_loads_bit_for_bit_and_matches_transformers(tied, tmp_path):
+    """``lm_head: true`` (GPTQModel's quantized LM head: ``lm_head.qweight`` ...), written here from the
+    format; a tied checkpoint's head is quantized from the embedding, which stays in full precision
+    for the lookup. The oracle: transformers with that head dequantized and the embedding as stored."""
+    src = save_tiny_checkpoint(tmp_path / "fp32", "qwen3", seed=4, **{**TINY, "tie_word_embeddings": tied})
+    path, twin, _ = write_quantized(src, tmp_path / "q", "gptq", 4)
+    file = path / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    head = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
+    tensors.pop("lm_head.weight", None)
+    q, z, s = _rtn_asym(head, GROUP, 1)
+    tensors.update(_gptq_tensors("lm_head", q, z, s, 4, GROUP))
+    save_file(tensors, str(file))
+    _with_config(path, lm_head=True)
+    model = load_model(path)
+    assert isinstance(model.lm_head, Q.QuantLinear) and model.lm_head.kernel == "int4"
+    assert torch.equal(RQ.dequantize_int4(model.lm_head.qweight, model.lm_head.scales, model.lm_head.zeros),
+                       _dequant(q, z, s, GROUP))
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    hf = load_hf(twin)
+    hf.lm_head.weight = torch.nn.Parameter(_dequant(q, z, s, GROUP))       # unties a tied head
+    model.process_weights_after_loading()
+    ids = [5, 17, 2, 60, 33, 9, 41, 8, 77, 1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_export_writes_a_quantized_lm_head(fp32_ckpt, tmp_path):
+    from qwen_ops.models.quant_export import export
+
+    path = export(fp32_ckpt, tmp_path / "gptq", "gptq", 4, group_size=GROUP, lm_head=True)
+    model = load_model(path)
+    w = load_model(fp32_ckpt).lm_head.weight.detach()
+    d = RQ.dequantize_int4(model.lm_head.qweight, model.lm_head.scales, model.lm_head.zeros)
+    assert bool(((d - w).abs() <= model.lm_head.scales.repeat_interleave(GROUP, 1) * 1.0001).all())
+    with pytest.raises(ValueError, match="lm_head = True with format = 'awq'"):
+        export(fp32_ckpt, tmp_path / "awq", "awq", 4, group_size=GROUP, lm_head=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_quantized(files, quantized, model, quant, device)
     if qexperts:
         _copy_quantized_experts(files, qexperts, model, quant, device)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not isinstance(model.lm_head, Q.QuantLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant is not None and quant.online and quant.method == "int8":
         _quantize_lm_head(model, quant, dtype, device)
@@ -524,13 +524,22 @@ def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", file
             raise CheckpointError(f"{path}: layer {prefix!r}: {e}") from None
         setattr(model.get_submodule(parent_name), attr, layer)
         quantized[prefix] = name
+    if quant.lm_head:           # gptq lm_head: true (untied from the embedding, which stays in full precision)
+        if not Q.is_quantized_in_files(quant, "lm_head", files):
+            raise CheckpointError(f"{path}: quantization_config.lm_head = true, but the checkpoint has no "
+                                  f"quantized LM head (expected {', '.join(Q.checkpoint_tensors(quant, 'lm_head'))})")
+        try:
+            model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: layer 'lm_head': {e}") from None
+        quantized["lm_head"] = "lm_head"
     if not quant.online:
         taken = _quantized_tensors(quant, quantized, experts, model, files)
         stray = sorted(n for n in files if n.endswith(_QUANT_SUFFIXES) and n not in taken)
         if stray:
             raise CheckpointError(f"{path}: quantized tensors of layers that qwen_ops does not quantize "
                                   f"({quant.method}): {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} "
-                                  "(quantized LM heads are not supported yet)")
+                                  "(an LM head is read quantized only with quantization_config.lm_head true)")
     if not quantized and not experts:
         raise CheckpointError(f"{path}: quantization {quant.method!r} but no layer of the checkpoint is stored "
                               f"quantized (expected tensors such as {Q.checkpoint_tensors(quant, 'model.layers.0.self_attn.q_proj')})")

@@ -77,6 +77,7 @@ class QuantConfig:
     group_size: int = -1            # -1: one group per output channel (int8 / gptq)
     block: tuple[int, int] = (0, 0)  # fp8 checkpoints: weight_block_size
     source: str = "<config>"
+    lm_head: bool = False           # gptq ``lm_head: true``: the checkpoint stores the LM head quantized
 
     @property
     def kernel(self) -> str:
@@ -141,10 +142,9 @@ def parse_quantization_config(qc: Any, source: str) -> QuantConfig:
     _field(qc, "checkpoint_format", source, ("gptq", None), "gptq")
     if bits == 8:
         _field(qc, "sym", source, (True,), True)
-    if qc.get("lm_head") not in (False, None):
-        raise ValueError(f"{source}: quantization_config.lm_head = {qc.get('lm_head')!r}; a quantized LM head is "
-                         "not supported (supported: false)")
-    return QuantConfig("gptq", bits=bits, group_size=_group_size(qc, source, allow_channel=True), source=source)
+    lm_head = _field(qc, "lm_head", source, (False, True, None), False)
+    return QuantConfig("gptq", bits=bits, group_size=_group_size(qc, source, allow_channel=True), source=source,
+                       lm_head=bool(lm_head))
 
 
 def online_config(quantization: str, source: str = "quantization") -> QuantConfig:

@@ -4,6 +4,7 @@ calibrated checkpoint at hand. A calibrated AWQ / GPTQ checkpoint is more accura
 plain round-to-nearest baseline those methods improve on, in their file layouts.
 
     python -m qwen_ops.models.quant_export SRC DST --format gptq|awq [--bits 4|8] [--group-size 128]
+        [--lm-head]     (gptq: the LM head too, ``lm_head: true``; a tied one is written from the embedding)
 
 Each tensor is read, quantized and packed on its own (host memory: the output plus one tensor).
 The layouts are those ``models/quant.py`` reads (its docstring): GPTQ's v1 ``qzeros`` store z - 1.
@@ -65,8 +66,10 @@ def quantized_tensors(prefix: str, w: torch.Tensor, fmt: str, bits: int, group: 
             prefix + ".scales": s.T.contiguous(), prefix + ".g_idx": torch.arange(k, dtype=torch.int32) // group}
 
 
-def export(src: Path, dst: Path, fmt: str, bits: int = 4, group_size: int = 128) -> Path:
-    """Write ``dst``: ``src``'s checkpoint with its decoder projections in ``fmt``, the rest as stored."""
+def export(src: Path, dst: Path, fmt: str, bits: int = 4, group_size: int = 128, lm_head: bool = False) -> Path:
+    """Write ``dst``: ``src``'s checkpoint with its decoder projections in ``fmt``, the rest as stored.
+    ``lm_head`` (gptq only, as GPTQModel's ``lm_head=True``): the LM head in the format too; a tied
+    head is quantized from the embedding, which stays in full precision for the lookup."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -74,8 +77,14 @@ def export(src: Path, dst: Path, fmt: str, bits: int = 4, group_size: int = 128)
 
     if fmt not in ("awq", "gptq") or bits not in ((4,) if fmt == "awq" else (4, 8)):
         raise ValueError(f"format = {fmt!r} with bits = {bits}: expected awq with 4 bits or gptq with 4 or 8")
+    if lm_head and fmt != "gptq":
+        raise ValueError(f"lm_head = True with format = {fmt!r}: only gptq stores a quantized LM head")
     src, dst = Path(src), Path(dst)
     files = weight_files(src)
+    config = json.loads((src / "config.json").read_text())
+    text = config.get("text_config", config)
+    head_source = ("model.embed_tokens.weight" if "model.embed_tokens.weight" in files
+                   else "model.language_model.embed_tokens.weight") if text.get("tie_word_embeddings") else "lm_head.weight"
     out: dict[str, torch.Tensor] = {}
     for file in sorted(set(files.values())):
         with safe_open(str(file), framework="pt") as f:
@@ -85,16 +94,22 @@ def export(src: Path, dst: Path, fmt: str, bits: int = 4, group_size: int = 128)
                 if (len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in LINEAR_NAMES and "layers" in parts
                         and ".experts." not in name and t.dim() == 2 and t.shape[1] % group_size == 0):
                     out.update(quantized_tensors(name.removesuffix(".weight"), t, fmt, bits, group_size))
+                elif name == "lm_head.weight" and lm_head:
+                    pass                       # written quantized below
                 else:
                     out[name] = t.clone()
+                if lm_head and name == head_source:
+                    if t.shape[1] % group_size:
+                        raise ValueError(f"lm_head: hidden size {t.shape[1]} is not a multiple of group_size = "
+                                         f"{group_size}")
+                    out.update(quantized_tensors("lm_head", t, fmt, bits, group_size))
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
         if fmt == "awq" else
         {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": bits == 8,
-         "checkpoint_format": "gptq"})
+         "checkpoint_format": "gptq", "lm_head": lm_head})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (src / extra).exists():
@@ -109,8 +124,9 @@ def main(argv=None) -> None:
     parser.add_argument("--format", choices=("awq", "gptq"), required=True)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--lm-head", action="store_true", help="gptq: quantize the LM head too (lm_head: true)")
     args = parser.parse_args(argv)
-    print(export(args.src, args.dst, args.format, args.bits, args.group_size))
+    print(export(args.src, args.dst, args.format, args.bits, args.group_size, args.lm_head))
 
 
 if __name__ == "__main__":

@@ -1771,10 +1771,10 @@ static int int4_vnni(const float *x, const uint8_t *q, const float *s, const uin
 
 static inline int64_t a8_block(int64_t g) { return g % 128 == 0 ? 128 : g; }
 
-/* d [M][K] digits, unit and dsum [M][K / ab]; int4p: when not NULL (K % 64 == 0), d also permuted
- * per 64 as the int4 nibble split reads weights (even k, then odd k). */
+/* d [M][K] digits, unit and dsum [M][K / ab]; int4p: when not NULL (K % width == 0), d also permuted
+ * per ``width`` (64 or 128) elements as the int4 nibble split reads weights (even k, then odd k). */
 static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_t ab, int8_t *d, int8_t *int4p,
-                        float *unit, int32_t *dsum) {
+                        int64_t width, float *unit, int32_t *dsum) {
     const int64_t nb = K / ab;
     for (int64_t m = 0; m < M; ++m)
         for (int64_t b = 0; b < nb; ++b) {
@@ -1795,8 +1795,8 @@ static void a8_quantize(const float *x, int64_t xs, int64_t M, int64_t K, int64_
                 const int64_t k = b * ab + i;
                 d[m * K + k] = di;
                 if (int4p != NULL) {
-                    const int64_t j = k & 63;
-                    int4p[m * K + (k & ~(int64_t)63) + (j & 1 ? 32 + j / 2 : j / 2)] = di;
+                    const int64_t j = k & (width - 1);
+                    int4p[m * K + (k & ~(width - 1)) + (j & 1 ? width / 2 + j / 2 : j / 2)] = di;
                 }
                 total += di;
             }
@@ -1850,12 +1850,15 @@ static inline __attribute__((always_inline)) __m128i a8_sum4(__m512i a0, __m512i
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* Up to 4 rows (MR), 4 weight rows n .. n + 3 a step. xd: the digits in a8_load64's order. */
+/* Up to 4 rows (MR), 4 weight rows n .. n + 3 a step. xd: the digits in a8_load64's order. kind 2: int4
+ * read 64 bytes (128 weights) a load, the low nibbles then the high ones, without a lane insert
+ * (ab % 128 == 0; xd permuted per 128): the 32-byte loads' insert made the one-row int4 product
+ * shuffle-bound at ~19 GB/s out of L2, too close to DRAM's 12-15 for the two to overlap. */
 static inline __attribute__((always_inline)) void a8_stream(
         int kind, int MR, const int8_t *xd, const float *unit, const int32_t *dsum, const uint8_t *q,
         const float *s, const uint8_t *z, int64_t g, int64_t ab, const float *bias, int64_t n0, int64_t n1, int64_t K,
         float *y, int64_t ys) {
-    const int64_t sg = K / g, nb = K / ab, row_bytes = kind == 1 ? K / 2 : K;
+    const int64_t sg = K / g, nb = K / ab, row_bytes = kind >= 1 ? K / 2 : K;
     const int64_t ahead = rows_ahead(row_bytes);
     for (int64_t n = n0; n + 4 <= n1; n += 4) {
         const uint8_t *rows[4] = {q + n * row_bytes, q + (n + 1) * row_bytes, q + (n + 2) * row_bytes,
@@ -1866,15 +1869,36 @@ static inline __attribute__((always_inline)) void a8_stream(
             __m512i ia[4][4];
             for (int r = 0; r < 4; ++r)
                 for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_setzero_si512();
-            for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
-                if (n + ahead + 4 <= n1 && ((kind == 1 ? k / 2 : k) & 63) == 0)
-                    for (int r = 0; r < 4; ++r)
-                        _mm_prefetch((const char *)(rows[r] + ahead * row_bytes + (kind == 1 ? k / 2 : k)), _MM_HINT_T0);
-                __m512i xv[4];
-                for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512((const void *)(xd + m * K + k));
-                for (int r = 0; r < 4; ++r) {
-                    const __m512i w = a8_load64(kind, rows[r], k);
-                    for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_dpbusd_epi32(ia[r][m], w, xv[m]);
+            if (kind == 2) {
+                for (int64_t k = b * ab; k < (b + 1) * ab; k += 128) {
+                    if (n + ahead + 4 <= n1)
+                        for (int r = 0; r < 4; ++r)
+                            _mm_prefetch((const char *)(rows[r] + ahead * row_bytes + k / 2), _MM_HINT_T0);
+                    __m512i xlo[4], xhi[4];
+                    for (int m = 0; m < MR; ++m) {
+                        xlo[m] = _mm512_loadu_si512((const void *)(xd + m * K + k));
+                        xhi[m] = _mm512_loadu_si512((const void *)(xd + m * K + k + 64));
+                    }
+                    const __m512i mask = _mm512_set1_epi8(15);
+                    for (int r = 0; r < 4; ++r) {
+                        const __m512i v = _mm512_loadu_si512((const void *)(rows[r] + k / 2));
+                        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                        for (int m = 0; m < MR; ++m)
+                            ia[r][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ia[r][m], lo, xlo[m]), hi, xhi[m]);
+                    }
+                }
+            } else {
+                for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
+                    if (n + ahead + 4 <= n1 && ((kind == 1 ? k / 2 : k) & 63) == 0)
+                        for (int r = 0; r < 4; ++r)
+                            _mm_prefetch((const char *)(rows[r] + ahead * row_bytes + (kind == 1 ? k / 2 : k)),
+                                         _MM_HINT_T0);
+                    __m512i xv[4];
+                    for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512((const void *)(xd + m * K + k));
+                    for (int r = 0; r < 4; ++r) {
+                        const __m512i w = a8_load64(kind, rows[r], k);
+                        for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_dpbusd_epi32(ia[r][m], w, xv[m]);
+                    }
                 }
             }
             const int64_t grp = b * ab / g;
@@ -1903,13 +1927,15 @@ static inline __attribute__((always_inline)) void a8_stream(
     }
 A8_STREAM(0, 1) A8_STREAM(0, 2) A8_STREAM(0, 3) A8_STREAM(0, 4)
 A8_STREAM(1, 1) A8_STREAM(1, 2) A8_STREAM(1, 3) A8_STREAM(1, 4)
+A8_STREAM(2, 1) A8_STREAM(2, 2) A8_STREAM(2, 3) A8_STREAM(2, 4)
 #undef A8_STREAM
 typedef void (*a8_stream_kernel)(const int8_t *, const float *, const int32_t *, const uint8_t *, const float *,
                                  const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, float *,
                                  int64_t);
-static const a8_stream_kernel A8_STREAMS[2][5] = {
+static const a8_stream_kernel A8_STREAMS[3][5] = {
     {NULL, a8_stream_0_1, a8_stream_0_2, a8_stream_0_3, a8_stream_0_4},
     {NULL, a8_stream_1_1, a8_stream_1_2, a8_stream_1_3, a8_stream_1_4},
+    {NULL, a8_stream_2_1, a8_stream_2_2, a8_stream_2_3, a8_stream_2_4},
 };
 
 /* The panel of weight rows n0 .. n0 + 31 (rows past N repeat the last): wt[(k / 4) * 128 + j * 4 + i] =
@@ -2020,7 +2046,9 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
     int8_t *dp = d + M * K;
     float *unit = (float *)(void *)(((uintptr_t)(d + 2 * M * K) + 63) & ~(uintptr_t)63);
     int32_t *dsum = (int32_t *)(unit + M * nb);
-    a8_quantize(x, xs, M, K, ab, d, kind == 1 && K % 64 == 0 ? dp : NULL, unit, dsum);
+    /* int4 at up to 4 rows with blocks of 128: the 64-byte loads of stream kind 2, digits permuted per 128 */
+    const int wide = kind == 1 && M <= 4 && ab % 128 == 0 && K % 128 == 0;
+    a8_quantize(x, xs, M, K, ab, d, kind == 1 && K % 64 == 0 ? dp : NULL, wide ? 128 : 64, unit, dsum);
     int status = 0;
     int64_t done = 0;    /* outputs 0 .. done - 1 written by the vector paths */
 #if QWEN_A8_VNNI
@@ -2036,7 +2064,7 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
                 const int64_t t = 0, nt = 1;
 #endif
                 const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-                A8_STREAMS[kind][M](xd, unit, dsum, q, s, z, g, ab, bias, 4 * b0, 4 * b1, K, y, ys);
+                A8_STREAMS[wide ? 2 : kind][M](xd, unit, dsum, q, s, z, g, ab, bias, 4 * b0, 4 * b1, K, y, ys);
             }
             done = 4 * blocks;
         } else {
