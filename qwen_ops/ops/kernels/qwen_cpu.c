@@ -1865,7 +1865,30 @@ static inline __attribute__((always_inline)) void a8_stream(
                                   q + (n + 3) * row_bytes};
         __m128 acc[4];
         for (int m = 0; m < MR; ++m) acc[m] = _mm_setzero_ps();
+        /* The 4 rows' scales and zeros of 8 groups at a time, [row][8] in two vectors each: one permute
+         * a block picks its 4 (the scalar loads and inserts of each block were a fifth of the int4
+         * stream's vector work). */
+        int64_t chunk = -1;
+        __m512 s01 = _mm512_setzero_ps(), s23 = s01, z01 = s01, z23 = s01;
         for (int64_t b = 0; b < nb; ++b) {
+            const int64_t grp = b * ab / g;
+            if (grp >> 3 != chunk) {
+                chunk = grp >> 3;
+                const int64_t cnt = sg - 8 * chunk < 8 ? sg - 8 * chunk : 8;
+                float st[32] = {0};
+                uint8_t zt[32] = {0};
+                for (int r = 0; r < 4; ++r) {
+                    memcpy(st + 8 * r, s + (n + r) * sg + 8 * chunk, (size_t)cnt * sizeof(float));
+                    if (kind != 0) memcpy(zt + 8 * r, z + (n + r) * sg + 8 * chunk, (size_t)cnt);
+                }
+                s01 = _mm512_loadu_ps(st), s23 = _mm512_loadu_ps(st + 16);
+                if (kind != 0) {
+                    z01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)zt)));
+                    z23 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zt + 16))));
+                }
+            }
+            const __m512i pick = _mm512_zextsi128_si512(_mm_add_epi32(_mm_setr_epi32(0, 8, 16, 24),
+                                                                      _mm_set1_epi32((int)(grp & 7))));
             __m512i ia[4][4];
             for (int r = 0; r < 4; ++r)
                 for (int m = 0; m < MR; ++m) ia[r][m] = _mm512_setzero_si512();
@@ -1901,12 +1924,9 @@ static inline __attribute__((always_inline)) void a8_stream(
                     }
                 }
             }
-            const int64_t grp = b * ab / g;
-            const __m128 sc = _mm_setr_ps(s[n * sg + grp], s[(n + 1) * sg + grp], s[(n + 2) * sg + grp],
-                                          s[(n + 3) * sg + grp]);
+            const __m128 sc = _mm512_castps512_ps128(_mm512_permutex2var_ps(s01, pick, s23));
             const __m128 zc = kind == 0 ? _mm_set1_ps(128.0f)
-                                        : _mm_setr_ps((float)z[n * sg + grp], (float)z[(n + 1) * sg + grp],
-                                                      (float)z[(n + 2) * sg + grp], (float)z[(n + 3) * sg + grp]);
+                                        : _mm512_castps512_ps128(_mm512_permutex2var_ps(z01, pick, z23));
             for (int m = 0; m < MR; ++m) {
                 const __m128 f = _mm_fnmadd_ps(zc, _mm_set1_ps((float)dsum[m * nb + b]),
                                                _mm_cvtepi32_ps(a8_sum4(ia[0][m], ia[1][m], ia[2][m], ia[3][m])));
