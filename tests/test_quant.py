@@ -573,6 +573,18 @@ def test_gptq_quantized_lm_head_loads_bit_for_bit_and_matches_transformers(tied,
     torch.testing.assert_close(_all_logits(model, ids), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method,bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+def test_large_layers_convert_in_blocks_bit_for_bit(method, bits, fp32_ckpt, tmp_path, monkeypatch):
+    """A layer of more than CONVERT_COLUMNS output features (an LM head) is converted a block at a time
+    (its unpacked int32 copies would be gigabytes): the buffers equal the whole-layer conversion's."""
+    path, _, _ = write_quantized(fp32_ckpt, tmp_path / "q", method, bits)
+    whole = dict(load_model(path).named_buffers())
+    monkeypatch.setattr(Q, "CONVERT_COLUMNS", 24)           # 64- and 128-feature layers in 3-6 blocks
+    blocked = dict(load_model(path).named_buffers())
+    quantized = [name for name in whole if name.endswith(("qweight", "scales", "zeros"))]
+    assert quantized and all(torch.equal(whole[name], blocked[name]) for name in quantized)
+
+
 def test_export_writes_a_quantized_lm_head(fp32_ckpt, tmp_path):
     from qwen_ops.models.quant_export import export
 

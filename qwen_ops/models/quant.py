@@ -466,6 +466,8 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
         # their sizes (q|k|v, gate|up), for n / 128 floats of memory more per layer.
         return {"qweight": w.contiguous(), "scales": s.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()}
     g = k // groups
+    if n > CONVERT_COLUMNS:     # a large layer (an LM head): a block of output features at a time
+        return _convert_in_blocks(quant, prefix, tensors, n, k, groups)
     if quant.method == "awq":
         qw, qz, sc = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales"))
         _expect(prefix + ".qweight", qw, (k, n // 8), (torch.int32,))
@@ -502,6 +504,48 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
         raise ValueError(f"tensor {prefix + '.qzeros'!r} holds zero points other than 128: an asymmetric 8-bit "
                          "GPTQ layer (quantization_config.sym false), which is not supported")
     return {**out, "qweight": (q - 128).T.to(torch.int8).contiguous(), "scales": sc.float().T.contiguous()}
+
+
+# Output features converted at a time: unpacking makes int32 copies of the weight (four of them at
+# most), which for a 151,936-row LM head would be gigabytes; a block keeps them to ~100 MB.
+CONVERT_COLUMNS = 8192
+
+
+def _convert_in_blocks(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tensor], n: int, k: int,
+                       groups: int) -> dict[str, torch.Tensor]:
+    """``convert_layer`` of an AWQ / GPTQ layer one block of ``CONVERT_COLUMNS`` output features at a
+    time (the formats pack n in words of 32 / bits along the columns: blocks are whole words), each
+    block's buffers copied into rows of the layer's."""
+    per = 32 // quant.bits
+    scales = (torch.float16, torch.bfloat16, torch.float32)
+    if quant.method == "awq":            # the whole layer's shapes first, as the unblocked path checks them
+        shapes = {".qweight": ((k, n // 8), (torch.int32,)), ".qzeros": ((groups, n // 8), (torch.int32,)),
+                  ".scales": ((groups, n), scales)}
+    else:
+        shapes = {".qweight": ((k // per, n), (torch.int32,)), ".qzeros": ((groups, n // per), (torch.int32,)),
+                  ".scales": ((groups, n), scales), ".g_idx": ((k,), (torch.int32, torch.int64))}
+    for suffix, (shape, dtypes) in shapes.items():
+        _expect(prefix + suffix, tensors[prefix + suffix], shape, dtypes)
+    out: dict[str, torch.Tensor] = {}
+    for n0 in range(0, n, CONVERT_COLUMNS):
+        n1 = min(n, n0 + CONVERT_COLUMNS)
+        part = {}
+        for name, t in tensors.items():
+            if name.endswith(".g_idx"):
+                part[name] = t
+            elif name.endswith(".scales") or (quant.method == "gptq" and name.endswith(".qweight")):
+                part[name] = t[:, n0:n1]                     # columns are output features
+            else:                                            # n packed per word: awq qweight, qzeros
+                part[name] = t[:, n0 // per:-(-n1 // per)]
+        got = convert_layer(quant, prefix, part, n1 - n0, k, groups)
+        for key, value in got.items():
+            if key == "perm":
+                out.setdefault(key, value)
+                continue
+            if key not in out:
+                out[key] = torch.empty((n, *value.shape[1:]), dtype=value.dtype)
+            out[key][n0:n1] = value
+    return out
 
 
 def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
