@@ -304,18 +304,26 @@ def test_moe_checkpoint_loads_bit_for_bit_and_matches_transformers(method, bits,
 
 
 def test_llm_serves_a_gptq_moe_checkpoint_eager_and_compiled(moe_ckpt, tmp_path):
+    """Eager and compiled. The compiled MoE engine starts after a compiled dense engine in the same
+    process (no ``torch._dynamo.reset()``): each engine compiles its own code object
+    (``runner._own_code``); sharing one, the MoE model ran the dense model's graph and failed."""
     from qwen_ops import LLM, SamplingParams
+    from qwen_tiny import save_tiny_checkpoint
 
     path, hf, _ = write_quantized_moe(moe_ckpt, tmp_path / "q", "gptq", 4)
     prompts = [[5, 17, 2, 60], [33, 9, 41]]
     want = [hf_greedy(hf, p, 6) for p in prompts]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    dense = save_tiny_checkpoint(tmp_path / "dense", "qwen3", seed=2, vocab_size=128, hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    first = LLM(str(dense), max_num_seqs=2, max_model_len=32, compile=True)
+    dense_tokens = [o.outputs[0].token_ids for o in first.generate(prompts, sp)]
     for compile_ in (False, True):
-        # as the suite's other compile tests: a graph cached by an earlier test's model could match a
-        # new module at the same address (dynamo guards on module ids)
-        torch._dynamo.reset()
         llm = LLM(str(path), max_num_seqs=2, max_model_len=32, compile=compile_)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want, compile_
+    # and the first engine still runs its own graphs
+    assert [o.outputs[0].token_ids for o in first.generate(prompts, sp)] == dense_tokens
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "fp8"])

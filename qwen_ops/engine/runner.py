@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import types
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
@@ -49,6 +50,19 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def _own_code(method):
+    """``method`` (a bound method) with its function's code object copied for this engine alone.
+    Dynamo keeps compiled graphs per code object; with the module guards dropped (below) a second
+    engine of the process would otherwise reuse the first one's graphs on its own, different model
+    (measured: a compiled dense model's graph run on a MoE model's modules). One code object per
+    engine keeps each engine's graphs its own, with no global ``torch._dynamo.reset()``."""
+    func = method.__func__
+    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                               func.__closure__)
+    clone.__kwdefaults__, clone.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(clone, method.__self__)
+
+
 def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = True):
     """``torch.compile`` the decode step: Inductor, or Torch-TensorRT (``compile_backend="tensorrt"``).
 
@@ -65,6 +79,8 @@ def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = 
     ``cpp_wrapper=False`` keeps the Python wrapper: the C++ one cannot call the functional
     collectives of a tensor-parallel model yet.
     """
+    if isinstance(fn, types.MethodType):
+        fn = _own_code(fn)
     if backend == "inductor":
         options = {"cpp_wrapper": True} if device.type == "cpu" and cpp_wrapper else {}
         skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
