@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is the d
 
 from checkpoints import make_moe_checkpoint  # noqa: E402
 from qwen_tiny import greedy_generate, hf_greedy, load_hf  # noqa: E402
-from test_quant import _awq_tensors, _dequant, _fp8_tensors, _gptq_tensors, _rtn_asym  # noqa: E402
+from test_quant import _all_logits, _awq_tensors, _dequant, _fp8_tensors, _gptq_tensors, _rtn_asym  # noqa: E402
 
 KERNELS = ["int8", "int4", "fp8", "int8_a8", "int4_a8"]
 E, H, I, T, TOP_K = 4, 64, 32, 7, 2
@@ -268,15 +268,6 @@ def _expert_weights(layer: Q.QuantMoeExperts, e: int, buffer: str) -> torch.Tens
     return RQ.dequantize_fp8(w, s, 1, layer.block_k)
 
 
-def _logits(model, ids):
-    from qwen_tiny import new_kv_caches, shuffled_block_table, step_metadata
-
-    positions, attn, _ = step_metadata([(0, 0, len(ids))], shuffled_block_table(1, 8))
-    with torch.no_grad():
-        return model(torch.tensor(ids), positions, attn, new_kv_caches(model.config, 9, 4, torch.float32),
-                     torch.arange(len(ids)))
-
-
 FORMATS = [("awq", 4), ("gptq", 4), ("gptq", 8), ("fp8", 8)]
 
 
@@ -298,7 +289,7 @@ def test_moe_checkpoint_loads_bit_for_bit_and_matches_transformers(method, bits,
     ids = [5, 17, 2, 60, 33, 9, 41, 8, 77, 1]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_all_logits(model, ids), want, rtol=1e-4, atol=1e-4)
     prompts = [[5, 17, 2, 60], [33, 9, 41]]
     assert greedy_generate(model, prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]
 
@@ -362,7 +353,7 @@ def test_online_quantization_of_the_experts(method, original_format, tmp_path):
         dequant["lm_head"] = RQ.dequantize_int8(model.lm_head.qweight, model.lm_head.scales)
     model.process_weights_after_loading()
     ids = [5, 17, 2, 60, 33, 9, 41, 8]
-    got = _logits(model, ids)
+    got = _all_logits(model, ids)
     if method == "w8a8":
         for m in model.modules():
             if isinstance(m, Q.QuantLinear):
@@ -371,7 +362,7 @@ def test_online_quantization_of_the_experts(method, original_format, tmp_path):
             mp.setattr(Q.QuantMoeExperts, "forward", lambda self, x, w, i: RQ.fused_moe_quant_reference(
                 x, self.w13, self.w13_scales, self.w13_zeros, self.w2, self.w2_scales, self.w2_zeros, w, i,
                 self.kernel, self.block_k))
-            torch.testing.assert_close(got, _logits(model, ids), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, _all_logits(model, ids), rtol=1e-5, atol=1e-5)
         return
     twin = _dequantized_hf(src, dequant)
     with torch.no_grad():

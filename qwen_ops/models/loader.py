@@ -555,20 +555,51 @@ def _quantized_tensors(quant: "Q.QuantConfig", quantized: dict[str, str], expert
     return taken
 
 
+class _MappedFiles:
+    """The checkpoint's tensors by name, each file mapped on first use and its mapping closed after
+    ``MAP_WINDOW_BYTES`` of tensors read from it (``release``, once the caller holds no view of
+    them: as :func:`_copy_tensors`, so touched pages stop counting as ours); all closed at exit."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.handles: dict[Path, Any] = {}
+        self.mapped: dict[Path, int] = defaultdict(int)
+
+    def __enter__(self) -> "_MappedFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
+
+    def _read(self, name: str, read) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = _open(file).__enter__()
+        t = read(self.handles[file])
+        self.mapped[file] += t.numel() * t.element_size()
+        return t
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda h: h.get_tensor(name))
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """``name[index]`` (one expert of a stacked tensor), reading only that row of the file."""
+        return self._read(name, lambda h: h.get_slice(name)[index])
+
+    def release(self) -> None:
+        for file in [f for f, n in self.mapped.items() if n >= MAP_WINDOW_BYTES]:
+            self.handles.pop(file).__exit__(None, None, None)
+            self.mapped[file] = 0
+
+
 def _copy_quantized_experts(files: dict[str, Path], experts: dict[str, str], model: nn.Module,
                             quant: "Q.QuantConfig", device: torch.device) -> None:
     """Fill each QuantMoeExperts' stacked buffers one expert projection at a time (converted as
     QuantLinear's, ``quant.convert_layer``): no layer's full-precision or stacked file tensors are
     ever held whole."""
-    handles: dict[Path, Any] = {}
-
-    def handle(name: str):
-        file = files[name]
-        if file not in handles:
-            handles[file] = _open(file).__enter__()
-        return handles[file]
-
-    try:
+    with _MappedFiles(files) as mapped:
         for prefix, module_name in experts.items():
             layer = model.get_submodule(module_name)
             for key, buf in list(layer._buffers.items()):
@@ -580,17 +611,17 @@ def _copy_quantized_experts(files: dict[str, Path], experts: dict[str, str], mod
                     groups = getattr(layer, buffer + "_scales").shape[2]
                     if stacked:           # transformers' stacked layout, quantized one expert's rows at a time
                         source = prefix + (".down_proj" if buffer == "w2" else ".gate_up_proj")
-                        weight = handle(source).get_slice(source)[e][rows]
-                        tensors = {f"{prefix}.{e}.{proj}.weight": weight}
+                        tensors = {f"{prefix}.{e}.{proj}.weight": mapped.row(source, e)[rows]}
                     else:
-                        tensors = {t: handle(t).get_tensor(t) for t in Q.checkpoint_tensors(quant, f"{prefix}.{e}.{proj}")}
-                    where = files[source] if stacked else files[next(iter(tensors))]
+                        names = Q.checkpoint_tensors(quant, f"{prefix}.{e}.{proj}")
+                        source = names[0]
+                        tensors = {t: mapped.tensor(t) for t in names}
                     try:
                         converted = Q.convert_layer(quant, f"{prefix}.{e}.{proj}", tensors, n, k, groups)
                     except ValueError as err:
-                        raise CheckpointError(f"{where}: {err}") from None
+                        raise CheckpointError(f"{files[source]}: {err}") from None
                     if "perm" in converted:
-                        raise CheckpointError(f"{where}: expert {prefix}.{e}.{proj} has act-order "
+                        raise CheckpointError(f"{files[source]}: expert {prefix}.{e}.{proj} has act-order "
                                               "groups (quantization_config.desc_act true with a g_idx that is not "
                                               "k // group_size): not supported for mixture-of-experts layers")
                     getattr(layer, buffer)[e, rows] = converted["qweight"].to(device)
@@ -598,27 +629,17 @@ def _copy_quantized_experts(files: dict[str, Path], experts: dict[str, str], mod
                     if "zeros" in converted:
                         getattr(layer, buffer + "_zeros")[e, rows] = converted["zeros"].to(device)
                     del tensors, converted
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+                    mapped.release()
 
 
 def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn.Module, quant: "Q.QuantConfig",
                     device: torch.device) -> None:
     """Read each quantized layer's tensors (mapped, a window of bytes at a time as in
     :func:`_copy_tensors`) and convert them into its QuantLinear's buffers on ``device``."""
-    handles: dict[Path, Any] = {}
-    mapped: dict[Path, int] = defaultdict(int)
-    try:
+    with _MappedFiles(files) as mapped:
         for prefix, module_name in quantized.items():
             layer = model.get_submodule(module_name)
-            tensors = {}
-            for name in Q.checkpoint_tensors(quant, prefix):
-                file = files[name]
-                if file not in handles:
-                    handles[file] = _open(file).__enter__()
-                tensors[name] = handles[file].get_tensor(name)
-                mapped[file] += tensors[name].numel() * tensors[name].element_size()
+            tensors = {name: mapped.tensor(name) for name in Q.checkpoint_tensors(quant, prefix)}
             try:
                 buffers = Q.convert_layer(quant, prefix, tensors, layer.out_features, layer.in_features,
                                           layer.scales.shape[1])
@@ -627,12 +648,7 @@ def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn
             del tensors
             for key, value in buffers.items():
                 layer._buffers[key] = value.to(device=device, copy=True)   # never a view of the mapped file
-            for file in [f for f, n in mapped.items() if n >= MAP_WINDOW_BYTES]:
-                handles.pop(file).__exit__(None, None, None)
-                mapped[file] = 0
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+            mapped.release()
 
 
 def _open(file: Path):

@@ -466,13 +466,12 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
         # their sizes (q|k|v, gate|up), for n / 128 floats of memory more per layer.
         return {"qweight": w.contiguous(), "scales": s.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()}
     g = k // groups
+    for suffix, (shape, dtypes) in _packed_shapes(quant, n, k, groups).items():
+        _expect(prefix + suffix, tensors[prefix + suffix], shape, dtypes)
     if n > CONVERT_COLUMNS:     # a large layer (an LM head): a block of output features at a time
         return _convert_in_blocks(quant, prefix, tensors, n, k, groups)
     if quant.method == "awq":
         qw, qz, sc = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales"))
-        _expect(prefix + ".qweight", qw, (k, n // 8), (torch.int32,))
-        _expect(prefix + ".qzeros", qz, (groups, n // 8), (torch.int32,))
-        _expect(prefix + ".scales", sc, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
         q = _unpack_cols(qw, 4, AWQ_ORDER)                    # [K, N]
         z = _unpack_cols(qz, 4, AWQ_ORDER)                    # [G, N]
         return {"qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
@@ -480,10 +479,6 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
     bits = quant.bits
     per = 32 // bits
     qw, qz, sc, gi = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales", ".g_idx"))
-    _expect(prefix + ".qweight", qw, (k // per, n), (torch.int32,))
-    _expect(prefix + ".qzeros", qz, (groups, n // per), (torch.int32,))
-    _expect(prefix + ".scales", sc, (groups, n), (torch.float16, torch.bfloat16, torch.float32))
-    _expect(prefix + ".g_idx", gi, (k,), (torch.int32, torch.int64))
     q = _unpack_rows(qw, bits)                                 # [K, N]
     z = _unpack_cols(qz, bits) + 1                             # [G, N]: the format stores z - 1
     out: dict[str, torch.Tensor] = {}
@@ -506,6 +501,17 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
     return {**out, "qweight": (q - 128).T.to(torch.int8).contiguous(), "scales": sc.float().T.contiguous()}
 
 
+def _packed_shapes(quant: QuantConfig, n: int, k: int, groups: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """The AWQ / GPTQ file tensors of an ``[n, k]`` layer of ``groups`` groups: ``{suffix: (shape, dtypes)}``."""
+    scales = (torch.float16, torch.bfloat16, torch.float32)
+    if quant.method == "awq":
+        return {".qweight": ((k, n // 8), (torch.int32,)), ".qzeros": ((groups, n // 8), (torch.int32,)),
+                ".scales": ((groups, n), scales)}
+    per = 32 // quant.bits
+    return {".qweight": ((k // per, n), (torch.int32,)), ".qzeros": ((groups, n // per), (torch.int32,)),
+            ".scales": ((groups, n), scales), ".g_idx": ((k,), (torch.int32, torch.int64))}
+
+
 # Output features converted at a time: unpacking makes int32 copies of the weight (four of them at
 # most), which for a 151,936-row LM head would be gigabytes; a block keeps them to ~100 MB.
 CONVERT_COLUMNS = 8192
@@ -517,15 +523,6 @@ def _convert_in_blocks(quant: QuantConfig, prefix: str, tensors: dict[str, torch
     time (the formats pack n in words of 32 / bits along the columns: blocks are whole words), each
     block's buffers copied into rows of the layer's."""
     per = 32 // quant.bits
-    scales = (torch.float16, torch.bfloat16, torch.float32)
-    if quant.method == "awq":            # the whole layer's shapes first, as the unblocked path checks them
-        shapes = {".qweight": ((k, n // 8), (torch.int32,)), ".qzeros": ((groups, n // 8), (torch.int32,)),
-                  ".scales": ((groups, n), scales)}
-    else:
-        shapes = {".qweight": ((k // per, n), (torch.int32,)), ".qzeros": ((groups, n // per), (torch.int32,)),
-                  ".scales": ((groups, n), scales), ".g_idx": ((k,), (torch.int32, torch.int64))}
-    for suffix, (shape, dtypes) in shapes.items():
-        _expect(prefix + suffix, tensors[prefix + suffix], shape, dtypes)
     out: dict[str, torch.Tensor] = {}
     for n0 in range(0, n, CONVERT_COLUMNS):
         n1 = min(n, n0 + CONVERT_COLUMNS)

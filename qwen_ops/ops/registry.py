@@ -531,12 +531,17 @@ def _linear_fp8_fake(x, weight, scale_inv, bias, block_n, block_k):
 # too). On CUDA: the fused MoE Triton kernels with the weight tiles dequantized as they are loaded
 # (kernels/triton_moe.py). The reference (kernels/reference_quant.py) is the oracle.
 
+def _check_fused_moe_quant(backend: str, hidden_states, w13, *rest) -> None:
+    """The arguments' checks, and the expert ids' values where ``backend`` checks values."""
+    V.check_fused_moe_quant(hidden_states, w13, *rest)
+    if value_checks_enabled(backend):
+        V.check_fused_moe_values(rest[6], w13.shape[0])         # topk_ids
+
+
 def _fused_moe_quant_cpu(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
                          topk_ids, kernel, block_k):
-    V.check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
-                            topk_ids, kernel, block_k)
-    if value_checks_enabled("cpu"):
-        V.check_fused_moe_values(topk_ids, w13.shape[0])
+    _check_fused_moe_quant("cpu", hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros,
+                           topk_weights, topk_ids, kernel, block_k)
     num_tokens, hidden = hidden_states.shape
     if num_tokens == 0:
         return hidden_states.new_zeros(0, hidden)
@@ -560,15 +565,9 @@ def _fused_moe_quant_cpu(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scale
     return out.to(hidden_states.dtype)
 
 
-def _fused_moe_quant_other(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
-                           topk_ids, kernel, block_k):
-    V.check_fused_moe_quant(hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights,
-                            topk_ids, kernel, block_k)
-    if value_checks_enabled("triton"):
-        V.check_fused_moe_values(topk_ids, w13.shape[0])
-    args = (hidden_states, w13, w13_scales, w13_zeros, w2, w2_scales, w2_zeros, topk_weights, topk_ids, kernel,
-            block_k)
-    if _quant_triton(hidden_states):
+def _fused_moe_quant_other(*args):
+    _check_fused_moe_quant("triton", *args)
+    if _quant_triton(args[0]):
         from qwen_ops.ops.kernels.triton_moe import fused_moe_quant_triton
 
         return fused_moe_quant_triton(*args)
