@@ -214,28 +214,55 @@ def test_mixed_dtypes_keep_the_plain_forward(tmp_path):
     assert set(forward_choices(_packed(model)).values()) == {"cpu"}
 
 
-@pytest.mark.parametrize("rows", [1, 5, 37])
-def test_both_bf16_product_paths_match_float64(tmp_path, monkeypatch, rows):
-    """The two ways of a bf16 product, each forced (``QWEN_OPS_BF16_PRODUCTS``) in a library of its
-    own: AVX512-BF16 dot products (only where the CPU has them; elsewhere "dot" falls back to
-    widening) and widening loads into fp32 FMAs, against float64 on bf16 inputs (whose products are
-    exact: only the fp32 sums round). Which one the engine runs is the CPU's measured choice
-    (``cpu.bf16_products()``: this Intel Xeon's dot products issue at a quarter of its FMA rate)."""
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_every_bf16_product_path_matches_float64(tmp_path, monkeypatch, rows):
+    """The three ways of a bf16 product, each forced (``QWEN_OPS_BF16_PRODUCTS``) in a library of its
+    own: AMX tiles and AVX512-BF16 dot products (each only where the CPU has it; elsewhere the mode
+    falls back to widening) and widening loads into fp32 FMAs, against float64 on bf16 inputs (whose
+    products are exact: only the fp32 sums round), with one and two threads, through the fp32-input
+    entry and the op's bf16 one (rounded once to bf16). K = 200 leaves a partial AMX tile of pairs,
+    N = 70 a partial panel. Which one the engine runs is the CPU's choice (``cpu.bf16_products()``:
+    AMX where the CPU has it; else dot products only where they beat widening: this Intel Xeon's
+    issue at a quarter of its FMA rate)."""
     if cpu._compiler() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(rows)
-    n, k = 70, 192
+    n, k = 70, 200
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
-    x = torch.randn(rows, k, generator=g).bfloat16().float()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g)
     packed = cpu.pack_panels(w)
     want = x.double() @ w.double().T + bias.double()
-    has_dot = " avx512_bf16" in f" {cpu._cpu_flags()} "
-    for mode in ("dot", "widening"):
+    flags = f" {cpu._cpu_flags()} "
+    has = {"amx": 2 if " amx_bf16" in flags and " amx_tile" in flags else 0,
+           "dot": 1 if " avx512_bf16" in flags else 0, "widening": 0}
+    for mode, code in has.items():
         monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
         monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", mode)
         lib = cpu.library.__wrapped__()
-        assert lib.qwen_bf16_dot_products() == (1 if mode == "dot" and has_dot else 0)
-        y = torch.full((rows, n), float("nan"))
-        lib.qwen_linear_packed_bf16(x.data_ptr(), k, rows, packed.data_ptr(), bias.data_ptr(), n, k, y.data_ptr(), n, 1)
-        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+        assert lib.qwen_bf16_products() == code, mode
+        for threads in (1, 2):
+            y = torch.full((rows, n), float("nan"))
+            xf = x.float()
+            lib.qwen_linear_packed_bf16(xf.data_ptr(), k, rows, packed.data_ptr(), bias.data_ptr(), n, k, y.data_ptr(),
+                                        n, threads)
+            torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+            yb = torch.full((rows, n), float("nan")).bfloat16()
+            assert lib.qwen_linear(x.data_ptr(), k, rows, packed.data_ptr(), bias.data_ptr(), n, k, yb.data_ptr(), n, 2,
+                                   threads) == 0
+            assert torch.equal(yb, y.bfloat16()), (mode, threads)      # the same sums, rounded once
+
+
+def test_a_rows_bf16_product_does_not_depend_on_its_batch():
+    """linear_packed's bf16 product of a row is bit for bit the same alone and in batches of every
+    size up to past two blocks of AMX rows (one path for every row count: cpu.bf16_products()), so a
+    sequence's tokens do not depend on what it is batched with."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 96, 160
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    packed = cpu.pack_panels(w)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    alone = torch.cat([torch.ops.qwen.linear_packed.default(x[i:i + 1], packed, None, n) for i in range(40)])
+    torch.testing.assert_close(alone.double(), x.double() @ w.double().T, rtol=0.02, atol=0.02)
+    for rows in (2, 7, 16, 17, 33, 40):
+        assert torch.equal(torch.ops.qwen.linear_packed.default(x[:rows], packed, None, n), alone[:rows]), rows

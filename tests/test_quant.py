@@ -658,29 +658,32 @@ def test_online_int8_on_hybrid_and_moe_models(family, tmp_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == got
 
 
-def test_bf16_products_take_onednn_past_8_rows_on_an_amx_cpu(fp32_ckpt, monkeypatch):
-    """This machine has no AMX, so the choice is forced: with ``has_amx_bf16`` true a bf16 layer's
-    fused products run F.linear (oneDNN, AMX there) past 8 rows and the packed panels below; both
-    agree with the plain forward. Without AMX (this CPU) every product is the packed panels."""
+def test_bf16_products_take_onednn_past_the_amx_rows_on_an_amx_cpu(fp32_ckpt, monkeypatch):
+    """With ``has_amx_bf16`` true (forced where the CPU has no AMX) a bf16 layer's fused products run
+    F.linear (oneDNN, AMX there) past ``AMX_ONEDNN_ROWS`` rows (patched to 8 here, so a tiny prompt
+    crosses it) and linear_packed below; both agree with the plain forward. Without AMX every product
+    is linear_packed, recorded with how it runs its bf16 products (amx, avx512_bf16 or widening)."""
+    from qwen_ops.models import layers
     from qwen_ops.models.layers import product_choices
     from qwen_ops.ops.kernels import cpu
 
     model = load_model(fp32_ckpt, dtype="bfloat16")
     model.process_weights_after_loading()
-    assert cpu.has_amx_bf16() or set(product_choices(model).values()) == {"packed panels"}
+    assert cpu.has_amx_bf16() or set(product_choices(model).values()) == {f"packed panels ({cpu.bf16_products()})"}
     ids = list(range(5, 17))
     plain = _all_logits_dtype(model, ids)
     monkeypatch.setattr(cpu, "has_amx_bf16", lambda: True)
+    monkeypatch.setattr(layers, "AMX_ONEDNN_ROWS", 8)
     model.process_weights_after_loading()
     kinds = product_choices(model)
-    assert kinds["model.layers.0.self_attn.qkv"].startswith("packed panels; oneDNN"), kinds
+    assert kinds["model.layers.0.self_attn.qkv"] == f"packed panels ({cpu.bf16_products()}); oneDNN (AMX) past 8 rows", kinds
     calls = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     amx = _all_logits_dtype(model, ids)                     # 12 rows: past 8, F.linear
     assert calls and min(calls) == 12
     calls.clear()
-    few = _all_logits_dtype(model, ids[:4])                 # 4 rows: the packed panels
+    few = _all_logits_dtype(model, ids[:4])                 # 4 rows: linear_packed
     assert not [c for c in calls if c == 4]
     torch.testing.assert_close(amx.float(), plain.float(), rtol=0.05, atol=0.05)
     torch.testing.assert_close(few.float(), plain[:4].float(), rtol=0.05, atol=0.05)

@@ -81,14 +81,25 @@ def _identity(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# bf16 products of more rows than this run on oneDNN's AMX kernels where the CPU has AMX (fused_product).
-AMX_MIN_ROWS = 8
+# bf16 products of more rows than this run on oneDNN's AMX kernels (torch's F.linear) where the CPU
+# has AMX; up to it, linear_packed's own AMX tiles, which stream the packed panels faster (measured
+# with the weights from DRAM, one thread: 1.2x oneDNN's at 8 rows, 1.1x F.linear's at 128, 0.93x at
+# 256: benchmarks/README.md "AMX").
+AMX_ONEDNN_ROWS = 192
 
 
 def amx_bf16() -> bool:
     from qwen_ops.ops.kernels import cpu
 
     return cpu.has_amx_bf16()
+
+
+def cpu_bf16_products() -> str:
+    """How linear_packed runs bf16 products on this CPU (kernels/cpu.py ``bf16_products``: amx,
+    avx512_bf16 or widening), recorded in ``product_choices``."""
+    from qwen_ops.ops.kernels import cpu
+
+    return cpu.bf16_products()
 
 
 def weight_like(linear: nn.Module) -> torch.Tensor:
@@ -122,20 +133,23 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     owner.register_buffer(packed_name, packed, persistent=False)
     owner.register_buffer(bias_name, bias, persistent=False)
     if packed.dtype == torch.bfloat16 and amx_bf16():
-        # bf16 on an AMX CPU: past AMX_MIN_ROWS rows, torch's F.linear (oneDNN's AMX kernels) on the
-        # layers' own weights; fewer rows stream the packed panels. Chosen here, once per layer.
+        # bf16 on an AMX CPU: past AMX_ONEDNN_ROWS rows (prefill), torch's F.linear (oneDNN's AMX
+        # kernels) on the layers' own weights; fewer rows stream the packed panels through
+        # linear_packed's AMX tiles. Chosen here, once per layer.
         weights = [m.weight for m in linears]
 
         def product_amx(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] <= AMX_MIN_ROWS:
+            if x.shape[0] <= AMX_ONEDNN_ROWS:
                 return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
             y = torch.cat([F.linear(x, w) for w in weights], dim=-1) if len(weights) > 1 else F.linear(x, weights[0])
             b = getattr(owner, bias_name)
             return finish(y if b is None else (y.float() + b).to(x.dtype))
-        owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels; oneDNN (AMX) past 8 rows"
+        owner.__dict__.setdefault("product_kinds", {})[name] = (
+            f"packed panels ({cpu_bf16_products()}); oneDNN (AMX) past {AMX_ONEDNN_ROWS} rows")
         return product_amx
 
-    owner.__dict__.setdefault("product_kinds", {})[name] = "packed panels"
+    owner.__dict__.setdefault("product_kinds", {})[name] = (
+        f"packed panels ({cpu_bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
     if finish is _identity:         # no all-reduce after it: one call less per product
         def product(x: torch.Tensor) -> torch.Tensor:
             return LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)

@@ -56,7 +56,7 @@ _SIGNATURES = {
     "qwen_apply_token_bitmask": ([_p, _i64, _i64, _p, _i64, _p, _i64], None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
-    "qwen_bf16_dot_products": ([], ctypes.c_int),
+    "qwen_bf16_products": ([], ctypes.c_int),
     "qwen_int8_dot_products": ([], ctypes.c_int),
     "qwen_linear_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
     "qwen_linear_packed_bf16": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
@@ -324,8 +324,8 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def has_amx_bf16() -> bool:
     """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons): oneDNN, under
-    torch's own ``F.linear``, then runs bf16 products of many rows on them, far faster than the
-    packed panels' AVX-512 FMAs (which still win at a few rows, where the weights stream)."""
+    torch's own ``F.linear``, then runs bf16 products of many rows (prefill) on them, and
+    ``linear_packed`` runs the rest on its own tiles (``bf16_products()``)."""
     return " amx_bf16" in f" {_cpu_flags()} "
 
 
@@ -337,9 +337,11 @@ def int8_dot_products() -> bool:
 
 
 def bf16_products() -> str:
-    """How the products on bf16 weights run on this CPU: "avx512_bf16" (dot products, where the CPU
-    has AVX512-BF16) or "widening" (bf16 -> fp32 loads feeding fp32 FMAs)."""
-    return "avx512_bf16" if library().qwen_bf16_dot_products() else "widening"
+    """How the products on bf16 weights run on this CPU, one choice per process: "amx" (AMX tiles,
+    where the CPU has them), "avx512_bf16" (dot products, where the CPU has AVX512-BF16 and they
+    beat widening) or "widening" (bf16 -> fp32 loads feeding fp32 FMAs); ``QWEN_OPS_BF16_PRODUCTS``
+    (amx | dot | widening) forces one where the CPU has it."""
+    return {2: "amx", 1: "avx512_bf16"}.get(library().qwen_bf16_products(), "widening")
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:

@@ -989,26 +989,6 @@ static int bf16_dot_is_faster(void) {
 }
 #endif
 
-/* 1 when the products on bf16 weights use AVX512-BF16 dot products here, 0 when they widen: the
- * CPU has AVX512-BF16 and its dot products are the faster (bf16_dot_is_faster, decided once per
- * process), or QWEN_OPS_BF16_PRODUCTS names the path ("dot" where the CPU has it, or "widening").
- * One choice for every product and row count, so a row's result never depends on its batch. */
-int qwen_bf16_dot_products(void) {
-#if QWEN_DPBF16
-    static int choice = -1;
-    if (choice < 0) {
-        const char *forced = getenv("QWEN_OPS_BF16_PRODUCTS");
-        const int has = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
-        if (forced != NULL && strcmp(forced, "widening") == 0) choice = 0;
-        else if (forced != NULL && strcmp(forced, "dot") == 0) choice = has;
-        else choice = has && bf16_dot_is_faster();
-    }
-    return choice;
-#else
-    return 0;
-#endif
-}
-
 #if QWEN_DPBF16
 /* panel_block_avx512 on a bf16 panel by VDPBF16PS; xp: the input rows as bf16 pairs (row stride xps). */
 static inline __attribute__((always_inline)) QWEN_DPBF16_TARGET void panel_block_dpbf16(
@@ -1078,11 +1058,259 @@ static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, i
 }
 #endif
 
+/* ----------------------------------------------------------------------------------------------
+ * bf16 products on AMX tiles (Sapphire Rapids and later Xeons). The bf16 panels above are already
+ * the B operand of TDPBF16PS: a tile row is one pair of k for 16 features (64 bytes), and a
+ * panel's pair kk holds features 0-15 at byte 128 kk and 16-31 at 128 kk + 64, so a B tile of 16
+ * pairs is a load of stride 128 from the panel, no repacking. A tile: up to 16 input rows x 32 k
+ * (bf16), copied once per call into a buffer zero-padded to a multiple of 32 k; C: rows x 16 fp32.
+ * - Up to 16 rows (decode): one block of rows against two panels at a time (4 C tiles, 1 A, 2 B),
+ *   prefetching AMX_PREFETCH bytes ahead in both panels: the weights stream from DRAM once, and
+ *   one TDPBF16PS (16 x 16 x 32) per KB of weights leaves the tiles idle most of the time.
+ * - More rows: two blocks of 16 rows against one panel (4 C tiles, 2 A, 2 B), the panel read from
+ *   DRAM for the first pair of blocks and from the cache after (prefill past a few dozen rows is
+ *   oneDNN's, by the layer: models/layers.py AMX_ONEDNN_ROWS).
+ * The pairs of a panel past its last multiple of 16 are copied into a zero-padded tile (the panel
+ * ends there). TDPBF16PS accumulates each row's products in fp32 in a fixed order, whatever the
+ * other rows: a row's result does not depend on its batch.
+ * Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM); each
+ * thread configures its tiles and releases them when done.
+ * ---------------------------------------------------------------------------------------------- */
+#if QWEN_AVX512 && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : (defined(__GNUC__) && __GNUC__ >= 11))
+#define QWEN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QWEN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 4096
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* Whether this process may use AMX bf16 tiles: the CPU has them and Linux granted their state. */
+static int amx_usable(void) {
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* tmm0-3: C, rows x 16 fp32; tmm4-5: A, rows x 32 bf16; tmm6-7: B, 16 pairs x 16 features. */
+static QWEN_AMX_TARGET void amx_configure(int rows) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)(t < 6 ? rows : 16);
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Half h (features 16 h .. 16 h + 15) of a panel's pairs kk0 .. K2 - 1, zero-padded to 16 pairs. */
+static inline void amx_b_tail(const uint16_t *panel, int64_t kk0, int64_t K2, int h, uint16_t *dst) {
+    memset(dst, 0, 1024);
+    for (int64_t kk = kk0; kk < K2; ++kk) memcpy(dst + (kk - kk0) * 32, panel + kk * 64 + h * 32, 64);
+}
+
+static inline __attribute__((always_inline)) void amx_prefetch_2kb(const uint16_t *p) {
+    for (int l = 0; l < 32; ++l) _mm_prefetch((const char *)p + AMX_PREFETCH + 64 * l, _MM_HINT_T0);
+}
+
+/* c [rows, 64] (row stride ldc) = one block of <= 16 rows of xb (row stride ldx, zero-padded k)
+ * times two consecutive panels (only the first when panel2 is NULL: c [rows, 32]). */
+static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const uint16_t *panel,
+                                        const uint16_t *panel2, int64_t K2, float *c, int64_t ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t full = K2 / 16 * 16;
+    for (int64_t kk = 0; kk < full; kk += 16) {
+        amx_prefetch_2kb(panel + kk * 64);
+        _tile_loadd(4, xb + kk * 2, ldx * 2);
+        _tile_loadd(6, panel + kk * 64, 128);
+        _tile_loadd(7, panel + kk * 64 + 32, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (panel2 != NULL) {
+            amx_prefetch_2kb(panel2 + kk * 64);
+            _tile_loadd(6, panel2 + kk * 64, 128);
+            _tile_loadd(7, panel2 + kk * 64 + 32, 128);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+    }
+    if (full < K2) {
+        uint16_t tail[2][512] __attribute__((aligned(64)));
+        _tile_loadd(4, xb + full * 2, ldx * 2);
+        amx_b_tail(panel, full, K2, 0, tail[0]);
+        amx_b_tail(panel, full, K2, 1, tail[1]);
+        _tile_loadd(6, tail[0], 64);
+        _tile_loadd(7, tail[1], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (panel2 != NULL) {
+            amx_b_tail(panel2, full, K2, 0, tail[0]);
+            amx_b_tail(panel2, full, K2, 1, tail[1]);
+            _tile_loadd(6, tail[0], 64);
+            _tile_loadd(7, tail[1], 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    if (panel2 != NULL) {
+        _tile_stored(2, c + 32, ldc * 4);
+        _tile_stored(3, c + 48, ldc * 4);
+    }
+}
+
+/* c [32, 32] (row stride ldc) = two blocks of 16 rows of xb times one panel; prefetching the panel
+ * when it comes from DRAM (the first pair of blocks). */
+static QWEN_AMX_TARGET void amx_block32(const uint16_t *xb, int64_t ldx, const uint16_t *panel, int64_t K2,
+                                        float *c, int64_t ldc, int prefetch) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t full = K2 / 16 * 16;
+    const uint16_t *x1 = xb + 16 * ldx;
+    for (int64_t kk = 0; kk < full; kk += 16) {
+        if (prefetch) amx_prefetch_2kb(panel + kk * 64);
+        _tile_loadd(4, xb + kk * 2, ldx * 2);
+        _tile_loadd(6, panel + kk * 64, 128);
+        _tile_loadd(7, panel + kk * 64 + 32, 128);
+        _tile_loadd(5, x1 + kk * 2, ldx * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (full < K2) {
+        uint16_t tail[2][512] __attribute__((aligned(64)));
+        amx_b_tail(panel, full, K2, 0, tail[0]);
+        amx_b_tail(panel, full, K2, 1, tail[1]);
+        _tile_loadd(4, xb + full * 2, ldx * 2);
+        _tile_loadd(5, x1 + full * 2, ldx * 2);
+        _tile_loadd(6, tail[0], 64);
+        _tile_loadd(7, tail[1], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+/* y[m, n0 + j] = c[m, j] (+ bias[n0 + j]) for m < rows, j < cols. */
+static inline void amx_put(const float *c, int64_t ldc, int64_t rows, int64_t cols, const float *bias, float *y,
+                           int64_t ys) {
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < cols; ++j) y[m * ys + j] = c[m * ldc + j] + (bias == NULL ? 0.0f : bias[j]);
+}
+
+/* y [M, N] (fp32, row stride ys) = x [M, K] w^T (+ bias) on AMX tiles from bf16 panels
+ * (qwen_pack_panels_bf16); x fp32 holding bf16 values (x_f32 != 0: rounded to bf16, exact for such
+ * values) or bf16, row stride xs. Returns -1 (nothing written) when scratch memory could not be
+ * allocated. */
+static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t xs, int64_t M, const uint16_t *wp,
+                                             const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                                             int threads) {
+    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32, ldx = (K2 + 15) / 16 * 32;
+    const int64_t Mp = M <= 16 ? M : (M + 31) / 32 * 32;   /* rows of xb: whole pairs of blocks past 16 */
+    uint16_t *xb = aligned_alloc(64, (size_t)((Mp * ldx * 2 + 63) / 64 * 64 + 64));
+    if (xb == NULL) return -1;
+    for (int64_t m = 0; m < Mp; ++m) {
+        uint16_t *row = xb + m * ldx;
+        int64_t k = 0;
+        if (m < M && x_f32)
+            for (; k < K; ++k) row[k] = f32_to_bf16(((const float *)x)[m * xs + k]);
+        else if (m < M)
+            for (; k < K; ++k) row[k] = ((const uint16_t *)x)[m * xs + k];
+        memset(row + k, 0, (size_t)(ldx - k) * 2);
+    }
+    (void)threads;   /* without OpenMP */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float c[32 * 64] __attribute__((aligned(64)));
+        amx_configure(M <= 16 ? (int)M : 16);
+        if (M <= 16) {
+            const int64_t pairs = (P + 1) / 2;
+#pragma omp for schedule(static)
+            for (int64_t q = 0; q < pairs; ++q) {
+                const int64_t p = 2 * q, n0 = p * 32, cols = N - n0 < 64 ? N - n0 : 64;
+                const uint16_t *panel = wp + p * K2 * 64;
+                amx_block16(xb, ldx, panel, p + 1 < P ? panel + K2 * 64 : NULL, K2, c, 64);
+                amx_put(c, 64, M, cols, bias == NULL ? NULL : bias + n0, y + n0, ys);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; ++p) {
+                const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+                for (int64_t m = 0; m < M; m += 32) {
+                    amx_block32(xb + m * ldx, ldx, wp + p * K2 * 64, K2, c, 32, m == 0);
+                    amx_put(c, 32, M - m < 32 ? M - m : 32, cols, bias == NULL ? NULL : bias + n0, y + m * ys + n0,
+                            ys);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+#else
+#define QWEN_AMX 0
+#endif
+
+/* How the products on bf16 weights run here, one choice per process: 2, AMX tiles (where the CPU
+ * has them and Linux grants them); else 1, AVX512-BF16 dot products, where the CPU has them and
+ * they are the faster (bf16_dot_is_faster); else 0, widening loads into fp32 FMAs.
+ * QWEN_OPS_BF16_PRODUCTS names the path instead ("amx" or "dot" where the CPU has it, else
+ * widening; or "widening"). One choice for every product and row count, so a row's result never
+ * depends on its batch. */
+int qwen_bf16_products(void) {
+    static int choice = -1;
+    if (choice < 0) {
+        const char *forced = getenv("QWEN_OPS_BF16_PRODUCTS");
+#if QWEN_DPBF16
+        const int dot = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+        const int dot = 0;
+#endif
+#if QWEN_AMX
+        const int amx = amx_usable() ? 2 : 0;
+#else
+        const int amx = 0;
+#endif
+        if (forced != NULL && strcmp(forced, "widening") == 0) choice = 0;
+        else if (forced != NULL && strcmp(forced, "dot") == 0) choice = dot;
+        else if (forced != NULL && strcmp(forced, "amx") == 0) choice = amx;
+#if QWEN_DPBF16
+        else choice = amx ? amx : dot && bf16_dot_is_faster();
+#else
+        else choice = amx;
+#endif
+    }
+    return choice;
+}
+
 /* qwen_linear_packed on bf16 weights packed by qwen_pack_panels_bf16 (fp32 x, y and bias). */
 void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp, const float *bias,
                              int64_t N, int64_t K, float *y, int64_t ys, int64_t threads) {
+#if QWEN_AMX
+    if (qwen_bf16_products() == 2 && linear_packed_amx(x, 1, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
+#endif
 #if QWEN_DPBF16
-    if (qwen_bf16_dot_products() && linear_packed_dpbf16(x, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
+    if (qwen_bf16_products() == 1 && linear_packed_dpbf16(x, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
 #endif
 #if QWEN_AVX512
     linear_packed_avx512(x, xs, M, wp, bias, N, K, y, ys, 1, (int)threads);
@@ -1127,9 +1355,21 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
         qwen_linear_packed((const float *)x, xs, M, (const float *)wp, bias, N, K, (float *)y, ys, threads);
         return 0;
     }
+#if QWEN_AMX
+    if (qwen_bf16_products() == 2) {
+        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
+        if (yf == NULL || linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads) != 0) {
+            free(yf);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);   /* one rounding, as torch */
+        free(yf);
+        return 0;
+    }
+#endif
 #if QWEN_DPBF16
     /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. */
-    if (qwen_bf16_dot_products() && K % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
+    if (qwen_bf16_products() == 1 && K % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
         float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
         if (yf == NULL) return -1;
         dpbf16_panels((const uint32_t *)x, xs / 2, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads);
