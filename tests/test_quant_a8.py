@@ -315,3 +315,29 @@ def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys)
     monkeypatch.setitem(Q._OPS, "int8_a8", lambda x, *rest: real(x, *rest) * 1.5)
     assert bench.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a8_amx_and_vnni_panels_compute_the_same_bits(kind, tmp_path, monkeypatch):
+    """The many-row products on AMX tiles (``cpu.int8_products()``: where the CPU has AMX-INT8) and on
+    VPDPBUSD (``QWEN_OPS_INT8_PRODUCTS=vnni``, a library of its own), 21 rows (a block of 16 tile
+    rows and a tail of 5) with one and two threads: the same bits, and the reference's."""
+    if cpu._compiler() is None or not cpu.int8_dot_products():
+        pytest.skip("needs the C kernels with AVX512-VNNI")
+    n, k, groups = 72, 512, 4
+    x, w, bias = _case(kind, 21, n, k, groups, seed=5)
+    zeros = w[2] if kind == "int4" else None
+    want = RQ.REFERENCES[f"{kind}_a8"](x, *w, bias)
+    flags = f" {cpu._cpu_flags()} "
+    for mode in ("default", "vnni"):
+        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
+        if mode == "vnni":
+            monkeypatch.setenv("QWEN_OPS_INT8_PRODUCTS", "vnni")
+        lib = cpu.library.__wrapped__()
+        assert lib.qwen_int8_amx() == (mode == "default" and " amx_int8" in flags and " amx_tile" in flags)
+        for threads in (1, 2):
+            out = torch.full((21, n), float("nan"))
+            assert lib.qwen_linear_quant_a8(0 if kind == "int8" else 1, x.data_ptr(), k, 21, w[0].data_ptr(),
+                                            w[1].data_ptr(), None if zeros is None else zeros.data_ptr(), k // groups,
+                                            bias.data_ptr(), n, k, out.data_ptr(), n, threads, 0) == 0
+            assert torch.equal(out, want), (mode, threads)

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
     "qwen_bf16_products": ([], ctypes.c_int),
     "qwen_int8_dot_products": ([], ctypes.c_int),
+    "qwen_int8_amx": ([], ctypes.c_int),
     "qwen_linear_packed": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
     "qwen_linear_packed_bf16": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64], None),
     "qwen_linear": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i32, _i64], ctypes.c_int),
@@ -334,6 +335,15 @@ def int8_dot_products() -> bool:
     integer dot products on this CPU; without, they run a portable loop that is correct but tens of
     times slower."""
     return bool(library().qwen_int8_dot_products())
+
+
+def int8_products() -> str:
+    """How the int8-activation products of more than 4 rows run on this CPU, one choice per process:
+    "amx" (AMX-INT8 tiles, where the CPU has them, unless ``QWEN_OPS_INT8_PRODUCTS=vnni``),
+    "avx512_vnni" or "portable"; every path gives the same bits (exact integer sums)."""
+    if library().qwen_int8_amx():
+        return "amx"
+    return "avx512_vnni" if int8_dot_products() else "portable"
 
 
 def bf16_products() -> str:

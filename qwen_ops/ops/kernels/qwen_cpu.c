@@ -1110,6 +1110,8 @@ static QWEN_AMX_TARGET void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
+static QWEN_AMX_TARGET void amx_tile_release(void) { _tile_release(); }
+
 /* Half h (features 16 h .. 16 h + 15) of a panel's pairs kk0 .. K2 - 1, zero-padded to 16 pairs. */
 static inline void amx_b_tail(const uint16_t *panel, int64_t kk0, int64_t K2, int h, uint16_t *dst) {
     memset(dst, 0, 1024);
@@ -2287,12 +2289,79 @@ static void a8_panel_rest(int MR, const int8_t *d, const float *unit, const int3
     else if (MR == 2) a8_panel_rows(2, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
     else a8_panel_rows(3, d, unit, dsum, wt, st, zt, ab, K, bias, n0, cols, y, ys);
 }
+
+#if QWEN_AMX
+/* The many-row panels on AMX tiles (TDPBSUD: signed digits times unsigned weight bytes, 16 rows x
+ * 16 features x 64 k an instruction, against VPDPBUSD's 16 x 4): the panel a8_panel builds is
+ * already TDPBSUD's B operand (a tile row is one quad of k for 16 features, 64 bytes; the panel's
+ * quad k / 4 holds features 0-15 at byte 128 (k / 4) and 16-31 64 bytes on), and the digits d [M][K]
+ * are its A operand as they are. Each block of ab (a multiple of 64) k is summed into zeroed C tiles,
+ * stored, and then takes the same fp32 step, in the same order, as a8_panel_rows: the integer sums
+ * are exact, so the outputs are bit for bit the VNNI path's. */
+static int amx_int8_usable(void) {
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* y rows m .. m + R - 1 (R <= 16, the tiles configured for R rows: amx_configure), outputs n0 ..
+ * n0 + cols - 1, against the panel wt. */
+static __attribute__((target("amx-tile,amx-int8"))) void a8_panel_amx(
+        int R, const int8_t *d, const float *unit, const int32_t *dsum, const uint8_t *wt, const float *st,
+        const float *zt, int64_t ab, int64_t K, const float *bias, int64_t n0, int64_t cols, float *y, int64_t ys) {
+    const int64_t nb = K / ab;
+    int32_t ia[16 * 32] __attribute__((aligned(64)));
+    __m512 acc[16][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
+            _tile_loadd(4, d + k, K);
+            _tile_loadd(6, wt + k * 32, 128);
+            _tile_loadd(7, wt + k * 32 + 64, 128);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+        }
+        _tile_stored(0, ia, 128);
+        _tile_stored(1, ia + 16, 128);
+        for (int h = 0; h < 2; ++h) {
+            const __m512 sc = _mm512_loadu_ps(st + b * 32 + 16 * h), zc = _mm512_loadu_ps(zt + b * 32 + 16 * h);
+            for (int m = 0; m < R; ++m) {
+                const __m512 f = _mm512_fnmadd_ps(zc, _mm512_set1_ps((float)dsum[m * nb + b]),
+                                                  _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(ia + m * 32 + 16 * h))));
+                acc[m][h] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(unit[m * nb + b])), acc[m][h]);
+            }
+        }
+    }
+    const __mmask16 mk[2] = {lanes_left(cols), lanes_left(cols - 16)};
+    for (int h = 0; h < 2; ++h) {
+        const __m512 bv = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk[h], bias + n0 + 16 * h);
+        for (int m = 0; m < R; ++m)
+            _mm512_mask_storeu_ps(y + m * ys + n0 + 16 * h, mk[h], _mm512_add_ps(acc[m][h], bv));
+    }
+}
+#endif
 #else
 #define QWEN_A8_VNNI 0
 #endif
 
 /* 1 when the *_a8 products run VPDPBUSD here, 0 when they run the portable loop (far slower). */
 int qwen_int8_dot_products(void) { return QWEN_A8_VNNI; }
+
+/* 1 when the *_a8 products of more than 4 rows run on AMX tiles (a8_panel_amx), one choice per
+ * process: where the CPU has AMX-INT8 and Linux grants it, unless QWEN_OPS_INT8_PRODUCTS=vnni. */
+int qwen_int8_amx(void) {
+#if QWEN_A8_VNNI && QWEN_AMX
+    static int choice = -1;
+    if (choice < 0) {
+        const char *forced = getenv("QWEN_OPS_INT8_PRODUCTS");
+        choice = !(forced != NULL && strcmp(forced, "vnni") == 0) && amx_int8_usable();
+    }
+    return choice;
+#else
+    return 0;
+#endif
+}
 
 /* The entry point of the two ops: kind 0 int8, 1 int4 (z its zeros, else NULL). Returns 0, or -1
  * when scratch memory could not be allocated (nothing written). */
@@ -2330,6 +2399,9 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
         } else {
             const int64_t panels = (N + 31) / 32;
             int failed = 0;
+#if QWEN_AMX
+            const int amx = qwen_int8_amx();
+#endif
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
             {
                 uint8_t *wt = malloc((size_t)(32 * K * (kind == 1 ? 2 : 1)) + sizeof(float) * (size_t)(64 * nb));
@@ -2338,11 +2410,25 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
                     failed = 1;
                 }
                 float *st = (float *)(void *)(wt + 32 * K * (kind == 1 ? 2 : 1)), *zt = st + 32 * nb;
+#if QWEN_AMX
+                int tiles = 0;   /* rows the AMX tiles are configured for (0: not in use) */
+#endif
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < panels; ++p) {
                     if (wt == NULL) continue;
                     const int64_t n0 = 32 * p, cols = N - n0 < 32 ? N - n0 : 32;
                     a8_panel(kind, q, s, z, g, ab, n0, N, K, wt, st, zt, wt + 32 * K);
+#if QWEN_AMX
+                    if (amx) {
+                        for (int64_t m = 0; m < M; m += 16) {
+                            const int R = M - m < 16 ? (int)(M - m) : 16;
+                            if (R != tiles) amx_configure(tiles = R);
+                            a8_panel_amx(R, d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias, n0, cols,
+                                         y + m * ys, ys);
+                        }
+                        continue;
+                    }
+#endif
                     int64_t m = 0;
                     for (; m + 4 <= M; m += 4)
                         a8_panel_4(d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias, n0, cols,
@@ -2352,6 +2438,9 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
                                       n0, cols, y + m * ys, ys);
                 }
                 free(wt);
+#if QWEN_AMX
+                if (tiles) amx_tile_release();
+#endif
             }
             if (failed) status = -1;
             done = N;
