@@ -71,27 +71,14 @@ def forward_choices(model: nn.Module) -> dict[str, str]:
 
 def product_choices(model: nn.Module) -> dict[str, str]:
     """``{"<layer>.<product>": kind}``: how each fused product of the CPU fast path runs (packed
-    panels; with oneDNN's AMX kernels for many bf16 rows where the CPU has AMX; a quantized op),
-    as chosen once by ``process_weights_after_loading``."""
+    panels, for bf16 with how this CPU runs them: AMX tiles, AVX512-BF16 dot products or widening;
+    a quantized op), as chosen once by ``process_weights_after_loading``."""
     return {f"{name}.{product}": kind for name, m in model.named_modules()
             for product, kind in m.__dict__.get("product_kinds", {}).items()}
 
 
 def _identity(y: torch.Tensor) -> torch.Tensor:
     return y
-
-
-# bf16 products of more rows than this run on oneDNN's AMX kernels (torch's F.linear) where the CPU
-# has AMX; up to it, linear_packed's own AMX tiles, which stream the packed panels faster (measured
-# with the weights from DRAM, one thread: 1.2x oneDNN's at 8 rows, 1.1x F.linear's at 128, 0.93x at
-# 256: benchmarks/README.md "AMX").
-AMX_ONEDNN_ROWS = 192
-
-
-def amx_bf16() -> bool:
-    from qwen_ops.ops.kernels import cpu
-
-    return cpu.has_amx_bf16()
 
 
 def cpu_bf16_products() -> str:
@@ -132,22 +119,6 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     packed_name, bias_name = f"{name}_packed", f"{name}_bias"
     owner.register_buffer(packed_name, packed, persistent=False)
     owner.register_buffer(bias_name, bias, persistent=False)
-    if packed.dtype == torch.bfloat16 and amx_bf16():
-        # bf16 on an AMX CPU: past AMX_ONEDNN_ROWS rows (prefill), torch's F.linear (oneDNN's AMX
-        # kernels) on the layers' own weights; fewer rows stream the packed panels through
-        # linear_packed's AMX tiles. Chosen here, once per layer.
-        weights = [m.weight for m in linears]
-
-        def product_amx(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] <= AMX_ONEDNN_ROWS:
-                return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
-            y = torch.cat([F.linear(x, w) for w in weights], dim=-1) if len(weights) > 1 else F.linear(x, weights[0])
-            b = getattr(owner, bias_name)
-            return finish(y if b is None else (y.float() + b).to(x.dtype))
-        owner.__dict__.setdefault("product_kinds", {})[name] = (
-            f"packed panels ({cpu_bf16_products()}); oneDNN (AMX) past {AMX_ONEDNN_ROWS} rows")
-        return product_amx
-
     owner.__dict__.setdefault("product_kinds", {})[name] = (
         f"packed panels ({cpu_bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
     if finish is _identity:         # no all-reduce after it: one call less per product

@@ -322,14 +322,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-@functools.lru_cache(maxsize=1)
-def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons): oneDNN, under
-    torch's own ``F.linear``, then runs bf16 products of many rows (prefill) on them, and
-    ``linear_packed`` runs the rest on its own tiles (``bf16_products()``)."""
-    return " amx_bf16" in f" {_cpu_flags()} "
-
-
 def int8_dot_products() -> bool:
     """Whether the int8-activation products (``linear_int8_a8`` / ``linear_int4_a8``) run AVX512-VNNI
     integer dot products on this CPU; without, they run a portable loop that is correct but tens of

@@ -1062,17 +1062,18 @@ static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, i
  * bf16 products on AMX tiles (Sapphire Rapids and later Xeons). The bf16 panels above are already
  * the B operand of TDPBF16PS: a tile row is one pair of k for 16 features (64 bytes), and a
  * panel's pair kk holds features 0-15 at byte 128 kk and 16-31 at 128 kk + 64, so a B tile of 16
- * pairs is a load of stride 128 from the panel, no repacking. A tile: up to 16 input rows x 32 k
- * (bf16), copied once per call into a buffer zero-padded to a multiple of 32 k; C: rows x 16 fp32.
+ * pairs is a load of stride 128 from the panel, no repacking. A tiles (up to 16 input rows x 32 k)
+ * come from a copy of x made once per call, zero-padded to a multiple of 32 k; C: rows x 16 fp32.
  * - Up to 16 rows (decode): one block of rows against two panels at a time (4 C tiles, 1 A, 2 B),
  *   prefetching AMX_PREFETCH bytes ahead in both panels: the weights stream from DRAM once, and
  *   one TDPBF16PS (16 x 16 x 32) per KB of weights leaves the tiles idle most of the time.
- * - More rows: two blocks of 16 rows against one panel (4 C tiles, 2 A, 2 B), the panel read from
- *   DRAM for the first pair of blocks and from the cache after (prefill past a few dozen rows is
- *   oneDNN's, by the layer: models/layers.py AMX_ONEDNN_ROWS).
+ * - More rows (prefill): two blocks of 16 rows against one panel (4 C tiles, 2 A, 2 B), the loads
+ *   software-pipelined between the products, x copied in tile order (each A tile 1 KB contiguous),
+ *   the rows in chunks whose copy stays in L2, and each panel read from DRAM once a chunk while
+ *   the panel before it prefetches it into L2.
  * The pairs of a panel past its last multiple of 16 are copied into a zero-padded tile (the panel
  * ends there). TDPBF16PS accumulates each row's products in fp32 in a fixed order, whatever the
- * other rows: a row's result does not depend on its batch.
+ * other rows: a row's result does not depend on its batch, and every row count takes this path.
  * Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM); each
  * thread configures its tiles and releases them when done.
  * ---------------------------------------------------------------------------------------------- */
@@ -1082,6 +1083,10 @@ static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, i
 #include <sys/syscall.h>
 #include <unistd.h>
 #define QWEN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+/* The compilers' tile load and store intrinsics are asm statements that name no memory: without this
+ * barrier, a buffer written just before a tile load (or read just after a tile store) may have its
+ * writes (reads) moved across it, or dropped as dead. */
+#define AMX_MEMORY() __asm__ volatile("" ::: "memory")
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 4096
 #endif
@@ -1107,6 +1112,7 @@ static QWEN_AMX_TARGET void amx_configure(int rows) {
         c.colsb[t] = 64;
         c.rows[t] = (uint8_t)(t < 6 ? rows : 16);
     }
+    AMX_MEMORY();
     _tile_loadconfig(&c);
 }
 
@@ -1126,6 +1132,7 @@ static inline __attribute__((always_inline)) void amx_prefetch_2kb(const uint16_
  * times two consecutive panels (only the first when panel2 is NULL: c [rows, 32]). */
 static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const uint16_t *panel,
                                         const uint16_t *panel2, int64_t K2, float *c, int64_t ldc) {
+    AMX_MEMORY();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -1151,6 +1158,7 @@ static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const u
         _tile_loadd(4, xb + full * 2, ldx * 2);
         amx_b_tail(panel, full, K2, 0, tail[0]);
         amx_b_tail(panel, full, K2, 1, tail[1]);
+        AMX_MEMORY();
         _tile_loadd(6, tail[0], 64);
         _tile_loadd(7, tail[1], 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1158,6 +1166,7 @@ static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const u
         if (panel2 != NULL) {
             amx_b_tail(panel2, full, K2, 0, tail[0]);
             amx_b_tail(panel2, full, K2, 1, tail[1]);
+            AMX_MEMORY();
             _tile_loadd(6, tail[0], 64);
             _tile_loadd(7, tail[1], 64);
             _tile_dpbf16ps(2, 4, 6);
@@ -1170,24 +1179,38 @@ static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const u
         _tile_stored(2, c + 32, ldc * 4);
         _tile_stored(3, c + 48, ldc * 4);
     }
+    AMX_MEMORY();
 }
 
-/* c [32, 32] (row stride ldc) = two blocks of 16 rows of xb times one panel; prefetching the panel
- * when it comes from DRAM (the first pair of blocks). */
-static QWEN_AMX_TARGET void amx_block32(const uint16_t *xb, int64_t ldx, const uint16_t *panel, int64_t K2,
-                                        float *c, int64_t ldc, int prefetch) {
+/* c [32, 32] (row stride ldc) = two blocks of 16 rows times one panel; a0, a1: the blocks' rows in
+ * tile order (amx_tile_order). Software-pipelined: each tile register is reloaded for the next 16
+ * pairs as soon as its last product of this step has issued (the tiles have no renaming). pf: the
+ * next panel's share that this call prefetches into L2, pf_step bytes a step (NULL: none). */
+static QWEN_AMX_TARGET void amx_block32(const uint16_t *a0, const uint16_t *a1, const uint16_t *panel, int64_t K2,
+                                        float *c, int64_t ldc, const char *pf, int64_t pf_step) {
+    AMX_MEMORY();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const int64_t full = K2 / 16 * 16;
-    const uint16_t *x1 = xb + 16 * ldx;
-    for (int64_t kk = 0; kk < full; kk += 16) {
-        if (prefetch) amx_prefetch_2kb(panel + kk * 64);
-        _tile_loadd(4, xb + kk * 2, ldx * 2);
-        _tile_loadd(6, panel + kk * 64, 128);
-        _tile_loadd(7, panel + kk * 64 + 32, 128);
-        _tile_loadd(5, x1 + kk * 2, ldx * 2);
+    if (full > 0) {
+        _tile_loadd(4, a0, 64);
+        _tile_loadd(6, panel, 128);
+        _tile_loadd(7, panel + 32, 128);
+        _tile_loadd(5, a1, 64);
+        for (int64_t kk = 16; kk < full; kk += 16) {
+            if (pf != NULL)
+                for (int64_t l = 0; l < pf_step; l += 64) _mm_prefetch(pf + (kk / 16 - 1) * pf_step + l, _MM_HINT_T1);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(4, a0 + kk * 32, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(6, panel + kk * 64, 128);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(5, a1 + kk * 32, 64);
+            _tile_loadd(7, panel + kk * 64 + 32, 128);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -1197,8 +1220,9 @@ static QWEN_AMX_TARGET void amx_block32(const uint16_t *xb, int64_t ldx, const u
         uint16_t tail[2][512] __attribute__((aligned(64)));
         amx_b_tail(panel, full, K2, 0, tail[0]);
         amx_b_tail(panel, full, K2, 1, tail[1]);
-        _tile_loadd(4, xb + full * 2, ldx * 2);
-        _tile_loadd(5, x1 + full * 2, ldx * 2);
+        AMX_MEMORY();
+        _tile_loadd(4, a0 + full * 32, 64);
+        _tile_loadd(5, a1 + full * 32, 64);
         _tile_loadd(6, tail[0], 64);
         _tile_loadd(7, tail[1], 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1210,13 +1234,46 @@ static QWEN_AMX_TARGET void amx_block32(const uint16_t *xb, int64_t ldx, const u
     _tile_stored(1, c + 16, ldc * 4);
     _tile_stored(2, c + 16 * ldc, ldc * 4);
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    AMX_MEMORY();
 }
 
-/* y[m, n0 + j] = c[m, j] (+ bias[n0 + j]) for m < rows, j < cols. */
-static inline void amx_put(const float *c, int64_t ldc, int64_t rows, int64_t cols, const float *bias, float *y,
-                           int64_t ys) {
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < cols; ++j) y[m * ys + j] = c[m * ldc + j] + (bias == NULL ? 0.0f : bias[j]);
+/* 16 fp32 rounded to bf16 as f32_to_bf16 does (to nearest even; NaN stays NaN), bit for bit. */
+static inline __m256i amx_round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* y[m, j] = c[m, j] (+ bias[j]) for m < rows, j < cols; y fp32, or bf16 (y_bf16: rounded once). */
+static inline void amx_put(const float *c, int64_t ldc, int64_t rows, int64_t cols, const float *bias, void *y,
+                           int64_t ys, int y_bf16) {
+    for (int64_t j = 0; j < cols; j += 16) {
+        const __mmask16 mk = lanes_left(cols - j);
+        const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk, bias + j);
+        for (int64_t m = 0; m < rows; ++m) {
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + m * ldc + j), b);
+            if (y_bf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * ys + j, mk, amx_round_bf16(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + m * ys + j, mk, v);
+        }
+    }
+}
+
+/* dst[0 .. n) = row m of x from k0 as bf16 (x fp32 holding bf16 values when x_f32: exact), 0 past
+ * M or K. */
+static inline void amx_x_row(const void *x, int x_f32, int64_t xs, int64_t M, int64_t K, int64_t m, int64_t k0,
+                             int64_t n, uint16_t *dst) {
+    const int64_t have = m >= M || k0 >= K ? 0 : (K - k0 < n ? K - k0 : n);
+    if (x_f32) {
+        const float *src = (const float *)x + m * xs + k0;
+        for (int64_t j = 0; j < have; ++j) dst[j] = f32_to_bf16(src[j]);
+    } else if (have > 0) {
+        memcpy(dst, (const uint16_t *)x + m * xs + k0, (size_t)have * 2);
+    }
+    memset(dst + have, 0, (size_t)(n - have) * 2);
 }
 
 /* y [M, N] (fp32, row stride ys) = x [M, K] w^T (+ bias) on AMX tiles from bf16 panels
@@ -1224,49 +1281,73 @@ static inline void amx_put(const float *c, int64_t ldc, int64_t rows, int64_t co
  * values) or bf16, row stride xs. Returns -1 (nothing written) when scratch memory could not be
  * allocated. */
 static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t xs, int64_t M, const uint16_t *wp,
-                                             const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                                             const float *bias, int64_t N, int64_t K, void *y, int y_bf16, int64_t ys,
                                              int threads) {
-    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32, ldx = (K2 + 15) / 16 * 32;
-    const int64_t Mp = M <= 16 ? M : (M + 31) / 32 * 32;   /* rows of xb: whole pairs of blocks past 16 */
-    uint16_t *xb = aligned_alloc(64, (size_t)((Mp * ldx * 2 + 63) / 64 * 64 + 64));
-    if (xb == NULL) return -1;
-    for (int64_t m = 0; m < Mp; ++m) {
-        uint16_t *row = xb + m * ldx;
-        int64_t k = 0;
-        if (m < M && x_f32)
-            for (; k < K; ++k) row[k] = f32_to_bf16(((const float *)x)[m * xs + k]);
-        else if (m < M)
-            for (; k < K; ++k) row[k] = ((const uint16_t *)x)[m * xs + k];
-        memset(row + k, 0, (size_t)(ldx - k) * 2);
-    }
+    char *yc = (char *)y;
+    const int64_t y_size = y_bf16 ? 2 : 4;
+    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32, nkb = (K2 + 15) / 16;
     (void)threads;   /* without OpenMP */
+    if (M <= 16) {
+        /* xb: the rows as they are, zero-padded to nkb * 32 k (row stride ldx) */
+        const int64_t ldx = nkb * 32;
+        uint16_t *xb = aligned_alloc(64, (size_t)((M * ldx * 2 + 63) / 64 * 64 + 64));
+        if (xb == NULL) return -1;
+        for (int64_t m = 0; m < M; ++m) amx_x_row(x, x_f32, xs, M, K, m, 0, ldx, xb + m * ldx);
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float c[32 * 64] __attribute__((aligned(64)));
-        amx_configure(M <= 16 ? (int)M : 16);
-        if (M <= 16) {
+        {
+            float c[16 * 64] __attribute__((aligned(64)));
+            amx_configure((int)M);
             const int64_t pairs = (P + 1) / 2;
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < pairs; ++q) {
                 const int64_t p = 2 * q, n0 = p * 32, cols = N - n0 < 64 ? N - n0 : 64;
                 const uint16_t *panel = wp + p * K2 * 64;
                 amx_block16(xb, ldx, panel, p + 1 < P ? panel + K2 * 64 : NULL, K2, c, 64);
-                amx_put(c, 64, M, cols, bias == NULL ? NULL : bias + n0, y + n0, ys);
+                amx_put(c, 64, M, cols, bias == NULL ? NULL : bias + n0, yc + n0 * y_size, ys, y_bf16);
             }
-        } else {
+            _tile_release();
+        }
+        free(xb);
+        return 0;
+    }
+    /* xt: the rows in tile order, blocks of 16 rows (padded to whole pairs of blocks) by 32 k, 1 KB
+     * each: xt[((mb * nkb + kb) * 16 + r) * 32 + j] = x[16 mb + r][32 kb + j]. One load of stride 64
+     * per A tile, no two rows of it in one cache set. */
+    const int64_t Mp = (M + 31) / 32 * 32;
+    uint16_t *xt = aligned_alloc(64, (size_t)(Mp * nkb * 64 + 64));
+    if (xt == NULL) return -1;
+    for (int64_t mb = 0; mb < Mp / 16; ++mb)
+        for (int64_t kb = 0; kb < nkb; ++kb)
+            for (int r = 0; r < 16; ++r)
+                amx_x_row(x, x_f32, xs, M, K, 16 * mb + r, 32 * kb, 32, xt + ((mb * nkb + kb) * 16 + r) * 32);
+    /* Rows in chunks whose A stays within about 1 MB of L2; each panel is read from DRAM once a chunk
+     * (prefetched into L2 by the chunk's previous panel, a share per pair of blocks) and from L2 for
+     * the chunk's other pairs of blocks. */
+    const int64_t chunk = (1 << 20) / (nkb * 64 * 32) * 32 > 32 ? (1 << 20) / (nkb * 64 * 32) * 32 : 32;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float c[32 * 32] __attribute__((aligned(64)));
+        amx_configure(16);
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < M ? m0 + chunk : M, block_pairs = (m1 - m0 + 31) / 32;
+            const int64_t steps = nkb > 1 ? nkb - 1 : 1;
+            const int64_t pf_step = (K2 * 128 / block_pairs / steps + 63) / 64 * 64;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < P; ++p) {
                 const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
-                for (int64_t m = 0; m < M; m += 32) {
-                    amx_block32(xb + m * ldx, ldx, wp + p * K2 * 64, K2, c, 32, m == 0);
-                    amx_put(c, 32, M - m < 32 ? M - m : 32, cols, bias == NULL ? NULL : bias + n0, y + m * ys + n0,
-                            ys);
+                const char *next = p + 1 < P ? (const char *)(wp + (p + 1) * K2 * 64) : NULL;
+                for (int64_t m = m0; m < m1; m += 32) {
+                    const uint16_t *a0 = xt + (m / 16) * nkb * 512;
+                    amx_block32(a0, a0 + nkb * 512, wp + p * K2 * 64, K2, c, 32,
+                                next == NULL ? NULL : next + (m - m0) / 32 * pf_step * steps, pf_step);
+                    amx_put(c, 32, m1 - m < 32 ? m1 - m : 32, cols, bias == NULL ? NULL : bias + n0,
+                            yc + (m * ys + n0) * y_size, ys, y_bf16);
                 }
             }
         }
         _tile_release();
     }
-    free(xb);
+    free(xt);
     return 0;
 }
 #else
@@ -1309,7 +1390,7 @@ int qwen_bf16_products(void) {
 void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp, const float *bias,
                              int64_t N, int64_t K, float *y, int64_t ys, int64_t threads) {
 #if QWEN_AMX
-    if (qwen_bf16_products() == 2 && linear_packed_amx(x, 1, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
+    if (qwen_bf16_products() == 2 && linear_packed_amx(x, 1, xs, M, wp, bias, N, K, y, 0, ys, (int)threads) == 0) return;
 #endif
 #if QWEN_DPBF16
     if (qwen_bf16_products() == 1 && linear_packed_dpbf16(x, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
@@ -1358,16 +1439,8 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
         return 0;
     }
 #if QWEN_AMX
-    if (qwen_bf16_products() == 2) {
-        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
-        if (yf == NULL || linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads) != 0) {
-            free(yf);
-            return -1;
-        }
-        for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);   /* one rounding, as torch */
-        free(yf);
-        return 0;
-    }
+    if (qwen_bf16_products() == 2)   /* the fp32 sums (+ bias) rounded once to bf16, as torch */
+        return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, y, 1, ys, (int)threads);
 #endif
 #if QWEN_DPBF16
     /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. */
@@ -2312,6 +2385,7 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8_panel_amx(
     int32_t ia[16 * 32] __attribute__((aligned(64)));
     __m512 acc[16][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    AMX_MEMORY();   /* the panel and digits were just written */
     for (int64_t b = 0; b < nb; ++b) {
         _tile_zero(0);
         _tile_zero(1);
@@ -2324,6 +2398,7 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8_panel_amx(
         }
         _tile_stored(0, ia, 128);
         _tile_stored(1, ia + 16, 128);
+        AMX_MEMORY();
         for (int h = 0; h < 2; ++h) {
             const __m512 sc = _mm512_loadu_ps(st + b * 32 + 16 * h), zc = _mm512_loadu_ps(zt + b * 32 + 16 * h);
             for (int m = 0; m < R; ++m) {
