@@ -2081,7 +2081,8 @@ static int int4_vnni(const float *x, const uint8_t *q, const float *s, const uin
  *   step.
  * - more rows: 32 weight rows are turned into a panel of unsigned bytes (lanes are output features,
  *   4 consecutive k a lane: VPDPBUSD's layout), and every 4 rows of x run against it with the
- *   digits broadcast: no reductions across lanes.
+ *   digits broadcast: no reductions across lanes. Where the CPU has AMX-INT8, AMX tiles instead
+ *   (a8_amx, below): the weights as they are stored are the A operand, so nothing is built per call.
  * ---------------------------------------------------------------------------------------------- */
 
 static inline int64_t a8_block(int64_t g) { return g % 128 == 0 ? 128 : g; }
@@ -2364,56 +2365,146 @@ static void a8_panel_rest(int MR, const int8_t *d, const float *unit, const int3
 }
 
 #if QWEN_AMX
-/* The many-row panels on AMX tiles (TDPBSUD: signed digits times unsigned weight bytes, 16 rows x
- * 16 features x 64 k an instruction, against VPDPBUSD's 16 x 4): the panel a8_panel builds is
- * already TDPBSUD's B operand (a tile row is one quad of k for 16 features, 64 bytes; the panel's
- * quad k / 4 holds features 0-15 at byte 128 (k / 4) and 16-31 64 bytes on), and the digits d [M][K]
- * are its A operand as they are. Each block of ab (a multiple of 64) k is summed into zeroed C tiles,
- * stored, and then takes the same fp32 step, in the same order, as a8_panel_rows: the integer sums
- * are exact, so the outputs are bit for bit the VNNI path's. */
+/* The many-row products on AMX tiles, the weights as the A operand: C^T [16 features][R rows] =
+ * W [16 features][64 k] x D^T, where a weight tile is 16 weight rows of 64 k loaded from the weight
+ * as it is stored (int8: q itself, stride K; int4: 32 packed bytes a row, unpacked into a 1 KB tile
+ * first) and the B tile is 16 quads of k of the R rows' digits, 4 bytes a row (db: the digits
+ * re-laid once per call, [row block][K / 4][R][4]). No panel is built per call: the weights stream
+ * once, 16 rows side by side. int8 runs TDPBSSD on q (sum q d = sum (q + 128) d - 128 sum d
+ * exactly, so the fp32 step below sees the VNNI path's f); int4 runs TDPBUSD on the nibbles. Each
+ * block of ab k is summed into a zeroed C tile, stored, and then takes the VNNI path's fp32 step in
+ * its order (f = sum - z dsum, acc = fma(f, s unit, acc), + bias): the same bits (tested). */
 static int amx_int8_usable(void) {
     return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
            syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
-/* y rows m .. m + R - 1 (R <= 16, the tiles configured for R rows: amx_configure), outputs n0 ..
- * n0 + cols - 1, against the panel wt. */
-static __attribute__((target("amx-tile,amx-int8"))) void a8_panel_amx(
-        int R, const int8_t *d, const float *unit, const int32_t *dsum, const uint8_t *wt, const float *st,
-        const float *zt, int64_t ab, int64_t K, const float *bias, int64_t n0, int64_t cols, float *y, int64_t ys) {
-    const int64_t nb = K / ab;
-    int32_t ia[16 * 32] __attribute__((aligned(64)));
-    __m512 acc[16][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    AMX_MEMORY();   /* the panel and digits were just written */
+/* tmm0: C^T, 16 features x R int32; tmm4: A, 16 weight rows x 64 bytes; tmm6: B, 16 quads x R rows. */
+static __attribute__((target("amx-tile,amx-int8"))) void a8_amx_configure(int R) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = (uint16_t)(4 * R);
+    c.rows[4] = 16, c.colsb[4] = 64;
+    c.rows[6] = 16, c.colsb[6] = (uint16_t)(4 * R);
+    AMX_MEMORY();
+    _tile_loadconfig(&c);
+}
+
+/* y rows 0 .. R - 1 (R <= 16, the tiles configured for R: a8_amx_configure), outputs n0 .. n0 + 15,
+ * from the weight rows n0 .. n0 + 15. db: the rows' digits as B tiles (16 quads x R rows a tile);
+ * unitT / dsumT [nb][16]: the rows' block units and digit sums, block-major; st / zt [nb][16]: the
+ * 16 weight rows' block scales and zeros (fp32); tile: 1 KB scratch for int4's unpacked weights. */
+static __attribute__((target("amx-tile,amx-int8"))) void a8_rows_amx(
+        int kind, int R, const uint8_t *q, int64_t n0, const int8_t *db, const float *unitT, const int32_t *dsumT,
+        const float *st, const float *zt, int64_t ab, int64_t K, const float *bias, float *y, int64_t ys,
+        uint8_t *tile, const uint8_t *next) {
+    const int64_t nb = K / ab, row_bytes = kind == 1 ? K / 2 : K;
+    const uint8_t *w = q + n0 * row_bytes;
+    int32_t ct[16 * 16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    const __mmask16 rows = lanes_left(R);
+    for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
+    AMX_MEMORY();   /* db was just written */
     for (int64_t b = 0; b < nb; ++b) {
         _tile_zero(0);
-        _tile_zero(1);
+        if (next != NULL)   /* the next 16 weight rows' share of this block, into L2 */
+            for (int n = 0; n < 16; ++n)
+                for (int64_t l = 0; l < ab * row_bytes / K; l += 64)
+                    _mm_prefetch((const char *)next + n * row_bytes + b * ab * row_bytes / K + l, _MM_HINT_T1);
         for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
-            _tile_loadd(4, d + k, K);
-            _tile_loadd(6, wt + k * 32, 128);
-            _tile_loadd(7, wt + k * 32 + 64, 128);
-            _tile_dpbsud(0, 4, 6);
-            _tile_dpbsud(1, 4, 7);
-        }
-        _tile_stored(0, ia, 128);
-        _tile_stored(1, ia + 16, 128);
-        AMX_MEMORY();
-        for (int h = 0; h < 2; ++h) {
-            const __m512 sc = _mm512_loadu_ps(st + b * 32 + 16 * h), zc = _mm512_loadu_ps(zt + b * 32 + 16 * h);
-            for (int m = 0; m < R; ++m) {
-                const __m512 f = _mm512_fnmadd_ps(zc, _mm512_set1_ps((float)dsum[m * nb + b]),
-                                                  _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(ia + m * 32 + 16 * h))));
-                acc[m][h] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(unit[m * nb + b])), acc[m][h]);
+            const int8_t *bt = db + (k / 4) * 4 * R;
+            if (kind == 0) {
+                _tile_loadd(4, w + k, K);
+                _tile_loadd(6, bt, 4 * R);
+                _tile_dpbssd(0, 4, 6);
+            } else {
+                for (int n = 0; n < 16; ++n) {   /* 32 packed bytes -> 64 nibbles in k order */
+                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + n * row_bytes + k / 2)));
+                    _mm512_store_si512((void *)(tile + 64 * n),
+                                       _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)),
+                                                       _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0xf0)), 4)));
+                }
+                AMX_MEMORY();
+                _tile_loadd(4, tile, 64);
+                _tile_loadd(6, bt, 4 * R);
+                _tile_dpbusd(0, 4, 6);
             }
         }
+        _tile_stored(0, ct, 64);
+        AMX_MEMORY();
+        const __m512 unit = _mm512_maskz_loadu_ps(rows, unitT + b * 16);
+        const __m512 dsum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(rows, dsumT + b * 16));
+        for (int n = 0; n < 16; ++n) {
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(ct + 16 * n)));
+            const __m512 f = kind == 0 ? sum : _mm512_fnmadd_ps(_mm512_set1_ps(zt[b * 16 + n]), dsum, sum);
+            acc[n] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(st[b * 16 + n]), unit), acc[n]);
+        }
     }
-    const __mmask16 mk[2] = {lanes_left(cols), lanes_left(cols - 16)};
-    for (int h = 0; h < 2; ++h) {
-        const __m512 bv = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk[h], bias + n0 + 16 * h);
-        for (int m = 0; m < R; ++m)
-            _mm512_mask_storeu_ps(y + m * ys + n0 + 16 * h, mk[h], _mm512_add_ps(acc[m][h], bv));
+    float out[16 * 16] __attribute__((aligned(64)));
+    for (int n = 0; n < 16; ++n) _mm512_store_ps(out + 16 * n, acc[n]);
+    for (int m = 0; m < R; ++m)
+        for (int n = 0; n < 16; ++n) y[m * ys + n0 + n] = out[16 * n + m] + (bias == NULL ? 0.0f : bias[n0 + n]);
+}
+
+/* y [M, N16] (N16 = N rounded down to 16) of the many-row products on AMX tiles; the caller runs
+ * the last N % 16 outputs. Returns -1 (nothing written) when scratch memory could not be allocated. */
+static __attribute__((target("amx-tile,amx-int8"))) int a8_amx(
+        int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t M, const uint8_t *q, const float *s,
+        const uint8_t *z, int64_t g, int64_t ab, const float *bias, int64_t N16, int64_t K, float *y, int64_t ys,
+        int threads) {
+    const int64_t nb = K / ab, sg = K / g, blocks = (M + 15) / 16;
+    /* per block of 16 rows: B tiles [K / 4][R][4], then unitT, dsumT [nb][16] */
+    const size_t per = (size_t)(K * 16) + sizeof(float) * (size_t)(32 * nb);
+    char *buf = aligned_alloc(64, (per * (size_t)blocks + 63) / 64 * 64);
+    if (buf == NULL) return -1;
+    for (int64_t mb = 0; mb < blocks; ++mb) {
+        const int64_t m0 = 16 * mb, R = M - m0 < 16 ? M - m0 : 16;
+        int8_t *db = (int8_t *)(buf + per * mb);
+        float *unitT = (float *)(void *)(db + K * 16);
+        int32_t *dsumT = (int32_t *)(unitT + 16 * nb);
+        for (int64_t kq = 0; kq < K / 4; ++kq)
+            for (int64_t m = 0; m < R; ++m) memcpy(db + (kq * R + m) * 4, d + (m0 + m) * K + 4 * kq, 4);
+        for (int64_t b = 0; b < nb; ++b)
+            for (int64_t m = 0; m < 16; ++m) {
+                unitT[b * 16 + m] = m < R ? unit[(m0 + m) * nb + b] : 0.0f;
+                dsumT[b * 16 + m] = m < R ? dsum[(m0 + m) * nb + b] : 0;
+            }
     }
+    const int64_t groups = N16 / 16, row_bytes = kind == 1 ? K / 2 : K;
+    (void)threads;   /* without OpenMP */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float stz[2 * 16 * 64];   /* st, zt [nb][16] for nb <= 64; larger K: heap */
+        float *st = nb <= 64 ? stz : malloc(sizeof(float) * (size_t)(32 * nb));
+        uint8_t tile[1024] __attribute__((aligned(64)));
+        int tiles = 0;
+#pragma omp for schedule(static)
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            if (st == NULL) continue;
+            float *zt = st + 16 * nb;
+            const int64_t n0 = 16 * gi;
+            for (int64_t b = 0; b < nb; ++b)
+                for (int n = 0; n < 16; ++n) {
+                    const int64_t at = (n0 + n) * sg + b * ab / g;
+                    st[b * 16 + n] = s[at];
+                    zt[b * 16 + n] = a8_zero(kind, z, at);
+                }
+            const uint8_t *next = gi + 1 < groups ? q + (n0 + 16) * row_bytes : NULL;
+            for (int64_t mb = 0; mb < blocks; ++mb) {
+                const int R = M - 16 * mb < 16 ? (int)(M - 16 * mb) : 16;
+                if (R != tiles) a8_amx_configure(tiles = R);
+                const int8_t *db = (const int8_t *)(buf + per * mb);
+                const float *unitT = (const float *)(const void *)(db + K * 16);
+                a8_rows_amx(kind, R, q, n0, db, unitT, (const int32_t *)(unitT + 16 * nb), st, st + 16 * nb, ab, K,
+                            bias, y + 16 * mb * ys, ys, tile, mb == 0 ? next : NULL);
+            }
+        }
+        if (tiles) amx_tile_release();
+        if (st != stz) free(st);
+    }
+    free(buf);
+    return 0;
 }
 #endif
 #else
@@ -2423,7 +2514,7 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8_panel_amx(
 /* 1 when the *_a8 products run VPDPBUSD here, 0 when they run the portable loop (far slower). */
 int qwen_int8_dot_products(void) { return QWEN_A8_VNNI; }
 
-/* 1 when the *_a8 products of more than 4 rows run on AMX tiles (a8_panel_amx), one choice per
+/* 1 when the *_a8 products of more than 4 rows run on AMX tiles (a8_amx), one choice per
  * process: where the CPU has AMX-INT8 and Linux grants it, unless QWEN_OPS_INT8_PRODUCTS=vnni. */
 int qwen_int8_amx(void) {
 #if QWEN_A8_VNNI && QWEN_AMX
@@ -2472,38 +2563,29 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
             }
             done = 4 * blocks;
         } else {
-            const int64_t panels = (N + 31) / 32;
-            int failed = 0;
+            int64_t first = 0;   /* outputs first .. N - 1 run on the VNNI panels below */
 #if QWEN_AMX
-            const int amx = qwen_int8_amx();
+            if (qwen_int8_amx() && N >= 16) {
+                first = N / 16 * 16;
+                if (a8_amx(kind, d, unit, dsum, M, q, s, z, g, ab, bias, first, K, y, ys, (int)threads) != 0)
+                    status = -1;
+            }
 #endif
-#pragma omp parallel num_threads((int)threads) if (threads > 1)
+            const int64_t panels = (N - first + 31) / 32;
+            int failed = 0;
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && panels > 1)
             {
-                uint8_t *wt = malloc((size_t)(32 * K * (kind == 1 ? 2 : 1)) + sizeof(float) * (size_t)(64 * nb));
-                if (wt == NULL) {
+                uint8_t *wt = panels == 0 ? NULL : malloc((size_t)(32 * K * (kind == 1 ? 2 : 1)) + sizeof(float) * (size_t)(64 * nb));
+                if (wt == NULL && panels > 0) {
 #pragma omp atomic write
                     failed = 1;
                 }
                 float *st = (float *)(void *)(wt + 32 * K * (kind == 1 ? 2 : 1)), *zt = st + 32 * nb;
-#if QWEN_AMX
-                int tiles = 0;   /* rows the AMX tiles are configured for (0: not in use) */
-#endif
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < panels; ++p) {
                     if (wt == NULL) continue;
-                    const int64_t n0 = 32 * p, cols = N - n0 < 32 ? N - n0 : 32;
+                    const int64_t n0 = first + 32 * p, cols = N - n0 < 32 ? N - n0 : 32;
                     a8_panel(kind, q, s, z, g, ab, n0, N, K, wt, st, zt, wt + 32 * K);
-#if QWEN_AMX
-                    if (amx) {
-                        for (int64_t m = 0; m < M; m += 16) {
-                            const int R = M - m < 16 ? (int)(M - m) : 16;
-                            if (R != tiles) amx_configure(tiles = R);
-                            a8_panel_amx(R, d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias, n0, cols,
-                                         y + m * ys, ys);
-                        }
-                        continue;
-                    }
-#endif
                     int64_t m = 0;
                     for (; m + 4 <= M; m += 4)
                         a8_panel_4(d + m * K, unit + m * nb, dsum + m * nb, wt, st, zt, ab, K, bias, n0, cols,
@@ -2513,9 +2595,6 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
                                       n0, cols, y + m * ys, ys);
                 }
                 free(wt);
-#if QWEN_AMX
-                if (tiles) amx_tile_release();
-#endif
             }
             if (failed) status = -1;
             done = N;
