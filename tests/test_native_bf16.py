@@ -266,3 +266,17 @@ def test_a_rows_bf16_product_does_not_depend_on_its_batch():
     torch.testing.assert_close(alone.double(), x.double() @ w.double().T, rtol=0.02, atol=0.02)
     for rows in (2, 7, 16, 17, 33, 40):
         assert torch.equal(torch.ops.qwen.linear_packed.default(x[:rows], packed, None, n), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("name", ["QWEN_OPS_BF16_PRODUCTS", "QWEN_OPS_INT8_PRODUCTS"])
+def test_a_product_setting_out_of_its_values_is_an_error(name, monkeypatch, tmp_path):
+    """A misspelt path (``amxx``) is a clear error naming the variable and its values, not a silent
+    fall-back to the CPU's choice; the library already loaded keeps working."""
+    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(name, "amxx")
+    with pytest.raises(ValueError, match=rf"{name} = 'amxx', expected one of"):
+        cpu.library.__wrapped__()
+    w = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    y = torch.ops.qwen.linear_packed.default(x, cpu.pack_panels(w), None, 40)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=0.02, atol=0.02)

@@ -126,9 +126,21 @@ def _build(cc: str, out: Path) -> None:
     raise RuntimeError("compiling the qwen_ops CPU kernels failed:\n" + "\n".join(errors))
 
 
+# Environment settings the C library reads once per process (qwen_cpu.c): their allowed values.
+PRODUCT_SETTINGS = {"QWEN_OPS_BF16_PRODUCTS": ("amx", "dot", "widening"), "QWEN_OPS_INT8_PRODUCTS": ("vnni",)}
+
+
+def _check_product_settings() -> None:
+    for name, allowed in PRODUCT_SETTINGS.items():
+        value = os.environ.get(name)
+        if value not in (None, "", *allowed):
+            raise ValueError(f"{name} = {value!r}, expected one of {', '.join(allowed)} (or unset: the CPU's own choice)")
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The compiled kernels (built on first call, then cached on disk and in this process)."""
+    _check_product_settings()
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
