@@ -1097,11 +1097,14 @@ typedef struct {
     uint8_t rows[16];
 } amx_tile_config;
 
-/* Whether this process may use AMX bf16 tiles: the CPU has them and Linux granted their state. */
-static int amx_usable(void) {
-    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+/* Whether this process may use AMX tiles: the CPU has them and Linux granted their state. */
+static int amx_tiles_granted(void) {
+    return __builtin_cpu_supports("amx-tile") &&
            syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
+
+/* ... and the bf16 products on them. */
+static int amx_usable(void) { return __builtin_cpu_supports("amx-bf16") && amx_tiles_granted(); }
 
 /* tmm0-3: C, rows x 16 fp32; tmm4-5: A, rows x 32 bf16; tmm6-7: B, 16 pairs x 16 features. */
 static QWEN_AMX_TARGET void amx_configure(int rows) {
@@ -1124,6 +1127,25 @@ static inline void amx_b_tail(const uint16_t *panel, int64_t kk0, int64_t K2, in
     for (int64_t kk = kk0; kk < K2; ++kk) memcpy(dst + (kk - kk0) * 32, panel + kk * 64 + h * 32, 64);
 }
 
+/* tmm6, tmm7 = the two halves of a panel's last K2 - kk0 (< 16) pairs, zero-padded (tail: 2 KB scratch). */
+static inline __attribute__((always_inline)) QWEN_AMX_TARGET void amx_load_b_tail(const uint16_t *panel, int64_t kk0,
+                                                                                 int64_t K2, uint16_t *tail) {
+    amx_b_tail(panel, kk0, K2, 0, tail);
+    amx_b_tail(panel, kk0, K2, 1, tail + 512);
+    AMX_MEMORY();
+    _tile_loadd(6, tail, 64);
+    _tile_loadd(7, tail + 512, 64);
+}
+
+/* The start of a product: the C tiles tmm0-3 zeroed, after the inputs' writes (the barrier). */
+static inline __attribute__((always_inline)) QWEN_AMX_TARGET void amx_zero_c(void) {
+    AMX_MEMORY();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 static inline __attribute__((always_inline)) void amx_prefetch_2kb(const uint16_t *p) {
     for (int l = 0; l < 32; ++l) _mm_prefetch((const char *)p + AMX_PREFETCH + 64 * l, _MM_HINT_T0);
 }
@@ -1132,11 +1154,7 @@ static inline __attribute__((always_inline)) void amx_prefetch_2kb(const uint16_
  * times two consecutive panels (only the first when panel2 is NULL: c [rows, 32]). */
 static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const uint16_t *panel,
                                         const uint16_t *panel2, int64_t K2, float *c, int64_t ldc) {
-    AMX_MEMORY();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_c();
     const int64_t full = K2 / 16 * 16;
     for (int64_t kk = 0; kk < full; kk += 16) {
         amx_prefetch_2kb(panel + kk * 64);
@@ -1154,21 +1172,13 @@ static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const u
         }
     }
     if (full < K2) {
-        uint16_t tail[2][512] __attribute__((aligned(64)));
+        uint16_t tail[1024] __attribute__((aligned(64)));
         _tile_loadd(4, xb + full * 2, ldx * 2);
-        amx_b_tail(panel, full, K2, 0, tail[0]);
-        amx_b_tail(panel, full, K2, 1, tail[1]);
-        AMX_MEMORY();
-        _tile_loadd(6, tail[0], 64);
-        _tile_loadd(7, tail[1], 64);
+        amx_load_b_tail(panel, full, K2, tail);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (panel2 != NULL) {
-            amx_b_tail(panel2, full, K2, 0, tail[0]);
-            amx_b_tail(panel2, full, K2, 1, tail[1]);
-            AMX_MEMORY();
-            _tile_loadd(6, tail[0], 64);
-            _tile_loadd(7, tail[1], 64);
+            amx_load_b_tail(panel2, full, K2, tail);
             _tile_dpbf16ps(2, 4, 6);
             _tile_dpbf16ps(3, 4, 7);
         }
@@ -1188,11 +1198,7 @@ static QWEN_AMX_TARGET void amx_block16(const uint16_t *xb, int64_t ldx, const u
  * next panel's share that this call prefetches into L2, pf_step bytes a step (NULL: none). */
 static QWEN_AMX_TARGET void amx_block32(const uint16_t *a0, const uint16_t *a1, const uint16_t *panel, int64_t K2,
                                         float *c, int64_t ldc, const char *pf, int64_t pf_step) {
-    AMX_MEMORY();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_c();
     const int64_t full = K2 / 16 * 16;
     if (full > 0) {
         _tile_loadd(4, a0, 64);
@@ -1217,14 +1223,10 @@ static QWEN_AMX_TARGET void amx_block32(const uint16_t *a0, const uint16_t *a1, 
         _tile_dpbf16ps(3, 5, 7);
     }
     if (full < K2) {
-        uint16_t tail[2][512] __attribute__((aligned(64)));
-        amx_b_tail(panel, full, K2, 0, tail[0]);
-        amx_b_tail(panel, full, K2, 1, tail[1]);
-        AMX_MEMORY();
+        uint16_t tail[1024] __attribute__((aligned(64)));
+        amx_load_b_tail(panel, full, K2, tail);
         _tile_loadd(4, a0 + full * 32, 64);
         _tile_loadd(5, a1 + full * 32, 64);
-        _tile_loadd(6, tail[0], 64);
-        _tile_loadd(7, tail[1], 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -2374,10 +2376,7 @@ static void a8_panel_rest(int MR, const int8_t *d, const float *unit, const int3
  * exactly, so the fp32 step below sees the VNNI path's f); int4 runs TDPBUSD on the nibbles. Each
  * block of ab k is summed into a zeroed C tile, stored, and then takes the VNNI path's fp32 step in
  * its order (f = sum - z dsum, acc = fma(f, s unit, acc), + bias): the same bits (tested). */
-static int amx_int8_usable(void) {
-    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
-           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
+static int amx_int8_usable(void) { return __builtin_cpu_supports("amx-int8") && amx_tiles_granted(); }
 
 /* tmm0: C^T, 16 features x R int32; tmm4: A, 16 weight rows x 64 bytes; tmm6: B, 16 quads x R rows. */
 static __attribute__((target("amx-tile,amx-int8"))) void a8_amx_configure(int R) {
