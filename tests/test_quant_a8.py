@@ -284,12 +284,22 @@ def test_a8_digits_at_rounding_midpoints():
 
 
 def test_a8_products_report_their_path_and_warn_without_vnni(ckpt, monkeypatch, caplog):
-    """This CPU has AVX512-VNNI, so the products run VPDPBUSD; on one without, loading a model with
-    int8 activations warns that the portable loop runs instead (forced here)."""
+    """This CPU has AVX512-VNNI, so the products run VPDPBUSD (their batches on AMX tiles where it has
+    AMX-INT8: recorded in ``product_choices``); on one without, loading a model with int8 activations
+    warns that the portable loop runs instead (forced here)."""
     import logging
+
+    from qwen_ops.models.layers import product_choices
 
     has_vnni = " avx512_vnni" in f" {cpu._cpu_flags()} "
     assert cpu.int8_dot_products() == has_vnni
+    model = load_model(ckpt, quantization="w8a8")
+    model.process_weights_after_loading()
+    flags = f" {cpu._cpu_flags()} "
+    batches = "amx" if " amx_int8" in flags and " amx_tile" in flags else "avx512_vnni" if has_vnni else "portable"
+    assert cpu.int8_products() == batches
+    kinds = product_choices(model)
+    assert kinds["model.layers.0.mlp.gate_up"] == f"int8_a8 (linear_int8_a8; {batches} past 4 rows)", kinds
     monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
     with caplog.at_level(logging.WARNING, logger="qwen_ops.models.loader"):
         load_model(ckpt, quantization="w8a8")

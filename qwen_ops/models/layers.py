@@ -111,7 +111,12 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         fused = linears[0] if len(linears) == 1 else QuantLinear.concat(list(linears))
         if len(linears) > 1:
             owner.add_module(f"{name}_quant", fused)
-        owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} (linear_{fused.kernel})"
+        how = f"linear_{fused.kernel}"
+        if fused.kernel.endswith("_a8"):   # how this CPU runs their batches (amx, avx512_vnni or portable)
+            from qwen_ops.ops.kernels import cpu
+
+            how += f"; {cpu.int8_products()} past 4 rows"
+        owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} ({how})"
         return fused.forward
     if any(isinstance(m, QuantLinear) for m in linears):
         return None
