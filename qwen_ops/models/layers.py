@@ -81,14 +81,6 @@ def _identity(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def cpu_bf16_products() -> str:
-    """How linear_packed runs bf16 products on this CPU (kernels/cpu.py ``bf16_products``: amx,
-    avx512_bf16 or widening), recorded in ``product_choices``."""
-    from qwen_ops.ops.kernels import cpu
-
-    return cpu.bf16_products()
-
-
 def weight_like(linear: nn.Module) -> torch.Tensor:
     """A tensor on the device and of the dtype a projection computes in: an ``nn.Linear``'s weight,
     or an empty one for a QuantLinear (whose weight is int8 / uint8 / fp8)."""
@@ -105,6 +97,8 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     and ``<name>_bias`` of ``owner``), run by ``linear_packed``, then a row-parallel projection's
     all-reduce. QuantLinear layers of one scheme: one QuantLinear over their stacked quantized
     weights (submodule ``<name>_quant``; the layers then read slices of it). A mix cannot fuse."""
+    from qwen_ops.ops.kernels import cpu
+
     if all(isinstance(m, QuantLinear) for m in linears):
         if not QuantLinear.can_concat(list(linears)):
             return None
@@ -113,8 +107,6 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
             owner.add_module(f"{name}_quant", fused)
         how = f"linear_{fused.kernel}"
         if fused.kernel.endswith("_a8"):   # how this CPU runs their batches (amx, avx512_vnni or portable)
-            from qwen_ops.ops.kernels import cpu
-
             how += f"; {cpu.int8_products()} past 4 rows"
         owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} ({how})"
         return fused.forward
@@ -125,7 +117,7 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     owner.register_buffer(packed_name, packed, persistent=False)
     owner.register_buffer(bias_name, bias, persistent=False)
     owner.__dict__.setdefault("product_kinds", {})[name] = (
-        f"packed panels ({cpu_bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
+        f"packed panels ({cpu.bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
     if finish is _identity:         # no all-reduce after it: one call less per product
         def product(x: torch.Tensor) -> torch.Tensor:
             return LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)

@@ -2276,6 +2276,13 @@ static const a8_stream_kernel A8_STREAMS[3][5] = {
     {NULL, a8_stream_2_1, a8_stream_2_2, a8_stream_2_3, a8_stream_2_4},
 };
 
+/* The 64 nibbles of 32 packed int4 bytes, one a byte, in k order (low nibble first). */
+static inline __m512i a8_nibbles64(const uint8_t *packed) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)packed));
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)),
+                           _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0xf0)), 4));
+}
+
 /* The panel of weight rows n0 .. n0 + 31 (rows past N repeat the last): wt[(k / 4) * 128 + j * 4 + i] =
  * u[n0 + j][k + i]; st / zt [nb][32]: each block's scale and zero (fp32) per row. scratch [32][K]
  * bytes for int4's unpacked rows. */
@@ -2288,10 +2295,7 @@ static void a8_panel(int kind, const uint8_t *q, const float *s, const uint8_t *
         for (int j = 0; j < 32; ++j) {
             const uint8_t *row = q + (n0 + j < N ? n0 + j : N - 1) * row_bytes;
             for (int64_t c = 0; c < row_bytes; c += 32) {
-                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + c)));
-                const __m512i u = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)),
-                                                  _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0xf0)), 4));
-                _mm512_storeu_si512((void *)(scratch + j * K + 2 * c), u);
+                _mm512_storeu_si512((void *)(scratch + j * K + 2 * c), a8_nibbles64(row + c));
             }
         }
         src = scratch, stride = K, first = 0;
@@ -2418,12 +2422,8 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8_rows_amx(
                 _tile_loadd(6, bt, 4 * R);
                 _tile_dpbssd(0, 4, 6);
             } else {
-                for (int n = 0; n < 16; ++n) {   /* 32 packed bytes -> 64 nibbles in k order */
-                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + n * row_bytes + k / 2)));
-                    _mm512_store_si512((void *)(tile + 64 * n),
-                                       _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(15)),
-                                                       _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0xf0)), 4)));
-                }
+                for (int n = 0; n < 16; ++n)
+                    _mm512_store_si512((void *)(tile + 64 * n), a8_nibbles64(w + n * row_bytes + k / 2));
                 AMX_MEMORY();
                 _tile_loadd(4, tile, 64);
                 _tile_loadd(6, bt, 4 * R);
@@ -2447,7 +2447,7 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8_rows_amx(
 }
 
 /* y [M, N16] (N16 = N rounded down to 16) of the many-row products on AMX tiles; the caller runs
- * the last N % 16 outputs. Returns -1 (nothing written) when scratch memory could not be allocated. */
+ * the last N % 16 outputs. Returns -1 (y incomplete) when scratch memory could not be allocated. */
 static __attribute__((target("amx-tile,amx-int8"))) int a8_amx(
         int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t M, const uint8_t *q, const float *s,
         const uint8_t *z, int64_t g, int64_t ab, const float *bias, int64_t N16, int64_t K, float *y, int64_t ys,
@@ -2471,11 +2471,16 @@ static __attribute__((target("amx-tile,amx-int8"))) int a8_amx(
             }
     }
     const int64_t groups = N16 / 16, row_bytes = kind == 1 ? K / 2 : K;
+    int failed = 0;
     (void)threads;   /* without OpenMP */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float stz[2 * 16 * 64];   /* st, zt [nb][16] for nb <= 64; larger K: heap */
         float *st = nb <= 64 ? stz : malloc(sizeof(float) * (size_t)(32 * nb));
+        if (st == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         uint8_t tile[1024] __attribute__((aligned(64)));
         int tiles = 0;
 #pragma omp for schedule(static)
@@ -2503,7 +2508,7 @@ static __attribute__((target("amx-tile,amx-int8"))) int a8_amx(
         if (st != stz) free(st);
     }
     free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
 #endif
 #else
