@@ -90,7 +90,7 @@ def reference_twin(llm) -> None:
 
     for m in llm.engine.model.modules():
         if isinstance(m, QuantLinear):
-            m._op = RQ.REFERENCES[m.kernel]
+            m._op = RQ.linear_a8_panels_reference if m.panels else RQ.REFERENCES[m.kernel]
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:

@@ -176,7 +176,7 @@ def test_online_w8a8_chooses_the_a8_ops_within_its_bound(ckpt):
     assert choices["model.layers.0.self_attn.q_proj"] == "int8_a8" and choices["model.layers.1.mlp.down_proj"] == "int8_a8"
     assert Q.describe(w8a8)["lm_head"] == "int8_a8"              # the head too, as online int8
     for prefix in ("model.layers.0.mlp.up_proj", "lm_head"):      # the same weights as "int8"
-        assert torch.equal(w8a8.get_submodule(prefix).qweight, int8.get_submodule(prefix).qweight)
+        assert torch.equal(w8a8.get_submodule(prefix).state_dict()["qweight"], int8.get_submodule(prefix).qweight)
     ref, weights_only, got = (_all_logits(m, IDS) for m in (full, int8, w8a8))
     # Activations add their own rounding: half a step of a block's max, 1/254 of it (an RMS of
     # ~1/440 of the max), the same size as the weights'. Measured on three seeds of this random
@@ -194,7 +194,7 @@ def test_checkpoint_with_int8_activations(method, bits, ckpt, tmp_path):
         m.process_weights_after_loading()
     layer = a8.get_submodule("model.layers.0.mlp.gate_proj")
     assert layer.kernel == ("int4_a8" if bits == 4 else "int8_a8")
-    assert torch.equal(layer.qweight, plain.get_submodule("model.layers.0.mlp.gate_proj").qweight)
+    assert torch.equal(layer.state_dict()["qweight"], plain.get_submodule("model.layers.0.mlp.gate_proj").qweight)
     full = load_model(twin)                       # the dequantized model in full precision
     full.process_weights_after_loading()
     ref, got = _all_logits(full, IDS), _all_logits(a8, IDS)
@@ -299,7 +299,8 @@ def test_a8_products_report_their_path_and_warn_without_vnni(ckpt, monkeypatch, 
     batches = "amx" if " amx_int8" in flags and " amx_tile" in flags else "avx512_vnni" if has_vnni else "portable"
     assert cpu.int8_products() == batches
     kinds = product_choices(model)
-    assert kinds["model.layers.0.mlp.gate_up"] == f"int8_a8 (linear_int8_a8; {batches} past 4 rows)", kinds
+    how = "linear_a8_panels" if has_vnni else "linear_int8_a8"     # the panels where VNNI runs them
+    assert kinds["model.layers.0.mlp.gate_up"] == f"int8_a8 ({how}; {batches} past 4 rows)", kinds
     monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
     with caplog.at_level(logging.WARNING, logger="qwen_ops.models.loader"):
         load_model(ckpt, quantization="w8a8")
@@ -321,8 +322,9 @@ def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys)
     assert bench.main(args) == 0
     assert bench.main(args + ["--vs-bf16"]) == 0
     assert "| w8a8 | 1 |" in capsys.readouterr().out
-    real = Q._OPS["int8_a8"]
+    real, real_panels = Q._OPS["int8_a8"], Q.LINEAR_A8_PANELS
     monkeypatch.setitem(Q._OPS, "int8_a8", lambda x, *rest: real(x, *rest) * 1.5)
+    monkeypatch.setattr(Q, "LINEAR_A8_PANELS", lambda x, *rest: real_panels(x, *rest) * 1.5)
     assert bench.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -351,3 +353,123 @@ def test_a8_amx_and_vnni_panels_compute_the_same_bits(kind, tmp_path, monkeypatc
                                             w[1].data_ptr(), None if zeros is None else zeros.data_ptr(), k // groups,
                                             bias.data_ptr(), n, k, out.data_ptr(), n, threads, 0) == 0
             assert torch.equal(out, want), (mode, threads)
+
+
+# ------------------------------------------------------------------------------------------------
+# linear_a8_panels: the CPU's layout of the int8-activation products
+# ------------------------------------------------------------------------------------------------
+
+def _panels(kind: str, w: tuple) -> tuple:
+    return Q.pack_a8_panels(w[0], w[1], w[2] if kind == "int4" else None)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a8_panels_compute_the_rows_products_bits_on_every_path(kind, tmp_path, monkeypatch):
+    """linear_a8_panels against the rows' op contract (the float64 oracle, and the rows' reference bit for
+    bit: the same arithmetic in the same order), on fresh random weights, with the output poisoned:
+    1-4 rows (the VNNI streams), 5, 17 and 21 (AMX tiles where the CPU has them: a block of 16 and a
+    tail; VNNI in a library forced to it), partial panels (N = 200, 70), group sizes of 128, 32 and the
+    whole row, one and two threads, and the portable loop."""
+    if cpu._compiler() is None:
+        pytest.skip("needs the C kernels")
+    code = 0 if kind == "int8" else 1
+    flags = f" {cpu._cpu_flags()} "
+    modes = ("default", "vnni") if cpu.int8_dot_products() else ("default",)
+    for mode in modes:
+        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
+        if mode == "vnni":
+            monkeypatch.setenv("QWEN_OPS_INT8_PRODUCTS", "vnni")
+        lib = cpu.library.__wrapped__()
+        assert lib.qwen_int8_amx() == (mode == "default" and cpu.int8_dot_products() and " amx_int8" in flags
+                                       and " amx_tile" in flags)
+        for seed, (rows, n, k, groups) in enumerate([(1, 200, 256, 2), (2, 70, 512, 16), (3, 128, 384, 1),
+                                                      (4, 64, 256, 2), (5, 200, 256, 2), (17, 70, 512, 16),
+                                                      (21, 128, 384, 1)]):
+            x, w, bias = _case(kind, rows, n, k, groups, seed=seed)
+            panels = _panels(kind, w)
+            want = RQ.REFERENCES[f"{kind}_a8"](x, *w, bias)
+            if mode == "default" and seed < 3:
+                assert np.allclose(want.double().numpy(), _oracle(kind, x, w, bias), rtol=1e-5, atol=1e-4)
+            for threads, portable in ((1, 0), (2, 0), (1, 1)):
+                out = torch.full((rows, n), float("nan"))
+                assert lib.qwen_linear_a8_panels(code, x.data_ptr(), k, rows, panels[0].data_ptr(),
+                                                 panels[1].data_ptr(), None if kind == "int8" else panels[2].data_ptr(),
+                                                 k // groups, bias.data_ptr(), n, k, out.data_ptr(), n, threads,
+                                                 portable) == 0
+                assert torch.equal(out, want), (mode, rows, n, threads, portable)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a8_panels_op_contract_and_bad_input(kind):
+    """The op: its layout round-trips (pack, then the reference's unpack), bf16 rows, opcheck, and errors
+    that name the argument, the value and what was expected; the op keeps working after them."""
+    x, w, bias = _case(kind, 3, 128, 256, 2, seed=11)
+    panels = _panels(kind, w)
+    back = RQ.unpack_a8_panels(*panels, 128)
+    assert all(torch.equal(a, b) for a, b in zip(back, w))
+    zeros = panels[2]
+    op = torch.ops.qwen.linear_a8_panels
+    assert torch.equal(op(x, panels[0], panels[1], zeros, bias, 128), RQ.REFERENCES[f"{kind}_a8"](x, *w, bias))
+    xb = x.bfloat16()
+    assert torch.equal(op(xb, panels[0], panels[1], zeros, None, 128), RQ.REFERENCES[f"{kind}_a8"](xb, *w, None))
+    torch.library.opcheck(op.default, (x, panels[0], panels[1], zeros, bias, 128))
+    per = "4" if kind == "int8" else "8"
+    with pytest.raises(ValueError, match=rf"weight has shape .* expected uint8 \[3, in_features / {per}, 64, 4\]"):
+        op(x, panels[0], panels[1], zeros, None, 130)
+    with pytest.raises(ValueError, match=r"x has shape \(3, 255\), expected \[rows, 256\]"):
+        op(x[:, :255].contiguous(), panels[0], panels[1], zeros, None, 128)
+    with pytest.raises(ValueError, match=r"scales has shape \(2, 2, 32\) and dtype torch.float32, expected float32 \[2, G, 64\]"):
+        op(x, panels[0], panels[1][:, :, :32].contiguous(), zeros, None, 128)
+    with pytest.raises(ValueError, match=r"out_features = 0, expected a positive int"):
+        op(x, panels[0], panels[1], zeros, None, 0)
+    if kind == "int4":
+        with pytest.raises(ValueError, match=r"zeros has shape \(2, 2, 64\) and dtype torch.int32, expected contiguous uint8"):
+            op(x, panels[0], panels[1], zeros.int(), None, 128)
+    assert torch.equal(op(x, panels[0], panels[1], zeros, bias, 128), RQ.REFERENCES[f"{kind}_a8"](x, *w, bias))
+
+
+def test_a8_layers_on_panels_keep_one_copy_and_the_checkpoint_layout(ckpt, monkeypatch):
+    """Where VNNI runs the products, w8a8 layers repack into panels once: the fused q|k|v's parts read
+    slices of its panels (no second copy of the weights), the state dict still holds the checkpoint's
+    layout (equal to the rows model's), loading a state dict repacks it, and the logits are the rows
+    model's bit for bit (the same arithmetic)."""
+    if cpu._compiler() is None or not cpu.int8_dot_products():
+        pytest.skip("needs the C kernels with AVX512-VNNI")
+    rows, panels = load_model(ckpt, quantization="w8a8"), load_model(ckpt, quantization="w8a8")
+    panels.process_weights_after_loading()
+    with monkeypatch.context() as m:     # the rows model: every layer keeps linear_int8_a8 (as without VNNI)
+        m.setattr(Q.QuantLinear, "panels_fit", lambda self: False)
+        rows.process_weights_after_loading()
+    attn = panels.get_submodule("model.layers.0.self_attn")
+    fused = attn.qkv_quant
+    assert fused.panels and tuple(fused.qweight.shape) == (4, 128 // 4, 64, 4)   # 128 + 64 + 64 features
+    start, end = fused.qweight.data_ptr(), fused.qweight.data_ptr() + fused.qweight.numel()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        part = getattr(attn, name)
+        assert part.panels and start <= part.qweight.data_ptr() < end
+    assert not any(m.panels for m in rows.modules() if isinstance(m, Q.QuantLinear))
+    want, got = rows.state_dict(), panels.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert torch.equal(_all_logits(rows, IDS), _all_logits(panels, IDS))
+    # a changed weight, loaded through the state dict, reaches the fused panels
+    changed = {k: v.clone() for k, v in want.items()}
+    changed["model.layers.0.self_attn.k_proj.qweight"].neg_()
+    panels.load_state_dict(changed)
+    assert torch.equal(panels.state_dict()["model.layers.0.self_attn.k_proj.qweight"],
+                       changed["model.layers.0.self_attn.k_proj.qweight"])
+    rows.load_state_dict(changed)
+    assert torch.equal(_all_logits(rows, IDS), _all_logits(panels, IDS))
+
+
+def test_huge_page_tensors_are_plain_tensors():
+    """cpu.huge_page_empty: the shape and dtype asked for, writable, its bytes on a 2 MB boundary (Linux),
+    and a small one is torch.empty's."""
+    t = cpu.huge_page_empty((3, 1 << 19), torch.float32)
+    assert t.shape == (3, 1 << 19) and t.dtype == torch.float32 and t.is_contiguous()
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape))
+    assert float(t[2, -1]) == t.numel() - 1
+    import platform
+    if platform.system() == "Linux":
+        assert t.data_ptr() % cpu.HUGE_PAGE == 0
+    small = cpu.huge_page_empty((4, 4), torch.uint8)
+    assert small.shape == (4, 4) and small.dtype == torch.uint8

@@ -117,6 +117,7 @@ class QwenForCausalLM(nn.Module):
         fast = all(layer.self_attn._forward_method == layer.self_attn.forward_cpu for layer in self.model.layers)
         self._rope = self._no_rope if fast else self.model.rotary_emb.forward
         if isinstance(self.lm_head, QuantLinear):     # online int8 quantizes the head too (models/quant.py)
+            self.lm_head.use_panels()
             self._lm_head = self._lm_head_quant
         elif uses_cpu_kernels(self.lm_head.weight):
             packed, _, self._vocab_rows, self._lm_head_finish = pack_linears(self.lm_head)

@@ -105,7 +105,8 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         fused = linears[0] if len(linears) == 1 else QuantLinear.concat(list(linears))
         if len(linears) > 1:
             owner.add_module(f"{name}_quant", fused)
-        how = f"linear_{fused.kernel}"
+        panels = fused.use_panels(tuple(linears) if len(linears) > 1 else ())
+        how = "linear_a8_panels" if panels else f"linear_{fused.kernel}"
         if fused.kernel.endswith("_a8"):   # how this CPU runs their batches (amx, avx512_vnni or portable)
             how += f"; {cpu.int8_products()} past 4 rows"
         owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} ({how})"

@@ -187,6 +187,7 @@ def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[Quant
 _OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linear_int4.default,
         "fp8": torch.ops.qwen.linear_fp8.default, "int8_a8": torch.ops.qwen.linear_int8_a8.default,
         "int4_a8": torch.ops.qwen.linear_int4_a8.default}
+LINEAR_A8_PANELS = torch.ops.qwen.linear_a8_panels.default
 
 
 class QuantLinear(nn.Module):
@@ -232,6 +233,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("perm", None)
         self._bias32: Optional[torch.Tensor] = None
         self._op = _OPS[self.kernel]
+        # The int8-activation products' CPU layout (use_panels): qweight / scales / zeros then hold
+        # linear_a8_panels' 64-feature panels, and the state dict gives them back in the rows' layout.
+        self.panels = False
 
     @classmethod
     def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype) -> "QuantLinear":
@@ -260,7 +264,9 @@ class QuantLinear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
-        if self.scheme == "int4":
+        if self.panels:
+            y = self._op(x2, self.qweight, self.scales, self.zeros, bias, self.out_features)
+        elif self.scheme == "int4":
             y = self._op(x2, self.qweight, self.scales, self.zeros, bias)
         elif self.scheme == "int8":     # linear_int8 or linear_int8_a8
             y = self._op(x2, self.qweight, self.scales, bias)
@@ -271,6 +277,62 @@ class QuantLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """The bias as the op takes it (fp32), once."""
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+
+    def panels_fit(self) -> bool:
+        """Whether this layer's product runs best as ``linear_a8_panels`` here: int8 activations on a CPU
+        whose kernels run VNNI dot products (the panels' reason: one-row products at the read bandwidth,
+        and AMX B tiles as stored), the cpu backend selected, whole panels, and a group size the panels'
+        blocks take."""
+        if self.kernel not in ("int8_a8", "int4_a8") or self.qweight.device.type != "cpu" or self.out_features % PANEL:
+            return False
+        g = self.in_features // self.scales.shape[1]
+        if g % 128 and g % (8 if self.scheme == "int4" else 4):
+            return False
+        from qwen_ops.ops.backend import resolve_backend
+        from qwen_ops.ops.kernels import cpu
+
+        if resolve_backend(self.qweight.device, "kv_write") != "cpu" or cpu.why_unavailable() is not None:
+            return False
+        return cpu.int8_dot_products()
+
+    def use_panels(self, parts: tuple["QuantLinear", ...] = ()) -> bool:
+        """Repacks the weights into ``linear_a8_panels``' layout where ``panels_fit`` (once: a layer already
+        on panels stays); ``parts``: the layers whose tensors are slices of this one's (``concat``), which
+        then read slices of the panels, so the rows' copy is freed. Returns whether the layer runs on panels."""
+        if not self.panels:
+            if not self.panels_fit() or any(m.out_features % PANEL for m in parts):
+                return False
+            with torch.no_grad():
+                self.qweight, self.scales, self.zeros = pack_a8_panels(self.qweight, self.scales, self.zeros)
+            self.panels, self._op = True, LINEAR_A8_PANELS
+        start = 0
+        for m in parts:
+            rows = slice(start // PANEL, (start + m.out_features) // PANEL)
+            m.qweight, m.scales = self.qweight[rows], self.scales[rows]
+            if self.zeros is not None:
+                m.zeros = self.zeros[rows]
+            m.panels, m._op = True, self._op
+            start += m.out_features
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.panels and prefix + "qweight" in destination:     # the checkpoint's layout, not the panels
+            from qwen_ops.ops.kernels.reference_quant import unpack_a8_panels
+
+            q, s, z = unpack_a8_panels(self.qweight, self.scales, self.zeros, self.out_features)
+            destination[prefix + "qweight"], destination[prefix + "scales"] = q, s
+            if z is not None:
+                destination[prefix + "zeros"] = z
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        names = ("qweight", "scales") + (("zeros",) if self.zeros is not None else ())
+        if self.panels and all(prefix + n in state_dict for n in names):     # rows' layout in, panels kept
+            state_dict = dict(state_dict)
+            packed = pack_a8_panels(*(state_dict[prefix + n] for n in names), *(() if self.zeros is not None else (None,)))
+            for n, t in zip(names, packed):
+                state_dict[prefix + n] = t
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @staticmethod
     def can_concat(layers: list["QuantLinear"]) -> bool:
@@ -290,8 +352,11 @@ class QuantLinear(nn.Module):
         first = layers[0]
         n = sum(m.out_features for m in layers)
         has_bias = any(m.bias is not None for m in layers)
-        fused = cls(first.in_features, n, has_bias, first.scheme, first.scales.shape[1], first.block, first.dtype,
-                    device=first.qweight.device, activations=first.activations)
+        with torch.device("meta"):      # its buffers are replaced below
+            fused = cls(first.in_features, n, has_bias, first.scheme, first.scales.shape[1], first.block, first.dtype,
+                        activations=first.activations)
+        if first.panels and not all(m.panels and m.out_features % PANEL == 0 for m in layers):
+            raise ValueError("layers on linear_a8_panels concatenate only with others on panels, whole panels each")
         with torch.no_grad():
             fused.qweight = torch.cat([m.qweight for m in layers]).contiguous()
             fused.scales = torch.cat([m.scales for m in layers]).contiguous()
@@ -306,14 +371,18 @@ class QuantLinear(nn.Module):
                     for m in layers]), requires_grad=False)
         fused.process_weights_after_loading()
         # The layers now read slices of the fused tensors: no second copy of the weights.
-        start = 0
-        for m in layers:
-            rows = slice(start, start + m.out_features)
-            m.qweight = fused.qweight[rows]
-            m.scales = fused.scales[rows]
-            if first.zeros is not None:
-                m.zeros = fused.zeros[rows]
-            start += m.out_features
+        if first.panels:
+            fused.panels, fused._op = True, first._op
+            fused.use_panels(tuple(layers))
+        else:
+            start = 0
+            for m in layers:
+                rows = slice(start, start + m.out_features)
+                m.qweight = fused.qweight[rows]
+                m.scales = fused.scales[rows]
+                if first.zeros is not None:
+                    m.zeros = fused.zeros[rows]
+                start += m.out_features
         for key in fused._buffers:      # the layers' own buffers hold the state dict
             fused._non_persistent_buffers_set.add(key)
         return fused
@@ -543,6 +612,51 @@ def _convert_in_blocks(quant: QuantConfig, prefix: str, tensors: dict[str, torch
                 out[key] = torch.empty((n, *value.shape[1:]), dtype=value.dtype)
             out[key][n0:n1] = value
     return out
+
+
+PANEL = 64       # output features a panel of linear_a8_panels
+
+
+def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                   chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``linear_int8_a8`` / ``linear_int4_a8`` operands (int8 ``[N, K]`` / uint8 ``[N, K / 2]``, ``scales``
+    and int4's ``zeros`` ``[N, G]``) in ``linear_a8_panels``' layout (schema: 64 output features a panel,
+    the features in the vector lanes; padding features zero). Converts ``chunk`` features at a time,
+    so the copies in flight stay small next to the layer."""
+    n = qweight.shape[0]
+    panels = -(-n // PANEL)
+    groups = scales.shape[1]
+    int4 = zeros is not None
+    k = qweight.shape[1] * (2 if int4 else 1)
+    from qwen_ops.ops.kernels import cpu
+
+    w = cpu.huge_page_empty((panels, k // (8 if int4 else 4), PANEL, 4), torch.uint8)
+    s = torch.zeros((panels, groups, PANEL), dtype=torch.float32)
+    z = torch.zeros((panels, groups, PANEL), dtype=torch.uint8) if int4 else None
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        p0, p1 = start // PANEL, -(-stop // PANEL)
+        rows = (p1 - p0) * PANEL
+        q = qweight[start:stop]
+        if int4:   # bytes k // 2 of a row: nibble pairs (k even, k odd); a panel byte takes k and k + 4
+            u = torch.empty((rows, k), dtype=torch.uint8)
+            u[:stop - start, 0::2] = q & 15
+            u[:stop - start, 1::2] = q >> 4
+            u[stop - start:] = 0
+            octets = u.view(p1 - p0, PANEL, k // 8, 2, 4)
+            w[p0:p1] = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+        else:      # q + 128 is q's bit pattern with the sign bit flipped
+            u = torch.full((rows, k), 128, dtype=torch.uint8)
+            u[:stop - start] = q.view(torch.uint8) ^ 128
+            w[p0:p1] = u.view(p1 - p0, PANEL, k // 4, 4).permute(0, 2, 1, 3)
+        sc = torch.zeros((rows, groups), dtype=torch.float32)
+        sc[:stop - start] = scales[start:stop]
+        s[p0:p1] = sc.view(p1 - p0, PANEL, groups).permute(0, 2, 1)
+        if int4:
+            zc = torch.zeros((rows, groups), dtype=torch.uint8)
+            zc[:stop - start] = zeros[start:stop]
+            z[p0:p1] = zc.view(p1 - p0, PANEL, groups).permute(0, 2, 1)
+    return w, s, z
 
 
 def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:

@@ -416,6 +416,13 @@ def _linear_int4_a8_cpu(x, qweight, scales, zeros, bias):
     return _cpu().linear_quant_a8_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1])
 
 
+def _linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features):
+    V.check_linear_a8_panels(x, weight, scales, zeros, bias, out_features)
+    if _cpu().why_unavailable() is not None:
+        return RQ.linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features)
+    return _cpu().linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features)
+
+
 def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _cpu().why_unavailable() is not None:
@@ -463,6 +470,12 @@ def _linear_int4_a8_other(x, qweight, scales, zeros, bias):
     return _linear_int4_other(xq, qweight, scales, zeros, bias).to(x.dtype)
 
 
+def _linear_a8_panels_other(x, weight, scales, zeros, bias, out_features):
+    """The CPU's layout elsewhere (the layers choose it on CPUs only): the reference."""
+    V.check_linear_a8_panels(x, weight, scales, zeros, bias, out_features)
+    return RQ.linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features)
+
+
 def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _quant_triton(x) and block_k % 16 == 0:
@@ -475,7 +488,8 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
 
 # The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by op_library).
 _CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu,
-                     "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu}
+                     "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu,
+                     "linear_a8_panels": _linear_a8_panels_cpu}
 
 
 def _first_quant_call(name: str):
@@ -494,7 +508,7 @@ def _first_quant_call(name: str):
 _QUANT_LIB = torch.library.Library(NAMESPACE, "IMPL")
 for _name, _other in (("linear_int8", _linear_int8_other), ("linear_int4", _linear_int4_other),
                       ("linear_fp8", _linear_fp8_other), ("linear_int8_a8", _linear_int8_a8_other),
-                      ("linear_int4_a8", _linear_int4_a8_other)):
+                      ("linear_int4_a8", _linear_int4_a8_other), ("linear_a8_panels", _linear_a8_panels_other)):
     _QUANT_LIB.impl(_name, _first_quant_call(_name), "CPU")
     _QUANT_LIB.impl(_name, _other, "CUDA")
 
@@ -514,6 +528,12 @@ def _linear_int4_fake(x, qweight, scales, zeros, bias):
 # The int8-activation products take the same arguments and give the same shapes.
 torch.library.register_fake(f"{NAMESPACE}::linear_int8_a8", _linear_int8_fake, lib=_LIB)
 torch.library.register_fake(f"{NAMESPACE}::linear_int4_a8", _linear_int4_fake, lib=_LIB)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_a8_panels", lib=_LIB)
+def _linear_a8_panels_fake(x, weight, scales, zeros, bias, out_features):
+    V.check_linear_a8_panels(x, weight, scales, zeros, bias, out_features)
+    return x.new_empty((x.shape[0], out_features))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::linear_fp8", lib=_LIB)
@@ -611,6 +631,13 @@ def linear_int4_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``linear_int4`` with x quantized to int8 per row and block, as ``linear_int8_a8``."""
     return torch.ops.qwen.linear_int4_a8(x, qweight, scales, zeros, bias)
+
+
+def linear_a8_panels(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``linear_int8_a8`` (``zeros`` None) or ``linear_int4_a8`` on weights in 64-feature panels
+    (``qwen_ops.models.quant.pack_a8_panels``): the CPU's layout of those products."""
+    return torch.ops.qwen.linear_a8_panels(x, weight, scales, zeros, bias, out_features)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: Optional[torch.Tensor],

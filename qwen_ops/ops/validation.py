@@ -609,6 +609,34 @@ def check_linear_int4(x, qweight, scales, zeros, bias) -> None:
         raise ValueError(f"scales has {scales.shape[1]} groups of {g} elements; expected an even group size")
 
 
+def check_linear_a8_panels(x, weight, scales, zeros, bias, out_features) -> None:
+    """linear_a8_panels: int8 (``zeros`` None) or int4 weights in 64-feature panels (``pack_a8_panels``)."""
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
+        raise ValueError(f"out_features = {out_features!r}, expected a positive int")
+    panels, per = -(-out_features // 64), (4 if zeros is None else 8)
+    if (weight.dtype != torch.uint8 or weight.dim() != 4 or weight.shape[0] != panels or weight.shape[1] < 1
+            or tuple(weight.shape[2:]) != (64, 4)):
+        raise ValueError(f"weight has shape {tuple(weight.shape)} and dtype {weight.dtype}, expected uint8 [{panels}, "
+                         f"in_features / {per}, 64, 4] (pack_a8_panels of {out_features} output features, "
+                         f"{'int8' if zeros is None else 'int4'})")
+    k = per * weight.shape[1]
+    _quant_common(x, bias, out_features, k, weight=weight, scales=scales)
+    if (scales.dtype != torch.float32 or scales.dim() != 3 or scales.shape[0] != panels or scales.shape[1] < 1
+            or k % scales.shape[1] or scales.shape[2] != 64):
+        raise ValueError(f"scales has shape {tuple(scales.shape)} and dtype {scales.dtype}, expected float32 "
+                         f"[{panels}, G, 64] with G dividing in_features = {k}")
+    g = k // scales.shape[1]
+    if g % 128 and g % per:
+        raise ValueError(f"scales has {scales.shape[1]} groups of {g} elements; expected a group size that is a "
+                         f"multiple of {per} or of 128")
+    if zeros is not None:
+        if zeros.device != x.device:
+            _same_device(x=x, zeros=zeros)
+        if zeros.dtype != torch.uint8 or tuple(zeros.shape) != tuple(scales.shape) or not zeros.is_contiguous():
+            raise ValueError(f"zeros has shape {tuple(zeros.shape)} and dtype {zeros.dtype}, expected contiguous uint8 "
+                             f"{list(scales.shape)} (scales' shape)")
+
+
 def check_linear_fp8(x, weight, scale_inv, bias, block_n: int, block_k: int) -> None:
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"weight has shape {tuple(weight.shape)} and dtype {weight.dtype}, expected "

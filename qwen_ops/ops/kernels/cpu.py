@@ -25,6 +25,8 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -47,6 +49,22 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
+def linear_a8_panels_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor], out_features: int, portable: bool = False) -> torch.Tensor:
+    """qwen_linear_a8_panels on validated tensors (``linear_a8_panels``: int8 when ``zeros`` is None, else
+    int4); ``portable`` runs the scalar loop (the tests' check that every path computes the same bits)."""
+    kind = 0 if zeros is None else 1
+    k = weight.shape[1] * (4 if kind == 0 else 8)
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(),
+                                       scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+                                       k // scales.shape[1], None if bias is None else bias.data_ptr(), out_features,
+                                       k, out.data_ptr(), out_features, torch.get_num_threads(), int(portable)):
+        _status(-1, "linear_a8_panels")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
@@ -71,6 +89,8 @@ _SIGNATURES = {
                           ctypes.c_int),
     "qwen_linear_quant_a8": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64],
                              ctypes.c_int),
+    "qwen_linear_a8_panels": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64],
+                              ctypes.c_int),
 }
 
 
@@ -332,6 +352,29 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     packed = torch.empty(((n + 31) // 32, k, 32), dtype=torch.float32)
     library().qwen_pack_panels(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor whose whole 2 MB pages Linux is asked to back with huge pages: its
+    bytes start on a 2 MB boundary of an anonymous mapping of their own, advised ``MADV_HUGEPAGE``
+    (used where transparent huge pages are ``always`` or ``madvise``; a tail under 2 MB keeps 4 KB pages,
+    so nothing is resident beyond the tensor's bytes). A one-row product streams its weights once a
+    step, and on 4 KB pages every 4 KB costs a TLB miss: the int8 / int4 panels read 10-15% faster
+    from huge pages on the AMX Xeon (benchmarks/README.md). Elsewhere, or under 2 MB: ``torch.empty``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # not shmem
+    raw = torch.frombuffer(area, dtype=torch.uint8)     # keeps the mapping alive as long as a view of it
+    start = -raw.data_ptr() % HUGE_PAGE
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:             # a kernel without transparent huge pages: 4 KB pages, as torch.empty
+        pass
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def int8_dot_products() -> bool:

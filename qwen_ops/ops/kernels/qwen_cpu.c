@@ -2612,6 +2612,311 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
     return status;
 }
 
+/* ----------------------------------------------------------------------------------------------
+ * The int8-activation products on 64-feature panels (linear_a8_panels): the weights laid out with
+ * the output features in the vector lanes, so a one-row product is VPDPBUSDs on the weights as
+ * stored and a broadcast of four digits of x, with no horizontal sums (the [N, K] rows of
+ * linear_*_a8 need a four-row reduction a block, which made their one-row streams compute-bound
+ * near the read bandwidth on AMX Xeons). Panel p holds features 64 p .. 64 p + 63:
+ *   int8 (kind 0): w [P][K / 4][64][4], w[p][kq][f][i] = q[64 p + f][4 kq + i] + 128;
+ *   int4 (kind 1): w [P][K / 8][64][4], w[p][o][f][i] = u[64 p + f][8 o + i] | u[64 p + f][8 o + 4 + i] << 4;
+ *   s [P][G][64] fp32 and (int4) z [P][G][64] uint8: feature f's scale and zero of group gi.
+ * Features past N are padding (any values; their outputs are not written). The arithmetic per
+ * output is linear_*_a8's, in the same order, so the outputs are bit for bit theirs.
+ * ---------------------------------------------------------------------------------------------- */
+static inline int32_t a8p_weight(int kind, const uint8_t *w, int64_t K, int64_t n, int64_t k) {
+    const int64_t p = n / 64, f = n % 64;
+    if (kind == 0) return w[((p * (K / 4) + k / 4) * 64 + f) * 4 + k % 4];
+    const uint8_t b = w[((p * (K / 8) + k / 8) * 64 + f) * 4 + k % 4];
+    return (k & 4) ? b >> 4 : b & 15;
+}
+
+static void a8p_rows_portable(int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t M,
+                              const uint8_t *w, const float *s, const uint8_t *z, int64_t g, int64_t ab,
+                              const float *bias, int64_t p0, int64_t N, int64_t K, float *y, int64_t ys,
+                              int threads) {
+    (void)threads;
+    const int64_t G = K / g, nb = K / ab;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t n = 64 * p0; n < N; ++n) {
+        const int64_t p = n / 64, f = n % 64;
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                int32_t isum = 0;
+                for (int64_t k = b * ab; k < (b + 1) * ab; ++k) isum += (int32_t)d[m * K + k] * a8p_weight(kind, w, K, n, k);
+                const int64_t at = (p * G + b * ab / g) * 64 + f;
+                const float zero = kind == 0 ? 128.0f : (float)z[at];
+                const float fs = (float)isum - zero * (float)dsum[m * nb + b];
+                acc = fmaf(fs, s[at] * unit[m * nb + b], acc);
+            }
+            y[m * ys + n] = acc + (bias == NULL ? 0.0f : bias[n]);
+        }
+    }
+}
+
+#if QWEN_A8_VNNI
+#ifndef A8P_AHEAD
+#define A8P_AHEAD 32768   /* bytes of the weight stream prefetched ahead, into L2 */
+#endif
+/* Rows m < MR (MR <= 4) of panel p, vectors v0 .. v0 + NV - 1 (16 features each): acc[m][v] += the
+ * panel's products, block by block. One row: NV = 4 and int4's low and high nibbles in accumulators
+ * of their own (the high ones masked in place, worth 16x: a shift a block instead of one a load). */
+static inline __attribute__((always_inline)) void a8p_vnni(
+        int kind, int MR, int NV, int v0, const int8_t *d, const float *unit, const int32_t *dsum, int64_t K,
+        int64_t ab, int64_t g, const uint8_t *wp, const float *sp, const uint8_t *zp, __m512 acc[4][4]) {
+    const int64_t nb = K / ab;
+    const __m512i m0f = _mm512_set1_epi8(15), mf0 = _mm512_set1_epi8((char)0xf0);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i lo[4][4], hi[4];
+        for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < NV; ++v) lo[m][v] = _mm512_setzero_si512();
+        for (int v = 0; v < NV; ++v) hi[v] = _mm512_setzero_si512();
+        if (kind == 0) {
+            for (int64_t kq = b * ab / 4; kq < (b + 1) * ab / 4; ++kq) {
+                const uint8_t *wq = wp + kq * 256 + 64 * v0;
+                for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wq + A8P_AHEAD + 64 * v), _MM_HINT_T1);
+                __m512i xb[4];
+                for (int m = 0; m < MR; ++m) xb[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 4 * kq));
+                for (int v = 0; v < NV; ++v) {
+                    const __m512i wv = _mm512_loadu_si512((const void *)(wq + 64 * v));
+                    for (int m = 0; m < MR; ++m) lo[m][v] = _mm512_dpbusd_epi32(lo[m][v], wv, xb[m]);
+                }
+            }
+        } else {
+            for (int64_t o = b * ab / 8; o < (b + 1) * ab / 8; ++o) {
+                const uint8_t *wo = wp + o * 256 + 64 * v0;
+                for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wo + A8P_AHEAD + 64 * v), _MM_HINT_T1);
+                __m512i xl[4], xh[4];
+                for (int m = 0; m < MR; ++m) {
+                    xl[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 8 * o));
+                    xh[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 8 * o + 4));
+                }
+                for (int v = 0; v < NV; ++v) {
+                    const __m512i wv = _mm512_loadu_si512((const void *)(wo + 64 * v));
+                    if (MR == 1) {
+                        lo[0][v] = _mm512_dpbusd_epi32(lo[0][v], _mm512_and_si512(wv, m0f), xl[0]);
+                        hi[v] = _mm512_dpbusd_epi32(hi[v], _mm512_and_si512(wv, mf0), xh[0]);
+                    } else {
+                        const __m512i l = _mm512_and_si512(wv, m0f), h = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m0f);
+                        for (int m = 0; m < MR; ++m)
+                            lo[m][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[m][v], l, xl[m]), h, xh[m]);
+                    }
+                }
+            }
+            if (MR == 1)   /* the high nibbles' sums, 16x (exact) */
+                for (int v = 0; v < NV; ++v) lo[0][v] = _mm512_add_epi32(lo[0][v], _mm512_srai_epi32(hi[v], 4));
+        }
+        const int64_t at = (b * ab / g) * 64 + 16 * v0;
+        for (int v = 0; v < NV; ++v) {
+            const __m512 sv = _mm512_loadu_ps(sp + at + 16 * v);
+            const __m512 zv = kind == 0 ? _mm512_set1_ps(128.0f)
+                                        : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zp + at + 16 * v))));
+            for (int m = 0; m < MR; ++m) {
+                const __m512 f = _mm512_fnmadd_ps(zv, _mm512_set1_ps((float)dsum[m * nb + b]), _mm512_cvtepi32_ps(lo[m][v]));
+                acc[m][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(sv, _mm512_set1_ps(unit[m * nb + b])), acc[m][v]);
+            }
+        }
+    }
+}
+
+/* acc[m][v] (+ bias) into y[m, 64 p + 16 (v0 + v) ..], the lanes below N. */
+static inline void a8p_store(int MR, int NV, int v0, __m512 acc[4][4], const float *bias, int64_t p, int64_t N,
+                             float *y, int64_t ys) {
+    for (int v = 0; v < NV; ++v) {
+        const int64_t n0 = 64 * p + 16 * (v0 + v);
+        const __mmask16 mk = lanes_left(N - n0);
+        const __m512 bv = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk, bias + n0);
+        for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mk, _mm512_add_ps(acc[m][v], bv));
+    }
+}
+
+#define A8P_PANEL(KIND, MR)                                                                                    \
+    static void a8p_panel_##KIND##_##MR(const int8_t *d, const float *unit, const int32_t *dsum, int64_t K,     \
+                                        int64_t ab, int64_t g, const uint8_t *w, const float *s, const uint8_t *z, \
+                                        const float *bias, int64_t p, int64_t N, float *y, int64_t ys) {          \
+        const int64_t G = K / g, panel_bytes = KIND == 0 ? 64 * K : 32 * K;                                        \
+        const int NV = MR == 1 ? 4 : 2;                                                                          \
+        for (int v0 = 0; v0 < 4; v0 += NV) {                                                                     \
+            if (64 * p + 16 * v0 >= N) break;                                                                    \
+            __m512 acc[4][4];                                                                                    \
+            for (int m = 0; m < 4; ++m)                                                                          \
+                for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();                                     \
+            a8p_vnni(KIND, MR, NV, v0, d, unit, dsum, K, ab, g, w + p * panel_bytes, s + p * G * 64,             \
+                     KIND == 0 ? NULL : z + p * G * 64, acc);                                                    \
+            a8p_store(MR, NV, v0, acc, bias, p, N, y, ys);                                                       \
+        }                                                                                                        \
+    }
+A8P_PANEL(0, 1) A8P_PANEL(0, 2) A8P_PANEL(0, 3) A8P_PANEL(0, 4)
+A8P_PANEL(1, 1) A8P_PANEL(1, 2) A8P_PANEL(1, 3) A8P_PANEL(1, 4)
+#undef A8P_PANEL
+typedef void (*a8p_panel_kernel)(const int8_t *, const float *, const int32_t *, int64_t, int64_t, int64_t,
+                                 const uint8_t *, const float *, const uint8_t *, const float *, int64_t, int64_t,
+                                 float *, int64_t);
+static const a8p_panel_kernel A8P_PANELS[2][5] = {
+    {NULL, a8p_panel_0_1, a8p_panel_0_2, a8p_panel_0_3, a8p_panel_0_4},
+    {NULL, a8p_panel_1_1, a8p_panel_1_2, a8p_panel_1_3, a8p_panel_1_4},
+};
+
+#if QWEN_AMX
+/* tmm0-3: C, R rows x 16 features (int32) each; tmm4: A, R rows x 64 digits; tmm5: B, 16 quads x 16 features. */
+static __attribute__((target("amx-tile,amx-int8"))) void a8p_amx_configure(int R) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; ++t) {
+        c.rows[t] = (uint8_t)(t == 5 ? 16 : R);
+        c.colsb[t] = 64;
+    }
+    AMX_MEMORY();
+    _tile_loadconfig(&c);
+}
+
+/* Rows m0 .. m0 + R - 1 (R <= 16, tiles configured for R) of panel p on AMX: per block of k, the four C
+ * tiles (TDPBSUD: signed digits x unsigned weights), then the block's fp32 step in linear_*_a8's order.
+ * tile: 1 KB scratch for int4's unpacked B tile; acc: [16][64] fp32. */
+static __attribute__((target("amx-tile,amx-int8"))) void a8p_amx_rows(
+        int kind, int R, const int8_t *d, const float *unit, const int32_t *dsum, int64_t K, int64_t ab, int64_t g,
+        const uint8_t *wp, const float *sp, const uint8_t *zp, uint8_t *tile, float *acc) {
+    const int64_t nb = K / ab;
+    int32_t ct[4][16 * 16] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 64; ++i) acc[i] = 0.0f;
+    const __m512i m0f = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
+            _tile_loadd(4, d + k, K);
+#define A8P_TDP(V)                                                                                              \
+            if (kind == 0) {                                                                                    \
+                _tile_loadd(5, wp + (k / 4) * 256 + 64 * V, 256);                                               \
+            } else {                                                                                            \
+                for (int j = 0; j < 8; ++j) {                                                                   \
+                    const __m512i wv = _mm512_loadu_si512((const void *)(wp + (k / 8 + j) * 256 + 64 * V));       \
+                    _mm512_store_si512((void *)(tile + 128 * j), _mm512_and_si512(wv, m0f));                     \
+                    _mm512_store_si512((void *)(tile + 128 * j + 64), _mm512_and_si512(_mm512_srli_epi16(wv, 4), m0f)); \
+                }                                                                                               \
+                AMX_MEMORY();                                                                                   \
+                _tile_loadd(5, tile, 64);                                                                       \
+            }                                                                                                   \
+            _tile_dpbsud(V, 4, 5);
+            A8P_TDP(0) A8P_TDP(1) A8P_TDP(2) A8P_TDP(3)
+#undef A8P_TDP
+        }
+        _tile_stored(0, ct[0], 64);
+        _tile_stored(1, ct[1], 64);
+        _tile_stored(2, ct[2], 64);
+        _tile_stored(3, ct[3], 64);
+        AMX_MEMORY();
+        const int64_t at = (b * ab / g) * 64;
+        for (int v = 0; v < 4; ++v) {
+            const __m512 sv = _mm512_loadu_ps(sp + at + 16 * v);
+            const __m512 zv = kind == 0 ? _mm512_set1_ps(128.0f)
+                                        : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zp + at + 16 * v))));
+            for (int m = 0; m < R; ++m) {
+                const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(ct[v] + 16 * m)));
+                const __m512 f = _mm512_fnmadd_ps(zv, _mm512_set1_ps((float)dsum[m * nb + b]), sum);
+                float *a = acc + 64 * m + 16 * v;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(f, _mm512_mul_ps(sv, _mm512_set1_ps(unit[m * nb + b])),
+                                                    _mm512_loadu_ps(a)));
+            }
+        }
+    }
+}
+
+static __attribute__((target("amx-tile,amx-int8"))) void a8p_amx(
+        int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t M, const uint8_t *w, const float *s,
+        const uint8_t *z, int64_t g, int64_t ab, const float *bias, int64_t P, int64_t N, int64_t K, float *y,
+        int64_t ys, int threads) {
+    const int64_t G = K / g, nb = K / ab, panel_bytes = kind == 0 ? 64 * K : 32 * K;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && P > 1)
+    {
+        uint8_t tile[1024] __attribute__((aligned(64)));
+        float acc[16 * 64] __attribute__((aligned(64)));
+        int tiles = 0;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; ++p) {
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int R = M - m0 < 16 ? (int)(M - m0) : 16;
+                if (R != tiles) a8p_amx_configure(tiles = R);
+                a8p_amx_rows(kind, R, d + m0 * K, unit + m0 * nb, dsum + m0 * nb, K, ab, g, w + p * panel_bytes,
+                             s + p * G * 64, kind == 0 ? NULL : z + p * G * 64, tile, acc);
+                for (int v = 0; v < 4; ++v) {
+                    const int64_t n0 = 64 * p + 16 * v;
+                    const __mmask16 mk = lanes_left(N - n0);
+                    const __m512 bv = bias == NULL ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk, bias + n0);
+                    for (int m = 0; m < R; ++m)
+                        _mm512_mask_storeu_ps(y + (m0 + m) * ys + n0, mk, _mm512_add_ps(_mm512_loadu_ps(acc + 64 * m + 16 * v), bv));
+                }
+            }
+        }
+        if (tiles) amx_tile_release();
+    }
+}
+#endif
+#endif
+
+/* The entry point of linear_a8_panels: kind 0 int8, 1 int4 (z its zeros, else NULL); w, s, z as above
+ * with P = ceil(N / 64) panels. Returns 0, or -1 when scratch memory could not be allocated. */
+int qwen_linear_a8_panels(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *w, const float *s,
+                          const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                          int64_t threads, int64_t portable) {
+    const int64_t ab = a8_block(g), nb = K / ab, P = (N + 63) / 64;
+    if (M <= 0 || N <= 0) return 0;
+    int8_t *d = malloc((size_t)(M * K) + sizeof(float) * (size_t)(2 * M * nb) + 64);
+    if (d == NULL) return -1;
+    float *unit = (float *)(void *)(((uintptr_t)(d + M * K) + 63) & ~(uintptr_t)63);
+    int32_t *dsum = (int32_t *)(unit + M * nb);
+#if QWEN_A8_VNNI
+    /* The start of each thread's share of the weights (the split below), on its way while x is quantized:
+     * the streams' own prefetch runs A8P_AHEAD bytes ahead of their loads, so their first bytes come late. */
+    if (!portable && M <= 4) {
+        const int64_t panel_bytes = kind == 0 ? 64 * K : 32 * K;
+        for (int64_t t = 0; t < threads; ++t) {
+            const int64_t first = P * t / threads * panel_bytes, left = P * panel_bytes - first;
+            for (int64_t l = 0; l < (left < A8P_AHEAD ? left : A8P_AHEAD); l += 64)
+                _mm_prefetch((const char *)(w + first + l), _MM_HINT_T1);
+        }
+    }
+#endif
+    a8_quantize(x, xs, M, K, ab, d, NULL, 64, unit, dsum);
+    int64_t done = 0;   /* panels 0 .. done - 1 written by the vector paths */
+#if QWEN_A8_VNNI
+    if (!portable && ab % (kind == 0 ? 4 : 8) == 0) {
+#if QWEN_AMX
+        if (M > 4 && ab % 64 == 0 && qwen_int8_amx()) {
+            a8p_amx(kind, d, unit, dsum, M, w, s, z, g, ab, bias, P, N, K, y, ys, (int)threads);
+            done = P;
+        }
+#endif
+        if (done == 0) {
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && P > 1)
+            {
+#ifdef _OPENMP
+                const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+                const int64_t t = 0, nt = 1;
+#endif
+                for (int64_t p = P * t / nt; p < P * (t + 1) / nt; ++p)
+                    for (int64_t m = 0; m < M; m += 4) {
+                        const int MR = M - m < 4 ? (int)(M - m) : 4;
+                        A8P_PANELS[kind][MR](d + m * K, unit + m * nb, dsum + m * nb, K, ab, g, w, s, z, bias, p, N,
+                                             y + m * ys, ys);
+                    }
+            }
+            done = P;
+        }
+    }
+#endif
+    (void)portable;
+    if (done < P) a8p_rows_portable(kind, d, unit, dsum, M, w, s, z, g, ab, bias, done, N, K, y, ys, (int)threads);
+    free(d);
+    return 0;
+}
+
 /* x permuted per 32 elements as raw32_int4's lanes read them: [x0, x2, ..., x30, x1, x3, ..., x31]. */
 static void quant_permute_x(const float *x, int64_t xs, int64_t M, int64_t K, float *xp) {
     for (int64_t m = 0; m < M; ++m)

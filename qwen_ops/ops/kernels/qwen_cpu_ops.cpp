@@ -53,6 +53,9 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
 int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
                          const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
                          int64_t threads, int64_t portable);
+int qwen_linear_a8_panels(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *w, const float *s,
+                          const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
+                          int64_t threads, int64_t portable);
 }
 
 namespace {
@@ -514,9 +517,46 @@ at::Tensor linear_fp8(const at::Tensor &x, const at::Tensor &weight, const at::T
   return quant_run(2, x, weight, scale_inv, nullptr, bias, n, k, block_k, block_n);
 }
 
+// linear_a8_panels: int8 (zeros None) or int4 weights in 64-feature panels (the contract: validation.py).
+at::Tensor linear_a8_panels(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
+                            const std::optional<at::Tensor> &zeros, const std::optional<at::Tensor> &bias,
+                            int64_t out_features) {
+  TORCH_CHECK_VALUE(out_features >= 1, "out_features = ", out_features, ", expected a positive int");
+  const int64_t panels = (out_features + 63) / 64, per = zeros.has_value() ? 8 : 4;
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte && weight.dim() == 4 && weight.size(0) == panels &&
+                        weight.size(1) >= 1 && weight.size(2) == 64 && weight.size(3) == 4,
+                    "weight has shape ", py_shape(weight), " and dtype ", py_dtype(weight), ", expected uint8 [", panels,
+                    ", in_features / ", per, ", 64, 4] (pack_a8_panels of ", out_features, " output features, ",
+                    zeros.has_value() ? "int4" : "int8", ")");
+  const int64_t k = per * weight.size(1);
+  quant_common(x, bias, out_features, k, {{"weight", &weight}, {"scales", &scales}});
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == panels &&
+                        scales.size(1) >= 1 && k % scales.size(1) == 0 && scales.size(2) == 64,
+                    "scales has shape ", py_shape(scales), " and dtype ", py_dtype(scales), ", expected float32 [", panels,
+                    ", G, 64] with G dividing in_features = ", k);
+  const int64_t g = k / scales.size(1);
+  TORCH_CHECK_VALUE(g % 128 == 0 || g % per == 0, "scales has ", scales.size(1), " groups of ", g,
+                    " elements; expected a group size that is a multiple of ", per, " or of 128");
+  if (zeros.has_value()) {
+    TORCH_CHECK_VALUE(zeros->scalar_type() == at::kByte && zeros->sizes() == scales.sizes() && zeros->is_contiguous(),
+                      "zeros has shape ", py_shape(*zeros), " and dtype ", py_dtype(*zeros), ", expected contiguous uint8 ",
+                      py_list({scales.size(0), scales.size(1), 64}), " (scales' shape)");
+  }
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor out = fresh({x.size(0), out_features}, xf.options());
+  check_alloc(qwen_linear_a8_panels(zeros.has_value() ? 1 : 0, xf.const_data_ptr<float>(), xf.stride(0), x.size(0),
+                                    weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+                                    zeros.has_value() ? zeros->const_data_ptr<uint8_t>() : nullptr, g,
+                                    bias.has_value() ? bias->const_data_ptr<float>() : nullptr, out_features, k,
+                                    out.mutable_data_ptr<float>(), out_features, at::get_num_threads(), 0),
+              "linear_a8_panels");
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qwen, CPU, m) {
+  m.impl("linear_a8_panels", &linear_a8_panels);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int8_a8", &linear_int8_a8);

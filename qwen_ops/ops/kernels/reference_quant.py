@@ -161,6 +161,35 @@ def linear_int4_a8_reference(x, qweight, scales, zeros, bias=None) -> torch.Tens
     return _a8_product(x, unpack_int4(qweight), zeros.float(), scales, bias)
 
 
+def unpack_a8_panels(weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out_features: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``linear_a8_panels``' operands back in ``linear_*_a8``'s layout: ``(qweight, scales, zeros)`` of the
+    first ``out_features`` features. The panels (64 output features each, the features in the lanes):
+    int8 (``zeros`` None) ``weight[p, kq, f, i] = q[64 p + f, 4 kq + i] + 128``; int4
+    ``weight[p, o, f, i] = u[64 p + f, 8 o + i] | u[64 p + f, 8 o + 4 + i] << 4``; ``scales`` / ``zeros``
+    ``[p, group, f]``."""
+    n = out_features
+    w = weight.long()
+    if zeros is None:
+        u = w.permute(0, 2, 1, 3).reshape(weight.shape[0] * 64, -1)[:n]          # [N, K], element 4 kq + i
+        qweight = (u - 128).to(torch.int8)
+    else:
+        lo, hi = w & 15, w >> 4                                                    # k = 8 o + i, 8 o + 4 + i
+        u = torch.cat((lo, hi), dim=-1).permute(0, 2, 1, 3).reshape(weight.shape[0] * 64, -1)[:n]
+        qweight = pack_int4(u)
+    rows = scales.permute(0, 2, 1).reshape(-1, scales.shape[1])[:n].contiguous()
+    zrows = None if zeros is None else zeros.permute(0, 2, 1).reshape(-1, zeros.shape[1])[:n].contiguous()
+    return qweight.contiguous(), rows, zrows
+
+
+def linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features) -> torch.Tensor:
+    """``linear_int8_a8`` (``zeros`` None) or ``linear_int4_a8`` of the panels' weights."""
+    qweight, s, z = unpack_a8_panels(weight, scales, zeros, out_features)
+    if z is None:
+        return linear_int8_a8_reference(x, qweight, s, bias)
+    return linear_int4_a8_reference(x, qweight, s, z, bias)
+
+
 # The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
 REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference,
               "int8_a8": linear_int8_a8_reference, "int4_a8": linear_int4_a8_reference}
