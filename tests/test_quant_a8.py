@@ -392,11 +392,18 @@ def test_a8_panels_compute_the_rows_products_bits_on_every_path(kind, tmp_path, 
                 assert np.allclose(want.double().numpy(), _oracle(kind, x, w, bias), rtol=1e-5, atol=1e-4)
             for threads, portable in ((1, 0), (2, 0), (1, 1)):
                 out = torch.full((rows, n), float("nan"))
-                assert lib.qwen_linear_a8_panels(code, x.data_ptr(), k, rows, panels[0].data_ptr(),
+                assert lib.qwen_linear_a8_panels(code, x.data_ptr(), k, 0, rows, panels[0].data_ptr(),
                                                  panels[1].data_ptr(), None if kind == "int8" else panels[2].data_ptr(),
-                                                 k // groups, bias.data_ptr(), n, k, out.data_ptr(), n, threads,
+                                                 k // groups, bias.data_ptr(), n, k, out.data_ptr(), n, 0, threads,
                                                  portable) == 0
                 assert torch.equal(out, want), (mode, rows, n, threads, portable)
+            # bf16 rows in and out, as they are: x's bf16 values, the product rounded once to bf16
+            xb = x.bfloat16()
+            outb = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+            assert lib.qwen_linear_a8_panels(code, xb.data_ptr(), k, 1, rows, panels[0].data_ptr(),
+                                             panels[1].data_ptr(), None if kind == "int8" else panels[2].data_ptr(),
+                                             k // groups, bias.data_ptr(), n, k, outb.data_ptr(), n, 1, 1, 0) == 0
+            assert torch.equal(outb, RQ.REFERENCES[f"{kind}_a8"](xb, *w, bias)), (mode, rows, "bf16")
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -422,6 +429,15 @@ def test_a8_panels_op_contract_and_bad_input(kind):
         op(x, panels[0], panels[1][:, :, :32].contiguous(), zeros, None, 128)
     with pytest.raises(ValueError, match=r"out_features = 0, expected a positive int"):
         op(x, panels[0], panels[1], zeros, None, 0)
+    # blocks of zeros, a NaN, an infinity and huge values: the rows' reference's bits (NaN rows NaN)
+    odd = x.clone()
+    odd[0, :128] = 0.0
+    odd[1, 5] = float("nan")
+    odd[2, 200] = float("inf")
+    odd[2, :128] *= 1e30
+    for xs in (odd, odd.bfloat16()):
+        torch.testing.assert_close(op(xs, panels[0], panels[1], zeros, bias, 128),
+                                   RQ.REFERENCES[f"{kind}_a8"](xs, *w, bias), rtol=0, atol=0, equal_nan=True)
     if kind == "int4":
         with pytest.raises(ValueError, match=r"zeros has shape \(2, 2, 64\) and dtype torch.int32, expected contiguous uint8"):
             op(x, panels[0], panels[1], zeros.int(), None, 128)

@@ -55,14 +55,16 @@ def linear_a8_panels_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     int4); ``portable`` runs the scalar loop (the tests' check that every path computes the same bits)."""
     kind = 0 if zeros is None else 1
     k = weight.shape[1] * (4 if kind == 0 else 8)
-    xf = x if x.dtype == torch.float32 else x.float()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(),
+    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()      # fp32 and bf16 rows as they are
+    bf16 = xf.dtype == torch.bfloat16
+    out = torch.empty((x.shape[0], out_features), dtype=xf.dtype)
+    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), int(bf16), x.shape[0], weight.data_ptr(),
                                        scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
                                        k // scales.shape[1], None if bias is None else bias.data_ptr(), out_features,
-                                       k, out.data_ptr(), out_features, torch.get_num_threads(), int(portable)):
+                                       k, out.data_ptr(), out_features, int(bf16), torch.get_num_threads(),
+                                       int(portable)):
         _status(-1, "linear_a8_panels")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
@@ -89,8 +91,8 @@ _SIGNATURES = {
                           ctypes.c_int),
     "qwen_linear_quant_a8": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64],
                              ctypes.c_int),
-    "qwen_linear_a8_panels": ([_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64],
-                              ctypes.c_int),
+    "qwen_linear_a8_panels": ([_i32, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64,
+                               _i64], ctypes.c_int),
 }
 
 

@@ -53,9 +53,9 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
 int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
                          const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
                          int64_t threads, int64_t portable);
-int qwen_linear_a8_panels(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *w, const float *s,
-                          const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
-                          int64_t threads, int64_t portable);
+int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, int64_t M, const uint8_t *w,
+                          const float *s, const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K,
+                          void *out, int64_t ys, int64_t out_bf16, int64_t threads, int64_t portable);
 }
 
 namespace {
@@ -542,15 +542,18 @@ at::Tensor linear_a8_panels(const at::Tensor &x, const at::Tensor &weight, const
                       "zeros has shape ", py_shape(*zeros), " and dtype ", py_dtype(*zeros), ", expected contiguous uint8 ",
                       py_list({scales.size(0), scales.size(1), 64}), " (scales' shape)");
   }
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  // fp32 and bf16 rows are read and written as they are (bf16 rounded once from the fp32 product); fp16 converts
+  const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = direct ? x : x.to(at::kFloat);
   at::Tensor out = fresh({x.size(0), out_features}, xf.options());
-  check_alloc(qwen_linear_a8_panels(zeros.has_value() ? 1 : 0, xf.const_data_ptr<float>(), xf.stride(0), x.size(0),
+  const int64_t bf16 = xf.scalar_type() == at::kBFloat16;
+  check_alloc(qwen_linear_a8_panels(zeros.has_value() ? 1 : 0, xf.const_data_ptr(), xf.stride(0), bf16, x.size(0),
                                     weight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
                                     zeros.has_value() ? zeros->const_data_ptr<uint8_t>() : nullptr, g,
                                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr, out_features, k,
-                                    out.mutable_data_ptr<float>(), out_features, at::get_num_threads(), 0),
+                                    out.mutable_data_ptr(), out_features, bf16, at::get_num_threads(), 0),
               "linear_a8_panels");
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return direct ? out : out.to(x.scalar_type());
 }
 
 }  // namespace
