@@ -86,11 +86,10 @@ def reference_twin(llm) -> None:
     """Switch every QuantLinear of the engine's model (the fused products too) to its op's reference
     (dequantize to fp32, then multiply: kernels/reference_quant.py), the oracle of the greedy tokens."""
     from qwen_ops.models.quant import QuantLinear
-    from qwen_ops.ops.kernels import reference_quant as RQ
 
     for m in llm.engine.model.modules():
         if isinstance(m, QuantLinear):
-            m._op = RQ.linear_a8_panels_reference if m.panels else RQ.REFERENCES[m.kernel]
+            m._op = m.reference()
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:

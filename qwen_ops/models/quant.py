@@ -278,6 +278,13 @@ class QuantLinear(nn.Module):
         """The bias as the op takes it (fp32), once."""
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
 
+    def reference(self):
+        """The reference of the op this layer's forward calls, taking the same arguments (the oracle that
+        tests and benchmarks swap in for ``_op``)."""
+        from qwen_ops.ops.kernels import reference_quant as RQ
+
+        return RQ.linear_a8_panels_reference if self.panels else RQ.REFERENCES[self.kernel]
+
     def panels_fit(self) -> bool:
         """Whether this layer's product runs best as ``linear_a8_panels`` here: int8 activations on a CPU
         whose kernels run VNNI dot products (the panels' reason: one-row products at the read bandwidth,
