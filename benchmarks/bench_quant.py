@@ -16,7 +16,10 @@ For each variant and thread count:
   mismatch marks the row FAIL and the script exits 1 (with bf16 the count of equal tokens is shown);
 - the peak host memory of loading each GPTQ / AWQ checkpoint, in a fresh process, against its size.
 ``--vs-bf16``: only the one-request decode step of each variant against the bf16 model's, the two
-stepped alternately in one process (the ratio the issue's decode targets name).
+stepped alternately in one process (the ratio the issue's decode targets name); with ``--compile``
+both engines compile their decode step (``LLM(compile=True)``).
+``--one-row``: only the one-row int8 / int4 products of the model's shapes, rows and panels, against the
+measured read bandwidth (the issue's item 3).
 Figures: benchmarks/README.md ("Quantized weights (issue 28)").
 """
 
@@ -164,7 +167,7 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     return row
 
 
-def decode_vs_bf16(variants, base: Path, threads: int, steps: int) -> list[dict]:
+def decode_vs_bf16(variants, base: Path, threads: int, steps: int, compile: bool = False) -> list[dict]:
     """The one-request decode step of each variant against the bf16 model's, the two stepped
     alternately in one process (this VM's read bandwidth drifts by a third between minutes, so a
     ratio of two sequential measurements is mostly noise): medians of ``steps`` each."""
@@ -172,12 +175,12 @@ def decode_vs_bf16(variants, base: Path, threads: int, steps: int) -> list[dict]
 
     torch.set_num_threads(threads)
     engines = {"bfloat16": LLM(str(base), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
-                               dtype="bfloat16").engine}
+                               dtype="bfloat16", compile=compile).engine}
     out = []
     for variant in variants:
         path, kwargs = checkpoint_for(variant, base)
         engines[variant] = LLM(str(path), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
-                               **kwargs).engine
+                               compile=compile, **kwargs).engine
         state = {}
         for name in ("bfloat16", variant):
             eng = engines[name]
@@ -194,9 +197,69 @@ def decode_vs_bf16(variants, base: Path, threads: int, steps: int) -> list[dict]
             state[name][0].free_slot(state[name][1])
         bf16, var = statistics.median(state["bfloat16"][3]), statistics.median(state[variant][3])
         out.append({"variant": variant, "threads": threads, "bf16_tok_s": 1 / bf16, "tok_s": 1 / var,
-                    "ratio": bf16 / var})
+                    "ratio": bf16 / var, "compile": compile})
         del engines[variant]
         gc.collect()
+    return out
+
+
+ONE_ROW_SHAPES = {"q|k|v": (4096, 1024), "o": (1024, 2048), "gate|up": (6144, 1024), "down": (1024, 3072),
+                  "LM head": (151936, 1024)}
+
+
+def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dict]:
+    """Item 3's figure: the one-row int8 / int4 (groups of 128) products of the 0.6B model's shapes, each
+    streaming ``total_mb`` MB of distinct weights (so from DRAM), as ``linear_*_a8`` rows and as
+    ``linear_a8_panels`` (what the layers run on VNNI CPUs), against the read-bandwidth probe measured
+    between them: GB/s of weights, medians of ``rounds`` alternating rounds (this VM's bandwidth drifts)."""
+    from qwen_ops.models.quant import pack_a8_panels
+    from qwen_ops.ops.kernels import cpu
+
+    torch.set_num_threads(threads)
+    probe = read_bandwidth_probe()
+    out = []
+    for kind in ("int8", "int4"):
+        for name, (n, k) in ONE_ROW_SHAPES.items():
+            g = torch.Generator().manual_seed(n + k)
+            s = torch.rand(n, k // 128, generator=g) * 0.01
+            if kind == "int8":
+                q, z = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
+            else:
+                q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+                z = torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8)
+            w, sp, zp = pack_a8_panels(q, s, z)
+            copies = max(2, total_mb * (1 << 20) // q.numel())
+            rows = [q.clone() for _ in range(copies)]
+            panels = []
+            for _ in range(copies):
+                t = cpu.huge_page_empty(tuple(w.shape), w.dtype)
+                panels.append(t.copy_(w))
+            x = torch.randn(1, k, generator=g)
+            ref = torch.ops.qwen.linear_int8_a8 if kind == "int8" else torch.ops.qwen.linear_int4_a8
+            want = ref(x, q, s, None) if z is None else ref(x, q, s, z, None)
+            got = torch.ops.qwen.linear_a8_panels(x, w, sp, zp, None, n)
+            if not torch.equal(got, want):          # a fast wrong product is no figure
+                raise AssertionError(f"{kind} {name}: linear_a8_panels differs from linear_{kind}_a8")
+            calls = {"rows": lambda: [ref(x, r, s, None) if z is None else ref(x, r, s, z, None) for r in rows],
+                     "panels": lambda: [torch.ops.qwen.linear_a8_panels(x, p, sp, zp, None, n) for p in panels]}
+            times = {"rows": [], "panels": [], "probe": []}
+            for fn in calls.values():
+                fn()                                 # warm-up
+            for _ in range(rounds):
+                for key, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[key].append(time.perf_counter() - t0)
+                times["probe"].append(probe())
+            nbytes = copies * q.numel()
+            bw = statistics.median(times["probe"])
+            row = {"kind": kind, "shape": name, "n": n, "k": k, "threads": threads, "probe_gb_s": bw / 1e9}
+            for key in ("rows", "panels"):
+                rate = nbytes / statistics.median(times[key])
+                row[f"{key}_gb_s"], row[f"{key}_fraction"] = rate / 1e9, rate / bw
+            out.append(row)
+            del rows, panels
+            gc.collect()
     return out
 
 
@@ -212,14 +275,31 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--vs-bf16", action="store_true",
                         help="only the decode step of each variant against bf16's, stepped alternately")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --vs-bf16: both engines with compile=True (the decode step torch.compiled)")
+    parser.add_argument("--one-row", action="store_true",
+                        help="only the one-row int8 / int4 products of the model's shapes against the read bandwidth")
     args = parser.parse_args(argv)
+    if args.one_row:
+        rows = [r for threads in args.threads for r in one_row_products(threads, max(3, args.reps))]
+        print("| product | shape (N x K) | threads | rows: GB/s, of probe | panels: GB/s, of probe | probe (GB/s) |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['kind']} {r['shape']} | {r['n']} x {r['k']} | {r['threads']} | {r['rows_gb_s']:.1f}, "
+                  f"{100 * r['rows_fraction']:.0f}% | {r['panels_gb_s']:.1f}, {100 * r['panels_fraction']:.0f}% | "
+                  f"{r['probe_gb_s']:.1f} |")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
     if args.vs_bf16:
-        rows = [r for threads in args.threads for r in decode_vs_bf16(args.variants, base, threads, 3 * args.steps)]
-        print("| variant | threads | bf16 decode (tok/s) | variant decode (tok/s) | ratio |")
-        print("|---|---|---|---|---|")
+        rows = [r for threads in args.threads
+                for r in decode_vs_bf16(args.variants, base, threads, 3 * args.steps, args.compile)]
+        print("| variant | threads | engine | bf16 decode (tok/s) | variant decode (tok/s) | ratio |")
+        print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['variant']} | {r['threads']} | {r['bf16_tok_s']:.1f} | {r['tok_s']:.1f} | {r['ratio']:.2f}x |")
+            print(f"| {r['variant']} | {r['threads']} | {'compile=True' if r['compile'] else 'eager'} | "
+                  f"{r['bf16_tok_s']:.1f} | {r['tok_s']:.1f} | {r['ratio']:.2f}x |")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0

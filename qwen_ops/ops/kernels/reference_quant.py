@@ -169,12 +169,11 @@ def unpack_a8_panels(weight: torch.Tensor, scales: torch.Tensor, zeros: Optional
     ``weight[p, o, f, i] = u[64 p + f, 8 o + i] | u[64 p + f, 8 o + 4 + i] << 4``; ``scales`` / ``zeros``
     ``[p, group, f]``."""
     n = out_features
-    w = weight.long()
     if zeros is None:
-        u = w.permute(0, 2, 1, 3).reshape(weight.shape[0] * 64, -1)[:n]          # [N, K], element 4 kq + i
-        qweight = (u - 128).to(torch.int8)
+        u = weight.permute(0, 2, 1, 3).reshape(weight.shape[0] * 64, -1)[:n]     # [N, K], element 4 kq + i
+        qweight = (u.to(torch.int16) - 128).to(torch.int8)
     else:
-        lo, hi = w & 15, w >> 4                                                    # k = 8 o + i, 8 o + 4 + i
+        lo, hi = weight & 15, weight >> 4                                          # k = 8 o + i, 8 o + 4 + i
         u = torch.cat((lo, hi), dim=-1).permute(0, 2, 1, 3).reshape(weight.shape[0] * 64, -1)[:n]
         qweight = pack_int4(u)
     rows = scales.permute(0, 2, 1).reshape(-1, scales.shape[1])[:n].contiguous()
