@@ -203,7 +203,7 @@ def decode_vs_bf16(variants, base: Path, threads: int, steps: int, compile: bool
     return out
 
 
-ONE_ROW_SHAPES = {"q|k|v": (4096, 1024), "o": (1024, 2048), "gate|up": (6144, 1024), "down": (1024, 3072),
+ONE_ROW_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
                   "LM head": (151936, 1024)}
 
 
