@@ -210,7 +210,8 @@ ONE_ROW_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024
 def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dict]:
     """Item 3's figure: the one-row int8 / int4 (groups of 128) products of the 0.6B model's shapes, each
     streaming ``total_mb`` MB of distinct weights (so from DRAM), as ``linear_*_a8`` rows and as
-    ``linear_a8_panels`` (what the layers run on VNNI CPUs), against the read-bandwidth probe measured
+    ``linear_a8_panels`` (what the layers run on VNNI CPUs; one ``HugePageArena`` as a model's), against the
+    read-bandwidth probe measured
     between them: GB/s of weights, medians of ``rounds`` alternating rounds (this VM's bandwidth drifts)."""
     from qwen_ops.models.quant import pack_a8_panels
     from qwen_ops.ops.kernels import cpu
@@ -230,10 +231,8 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
             w, sp, zp = pack_a8_panels(q, s, z)
             copies = max(2, total_mb * (1 << 20) // q.numel())
             rows = [q.clone() for _ in range(copies)]
-            panels = []
-            for _ in range(copies):
-                t = cpu.huge_page_empty(tuple(w.shape), w.dtype)
-                panels.append(t.copy_(w))
+            arena = cpu.HugePageArena(copies * (w.numel() + 64))     # as a model's layers: one after another
+            panels = [arena.take(tuple(w.shape), w.dtype).copy_(w) for _ in range(copies)]
             x = torch.randn(1, k, generator=g)
             ref = torch.ops.qwen.linear_int8_a8 if kind == "int8" else torch.ops.qwen.linear_int4_a8
             want = ref(x, q, s, None) if z is None else ref(x, q, s, z, None)

@@ -464,6 +464,13 @@ def test_a8_layers_on_panels_keep_one_copy_and_the_checkpoint_layout(ckpt, monke
         part = getattr(attn, name)
         assert part.panels and start <= part.qweight.data_ptr() < end
     assert not any(m.panels for m in rows.modules() if isinstance(m, Q.QuantLinear))
+    # every layer's panels in one arena (2 MB pages), in the order a step reads them
+    order = [panels.get_submodule(f"model.layers.{i}.{name}") for i in range(2)
+             for name in ("self_attn.qkv_quant", "self_attn.o_proj", "mlp.gate_up_quant", "mlp.down_proj")]
+    ptrs = [m.qweight.data_ptr() for m in order]
+    assert all(m.panels for m in order) and ptrs == sorted(ptrs), ptrs
+    assert ptrs[-1] - ptrs[0] < sum(m.qweight.numel() + 64 for m in order)
+    assert not any("panel_arena" in m.__dict__ for m in panels.modules())
     want, got = rows.state_dict(), panels.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert torch.equal(_all_logits(rows, IDS), _all_logits(panels, IDS))

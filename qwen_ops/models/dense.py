@@ -31,7 +31,7 @@ from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, pack_linears, uses_cpu_kernels
 from qwen_ops.models.moe import make_mlp
-from qwen_ops.models.quant import QuantLinear
+from qwen_ops.models.quant import QuantLinear, attach_panel_arena
 from qwen_ops.ops.backend import use_backend
 from qwen_ops.ops.metadata import AttentionMetadata
 
@@ -107,6 +107,7 @@ class QwenForCausalLM(nn.Module):
         return self._choose_forwards()
 
     def _choose_forwards(self) -> None:
+        attach_panel_arena(self)        # the int8-activation layers' panels, in the order a step reads them
         for module in self.modules():
             if isinstance(module, SlotAttention):
                 module.process_weights_after_loading(self.model.rotary_emb.cos_sin)

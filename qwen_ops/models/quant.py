@@ -305,12 +305,19 @@ class QuantLinear(nn.Module):
     def use_panels(self, parts: tuple["QuantLinear", ...] = ()) -> bool:
         """Repacks the weights into ``linear_a8_panels``' layout where ``panels_fit`` (once: a layer already
         on panels stays); ``parts``: the layers whose tensors are slices of this one's (``concat``), which
-        then read slices of the panels, so the rows' copy is freed. Returns whether the layer runs on panels."""
+        then read slices of the panels, so the rows' copy is freed. The panels come from the
+        ``panel_arena`` the model gave this layer or its parts (``attach_panel_arena``), if any. Returns
+        whether the layer runs on panels."""
+        arena = next((m.__dict__.pop("panel_arena", None) for m in (self, *parts) if "panel_arena" in m.__dict__),
+                     None)
+        for m in (self, *parts):
+            m.__dict__.pop("panel_arena", None)
         if not self.panels:
             if not self.panels_fit() or any(m.out_features % PANEL for m in parts):
                 return False
             with torch.no_grad():
-                self.qweight, self.scales, self.zeros = pack_a8_panels(self.qweight, self.scales, self.zeros)
+                self.qweight, self.scales, self.zeros = pack_a8_panels(self.qweight, self.scales, self.zeros,
+                                                                       arena=arena)
             self.panels, self._op = True, LINEAR_A8_PANELS
         start = 0
         for m in parts:
@@ -624,12 +631,18 @@ def _convert_in_blocks(quant: QuantConfig, prefix: str, tensors: dict[str, torch
 PANEL = 64       # output features a panel of linear_a8_panels
 
 
+def a8_panel_bytes(layer: "QuantLinear") -> int:
+    """Bytes of ``layer``'s weights in ``linear_a8_panels``' layout (``pack_a8_panels``)."""
+    return -(-layer.out_features // PANEL) * PANEL * layer.in_features // (2 if layer.scheme == "int4" else 1)
+
+
 def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                   chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                   chunk: int = 8192, arena=None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``linear_int8_a8`` / ``linear_int4_a8`` operands (int8 ``[N, K]`` / uint8 ``[N, K / 2]``, ``scales``
     and int4's ``zeros`` ``[N, G]``) in ``linear_a8_panels``' layout (schema: 64 output features a panel,
     the features in the vector lanes; padding features zero). Converts ``chunk`` features at a time,
-    so the copies in flight stay small next to the layer."""
+    so the copies in flight stay small next to the layer. ``arena``: a ``cpu.HugePageArena`` to take the
+    weight's panels from (else a mapping of their own, ``cpu.huge_page_empty``)."""
     n = qweight.shape[0]
     panels = -(-n // PANEL)
     groups = scales.shape[1]
@@ -637,7 +650,10 @@ def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[
     k = qweight.shape[1] * (2 if int4 else 1)
     from qwen_ops.ops.kernels import cpu
 
-    w = cpu.huge_page_empty((panels, k // (8 if int4 else 4), PANEL, 4), torch.uint8)
+    shape = (panels, k // (8 if int4 else 4), PANEL, 4)
+    w = arena.take(shape, torch.uint8) if arena is not None else None
+    if w is None:
+        w = cpu.huge_page_empty(shape, torch.uint8)
     s = torch.zeros((panels, groups, PANEL), dtype=torch.float32)
     z = torch.zeros((panels, groups, PANEL), dtype=torch.uint8) if int4 else None
     for start in range(0, n, chunk):
@@ -664,6 +680,24 @@ def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[
             zc[:stop - start] = zeros[start:stop]
             z[p0:p1] = zc.view(p1 - p0, PANEL, groups).permute(0, 2, 1)
     return w, s, z
+
+
+def attach_panel_arena(model: nn.Module) -> None:
+    """Before a model's layers first choose their products: one ``cpu.HugePageArena`` for the panels of
+    every QuantLinear that will take them (``panels_fit``), handed to those layers (``panel_arena``, used
+    and dropped by ``use_panels``); the layers repack in the order a step runs them, so their panels lie
+    in that order. Nothing when a layer is already on panels (a refresh) or none fits."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if any(m.panels for m in layers):
+        return
+    fits = [m for m in layers if m.panels_fit()]
+    if not fits:
+        return
+    from qwen_ops.ops.kernels import cpu
+
+    arena = cpu.HugePageArena(sum(a8_panel_bytes(m) + 64 for m in fits))
+    for m in fits:
+        m.__dict__["panel_arena"] = arena
 
 
 def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:

@@ -379,6 +379,27 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
+class HugePageArena:
+    """One ``huge_page_empty`` buffer of ``nbytes`` handed out in order (``take``): the weights a model's
+    step streams one after another, laid out in that order on 2 MB pages, small layers included (a
+    tensor of its own under 2 MB gets none), and a product's prefetch running past its end finds the
+    next one's first bytes. Its pages become resident as they are written; the buffer lives as long as
+    any tensor taken from it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = huge_page_empty((max(1, nbytes),), torch.uint8)
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """An uninitialized tensor of the next bytes (64-byte aligned), or None when they do not fit."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.used // 64) * 64
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.used = start + nbytes
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+
 def int8_dot_products() -> bool:
     """Whether the int8-activation products (``linear_int8_a8`` / ``linear_int4_a8``) run AVX512-VNNI
     integer dot products on this CPU; without, they run a portable loop that is correct but tens of
