@@ -2861,8 +2861,8 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8p_amx(
 
 /* a8_quantize's digits, units and sums (the same bits) of fp32 or (x_bf16) bf16 rows x, vectorized:
  * per call it is a few us of a one-row product that streams 1-6 MB in 70-450 us. */
-static void a8p_quantize(const void *x, int x_bf16, int64_t xs, int64_t M, int64_t K, int64_t ab, int8_t *d,
-                         float *unit, int32_t *dsum) {
+static int a8p_quantize(const void *x, int x_bf16, int64_t xs, int64_t M, int64_t K, int64_t ab, int8_t *d,
+                        float *unit, int32_t *dsum) {
     const int64_t nb = K / ab;
 #if QWEN_AVX512
     const __m512 top = _mm512_set1_ps(3.4028234663852886e38f);
@@ -2900,14 +2900,17 @@ static void a8p_quantize(const void *x, int x_bf16, int64_t xs, int64_t M, int64
 #undef A8P_LOAD
             dsum[m * nb + b] = _mm512_reduce_add_epi32(total);
         }
+    return 0;
 #else
     float *row = malloc(sizeof(float) * (size_t)K);
+    if (row == NULL) return -1;
     for (int64_t m = 0; m < M; ++m) {
         if (x_bf16) bf16_row_to_f32((const uint16_t *)x + m * xs, K, row);
         else memcpy(row, (const float *)x + m * xs, sizeof(float) * (size_t)K);
         a8_quantize(row, K, 1, K, ab, d + m * K, NULL, 64, unit + m * nb, dsum + m * nb);
     }
     free(row);
+    return 0;
 #endif
 }
 
@@ -2938,7 +2941,10 @@ int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, i
         }
     }
 #endif
-    a8p_quantize(x, (int)x_bf16, xs, M, K, ab, d, unit, dsum);
+    if (a8p_quantize(x, (int)x_bf16, xs, M, K, ab, d, unit, dsum) != 0) {
+        free(d);
+        return -1;
+    }
     int64_t done = 0;   /* panels 0 .. done - 1 written by the vector paths */
 #if QWEN_A8_VNNI
     if (!portable && ab % (kind == 0 ? 4 : 8) == 0) {
