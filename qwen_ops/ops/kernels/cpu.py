@@ -49,24 +49,6 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
 _ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
-def linear_a8_panels_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                         bias: Optional[torch.Tensor], out_features: int, portable: bool = False) -> torch.Tensor:
-    """qwen_linear_a8_panels on validated tensors (``linear_a8_panels``: int8 when ``zeros`` is None, else
-    int4); ``portable`` runs the scalar loop (the tests' check that every path computes the same bits)."""
-    kind = 0 if zeros is None else 1
-    k = weight.shape[1] * (4 if kind == 0 else 8)
-    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()      # fp32 and bf16 rows as they are
-    bf16 = xf.dtype == torch.bfloat16
-    out = torch.empty((x.shape[0], out_features), dtype=xf.dtype)
-    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), int(bf16), x.shape[0], weight.data_ptr(),
-                                       scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
-                                       k // scales.shape[1], None if bias is None else bias.data_ptr(), out_features,
-                                       k, out.data_ptr(), out_features, int(bf16), torch.get_num_threads(),
-                                       int(portable)):
-        _status(-1, "linear_a8_panels")
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
@@ -482,6 +464,24 @@ def linear_quant_a8_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales
                                       out.data_ptr(), out_features, torch.get_num_threads(), int(portable)):
         _status(-1, "linear quant a8")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def linear_a8_panels_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor], out_features: int, portable: bool = False) -> torch.Tensor:
+    """qwen_linear_a8_panels on validated tensors (``linear_a8_panels``: int8 when ``zeros`` is None, else
+    int4); ``portable`` runs the scalar loop (the tests' check that every path computes the same bits)."""
+    kind = 0 if zeros is None else 1
+    k = weight.shape[1] * (4 if kind == 0 else 8)
+    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()      # fp32 and bf16 rows as they are
+    bf16 = xf.dtype == torch.bfloat16
+    out = torch.empty((x.shape[0], out_features), dtype=xf.dtype)
+    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), int(bf16), x.shape[0], weight.data_ptr(),
+                                       scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+                                       k // scales.shape[1], None if bias is None else bias.data_ptr(), out_features,
+                                       k, out.data_ptr(), out_features, int(bf16), torch.get_num_threads(),
+                                       int(portable)):
+        _status(-1, "linear_a8_panels")
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _norm(x, residual, weight, eps):
