@@ -308,10 +308,8 @@ class QuantLinear(nn.Module):
         then read slices of the panels, so the rows' copy is freed. The panels come from the
         ``panel_arena`` the model gave this layer or its parts (``attach_panel_arena``), if any. Returns
         whether the layer runs on panels."""
-        arena = next((m.__dict__.pop("panel_arena", None) for m in (self, *parts) if "panel_arena" in m.__dict__),
-                     None)
-        for m in (self, *parts):
-            m.__dict__.pop("panel_arena", None)
+        arenas = [m.__dict__.pop("panel_arena", None) for m in (self, *parts)]     # each layer drops its own
+        arena = next((a for a in arenas if a is not None), None)
         if not self.panels:
             if not self.panels_fit() or any(m.out_features % PANEL for m in parts):
                 return False

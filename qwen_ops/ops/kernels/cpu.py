@@ -348,7 +348,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     so nothing is resident beyond the tensor's bytes). A one-row product streams its weights once a
     step, and on 4 KB pages every 4 KB costs a TLB miss: the int8 / int4 panels read 10-15% faster
     from huge pages on the AMX Xeon (benchmarks/README.md). Elsewhere, or under 2 MB: ``torch.empty``."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # not shmem
@@ -374,7 +374,7 @@ class HugePageArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
         """An uninitialized tensor of the next bytes (64-byte aligned), or None when they do not fit."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self.used // 64) * 64
         if start + nbytes > self.buffer.numel():
             return None

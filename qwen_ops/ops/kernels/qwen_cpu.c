@@ -1137,8 +1137,9 @@ static inline __attribute__((always_inline)) QWEN_AMX_TARGET void amx_load_b_tai
     _tile_loadd(7, tail + 512, 64);
 }
 
-/* The start of a product: the C tiles tmm0-3 zeroed, after the inputs' writes (the barrier). */
-static inline __attribute__((always_inline)) QWEN_AMX_TARGET void amx_zero_c(void) {
+/* The start of a product: the C tiles tmm0-3 zeroed, after the inputs' writes (the barrier). Only
+ * amx-tile, so that the bf16 and the int8 kernels both inline it. */
+static inline __attribute__((always_inline, target("amx-tile"))) void amx_zero_c(void) {
     AMX_MEMORY();
     _tile_zero(0);
     _tile_zero(1);
@@ -2783,10 +2784,7 @@ static __attribute__((target("amx-tile,amx-int8"))) void a8p_amx_rows(
     for (int i = 0; i < 16 * 64; ++i) acc[i] = 0.0f;
     const __m512i m0f = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_c();   /* and the barrier: d was just written, and the A tile loads name no memory */
         for (int64_t k = b * ab; k < (b + 1) * ab; k += 64) {
             _tile_loadd(4, d + k, K);
 #define A8P_TDP(V)                                                                                              \
