@@ -367,9 +367,10 @@ def _panels(kind: str, w: tuple) -> tuple:
 def test_a8_panels_compute_the_rows_products_bits_on_every_path(kind, tmp_path, monkeypatch):
     """linear_a8_panels against the rows' op contract (the float64 oracle, and the rows' reference bit for
     bit: the same arithmetic in the same order), on fresh random weights, with the output poisoned:
-    1-4 rows (the VNNI streams), 5, 17 and 21 (AMX tiles where the CPU has them: a block of 16 and a
-    tail; VNNI in a library forced to it), partial panels (N = 200, 70), group sizes of 128, 32 and the
-    whole row, one and two threads, and the portable loop."""
+    1-4 rows (the VNNI streams; one row takes two panels at a time, so N = 200 and 140 give a thread
+    pairs only, and pairs and a single panel), 5, 17 and 21 (AMX tiles where the CPU has them: a block
+    of 16 and a tail; VNNI in a library forced to it), partial panels (N = 200, 140, 70), group sizes of
+    128, 32 and the whole row, one and two threads, and the portable loop."""
     if cpu._compiler() is None:
         pytest.skip("needs the C kernels")
     code = 0 if kind == "int8" else 1
@@ -384,7 +385,7 @@ def test_a8_panels_compute_the_rows_products_bits_on_every_path(kind, tmp_path, 
                                        and " amx_tile" in flags)
         for seed, (rows, n, k, groups) in enumerate([(1, 200, 256, 2), (2, 70, 512, 16), (3, 128, 384, 1),
                                                       (4, 64, 256, 2), (5, 200, 256, 2), (17, 70, 512, 16),
-                                                      (21, 128, 384, 1)]):
+                                                      (21, 128, 384, 1), (1, 140, 512, 16)]):
             x, w, bias = _case(kind, rows, n, k, groups, seed=seed)
             panels = _panels(kind, w)
             want = RQ.REFERENCES[f"{kind}_a8"](x, *w, bias)
