@@ -298,6 +298,18 @@ def test_slot_attention_gqa_and_gate(backend, scenario, group, gate, device):
     check_attention(backend, case, torch.float16)
 
 
+@pytest.mark.parametrize("head_dim", [80, 128])
+@pytest.mark.parametrize("group", [2, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_slot_attention_vector_paths(backend, dtype, group, head_dim, device):
+    """The CPU kernel's vector paths on fp32 and bf16 caches as stored: query heads per kv head in
+    fours, twos and ones (7 = 4 + 2 + 1; Qwen3-0.6B has 2), a head dim with a register
+    accumulator (128) and one without (80)."""
+    case = make_attention_case("mixed", dtype=dtype, device=device, group=group, head_dim=head_dim, gate=False,
+                               seed=15)
+    check_attention(backend, case, dtype)
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("scenario", DECODE_AND_MIXED)
 def test_slot_attention_head_dims(backend, scenario, head_dim, device):

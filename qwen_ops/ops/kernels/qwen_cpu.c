@@ -208,54 +208,98 @@ static inline __attribute__((always_inline)) __m128 sum4_avx512(__m512 a0, __m51
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* The four dot products q4[g*D ..] . k for g < 4 at once: one FMA chain per head, then a
- * shuffle network that sums the four vectors into [s0, s1, s2, s3] (no scalar reduction chains). */
-static inline __attribute__((always_inline)) __m128 dot4_avx512(const float *q4, const float *k, int64_t D) {
+/* 16 elements of a cache row from element i, as fp32: an fp32 row as it is, a bf16 row widened (exact). */
+static inline __attribute__((always_inline)) __m512 cache16_ps(const void *row, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The dot products q4[g*D ..] . k for g < NQ (1, 2 or 4 heads sharing a kv head) at once: one FMA
+ * chain per head, then a shuffle network that sums them into lanes 0 .. NQ - 1 (no scalar
+ * reduction chains). k: an fp32 or (bf16) bf16 cache row. */
+static inline __attribute__((always_inline)) __m128 dotq_avx512(const float *q4, const void *k, int bf16, int64_t D,
+                                                                const int NQ) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-        const __m512 kv = _mm512_loadu_ps(k + d);
+        const __m512 kv = cache16_ps(k, d, bf16);
         a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + d), kv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + D + d), kv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 2 * D + d), kv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 3 * D + d), kv, a3);
+        if (NQ > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + D + d), kv, a1);
+        if (NQ > 2) {
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 2 * D + d), kv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 3 * D + d), kv, a3);
+        }
     }
     return sum4_avx512(a0, a1, a2, a3);
 }
 
-/* out[0:D] = sum_t p[t] v_t over t < n, v_t = the row of head offset off_h at position t, read
- * through the block table; the accumulator stays in registers (NV = D / 16 of them). */
-static inline __attribute__((always_inline)) void wsum_avx512(float *out, const float *p, const float *cache,
+/* scores[g * ld] = q[g*D ..] . k for the G query heads of one kv head, four, two, then one at a time. */
+static inline __attribute__((always_inline)) void scores_avx512(const float *q, const void *k, int bf16, int64_t D,
+                                                                int64_t G, float *scores, int64_t ld) {
+    int64_t g = 0;
+    float s4[4];
+    for (; g + 4 <= G; g += 4) {
+        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 4));
+        for (int e = 0; e < 4; ++e) scores[(g + e) * ld] = s4[e];
+    }
+    for (; g + 2 <= G; g += 2) {
+        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 2));
+        scores[g * ld] = s4[0];
+        scores[(g + 1) * ld] = s4[1];
+    }
+    if (g < G) {
+        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 1));
+        scores[g * ld] = s4[0];
+    }
+}
+
+/* out[0:D] = sum_t p[t] v_t over t < n, v_t = the row of head offset off_h (elements) at position t,
+ * read through the block table from an fp32 or (bf16) bf16 cache; the accumulator stays in registers
+ * (NV = D / 16 of them). */
+static inline __attribute__((always_inline)) void wsum_avx512(float *out, const float *p, const void *cache, int bf16,
                                                               const int32_t *blocks, int64_t bt_s1, int64_t block_size,
                                                               int64_t sb, int64_t sr, int64_t off_h, int64_t n,
                                                               const int NV) {
+    const int64_t elem = bf16 ? 2 : 4;
     __m512 acc[16];
     for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t t = 0, b = 0; t < n; ++b) {
-        const float *base = cache + blocks[b * bt_s1] * sb + off_h;
+        const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
         const int64_t rows = rows_in_block(n, t, block_size);
         for (int64_t r = 0; r < rows; ++r, ++t) {
-            const float *v = base + r * sr;
+            const void *v = base + r * sr * elem;
             const __m512 pt = _mm512_set1_ps(p[t]);
-            for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), acc[c]);
+            for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(pt, cache16_ps(v, 16 * c, bf16), acc[c]);
         }
     }
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
-static void wsum_any_avx512(float *out, const float *p, const float *cache, const int32_t *blocks, int64_t bt_s1,
-                            int64_t block_size, int64_t sb, int64_t sr, int64_t off_h, int64_t n, int64_t D) {
+static void wsum_any_avx512(float *out, const float *p, const void *cache, int bf16, const int32_t *blocks,
+                            int64_t bt_s1, int64_t block_size, int64_t sb, int64_t sr, int64_t off_h, int64_t n,
+                            int64_t D) {
     switch (D) {   /* constant trip counts: the accumulators are registers */
-        case 32: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 2); return;
-        case 64: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 4); return;
-        case 128: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 8); return;
-        case 256: wsum_avx512(out, p, cache, blocks, bt_s1, block_size, sb, sr, off_h, n, 16); return;
+        case 32: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 2); return;
+        case 64: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 4); return;
+        case 128: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 8); return;
+        case 256: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 16); return;
         default: break;
     }
     memset(out, 0, sizeof(float) * (size_t)D);
+    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t t = 0, b = 0; t < n; ++b) {
-        const float *base = cache + blocks[b * bt_s1] * sb + off_h;
+        const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
         const int64_t rows = rows_in_block(n, t, block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t) axpy_n(out, p[t], base + r * sr, D);
+        for (int64_t r = 0; r < rows; ++r, ++t) {
+            if (!bf16) {
+                axpy_n(out, p[t], (const float *)(const void *)(base + r * sr * elem), D);
+                continue;
+            }
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            for (int64_t c = 0; c < D; c += 16)
+                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, 1),
+                                                          _mm512_loadu_ps(out + c)));
+        }
     }
 }
 #define QWEN_AVX512 1
@@ -308,7 +352,8 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
     float *acc = q + H * D;
     float *row = acc + H * D;
 #if QWEN_AVX512
-    const int fast = dtype == 0 && D % 16 == 0;
+    /* fp32 and bf16 caches, head dims of 16s: vector dot products and weighted sums on the rows as stored */
+    const int fast = (dtype == 0 || dtype == 2) && D % 16 == 0, bf16 = dtype == 2;
 #endif
 
     for (int64_t i = 0; i < num_seqs; ++i) {
@@ -337,17 +382,16 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                                    k_sr, row_elems, elem);
                 for (int64_t r = 0; r < rows; ++r, ++t) {
                     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                        const float *k = cache_row(key_cache, block * k_sb + r * k_sr + kh * k_sh, dtype, D, row);
-                        int64_t g = 0;
+                        const int64_t at = block * k_sb + r * k_sr + kh * k_sh;
 #if QWEN_AVX512
-                        if (fast)
-                            for (; g + 4 <= G; g += 4) {
-                                float s4[4];
-                                _mm_storeu_ps(s4, dot4_avx512(q + (kh * G + g) * D, k, D));
-                                for (int64_t e = 0; e < 4; ++e) scores[(kh * G + g + e) * max_len + t] = s4[e];
-                            }
+                        if (fast) {
+                            scores_avx512(q + kh * G * D, (const char *)key_cache + at * elem, bf16, D, G,
+                                          scores + kh * G * max_len + t, max_len);
+                            continue;
+                        }
 #endif
-                        for (; g < G; ++g)
+                        const float *k = cache_row(key_cache, at, dtype, D, row);
+                        for (int64_t g = 0; g < G; ++g)
                             scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
                     }
                 }
@@ -373,7 +417,7 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
 #if QWEN_AVX512
             if (fast) {
                 for (int64_t h = 0; h < H; ++h)
-                    wsum_any_avx512(acc + h * D, scores + h * max_len, (const float *)value_cache, blocks, bt_s1,
+                    wsum_any_avx512(acc + h * D, scores + h * max_len, value_cache, bf16, blocks, bt_s1,
                                     block_size, v_sb, v_sr, (h / G) * v_sh, n, D);
                 goto weighted_sum_done;
             }
@@ -2666,6 +2710,9 @@ static void a8p_rows_portable(int kind, const int8_t *d, const float *unit, cons
 /* One row runs two panels at a time (a8p_vnni_pair): on the AMX Xeon VM a model step's one-row products
  * read 13.8-14.2 GB/s against 12.8-13.0 one panel at a time (int4; int8 +5-8%), 92% of the probe.
  * -DA8P_PAIRS=0 builds the one-panel path for comparison. */
+#ifndef A8P_FIRST_ALL
+#define A8P_FIRST_ALL 1
+#endif
 #ifndef A8P_PAIRS
 #define A8P_PAIRS 1
 #endif
@@ -2820,6 +2867,20 @@ static const a8p_panel_kernel A8P_PANELS[2][5] = {
     {NULL, a8p_panel_0_1, a8p_panel_0_2, a8p_panel_0_3, a8p_panel_0_4},
     {NULL, a8p_panel_1_1, a8p_panel_1_2, a8p_panel_1_3, a8p_panel_1_4},
 };
+#define A8P_PAIR(KIND)                                                                                          \
+    static void a8p_pair_##KIND(const int8_t *d, const float *unit, const int32_t *dsum, int64_t K, int64_t ab,    \
+                                int64_t g, const uint8_t *w, const float *s, const uint8_t *z, const float *bias,    \
+                                int64_t p, int64_t N, float *y) {                                                   \
+        const int64_t G = K / g, panel_bytes = KIND == 0 ? 64 * K : 32 * K;                                        \
+        __m512 acc[2][4][4];                                                                                     \
+        for (int h = 0; h < 2; ++h)                                                                              \
+            for (int v = 0; v < 4; ++v) acc[h][0][v] = _mm512_setzero_ps();                                      \
+        a8p_vnni_pair(KIND, d, unit, dsum, K, ab, g, w + p * panel_bytes, panel_bytes, s + p * G * 64,          \
+                      KIND == 0 ? NULL : z + p * G * 64, G, acc);                                                \
+        for (int h = 0; h < 2; ++h) a8p_store(1, 4, 0, acc[h], bias, p + h, N, y, 0);                            \
+    }
+A8P_PAIR(0) A8P_PAIR(1)
+#undef A8P_PAIR
 
 #if QWEN_AMX
 /* tmm0-3: C, R rows x 16 features (int32) each; tmm4: A, R rows x 64 digits; tmm5: B, 16 quads x 16 features. */
@@ -2974,21 +3035,6 @@ static int a8p_quantize(const void *x, int x_bf16, int64_t xs, int64_t M, int64_
 #endif
 }
 
-#define A8P_PAIR(KIND)                                                                                          \
-    static void a8p_pair_##KIND(const int8_t *d, const float *unit, const int32_t *dsum, int64_t K, int64_t ab,    \
-                                int64_t g, const uint8_t *w, const float *s, const uint8_t *z, const float *bias,    \
-                                int64_t p, int64_t N, float *y) {                                                   \
-        const int64_t G = K / g, panel_bytes = KIND == 0 ? 64 * K : 32 * K;                                        \
-        __m512 acc[2][4][4];                                                                                     \
-        for (int h = 0; h < 2; ++h)                                                                              \
-            for (int v = 0; v < 4; ++v) acc[h][0][v] = _mm512_setzero_ps();                                      \
-        a8p_vnni_pair(KIND, d, unit, dsum, K, ab, g, w + p * panel_bytes, panel_bytes, s + p * G * 64,          \
-                      KIND == 0 ? NULL : z + p * G * 64, G, acc);                                                \
-        for (int h = 0; h < 2; ++h) a8p_store(1, 4, 0, acc[h], bias, p + h, N, y, 0);                            \
-    }
-A8P_PAIR(0) A8P_PAIR(1)
-#undef A8P_PAIR
-
 /* The entry point of linear_a8_panels: kind 0 int8, 1 int4 (z its zeros, else NULL); w, s, z as above
  * with P = ceil(N / 64) panels. Returns 0, or -1 when scratch memory could not be allocated. */
 int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, int64_t M, const uint8_t *w,
@@ -3009,7 +3055,7 @@ int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, i
      * the streams' own prefetch runs A8P_AHEAD bytes ahead of their loads, so their first bytes come late. */
     if (!portable && M <= 4) {
         const int64_t panel_bytes = kind == 0 ? 64 * K : 32 * K;
-        for (int64_t t = 0; t < threads; ++t) {
+        for (int64_t t = 0; t < (A8P_FIRST_ALL ? threads : 1); ++t) {
             const int64_t first = P * t / threads * panel_bytes, left = P * panel_bytes - first;
             for (int64_t l = 0; l < (left < A8P_AHEAD ? left : A8P_AHEAD); l += 64)
                 _mm_prefetch((const char *)(w + first + l), _MM_HINT_T1);
