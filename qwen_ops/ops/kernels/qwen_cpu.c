@@ -2710,9 +2710,6 @@ static void a8p_rows_portable(int kind, const int8_t *d, const float *unit, cons
 /* One row runs two panels at a time (a8p_vnni_pair): on the AMX Xeon VM a model step's one-row products
  * read 13.8-14.2 GB/s against 12.8-13.0 one panel at a time (int4; int8 +5-8%), 92% of the probe.
  * -DA8P_PAIRS=0 builds the one-panel path for comparison. */
-#ifndef A8P_FIRST_ALL
-#define A8P_FIRST_ALL 1
-#endif
 #ifndef A8P_PAIRS
 #define A8P_PAIRS 1
 #endif
@@ -3055,7 +3052,7 @@ int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, i
      * the streams' own prefetch runs A8P_AHEAD bytes ahead of their loads, so their first bytes come late. */
     if (!portable && M <= 4) {
         const int64_t panel_bytes = kind == 0 ? 64 * K : 32 * K;
-        for (int64_t t = 0; t < (A8P_FIRST_ALL ? threads : 1); ++t) {
+        for (int64_t t = 0; t < threads; ++t) {
             const int64_t first = P * t / threads * panel_bytes, left = P * panel_bytes - first;
             for (int64_t l = 0; l < (left < A8P_AHEAD ? left : A8P_AHEAD); l += 64)
                 _mm_prefetch((const char *)(w + first + l), _MM_HINT_T1);
