@@ -6,9 +6,9 @@ in the GPTQ (4 and 8 bits) and AWQ layouts (group 128), one process, one variant
         [--checkpoint DIR]    (a smoke run on another full-precision checkpoint)
 
 For each variant and thread count:
-- decode alone: the median 1-request ``decode_step`` (tokens/s, as llama-bench's tg), the bytes of
-  weights one step reads (quantized buffers, packed panels, norm vectors, the LM head) and that
-  as a fraction of the machine's read bandwidth, measured between the steps (``read_bandwidth_probe``);
+- decode alone: the median 1-request ``decode_step``, steps back to back (tokens/s, as llama-bench's tg),
+  the bytes of weights one step reads (quantized buffers, packed panels, norm vectors, the LM head) and that
+  as a fraction of the machine's read bandwidth, measured before and after the steps (``read_bandwidth_probe``);
 - end to end: ``LLM.generate`` of 1 and 8 requests (32-token prompts, 16 new tokens, greedy,
   ignore_eos): generated tokens over the wall time of the call, median of ``--reps``;
 - tokens: the quantized model's greedy tokens (8 requests) against the same model with its quantized
@@ -130,13 +130,16 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     slot = eng.allocate_slot("bench_quant")
     vocab = eng.vocab_size
     tok = eng.prefill(prompts(1, 32, vocab)[0], slot_id=slot).next_token
-    times, bws = [], []
+    # The steps back to back, as llama-bench's tg runs them (a 1 GiB probe between steps evicts what a
+    # step leaves in the caches for the next; the AMX VM reports a 480 MB L3); the probe three times
+    # before and after them.
+    times, bws = [], [probe() for _ in range(3)]
     for i in range(steps + 1):
         t = time.perf_counter()
         tok = eng.decode_step(tok, slot_id=slot).next_token
         if i:
             times.append(time.perf_counter() - t)
-            bws.append(probe())
+    bws += [probe() for _ in range(3)]
     eng.free_slot(slot)
     step = statistics.median(times)
     row.update(decode_tok_s=1 / step, read_gb_s=statistics.median(bws) / 1e9,
@@ -211,8 +214,8 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
     """Item 3's figure: the one-row int8 / int4 (groups of 128) products of the 0.6B model's shapes, each
     streaming ``total_mb`` MB of distinct weights (so from DRAM), as ``linear_*_a8`` rows and as
     ``linear_a8_panels`` (what the layers run on VNNI CPUs; one ``HugePageArena`` as a model's), against the
-    read-bandwidth probe measured
-    between them: GB/s of weights, medians of ``rounds`` alternating rounds (this VM's bandwidth drifts)."""
+    read-bandwidth probe measured between them: GB/s of the bytes a product reads (weights, scales and int4's
+    zeros), medians of ``rounds`` alternating rounds (this VM's bandwidth drifts)."""
     from qwen_ops.models.quant import pack_a8_panels
     from qwen_ops.ops.kernels import cpu
 
@@ -250,7 +253,8 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
                     fn()
                     times[key].append(time.perf_counter() - t0)
                 times["probe"].append(probe())
-            nbytes = copies * q.numel()
+            # every byte a product reads: the weights, their scales and (int4) zeros (the same in both layouts)
+            nbytes = copies * (q.numel() + 4 * s.numel() + (0 if z is None else z.numel()))
             bw = statistics.median(times["probe"])
             row = {"kind": kind, "shape": name, "n": n, "k": k, "threads": threads, "probe_gb_s": bw / 1e9}
             for key in ("rows", "panels"):
