@@ -216,7 +216,7 @@ static inline void prefetch_kv_row(const void *key_cache, const void *value_cach
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* AVX-512 paths for fp32 caches with head_dim a multiple of 16 (every Qwen head dim). */
+/* AVX-512 paths for fp32 and bf16 caches with head_dim a multiple of 16 (every Qwen head dim). */
 
 /* [sum(a0), sum(a1), sum(a2), sum(a3)] of four 16-lane vectors, by a shuffle network. */
 static inline __attribute__((always_inline)) __m128 sum4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -387,8 +387,7 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                 for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
             }
             /* scores[h][t] = q_h . k_t, with the key and value rows ATTN_AHEAD positions ahead prefetched
-             * (the values for the pass after the softmax): a step's caches come from DRAM, and a whole
-             * block's prefetch at once only queued behind itself */
+             * (the values for the pass after the softmax): in a model step the caches come from DRAM */
             for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t) prefetch_kv_row(key_cache, value_cache, blocks, bt_s1,
                                                                              block_size, t, k_sb, k_sr, v_sb, v_sr,
                                                                              row_elems * elem, elem);
