@@ -2721,122 +2721,83 @@ static void a8p_rows_portable(int kind, const int8_t *d, const float *unit, cons
 #ifndef A8P_HINT
 #define A8P_HINT _MM_HINT_T1   /* where that prefetch puts them (T0 at 4 KB ahead measured the same) */
 #endif
-/* One row runs two panels at a time (a8p_vnni_pair): on the AMX Xeon VM a model step's one-row products
+/* One row runs two panels at a time (a8p_vnni with NP = 2): on the AMX Xeon VM a model step's one-row products
  * read 13.8-14.2 GB/s against 12.8-13.0 one panel at a time (int4; int8 +5-8%), 92% of the probe.
  * -DA8P_PAIRS=0 builds the one-panel path for comparison. */
 #ifndef A8P_PAIRS
 #define A8P_PAIRS 1
 #endif
-/* Rows m < MR (MR <= 4) of panel p, vectors v0 .. v0 + NV - 1 (16 features each): acc[m][v] += the
- * panel's products, block by block. One row: NV = 4 and int4's low and high nibbles in accumulators
- * of their own (the high ones masked in place, worth 16x: a shift a block instead of one a load). */
+/* Rows m < MR (MR <= 4) of NP (1 or 2) consecutive panels (panel h's weights at wp + h pb, its scales
+ * and zeros at sp / zp + h sg), vectors v0 .. v0 + NV - 1 (16 features each): acc[h][m][v] += the
+ * panels' products, block by block. One row: NV = 4 and int4's low and high nibbles in accumulators
+ * of their own (the high ones masked in place, worth 16x: a shift a block instead of one a load); and
+ * two panels side by side (NP = 2): two streams a panel apart, which the L2's streamer follows at once,
+ * where one stream alone keeps too few lines in flight to read at the DRAM's rate on one core. Per
+ * feature the operations and their order are the same whatever NP. */
 static inline __attribute__((always_inline)) void a8p_vnni(
-        int kind, int MR, int NV, int v0, const int8_t *d, const float *unit, const int32_t *dsum, int64_t K,
-        int64_t ab, int64_t g, const uint8_t *wp, const float *sp, const uint8_t *zp, __m512 acc[4][4]) {
+        int kind, int NP, int MR, int NV, int v0, const int8_t *d, const float *unit, const int32_t *dsum, int64_t K,
+        int64_t ab, int64_t g, const uint8_t *wp, int64_t pb, const float *sp, const uint8_t *zp, int64_t sg,
+        __m512 acc[][4][4]) {
     const int64_t nb = K / ab;
     const __m512i m0f = _mm512_set1_epi8(15), mf0 = _mm512_set1_epi8((char)0xf0);
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i lo[4][4], hi[4];
-        for (int m = 0; m < MR; ++m)
-            for (int v = 0; v < NV; ++v) lo[m][v] = _mm512_setzero_si512();
-        for (int v = 0; v < NV; ++v) hi[v] = _mm512_setzero_si512();
+        __m512i lo[2][4][4], hi[2][4];
+        for (int h = 0; h < NP; ++h)
+            for (int v = 0; v < NV; ++v) {
+                hi[h][v] = _mm512_setzero_si512();
+                for (int m = 0; m < MR; ++m) lo[h][m][v] = _mm512_setzero_si512();
+            }
         if (kind == 0) {
             for (int64_t kq = b * ab / 4; kq < (b + 1) * ab / 4; ++kq) {
-                const uint8_t *wq = wp + kq * 256 + 64 * v0;
-                for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wq + A8P_AHEAD + 64 * v), A8P_HINT);
                 __m512i xb[4];
                 for (int m = 0; m < MR; ++m) xb[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 4 * kq));
-                for (int v = 0; v < NV; ++v) {
-                    const __m512i wv = _mm512_loadu_si512((const void *)(wq + 64 * v));
-                    for (int m = 0; m < MR; ++m) lo[m][v] = _mm512_dpbusd_epi32(lo[m][v], wv, xb[m]);
+                for (int h = 0; h < NP; ++h) {
+                    const uint8_t *wq = wp + h * pb + kq * 256 + 64 * v0;
+                    for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wq + A8P_AHEAD + 64 * v), A8P_HINT);
+                    for (int v = 0; v < NV; ++v) {
+                        const __m512i wv = _mm512_loadu_si512((const void *)(wq + 64 * v));
+                        for (int m = 0; m < MR; ++m) lo[h][m][v] = _mm512_dpbusd_epi32(lo[h][m][v], wv, xb[m]);
+                    }
                 }
             }
         } else {
             for (int64_t o = b * ab / 8; o < (b + 1) * ab / 8; ++o) {
-                const uint8_t *wo = wp + o * 256 + 64 * v0;
-                for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wo + A8P_AHEAD + 64 * v), A8P_HINT);
                 __m512i xl[4], xh[4];
                 for (int m = 0; m < MR; ++m) {
                     xl[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 8 * o));
                     xh[m] = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + m * K + 8 * o + 4));
                 }
-                for (int v = 0; v < NV; ++v) {
-                    const __m512i wv = _mm512_loadu_si512((const void *)(wo + 64 * v));
-                    if (MR == 1) {
-                        lo[0][v] = _mm512_dpbusd_epi32(lo[0][v], _mm512_and_si512(wv, m0f), xl[0]);
-                        hi[v] = _mm512_dpbusd_epi32(hi[v], _mm512_and_si512(wv, mf0), xh[0]);
-                    } else {
-                        const __m512i l = _mm512_and_si512(wv, m0f), h = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m0f);
-                        for (int m = 0; m < MR; ++m)
-                            lo[m][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[m][v], l, xl[m]), h, xh[m]);
+                for (int h = 0; h < NP; ++h) {
+                    const uint8_t *wo = wp + h * pb + o * 256 + 64 * v0;
+                    for (int v = 0; v < NV; ++v) _mm_prefetch((const char *)(wo + A8P_AHEAD + 64 * v), A8P_HINT);
+                    for (int v = 0; v < NV; ++v) {
+                        const __m512i wv = _mm512_loadu_si512((const void *)(wo + 64 * v));
+                        if (MR == 1) {
+                            lo[h][0][v] = _mm512_dpbusd_epi32(lo[h][0][v], _mm512_and_si512(wv, m0f), xl[0]);
+                            hi[h][v] = _mm512_dpbusd_epi32(hi[h][v], _mm512_and_si512(wv, mf0), xh[0]);
+                        } else {
+                            const __m512i l = _mm512_and_si512(wv, m0f), hn = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m0f);
+                            for (int m = 0; m < MR; ++m)
+                                lo[h][m][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[h][m][v], l, xl[m]), hn, xh[m]);
+                        }
                     }
                 }
             }
             if (MR == 1)   /* the high nibbles' sums, 16x (exact) */
-                for (int v = 0; v < NV; ++v) lo[0][v] = _mm512_add_epi32(lo[0][v], _mm512_srai_epi32(hi[v], 4));
+                for (int h = 0; h < NP; ++h)
+                    for (int v = 0; v < NV; ++v) lo[h][0][v] = _mm512_add_epi32(lo[h][0][v], _mm512_srai_epi32(hi[h][v], 4));
         }
-        const int64_t at = (b * ab / g) * 64 + 16 * v0;
-        for (int v = 0; v < NV; ++v) {
-            const __m512 sv = _mm512_loadu_ps(sp + at + 16 * v);
-            const __m512 zv = kind == 0 ? _mm512_set1_ps(128.0f)
-                                        : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zp + at + 16 * v))));
-            for (int m = 0; m < MR; ++m) {
-                const __m512 f = _mm512_fnmadd_ps(zv, _mm512_set1_ps((float)dsum[m * nb + b]), _mm512_cvtepi32_ps(lo[m][v]));
-                acc[m][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(sv, _mm512_set1_ps(unit[m * nb + b])), acc[m][v]);
-            }
-        }
-    }
-}
-
-/* One row against two consecutive panels side by side (wp and wp + pb; their scales and zeros
- * G * 64 apart): two streams a panel apart, which the L2's streamer follows at once, where one
- * stream alone keeps too few lines in flight to read at the DRAM's rate on one core. Per feature
- * the operations and their order are a8p_vnni's one-row path's (acc[h][0][v]: panel h, 16 features v). */
-static inline __attribute__((always_inline)) void a8p_vnni_pair(
-        int kind, const int8_t *d, const float *unit, const int32_t *dsum, int64_t K, int64_t ab, int64_t g,
-        const uint8_t *wp, int64_t pb, const float *sp, const uint8_t *zp, int64_t G, __m512 acc[2][4][4]) {
-    const int64_t nb = K / ab;
-    const __m512i m0f = _mm512_set1_epi8(15), mf0 = _mm512_set1_epi8((char)0xf0);
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i lo[2][4], hi[2][4];
-        for (int h = 0; h < 2; ++h)
-            for (int v = 0; v < 4; ++v) lo[h][v] = hi[h][v] = _mm512_setzero_si512();
-        if (kind == 0) {
-            for (int64_t kq = b * ab / 4; kq < (b + 1) * ab / 4; ++kq) {
-                const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + 4 * kq));
-                for (int h = 0; h < 2; ++h) {
-                    const uint8_t *wq = wp + h * pb + kq * 256;
-                    for (int v = 0; v < 4; ++v) _mm_prefetch((const char *)(wq + A8P_AHEAD + 64 * v), A8P_HINT);
-                    for (int v = 0; v < 4; ++v)
-                        lo[h][v] = _mm512_dpbusd_epi32(lo[h][v], _mm512_loadu_si512((const void *)(wq + 64 * v)), xb);
-                }
-            }
-        } else {
-            for (int64_t o = b * ab / 8; o < (b + 1) * ab / 8; ++o) {
-                const __m512i xl = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + 8 * o)),
-                              xh = _mm512_set1_epi32(*(const int32_t *)(const void *)(d + 8 * o + 4));
-                for (int h = 0; h < 2; ++h) {
-                    const uint8_t *wo = wp + h * pb + o * 256;
-                    for (int v = 0; v < 4; ++v) _mm_prefetch((const char *)(wo + A8P_AHEAD + 64 * v), A8P_HINT);
-                    for (int v = 0; v < 4; ++v) {
-                        const __m512i wv = _mm512_loadu_si512((const void *)(wo + 64 * v));
-                        lo[h][v] = _mm512_dpbusd_epi32(lo[h][v], _mm512_and_si512(wv, m0f), xl);
-                        hi[h][v] = _mm512_dpbusd_epi32(hi[h][v], _mm512_and_si512(wv, mf0), xh);
-                    }
-                }
-            }
-            for (int h = 0; h < 2; ++h)   /* the high nibbles' sums, 16x (exact) */
-                for (int v = 0; v < 4; ++v) lo[h][v] = _mm512_add_epi32(lo[h][v], _mm512_srai_epi32(hi[h][v], 4));
-        }
-        const __m512 ds = _mm512_set1_ps((float)dsum[b]), un = _mm512_set1_ps(unit[b]);
-        for (int h = 0; h < 2; ++h)
-            for (int v = 0; v < 4; ++v) {
-                const int64_t at = h * G * 64 + (b * ab / g) * 64 + 16 * v;
+        for (int h = 0; h < NP; ++h)
+            for (int v = 0; v < NV; ++v) {
+                const int64_t at = h * sg + (b * ab / g) * 64 + 16 * (v0 + v);
                 const __m512 sv = _mm512_loadu_ps(sp + at);
                 const __m512 zv = kind == 0 ? _mm512_set1_ps(128.0f)
                                             : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zp + at))));
-                const __m512 f = _mm512_fnmadd_ps(zv, ds, _mm512_cvtepi32_ps(lo[h][v]));
-                acc[h][0][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(sv, un), acc[h][0][v]);
+                for (int m = 0; m < MR; ++m) {
+                    const __m512 f = _mm512_fnmadd_ps(zv, _mm512_set1_ps((float)dsum[m * nb + b]),
+                                                      _mm512_cvtepi32_ps(lo[h][m][v]));
+                    acc[h][m][v] = _mm512_fmadd_ps(f, _mm512_mul_ps(sv, _mm512_set1_ps(unit[m * nb + b])), acc[h][m][v]);
+                }
             }
     }
 }
@@ -2860,12 +2821,12 @@ static inline void a8p_store(int MR, int NV, int v0, __m512 acc[4][4], const flo
         const int NV = MR == 1 ? 4 : 2;                                                                          \
         for (int v0 = 0; v0 < 4; v0 += NV) {                                                                     \
             if (64 * p + 16 * v0 >= N) break;                                                                    \
-            __m512 acc[4][4];                                                                                    \
+            __m512 acc[1][4][4];                                                                                 \
             for (int m = 0; m < 4; ++m)                                                                          \
-                for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();                                     \
-            a8p_vnni(KIND, MR, NV, v0, d, unit, dsum, K, ab, g, w + p * panel_bytes, s + p * G * 64,             \
-                     KIND == 0 ? NULL : z + p * G * 64, acc);                                                    \
-            a8p_store(MR, NV, v0, acc, bias, p, N, y, ys);                                                       \
+                for (int v = 0; v < 4; ++v) acc[0][m][v] = _mm512_setzero_ps();                                  \
+            a8p_vnni(KIND, 1, MR, NV, v0, d, unit, dsum, K, ab, g, w + p * panel_bytes, 0, s + p * G * 64,       \
+                     KIND == 0 ? NULL : z + p * G * 64, 0, acc);                                                 \
+            a8p_store(MR, NV, v0, acc[0], bias, p, N, y, ys);                                                    \
         }                                                                                                        \
     }
 A8P_PANEL(0, 1) A8P_PANEL(0, 2) A8P_PANEL(0, 3) A8P_PANEL(0, 4)
@@ -2886,8 +2847,8 @@ static const a8p_panel_kernel A8P_PANELS[2][5] = {
         __m512 acc[2][4][4];                                                                                     \
         for (int h = 0; h < 2; ++h)                                                                              \
             for (int v = 0; v < 4; ++v) acc[h][0][v] = _mm512_setzero_ps();                                      \
-        a8p_vnni_pair(KIND, d, unit, dsum, K, ab, g, w + p * panel_bytes, panel_bytes, s + p * G * 64,          \
-                      KIND == 0 ? NULL : z + p * G * 64, G, acc);                                                \
+        a8p_vnni(KIND, 2, 1, 4, 0, d, unit, dsum, K, ab, g, w + p * panel_bytes, panel_bytes, s + p * G * 64,   \
+                 KIND == 0 ? NULL : z + p * G * 64, G * 64, acc);                                                \
         for (int h = 0; h < 2; ++h) a8p_store(1, 4, 0, acc[h], bias, p + h, N, y, 0);                            \
     }
 A8P_PAIR(0) A8P_PAIR(1)
