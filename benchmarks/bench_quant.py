@@ -16,7 +16,8 @@ For each variant and thread count:
   mismatch marks the row FAIL and the script exits 1 (with bf16 the count of equal tokens is shown);
 - the peak host memory of loading each GPTQ / AWQ checkpoint, in a fresh process, against its size.
 ``--vs-bf16``: only the one-request decode step of each variant against the bf16 model's, the two
-stepped alternately in one process (the ratio the issue's decode targets name); with ``--compile``
+stepped alternately in blocks of ``--block`` steps in one process (the ratio the issue's decode targets
+name, of the steps that follow a step of the same model; a block's first step apart); with ``--compile``
 both engines compile their decode step (``LLM(compile=True)``).
 ``--one-row``: only the one-row int8 / int4 products of the model's shapes, rows and panels, against the
 measured read bandwidth (the issue's item 3).
@@ -92,7 +93,7 @@ def reference_twin(llm) -> None:
 
     for m in llm.engine.model.modules():
         if isinstance(m, QuantLinear):
-            m._op = m.reference()
+            m.use_references()
 
 
 def load_memory(path: Path, kwargs: dict) -> dict:
@@ -170,37 +171,51 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     return row
 
 
-def decode_vs_bf16(variants, base: Path, threads: int, steps: int, compile: bool = False) -> list[dict]:
+def decode_vs_bf16(variants, base: Path, threads: int, steps: int, compile: bool = False, block: int = 8
+                   ) -> list[dict]:
     """The one-request decode step of each variant against the bf16 model's, the two stepped
     alternately in one process (this VM's read bandwidth drifts by a third between minutes, so a
-    ratio of two sequential measurements is mostly noise): medians of ``steps`` each."""
+    ratio of two sequential measurements is mostly noise), in blocks of ``block`` steps: within a
+    block a model's steps run back to back, as in a decode (and llama-bench's tg), and the ratio is of
+    the medians of those (at least ``steps`` each). A block's first step follows the other model's
+    block, which has evicted what a step leaves in the caches for the next: it is kept apart
+    (``first_ratio``; stepping one step each in turn measures only such steps)."""
     from qwen_ops import LLM
 
+    if block < 2:
+        raise ValueError(f"block = {block}, expected >= 2 (a block's first step is kept apart)")
     torch.set_num_threads(threads)
-    engines = {"bfloat16": LLM(str(base), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
+    rounds = -(-steps // (block - 1))
+    max_len = 32 + (rounds + 1) * block + 8
+    engines = {"bfloat16": LLM(str(base), max_num_seqs=1, max_model_len=max_len, enable_prefix_caching=False,
                                dtype="bfloat16", compile=compile).engine}
     out = []
     for variant in variants:
         path, kwargs = checkpoint_for(variant, base)
-        engines[variant] = LLM(str(path), max_num_seqs=1, max_model_len=32 + steps + 8, enable_prefix_caching=False,
+        engines[variant] = LLM(str(path), max_num_seqs=1, max_model_len=max_len, enable_prefix_caching=False,
                                compile=compile, **kwargs).engine
         state = {}
         for name in ("bfloat16", variant):
             eng = engines[name]
             slot = eng.allocate_slot("vs_bf16")
-            state[name] = [eng, slot, eng.prefill(prompts(1, 32, eng.vocab_size)[0], slot_id=slot).next_token, []]
-        for i in range(steps + 1):
+            state[name] = [eng, slot, eng.prefill(prompts(1, 32, eng.vocab_size)[0], slot_id=slot).next_token,
+                           [], []]
+        for r in range(rounds + 1):          # round 0 warms up
             for name in ("bfloat16", variant):
                 st = state[name]
-                t = time.perf_counter()
-                st[2] = st[0].decode_step(st[2], slot_id=st[1]).next_token
-                if i:
-                    st[3].append(time.perf_counter() - t)
+                for i in range(block):
+                    t = time.perf_counter()
+                    st[2] = st[0].decode_step(st[2], slot_id=st[1]).next_token
+                    if r:
+                        (st[3] if i else st[4]).append(time.perf_counter() - t)
         for name in ("bfloat16", variant):
             state[name][0].free_slot(state[name][1])
-        bf16, var = statistics.median(state["bfloat16"][3]), statistics.median(state[variant][3])
+        (bf16, bf16_first), (var, var_first) = ((statistics.median(state[n][3]), statistics.median(state[n][4]))
+                                                for n in ("bfloat16", variant))
         out.append({"variant": variant, "threads": threads, "bf16_tok_s": 1 / bf16, "tok_s": 1 / var,
-                    "ratio": bf16 / var, "compile": compile})
+                    "ratio": bf16 / var, "first_ratio": bf16_first / var_first, "bf16_first_tok_s": 1 / bf16_first,
+                    "first_tok_s": 1 / var_first, "steps": len(state[variant][3]), "block": block,
+                    "compile": compile})
         del engines[variant]
         gc.collect()
     return out
@@ -278,6 +293,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--vs-bf16", action="store_true",
                         help="only the decode step of each variant against bf16's, stepped alternately")
+    parser.add_argument("--block", type=int, default=8,
+                        help="with --vs-bf16: steps of one model before the other's (a block's first step is kept "
+                             "apart)")
     parser.add_argument("--compile", action="store_true",
                         help="with --vs-bf16: both engines with compile=True (the decode step torch.compiled)")
     parser.add_argument("--one-row", action="store_true",
@@ -297,12 +315,13 @@ def main(argv=None) -> int:
     base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
     if args.vs_bf16:
         rows = [r for threads in args.threads
-                for r in decode_vs_bf16(args.variants, base, threads, 3 * args.steps, args.compile)]
-        print("| variant | threads | engine | bf16 decode (tok/s) | variant decode (tok/s) | ratio |")
-        print("|---|---|---|---|---|---|")
+                for r in decode_vs_bf16(args.variants, base, threads, 3 * args.steps, args.compile, args.block)]
+        print("| variant | threads | engine | bf16 decode (tok/s) | variant decode (tok/s) | ratio | "
+              "a block's first step: ratio |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['variant']} | {r['threads']} | {'compile=True' if r['compile'] else 'eager'} | "
-                  f"{r['bf16_tok_s']:.1f} | {r['tok_s']:.1f} | {r['ratio']:.2f}x |")
+                  f"{r['bf16_tok_s']:.1f} | {r['tok_s']:.1f} | {r['ratio']:.2f}x | {r['first_ratio']:.2f}x |")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0

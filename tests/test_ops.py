@@ -125,7 +125,7 @@ def make_attention_case(scenario: str, *, dtype, device, group: int = 4, num_kv_
                         head_dim: int = 64, block_size=3, gate: bool = True, layout: str = "strided",
                         seed: int = 0) -> AttentionCase:
     gen = torch.Generator().manual_seed(seed)
-    seqs = SCENARIOS[scenario]
+    seqs = SCENARIOS[scenario] if isinstance(scenario, str) else scenario   # a name, or the Seqs themselves
     max_seq_len = max(MAX_SEQ_LEN, max(s.context + s.q_len for s in seqs))
     contiguous = block_size == "max_seq_len"
     block_size = max_seq_len if contiguous else block_size
@@ -308,6 +308,36 @@ def test_slot_attention_vector_paths(backend, dtype, group, head_dim, device):
     case = make_attention_case("mixed", dtype=dtype, device=device, group=group, head_dim=head_dim, gate=False,
                                seed=15)
     check_attention(backend, case, dtype)
+
+
+# The CPU kernel's split over threads: one decode row split by kv heads (3 threads over 4 kv heads:
+# ranges of 1, 1 and 2 heads), and batches of rows split by rows.
+THREAD_CASES = {"lone_decode": (Seq(1, 70, 1),), "decode": SCENARIOS["decode_live"], "mixed": SCENARIOS["mixed"]}
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("gate", [False, True], ids=["plain", "gate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case_name", list(THREAD_CASES))
+def test_slot_attention_threads(case_name, dtype, gate, threads):
+    """The CPU kernel on several threads: against the reference, and the same bits as on one thread
+    (each piece writes its own heads of its own row, in the one-thread order)."""
+    from qwen_ops.ops.backend import why_unavailable
+
+    reason = why_unavailable("cpu", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    case = make_attention_case(THREAD_CASES[case_name], dtype=dtype, device=torch.device("cpu"), group=2,
+                               num_kv_heads=4, head_dim=64, block_size=16, gate=gate, seed=16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_op("cpu", torch.ops.qwen.slot_attention, *case.args())
+        torch.set_num_threads(threads)
+        many = check_attention("cpu", case, dtype)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(many, one), f"{threads} threads differ from one"
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

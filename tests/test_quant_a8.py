@@ -325,6 +325,8 @@ def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys)
     real, real_panels = Q._OPS["int8_a8"], Q.LINEAR_A8_PANELS
     monkeypatch.setitem(Q._OPS, "int8_a8", lambda x, *rest: real(x, *rest) * 1.5)
     monkeypatch.setattr(Q, "LINEAR_A8_PANELS", lambda x, *rest: real_panels(x, *rest) * 1.5)
+    real_silu = Q.SILU_MUL_LINEAR_A8_PANELS
+    monkeypatch.setattr(Q, "SILU_MUL_LINEAR_A8_PANELS", lambda x, *rest: real_silu(x, *rest) * 1.5)
     assert bench.main(args) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -445,6 +447,47 @@ def test_a8_panels_op_contract_and_bad_input(kind):
     assert torch.equal(op(x, panels[0], panels[1], zeros, bias, 128), RQ.REFERENCES[f"{kind}_a8"](x, *w, bias))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_silu_mul_a8_panels_op_contract_and_bad_input(kind):
+    """silu_mul_linear_a8_panels (an MLP's down product on its gate | up rows, one call): against the float64
+    oracle of the panels' contract on silu_mul's reference rows, bit for bit the two ops it stands for, fp32
+    and bf16 rows, one and two threads, opcheck, and errors naming the argument; it keeps working after them."""
+    k, n = 256, 128
+    _, w, bias = _case(kind, 3, n, k, 2, seed=21)
+    panels = _panels(kind, w)
+    g = torch.Generator().manual_seed(22)
+    gate_up = torch.randn(3, 2 * k, generator=g) * (torch.rand(3, 1, generator=g) * 4 + 0.01)
+    op = torch.ops.qwen.silu_mul_linear_a8_panels
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (gate_up, gate_up.bfloat16()):
+                got = op(rows, *panels, bias, n)
+                assert got.dtype == rows.dtype and got.shape == (3, n)
+                h = torch.ops.qwen.silu_mul(rows)
+                assert torch.equal(got, torch.ops.qwen.linear_a8_panels(h, *panels, bias, n)), (threads, rows.dtype)
+                # silu_mul's kernel and reference may differ in an ulp, which can move an activation digit
+                want = RQ.silu_mul_linear_a8_panels_reference(rows, *panels, bias, n)
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * float(want.abs().max()))
+            h = torch.nn.functional.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+            np.testing.assert_allclose(op(gate_up, *panels, bias, n).double().numpy(), _oracle(kind, h.float(), w, bias),
+                                       rtol=1e-5, atol=1e-3)
+    finally:
+        torch.set_num_threads(before)
+    torch.library.opcheck(op.default, (gate_up, *panels, bias, n))
+    with pytest.raises(ValueError, match=r"gate_up has shape \(3, 511\)"):
+        op(gate_up[:, :511].contiguous(), *panels, bias, n)
+    with pytest.raises(ValueError, match=r"gate_up has shape \(3, 256\), expected \[rows, 512\]"):
+        op(gate_up[:, :256].contiguous(), *panels, bias, n)
+    with pytest.raises(ValueError, match=r"gate_up has dtype (torch.float16|Half), expected float32 or bfloat16"):
+        op(gate_up.half(), *panels, bias, n)
+    with pytest.raises(ValueError, match=r"out_features = 0, expected a positive int"):
+        op(gate_up, *panels, bias, 0)
+    assert torch.equal(op(gate_up, *panels, bias, n),
+                       torch.ops.qwen.linear_a8_panels(torch.ops.qwen.silu_mul(gate_up), *panels, bias, n))
+
+
 def test_a8_layers_on_panels_keep_one_copy_and_the_checkpoint_layout(ckpt, monkeypatch):
     """Where VNNI runs the products, w8a8 layers repack into panels once: the fused q|k|v's parts read
     slices of its panels (no second copy of the weights), the state dict still holds the checkpoint's
@@ -465,6 +508,13 @@ def test_a8_layers_on_panels_keep_one_copy_and_the_checkpoint_layout(ckpt, monke
         part = getattr(attn, name)
         assert part.panels and start <= part.qweight.data_ptr() < end
     assert not any(m.panels for m in rows.modules() if isinstance(m, Q.QuantLinear))
+    # the down products take the gate | up rows themselves (silu_mul_linear_a8_panels, one call less)
+    from qwen_ops.models.layers import product_choices
+
+    mlp = panels.get_submodule("model.layers.0.mlp")
+    assert mlp._silu_mul_down == mlp.down_proj.forward_silu_mul
+    assert product_choices(panels)["model.layers.0.mlp.down"].endswith("; silu_mul in the same call")
+    assert not product_choices(rows)["model.layers.0.mlp.down"].endswith("; silu_mul in the same call")
     # every layer's panels in one arena (2 MB pages), in the order a step reads them
     order = [panels.get_submodule(f"model.layers.{i}.{name}") for i in range(2)
              for name in ("self_attn.qkv_quant", "self_attn.o_proj", "mlp.gate_up_quant", "mlp.down_proj")]

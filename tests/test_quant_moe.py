@@ -357,7 +357,7 @@ def test_online_quantization_of_the_experts(method, original_format, tmp_path):
     if method == "w8a8":
         for m in model.modules():
             if isinstance(m, Q.QuantLinear):
-                m._op = m.reference()
+                m.use_references()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(Q.QuantMoeExperts, "forward", lambda self, x, w, i: RQ.fused_moe_quant_reference(
                 x, self.w13, self.w13_scales, self.w13_zeros, self.w2, self.w2_scales, self.w2_zeros, w, i,

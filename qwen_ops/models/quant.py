@@ -188,6 +188,7 @@ _OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linea
         "fp8": torch.ops.qwen.linear_fp8.default, "int8_a8": torch.ops.qwen.linear_int8_a8.default,
         "int4_a8": torch.ops.qwen.linear_int4_a8.default}
 LINEAR_A8_PANELS = torch.ops.qwen.linear_a8_panels.default
+SILU_MUL_LINEAR_A8_PANELS = torch.ops.qwen.silu_mul_linear_a8_panels.default
 
 
 class QuantLinear(nn.Module):
@@ -236,6 +237,7 @@ class QuantLinear(nn.Module):
         # The int8-activation products' CPU layout (use_panels): qweight / scales / zeros then hold
         # linear_a8_panels' 64-feature panels, and the state dict gives them back in the rows' layout.
         self.panels = False
+        self._silu_op = None      # forward_silu_mul's op, with the panels
 
     @classmethod
     def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype) -> "QuantLinear":
@@ -274,6 +276,20 @@ class QuantLinear(nn.Module):
             y = self._op(x2, self.qweight, self.scales, bias, self.block[0], self.block[1])
         return y.view(*shape[:-1], self.out_features)
 
+    def takes_gate_up(self) -> bool:
+        """Whether ``forward_silu_mul`` runs as one op here: a product on panels (``use_panels``) in natural
+        input order, computing in fp32 or bf16 (silu_mul's dtypes)."""
+        return (self.panels and self._silu_op is not None and self.perm is None
+                and self.dtype in (torch.float32, torch.bfloat16))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu_mul(gate_up))`` as one op, ``silu_mul_linear_a8_panels`` (where ``takes_gate_up``): an
+        MLP's down product on its gate | up rows."""
+        bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
+        y = self._silu_op(gate_up.reshape(-1, 2 * self.in_features), self.qweight, self.scales, self.zeros, bias,
+                          self.out_features)
+        return y.view(*gate_up.shape[:-1], self.out_features)
+
     def process_weights_after_loading(self) -> None:
         """The bias as the op takes it (fp32), once."""
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
@@ -284,6 +300,15 @@ class QuantLinear(nn.Module):
         from qwen_ops.ops.kernels import reference_quant as RQ
 
         return RQ.linear_a8_panels_reference if self.panels else RQ.REFERENCES[self.kernel]
+
+    def use_references(self) -> None:
+        """Runs this layer's forward and ``forward_silu_mul`` on the references of their ops (``reference``):
+        the oracle twin that tests and benchmarks build."""
+        from qwen_ops.ops.kernels import reference_quant as RQ
+
+        self._op = self.reference()
+        if self.panels:
+            self._silu_op = RQ.silu_mul_linear_a8_panels_reference
 
     def panels_fit(self) -> bool:
         """Whether this layer's product runs best as ``linear_a8_panels`` here: int8 activations on a CPU
@@ -316,14 +341,14 @@ class QuantLinear(nn.Module):
             with torch.no_grad():
                 self.qweight, self.scales, self.zeros = pack_a8_panels(self.qweight, self.scales, self.zeros,
                                                                        arena=arena)
-            self.panels, self._op = True, LINEAR_A8_PANELS
+            self.panels, self._op, self._silu_op = True, LINEAR_A8_PANELS, SILU_MUL_LINEAR_A8_PANELS
         start = 0
         for m in parts:
             rows = slice(start // PANEL, (start + m.out_features) // PANEL)
             m.qweight, m.scales = self.qweight[rows], self.scales[rows]
             if self.zeros is not None:
                 m.zeros = self.zeros[rows]
-            m.panels, m._op = True, self._op
+            m.panels, m._op, m._silu_op = True, self._op, self._silu_op
             start += m.out_features
         return True
 
@@ -384,7 +409,7 @@ class QuantLinear(nn.Module):
         fused.process_weights_after_loading()
         # The layers now read slices of the fused tensors: no second copy of the weights.
         if first.panels:
-            fused.panels, fused._op = True, first._op
+            fused.panels, fused._op, fused._silu_op = True, first._op, first._silu_op
             fused.use_panels(tuple(layers))
         else:
             start = 0

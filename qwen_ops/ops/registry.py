@@ -423,6 +423,13 @@ def _linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features):
     return _cpu().linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features)
 
 
+def _silu_mul_linear_a8_panels_cpu(gate_up, weight, scales, zeros, bias, out_features):
+    V.check_silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features)
+    if _cpu().why_unavailable() is not None:
+        return RQ.silu_mul_linear_a8_panels_reference(gate_up, weight, scales, zeros, bias, out_features)
+    return _cpu().linear_a8_panels_cpu(_cpu().silu_mul_cpu(gate_up), weight, scales, zeros, bias, out_features)
+
+
 def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _cpu().why_unavailable() is not None:
@@ -476,6 +483,11 @@ def _linear_a8_panels_other(x, weight, scales, zeros, bias, out_features):
     return RQ.linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features)
 
 
+def _silu_mul_linear_a8_panels_other(gate_up, weight, scales, zeros, bias, out_features):
+    V.check_silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features)
+    return RQ.silu_mul_linear_a8_panels_reference(gate_up, weight, scales, zeros, bias, out_features)
+
+
 def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
     if _quant_triton(x) and block_k % 16 == 0:
@@ -489,7 +501,8 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
 # The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by op_library).
 _CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu,
                      "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu,
-                     "linear_a8_panels": _linear_a8_panels_cpu}
+                     "linear_a8_panels": _linear_a8_panels_cpu,
+                     "silu_mul_linear_a8_panels": _silu_mul_linear_a8_panels_cpu}
 
 
 def _first_quant_call(name: str):
@@ -508,7 +521,8 @@ def _first_quant_call(name: str):
 _QUANT_LIB = torch.library.Library(NAMESPACE, "IMPL")
 for _name, _other in (("linear_int8", _linear_int8_other), ("linear_int4", _linear_int4_other),
                       ("linear_fp8", _linear_fp8_other), ("linear_int8_a8", _linear_int8_a8_other),
-                      ("linear_int4_a8", _linear_int4_a8_other), ("linear_a8_panels", _linear_a8_panels_other)):
+                      ("linear_int4_a8", _linear_int4_a8_other), ("linear_a8_panels", _linear_a8_panels_other),
+                      ("silu_mul_linear_a8_panels", _silu_mul_linear_a8_panels_other)):
     _QUANT_LIB.impl(_name, _first_quant_call(_name), "CPU")
     _QUANT_LIB.impl(_name, _other, "CUDA")
 
@@ -534,6 +548,12 @@ torch.library.register_fake(f"{NAMESPACE}::linear_int4_a8", _linear_int4_fake, l
 def _linear_a8_panels_fake(x, weight, scales, zeros, bias, out_features):
     V.check_linear_a8_panels(x, weight, scales, zeros, bias, out_features)
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::silu_mul_linear_a8_panels", lib=_LIB)
+def _silu_mul_linear_a8_panels_fake(gate_up, weight, scales, zeros, bias, out_features):
+    V.check_silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features)
+    return gate_up.new_empty((gate_up.shape[0], out_features))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::linear_fp8", lib=_LIB)
@@ -638,6 +658,13 @@ def linear_a8_panels(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     """``linear_int8_a8`` (``zeros`` None) or ``linear_int4_a8`` on weights in 64-feature panels
     (``qwen_ops.models.quant.pack_a8_panels``): the CPU's layout of those products."""
     return torch.ops.qwen.linear_a8_panels(x, weight, scales, zeros, bias, out_features)
+
+
+def silu_mul_linear_a8_panels(gate_up: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                              zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int
+                              ) -> torch.Tensor:
+    """``linear_a8_panels(silu_mul(gate_up), ...)`` in one call: an MLP's down product on its gate | up rows."""
+    return torch.ops.qwen.silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features)
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: Optional[torch.Tensor],

@@ -637,6 +637,17 @@ def check_linear_a8_panels(x, weight, scales, zeros, bias, out_features) -> None
                              f"{list(scales.shape)} (scales' shape)")
 
 
+def check_silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features) -> None:
+    """silu_mul_linear_a8_panels: gate_up as silu_mul takes it, its halves as linear_a8_panels takes x."""
+    check_silu_mul(gate_up)
+    if weight.dim() == 4:
+        k = (4 if zeros is None else 8) * weight.shape[1]
+        if gate_up.shape[1] != 2 * k:
+            raise ValueError(f"gate_up has shape {tuple(gate_up.shape)}, expected [rows, {2 * k}] (gate | up of the "
+                             f"weight's in_features = {k})")
+    check_linear_a8_panels(gate_up[:, :gate_up.shape[1] // 2], weight, scales, zeros, bias, out_features)
+
+
 def check_linear_fp8(x, weight, scale_inv, bias, block_n: int, block_k: int) -> None:
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"weight has shape {tuple(weight.shape)} and dtype {weight.dtype}, expected "

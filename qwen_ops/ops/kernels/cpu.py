@@ -48,7 +48,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
-_ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2
+_ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2 + [_i64]
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
@@ -271,7 +271,7 @@ def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, qu
         qs[0], qs[1], gs[0], gs[1],
         kcs[0], kcs[1], kcs[2],
         vcs[0], vcs[1], vcs[2],
-        bts[0], bts[1])
+        bts[0], bts[1], torch.get_num_threads())
     if status != 0:
         raise MemoryError("qwen_ops cpu slot_attention could not allocate its scratch memory")
     return out

@@ -337,12 +337,132 @@ static inline const float *cache_row(const void *cache, int64_t offset, int dtyp
     return buf;
 }
 
+/* The arguments of slot_attention that every query row shares (attend_row below). */
+typedef struct {
+    const void *query, *key_cache, *value_cache, *gate;
+    void *out;
+    const int32_t *block_table;
+    int64_t H, G, D, num_kv_heads, block_size, max_len, q_s0, q_s1, g_s0, g_s1;
+    int64_t k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_s1;
+    int dtype;
+    float scale;
+} attn_args;
+
+/* One query row (token, over keys 0 .. n - 1 of the slot whose block-table row is blocks) for the
+ * query heads of kv heads kh0 .. kh1 - 1. scratch: scores [H][max_len], q [H][D], acc [H][D] and one
+ * converted row [D], of which the row touches only its heads' parts.
+ *
+ * One pass over the keys computes the scores of those heads (each cache row's heads read once), a
+ * softmax per head, then one pass over the values. */
+static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32_t *blocks, int64_t kh0, int64_t kh1,
+                       float *scratch) {
+    const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype;
+    const int64_t elem = dtype == 0 ? 4 : 2, h0 = kh0 * G, h1 = kh1 * G;
+    float *scores = scratch, *q = scores + H * max_len, *acc = q + H * D, *row = acc + H * D;
+#if QWEN_AVX512
+    /* fp32 and bf16 caches, head dims of 16s: vector dot products and weighted sums on the rows as stored */
+    const int fast = (dtype == 0 || dtype == 2) && D % 16 == 0, bf16 = dtype == 2;
+#endif
+    for (int64_t h = h0; h < h1; ++h) {
+        load_row(a->query, token * a->q_s0 + h * a->q_s1, (int)dtype, D, q + h * D);
+        for (int64_t d = 0; d < D; ++d) q[h * D + d] *= a->scale;
+    }
+    /* scores[h][t] = q_h . k_t, with these heads' key and value rows ATTN_AHEAD positions ahead
+     * prefetched (the values for the pass after the softmax): in a model step the caches come from DRAM */
+    const int64_t head_bytes = (kh1 - kh0) * D * elem;
+    const void *kc = (const char *)a->key_cache + kh0 * a->k_sh * elem;
+    const void *vc = (const char *)a->value_cache + kh0 * a->v_sh * elem;
+    for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t)
+        prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t, a->k_sb, a->k_sr, a->v_sb, a->v_sr, head_bytes,
+                        elem);
+    for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
+        const int64_t block = blocks[b * a->bt_s1];
+        const int64_t rows = rows_in_block(n, t, a->block_size);
+        for (int64_t r = 0; r < rows; ++r, ++t) {
+            if (t + ATTN_AHEAD < n)
+                prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, a->k_sb, a->k_sr, a->v_sb,
+                                a->v_sr, head_bytes, elem);
+            for (int64_t kh = kh0; kh < kh1; ++kh) {
+                const int64_t at = block * a->k_sb + r * a->k_sr + kh * a->k_sh;
+#if QWEN_AVX512
+                if (fast) {
+                    scores_avx512(q + kh * G * D, (const char *)a->key_cache + at * elem, bf16, D, G,
+                                  scores + kh * G * max_len + t, max_len);
+                    continue;
+                }
+#endif
+                const float *k = cache_row(a->key_cache, at, (int)dtype, D, row);
+                for (int64_t g = 0; g < G; ++g)
+                    scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
+            }
+        }
+    }
+    /* softmax per head, in place */
+    for (int64_t h = h0; h < h1; ++h) {
+        float *sh = scores + h * max_len;
+        float m = sh[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 1; t < n; ++t) m = sh[t] > m ? sh[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+            const float e = exp_nonpositive(sh[t] - m);
+            sh[t] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+    }
+    /* acc[h] = sum_t p[h][t] v_t */
+#if QWEN_AVX512
+    if (fast) {
+        for (int64_t h = h0; h < h1; ++h)
+            wsum_any_avx512(acc + h * D, scores + h * max_len, a->value_cache, bf16, blocks, a->bt_s1, a->block_size,
+                            a->v_sb, a->v_sr, (h / G) * a->v_sh, n, D);
+        goto weighted_sum_done;
+    }
+#endif
+    memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
+    for (int64_t t = 0, b = 0; t < n; ++b) {
+        const int64_t block = blocks[b * a->bt_s1];
+        const int64_t rows = rows_in_block(n, t, a->block_size);
+        for (int64_t r = 0; r < rows; ++r, ++t) {
+            for (int64_t kh = kh0; kh < kh1; ++kh) {
+                const float *v = cache_row(a->value_cache, block * a->v_sb + r * a->v_sr + kh * a->v_sh, (int)dtype,
+                                           D, row);
+                for (int64_t g = 0; g < G; ++g)
+                    axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
+            }
+        }
+    }
+#if QWEN_AVX512
+weighted_sum_done:
+#endif
+    for (int64_t h = h0; h < h1; ++h) {
+        float *o = acc + h * D;
+        if (a->gate != NULL) {
+            load_row(a->gate, token * a->g_s0 + h * a->g_s1, (int)dtype, D, row);
+            for (int64_t d = 0; d < D; ++d) o[d] *= 1.0f / (1.0f + expf(-row[d]));
+        }
+        store_row(a->out, (token * H + h) * D, (int)dtype, D, o);
+    }
+}
+
+/* Keys (positions x kv heads) below which slot_attention stays on one thread: the second thread's
+ * start costs more than it saves there. */
+#ifndef ATTN_PARALLEL_MIN
+#define ATTN_PARALLEL_MIN 128
+#endif
+
 /* Causal GQA attention of each sequence's query rows over its slot's paged keys and values.
  * out is contiguous [num_tokens, num_heads, head_dim] in the query dtype. Returns 0, or -1 when
  * scratch memory could not be allocated (nothing is then written).
  *
- * Per query row: one pass over the keys computes the scores of every head (each cache row,
- * all kv heads, is read once and whole), a softmax per head, then one pass over the values. */
+ * The work is query rows x ranges of kv heads (attend_row), split over threads (torch's intra-op
+ * count): a lone decode row is split by kv heads, so each thread reads its heads' part of every
+ * cache row; with as many rows as threads or more, each row is one piece. Each piece writes only
+ * its own heads of its own row, so the threads' results are the one-thread loop's, bit for bit. */
 int qwen_slot_attention(const void *query, void *out, const void *key_cache, const void *value_cache,
                         const int32_t *block_table, const int32_t *seq_slots, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const void *gate,
@@ -350,118 +470,59 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                         int64_t block_size, int dtype, float scale,
                         int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1,
                         int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
-                        int64_t bt_s0, int64_t bt_s1) {
-    const int64_t H = num_heads, G = num_heads / num_kv_heads, D = head_dim;
+                        int64_t bt_s0, int64_t bt_s1, int64_t threads) {
+    const int64_t H = num_heads, D = head_dim;
     const int64_t elem = dtype == 0 ? 4 : 2;
-    const int64_t row_elems = num_kv_heads * D;   /* one cache row, when its heads are packed */
-    int64_t max_len = 1;
+    int64_t max_len = 1, rows = 0, keys = 0;
     for (int64_t i = 0; i < num_seqs; ++i)
-        if (seq_slots[i] >= 0 && seq_lens[i] > max_len) max_len = seq_lens[i];
-    /* scores [H][max_len], q [H][D], acc [H][D], one converted row [D] */
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D + D));
+        if (seq_slots[i] >= 0) {
+            const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+            if (seq_lens[i] > max_len) max_len = seq_lens[i];
+            rows += q_len;
+            keys += q_len * seq_lens[i];
+        }
+    if (threads < 1) threads = 1;
+    if (keys * num_kv_heads < ATTN_PARALLEL_MIN) threads = 1;
+    /* pieces of a row: kv-head ranges when rows are fewer than threads */
+    const int64_t chunks = rows < threads ? (threads < num_kv_heads ? threads : num_kv_heads) : 1;
+    const int64_t pieces = rows * chunks;
+    if (threads > pieces) threads = pieces > 0 ? pieces : 1;
+    /* per thread: scores [H][max_len], q [H][D], acc [H][D], one converted row [D]; then per row:
+     * its token, key count and slot */
+    const size_t per_thread = (size_t)(H * max_len + 2 * H * D + D);
+    float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)threads +
+                                     sizeof(int64_t) * 3 * (size_t)(rows > 0 ? rows : 1));
     if (scratch == NULL) return -1;
-    float *scores = scratch;
-    float *q = scores + H * max_len;
-    float *acc = q + H * D;
-    float *row = acc + H * D;
-#if QWEN_AVX512
-    /* fp32 and bf16 caches, head dims of 16s: vector dot products and weighted sums on the rows as stored */
-    const int fast = (dtype == 0 || dtype == 2) && D % 16 == 0, bf16 = dtype == 2;
-#endif
-
-    for (int64_t i = 0; i < num_seqs; ++i) {
+    int64_t *row_token = (int64_t *)(void *)(scratch + per_thread * (size_t)threads);
+    int64_t *row_n = row_token + rows, *row_slot = row_n + rows;
+    for (int64_t i = 0, at = 0; i < num_seqs; ++i) {
         const int64_t start = query_start_loc[i], end = query_start_loc[i + 1];
         const int32_t slot = seq_slots[i];
         if (slot < 0) {
             memset((char *)out + start * H * D * elem, 0, (size_t)((end - start) * H * D * elem));
             continue;
         }
-        const int64_t seq_len = seq_lens[i];
-        const int64_t q_len = end - start;
-        const int32_t *blocks = block_table + slot * bt_s0;
-        for (int64_t j = 0; j < q_len; ++j) {
-            const int64_t token = start + j;
-            const int64_t n = seq_len - q_len + j + 1;        /* keys 0 .. position of this row */
-            for (int64_t h = 0; h < H; ++h) {
-                load_row(query, token * q_s0 + h * q_s1, dtype, D, q + h * D);
-                for (int64_t d = 0; d < D; ++d) q[h * D + d] *= scale;
-            }
-            /* scores[h][t] = q_h . k_t, with the key and value rows ATTN_AHEAD positions ahead prefetched
-             * (the values for the pass after the softmax): in a model step the caches come from DRAM */
-            for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t) prefetch_kv_row(key_cache, value_cache, blocks, bt_s1,
-                                                                             block_size, t, k_sb, k_sr, v_sb, v_sr,
-                                                                             row_elems * elem, elem);
-            for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
-                const int64_t block = blocks[b * bt_s1];
-                const int64_t rows = rows_in_block(n, t, block_size);
-                for (int64_t r = 0; r < rows; ++r, ++t) {
-                    if (t + ATTN_AHEAD < n)
-                        prefetch_kv_row(key_cache, value_cache, blocks, bt_s1, block_size, t + ATTN_AHEAD, k_sb, k_sr,
-                                        v_sb, v_sr, row_elems * elem, elem);
-                    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                        const int64_t at = block * k_sb + r * k_sr + kh * k_sh;
-#if QWEN_AVX512
-                        if (fast) {
-                            scores_avx512(q + kh * G * D, (const char *)key_cache + at * elem, bf16, D, G,
-                                          scores + kh * G * max_len + t, max_len);
-                            continue;
-                        }
+        for (int64_t j = 0; j < end - start; ++j, ++at) {
+            row_token[at] = start + j;
+            row_n[at] = seq_lens[i] - (end - start) + j + 1;        /* keys 0 .. position of this row */
+            row_slot[at] = slot;
+        }
+    }
+    const attn_args a = {query, key_cache, value_cache, gate, out, block_table, H, num_heads / num_kv_heads, D,
+                         num_kv_heads, block_size, max_len, q_s0, q_s1, g_s0, g_s1, k_sb, k_sr, k_sh, v_sb, v_sr, v_sh,
+                         bt_s1, dtype, scale};
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
+#else
+        float *mine = scratch;
 #endif
-                        const float *k = cache_row(key_cache, at, dtype, D, row);
-                        for (int64_t g = 0; g < G; ++g)
-                            scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
-                    }
-                }
-            }
-            /* softmax per head, in place */
-            for (int64_t h = 0; h < H; ++h) {
-                float *sh = scores + h * max_len;
-                float m = sh[0];
-#pragma omp simd reduction(max : m)
-                for (int64_t t = 1; t < n; ++t) m = sh[t] > m ? sh[t] : m;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; ++t) {
-                    const float e = exp_nonpositive(sh[t] - m);
-                    sh[t] = e;
-                    sum += e;
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
-            }
-            /* acc[h] = sum_t p[h][t] v_t */
-#if QWEN_AVX512
-            if (fast) {
-                for (int64_t h = 0; h < H; ++h)
-                    wsum_any_avx512(acc + h * D, scores + h * max_len, value_cache, bf16, blocks, bt_s1,
-                                    block_size, v_sb, v_sr, (h / G) * v_sh, n, D);
-                goto weighted_sum_done;
-            }
-#endif
-            memset(acc, 0, sizeof(float) * (size_t)(H * D));
-            for (int64_t t = 0, b = 0; t < n; ++b) {
-                const int64_t block = blocks[b * bt_s1];
-                const int64_t rows = rows_in_block(n, t, block_size);
-                for (int64_t r = 0; r < rows; ++r, ++t) {
-                    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-                        const float *v = cache_row(value_cache, block * v_sb + r * v_sr + kh * v_sh, dtype, D, row);
-                        for (int64_t g = 0; g < G; ++g)
-                            axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
-                    }
-                }
-            }
-#if QWEN_AVX512
-        weighted_sum_done:
-#endif
-            for (int64_t h = 0; h < H; ++h) {
-                float *a = acc + h * D;
-                if (gate != NULL) {
-                    load_row(gate, token * g_s0 + h * g_s1, dtype, D, row);
-                    for (int64_t d = 0; d < D; ++d) a[d] *= 1.0f / (1.0f + expf(-row[d]));
-                }
-                store_row(out, (token * H + h) * D, dtype, D, a);
-            }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < pieces; ++w) {
+            const int64_t r = w / chunks, c = w % chunks;
+            attend_row(&a, row_token[r], row_n[r], block_table + row_slot[r] * bt_s0, num_kv_heads * c / chunks,
+                       num_kv_heads * (c + 1) / chunks, mine);
         }
     }
     free(scratch);

@@ -44,7 +44,8 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                         const int32_t *seq_lens, const void *gate, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, float scale,
                         int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1, int64_t k_sb, int64_t k_sr,
-                        int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh, int64_t bt_s0, int64_t bt_s1);
+                        int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh, int64_t bt_s0, int64_t bt_s1,
+                        int64_t threads);
 int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights, int64_t k,
                     int64_t E, const int64_t *w13, const int64_t *w2, int64_t I, float *out, int64_t threads);
 int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
@@ -338,7 +339,7 @@ at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor
                                   seq_slots.const_data_ptr<int32_t>(), query_start_loc.const_data_ptr<int32_t>(),
                                   seq_lens.const_data_ptr<int32_t>(), nullptr, num_seqs, num_heads, nk, D, block_size,
                                   code, (float)scale, num_heads * D, D, 0, 0, cs[0], cs[1], cs[2], cs[0], cs[1], cs[2],
-                                  block_table.stride(0), block_table.stride(1)),
+                                  block_table.stride(0), block_table.stride(1), at::get_num_threads()),
               "attention_block");
   return out;
 }
@@ -556,10 +557,26 @@ at::Tensor linear_a8_panels(const at::Tensor &x, const at::Tensor &weight, const
   return direct ? out : out.to(x.scalar_type());
 }
 
+// silu_mul_linear_a8_panels: linear_a8_panels(silu_mul(gate_up), ...) (the contract: validation.py): the two
+// kernels above called in turn, so the same bits as the two ops, with one dispatch less in a model step.
+at::Tensor silu_mul_linear_a8_panels(const at::Tensor &gate_up, const at::Tensor &weight, const at::Tensor &scales,
+                                     const std::optional<at::Tensor> &zeros, const std::optional<at::Tensor> &bias,
+                                     int64_t out_features) {
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up has shape ", py_shape(gate_up),
+                    ", expected [rows, 2 * in_features] (gate | up)");
+  if (weight.dim() == 4) {
+    const int64_t k = (zeros.has_value() ? 8 : 4) * weight.size(1);
+    TORCH_CHECK_VALUE(gate_up.size(1) == 2 * k, "gate_up has shape ", py_shape(gate_up), ", expected [rows, ", 2 * k,
+                      "] (gate | up of the weight's in_features = ", k, ")");
+  }
+  return linear_a8_panels(silu_mul(gate_up), weight, scales, zeros, bias, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qwen, CPU, m) {
   m.impl("linear_a8_panels", &linear_a8_panels);
+  m.impl("silu_mul_linear_a8_panels", &silu_mul_linear_a8_panels);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int8_a8", &linear_int8_a8);

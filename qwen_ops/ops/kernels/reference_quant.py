@@ -189,6 +189,13 @@ def linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features) -> 
     return linear_int4_a8_reference(x, qweight, s, z, bias)
 
 
+def silu_mul_linear_a8_panels_reference(gate_up, weight, scales, zeros, bias, out_features) -> torch.Tensor:
+    """``linear_a8_panels`` of ``silu_mul(gate_up)`` (both references)."""
+    from qwen_ops.ops.kernels.reference_fused import silu_mul_reference
+
+    return linear_a8_panels_reference(silu_mul_reference(gate_up), weight, scales, zeros, bias, out_features)
+
+
 # The reference of each QuantLinear scheme (``qwen_ops.models.quant``), by scheme name.
 REFERENCES = {"int8": linear_int8_reference, "int4": linear_int4_reference, "fp8": linear_fp8_reference,
               "int8_a8": linear_int8_a8_reference, "int4_a8": linear_int4_a8_reference}
