@@ -302,13 +302,14 @@ class QuantLinear(nn.Module):
         return RQ.linear_a8_panels_reference if self.panels else RQ.REFERENCES[self.kernel]
 
     def use_references(self) -> None:
-        """Runs this layer's forward and ``forward_silu_mul`` on the references of their ops (``reference``):
-        the oracle twin that tests and benchmarks build."""
-        from qwen_ops.ops.kernels import reference_quant as RQ
-
+        """Runs this layer's products on their ops' references (``reference``): the oracle twin that tests
+        and benchmarks build. ``forward_silu_mul`` then runs the ``silu_mul`` op and the reference product,
+        as the unfused forward would: the twin checks the quantized products, and silu_mul's kernel and
+        reference may differ in an ulp, which moves an int8 activation digit."""
         self._op = self.reference()
         if self.panels:
-            self._silu_op = RQ.silu_mul_linear_a8_panels_reference
+            product = self._op
+            self._silu_op = lambda gate_up, *rest: product(torch.ops.qwen.silu_mul(gate_up), *rest)
 
     def panels_fit(self) -> bool:
         """Whether this layer's product runs best as ``linear_a8_panels`` here: int8 activations on a CPU
