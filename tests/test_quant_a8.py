@@ -476,10 +476,17 @@ def test_silu_mul_a8_panels_op_contract_and_bad_input(kind):
     finally:
         torch.set_num_threads(before)
     torch.library.opcheck(op.default, (gate_up, *panels, bias, n))
+    # the ctypes kernel (where the C++ ones do not build): the same C arithmetic
+    from qwen_ops.ops import registry
+
+    ctypes_kernel = registry._CTYPES_QUANT_OPS["silu_mul_linear_a8_panels"]
+    for rows in (gate_up, gate_up.bfloat16()):
+        assert torch.equal(ctypes_kernel(rows, *panels, bias, n), op(rows, *panels, bias, n))
     with pytest.raises(ValueError, match=r"gate_up has shape \(3, 511\)"):
         op(gate_up[:, :511].contiguous(), *panels, bias, n)
-    with pytest.raises(ValueError, match=r"gate_up has shape \(3, 256\), expected \[rows, 512\]"):
-        op(gate_up[:, :256].contiguous(), *panels, bias, n)
+    for kernel in (op, ctypes_kernel):   # the C++ and the Python checks say the same
+        with pytest.raises(ValueError, match=r"gate_up has shape \(3, 256\), expected \[rows, 512\]"):
+            kernel(gate_up[:, :256].contiguous(), *panels, bias, n)
     with pytest.raises(ValueError, match=r"gate_up has dtype (torch.float16|Half), expected float32 or bfloat16"):
         op(gate_up.half(), *panels, bias, n)
     with pytest.raises(ValueError, match=r"out_features = 0, expected a positive int"):
