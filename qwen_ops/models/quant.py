@@ -260,12 +260,16 @@ class QuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
                 f"scales={list(self.scales.shape)}, bias={self.bias is not None}")
 
+    def _op_bias(self) -> Optional[torch.Tensor]:
+        """The bias as the ops take it: fp32 (``_bias32``, made once by ``process_weights_after_loading``)."""
+        return self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
-        bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
+        bias = self._op_bias()
         if self.panels:
             y = self._op(x2, self.qweight, self.scales, self.zeros, bias, self.out_features)
         elif self.scheme == "int4":
@@ -285,7 +289,7 @@ class QuantLinear(nn.Module):
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu_mul(gate_up))`` as one op, ``silu_mul_linear_a8_panels`` (where ``takes_gate_up``): an
         MLP's down product on its gate | up rows."""
-        bias = self._bias32 if self._bias32 is not None else (None if self.bias is None else self.bias.float())
+        bias = self._op_bias()
         y = self._silu_op(gate_up.reshape(-1, 2 * self.in_features), self.qweight, self.scales, self.zeros, bias,
                           self.out_features)
         return y.view(*gate_up.shape[:-1], self.out_features)
