@@ -235,3 +235,47 @@ def test_model_built_directly_runs_and_is_deterministic():
     assert torch.isfinite(runs[0]).all()
     assert torch.equal(runs[0], runs[1])
     assert isinstance(attn, AttentionMetadata)
+
+
+def test_decoder_layer_calls_its_parts_chosen_forwards_and_follows_a_replaced_part():
+    """QwenDecoderLayer calls each part's chosen forward directly (``choose_calls``); a part assigned after the
+    choice is called from the next forward on. Oracle: the same layer run with the replaced MLP called by hand."""
+    from qwen_ops.models.config import QwenConfig
+
+    config = QwenConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                        max_position_embeddings=16, qk_norm=True)
+    torch.manual_seed(0)
+    model = QwenForCausalLM(config).eval()
+    model.process_weights_after_loading()
+    layer = model.model.layers[0]
+    assert layer._calls[3] == layer.mlp._forward_method
+    table = shuffled_block_table(1, 2)
+    positions, attn, last = step_metadata([(0, 0, 5)], table)
+    with torch.no_grad():
+        before = model(torch.arange(5), positions, attn, new_kv_caches(config, 3, BLOCK_SIZE, torch.float32), last)
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.seen = inner, 0
+
+        def forward(self, x):
+            self.seen += 1
+            return 2 * self.inner(x)
+
+    layer.mlp = Doubled(layer.mlp)
+    with torch.no_grad():
+        after = model(torch.arange(5), positions, attn, new_kv_caches(config, 3, BLOCK_SIZE, torch.float32), last)
+    assert layer.mlp.seen == 1
+    assert not torch.allclose(before, after)
+    # the oracle: the embeddings through the layer's parts, called one by one, the MLP's output doubled
+    with torch.no_grad():
+        caches = new_kv_caches(config, 3, BLOCK_SIZE, torch.float32)
+        h = model.model.embed_tokens(torch.arange(5))
+        x = layer.input_layernorm(h)
+        a = layer.self_attn(x, None, None, positions.to(torch.int32), attn, caches[0])
+        x, residual = layer.post_attention_layernorm(a, h)
+        out, _ = model.model.norm(2 * layer.mlp.inner(x), residual)
+        want = model.lm_head(out)[last]
+    torch.testing.assert_close(after, want)

@@ -214,6 +214,42 @@ def test_opcheck():
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_layer_forward_follows_assigned_tensors_and_ops():
+    """QuantLinear builds its op call once (``_make_call``); assigning a weight, scale, bias or op afterwards
+    must reach the next forward, and so must in-place updates. Oracle: float64 ``x @ (q * s)^T + b``."""
+    g = torch.Generator().manual_seed(21)
+    layer = Q.QuantLinear(64, 48, True, "int8", 2, (0, 0), torch.float32)
+    x, q, s = _int8_case(g, 3, 48, 64, 2)
+
+    def oracle(x, q, s, b):
+        w = q.double() * s.double().repeat_interleave(32, dim=1)
+        return x.double() @ w.T + b.double()
+
+    layer.qweight, layer.scales = q, s
+    layer.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
+    layer.process_weights_after_loading()
+    assert layer._call is not None
+    torch.testing.assert_close(layer(x).double(), oracle(x, q, s, layer.bias), rtol=1e-5, atol=1e-4)
+    x3 = x.reshape(3, 1, 64)
+    torch.testing.assert_close(layer(x3), layer(x).reshape(3, 1, 48), rtol=0, atol=0)
+    _, q2, s2 = _int8_case(g, 1, 48, 64, 2)
+    layer.qweight = q2                                   # a new tensor: the built call is dropped
+    torch.testing.assert_close(layer(x).double(), oracle(x, q2, s, layer.bias), rtol=1e-5, atol=1e-4)
+    layer.scales = s2
+    layer.process_weights_after_loading()
+    with torch.no_grad():
+        layer.bias.mul_(-2)                              # in place, after the call was built again
+    layer.process_weights_after_loading()               # the fp32 copy of the bias the op takes
+    torch.testing.assert_close(layer(x).double(), oracle(x, q2, s2, layer.bias), rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        layer.qweight.copy_(q)                          # in place: the call holds the same tensor
+    torch.testing.assert_close(layer(x).double(), oracle(x, q, s2, layer.bias), rtol=1e-5, atol=1e-4)
+    calls = []
+    layer._op = lambda *args: calls.append(args) or RQ.linear_int8_reference(*args)
+    layer(x)
+    assert len(calls) == 1 and calls[0][1] is layer.qweight
+
+
 def test_argument_errors_name_the_argument():
     g = torch.Generator().manual_seed(0)
     x, q, s = _int8_case(g, 2, 64, 128, 4)

@@ -350,19 +350,20 @@ class SlotAttention(nn.Module):
             if qkv is not None and o is not None:
                 self._qkv_product, self._o_product = qkv, o
                 self.register_buffer("rope_cos_sin", rope_table, persistent=False)
+                # attention_block's weights, gathered once (not three module lookups per call)
+                self._block_weights = (None if self.q_norm is None else self.q_norm.weight,
+                                       None if self.k_norm is None else self.k_norm.weight, rope_table)
                 self._forward_method = self.forward_cpu
 
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                     attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
         (``cos``/``sin`` unused: it reads the table by position); the o product."""
-        qkv = self._qkv_product(x)
-        q_norm, k_norm = self.q_norm, self.k_norm
+        q_norm, k_norm, rope = self._block_weights
         key_cache, value_cache = kv_cache
-        o = ATTENTION_BLOCK(qkv, None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                            self.eps, self.rope_cos_sin, positions32, key_cache, value_cache, attn.slot_ids,
-                            attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens, self.scale,
-                            attn.max_query_len, self.num_heads)
+        o = ATTENTION_BLOCK(self._qkv_product(x), q_norm, k_norm, self.eps, rope, positions32, key_cache, value_cache,
+                            attn.slot_ids, attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens,
+                            self.scale, attn.max_query_len, self.num_heads)
         return self._o_product(o)
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
