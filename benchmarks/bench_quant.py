@@ -252,13 +252,15 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
             arena = cpu.HugePageArena(copies * (w.numel() + 64))     # as a model's layers: one after another
             panels = [arena.take(tuple(w.shape), w.dtype).copy_(w) for _ in range(copies)]
             x = torch.randn(1, k, generator=g)
-            ref = torch.ops.qwen.linear_int8_a8 if kind == "int8" else torch.ops.qwen.linear_int4_a8
+            # the overloads themselves, as the layers call them (not the packets, which resolve one per call)
+            ref = torch.ops.qwen.linear_int8_a8.default if kind == "int8" else torch.ops.qwen.linear_int4_a8.default
+            panels_op = torch.ops.qwen.linear_a8_panels.default
             want = ref(x, q, s, None) if z is None else ref(x, q, s, z, None)
-            got = torch.ops.qwen.linear_a8_panels(x, w, sp, zp, None, n)
+            got = panels_op(x, w, sp, zp, None, n)
             if not torch.equal(got, want):          # a fast wrong product is no figure
                 raise AssertionError(f"{kind} {name}: linear_a8_panels differs from linear_{kind}_a8")
             calls = {"rows": lambda: [ref(x, r, s, None) if z is None else ref(x, r, s, z, None) for r in rows],
-                     "panels": lambda: [torch.ops.qwen.linear_a8_panels(x, p, sp, zp, None, n) for p in panels]}
+                     "panels": lambda: [panels_op(x, p, sp, zp, None, n) for p in panels]}
             times = {"rows": [], "panels": [], "probe": []}
             for fn in calls.values():
                 fn()                                 # warm-up
@@ -275,10 +277,32 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
             for key in ("rows", "panels"):
                 rate = nbytes / statistics.median(times[key])
                 row[f"{key}_gb_s"], row[f"{key}_fraction"] = rate / 1e9, rate / bw
+            row["bytes_per_call"] = nbytes // copies
+            row["panels_us_per_call"] = statistics.median(times["panels"]) / copies * 1e6
             out.append(row)
             del rows, panels
             gc.collect()
     return out
+
+
+def fixed_cost_fit(rows: list[dict]) -> list[dict]:
+    """Per kind and thread count, a least-squares line through the decoder layers' one-row panel calls
+    (the LM head left out): microseconds per call = ``fixed_us`` + bytes / ``stream_gb_s``. The fixed
+    part (the call from Python, the op's checks, quantizing x, the threads' fork and join, the first
+    bytes' DRAM latency) is what keeps the smallest products under the probe's rate."""
+    import numpy as np
+
+    fits = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        for threads in dict.fromkeys(r["threads"] for r in rows):
+            pts = [r for r in rows if r["kind"] == kind and r["threads"] == threads and r["shape"] != "LM head"]
+            if len(pts) < 2:
+                continue
+            slope, fixed = np.polyfit([r["bytes_per_call"] for r in pts], [r["panels_us_per_call"] for r in pts], 1)
+            stream = 1e-3 / slope       # bytes per us -> GB/s
+            fits.append({"kind": kind, "threads": threads, "fixed_us": float(fixed), "stream_gb_s": float(stream),
+                         "stream_fraction": float(stream / statistics.median(r["probe_gb_s"] for r in pts))})
+    return fits
 
 
 def main(argv=None) -> int:
@@ -309,8 +333,14 @@ def main(argv=None) -> int:
             print(f"| {r['kind']} {r['shape']} | {r['n']} x {r['k']} | {r['threads']} | {r['rows_gb_s']:.1f}, "
                   f"{100 * r['rows_fraction']:.0f}% | {r['panels_gb_s']:.1f}, {100 * r['panels_fraction']:.0f}% | "
                   f"{r['probe_gb_s']:.1f} |")
+        fits = fixed_cost_fit(rows)
+        print("\n| panels | threads | fixed cost per call (us) | streaming rate (GB/s), of probe |")
+        print("|---|---|---|---|")
+        for f in fits:
+            print(f"| {f['kind']} | {f['threads']} | {f['fixed_us']:.1f} | {f['stream_gb_s']:.1f}, "
+                  f"{100 * f['stream_fraction']:.0f}% |")
         if args.json:
-            args.json.write_text(json.dumps(rows, indent=2))
+            args.json.write_text(json.dumps({"products": rows, "fits": fits}, indent=2))
         return 0
     base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
     if args.vs_bf16:

@@ -331,6 +331,28 @@ def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys)
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_bench_quant_fits_the_fixed_cost_of_a_call():
+    """``--one-row``'s line through the layers' calls: times made from a known fixed cost and rate give them
+    back; the LM head, which would dominate the fit, is left out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_quant", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"kind": "int4", "threads": 2, "shape": shape, "bytes_per_call": b, "probe_gb_s": 25.0,
+             "panels_us_per_call": 6.5 + b / 20e3}         # 6.5 us, then 20 GB/s (20e3 bytes per us)
+            for shape, b in (("qkv", 2 << 20), ("o", 1 << 20), ("down", 3 << 19), ("gate_up", 3 << 20))]
+    rows.append({"kind": "int4", "threads": 2, "shape": "LM head", "bytes_per_call": 80 << 20, "probe_gb_s": 25.0,
+                 "panels_us_per_call": 1e6})
+    (fit,) = bench.fixed_cost_fit(rows)
+    assert fit["kind"] == "int4" and fit["threads"] == 2
+    assert fit["fixed_us"] == pytest.approx(6.5, rel=1e-6)
+    assert fit["stream_gb_s"] == pytest.approx(20.0, rel=1e-6)
+    assert fit["stream_fraction"] == pytest.approx(0.8, rel=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a8_amx_and_vnni_panels_compute_the_same_bits(kind, tmp_path, monkeypatch):
     """The many-row products on AMX tiles (``cpu.int8_products()``: where the CPU has AMX-INT8) and on
