@@ -275,7 +275,7 @@ class QuantLinear(nn.Module):
     def _make_call(self) -> tuple:
         """``(op, perm, args)``: the forward's op call, ``op(x[:, perm], *args)``, for this layer's scheme
         and layout. Built once (``process_weights_after_loading``) rather than read attribute by attribute
-        at every call, which cost a one-request decode step about a tenth of a millisecond on the CPU;
+        at every call, which cost a one-request CPU decode step of the 0.6B shape (113 products) 0.4-0.5 ms;
         assigning any tensor or op it holds drops it (``__setattr__``), and in-place updates need nothing."""
         bias = self._op_bias()
         if self.panels:
