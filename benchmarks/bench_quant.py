@@ -20,7 +20,8 @@ stepped alternately in blocks of ``--block`` steps in one process (the ratio the
 name, of the steps that follow a step of the same model; a block's first step apart); with ``--compile``
 both engines compile their decode step (``LLM(compile=True)``).
 ``--one-row``: only the one-row int8 / int4 products of the model's shapes, rows and panels, against the
-measured read bandwidth (the issue's item 3).
+measured read bandwidth (the issue's item 3): the panels as torch.ops calls from Python, and their kernel
+alone, called back to back from C (``one_row_timer.c``, compiled with the system's ``cc``).
 Figures: benchmarks/README.md ("Quantized weights (issue 28)").
 """
 
@@ -225,6 +226,42 @@ ONE_ROW_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024
                   "LM head": (151936, 1024)}
 
 
+def kernel_timer():
+    """``time(kind, x, panels, scales, zeros, n, y) -> seconds``: ``one_row_timer.c`` (compiled here, into the
+    CPU kernels' cache directory) calling the loaded library's ``qwen_linear_a8_panels`` once on each of
+    ``panels`` from C, back to back: the kernel without a torch.ops call's Python and dispatcher."""
+    import ctypes
+    import subprocess
+
+    from qwen_ops.ops.kernels import cpu
+
+    source = Path(__file__).resolve().parent / "one_row_timer.c"
+    out = cpu.cache_dir() / "one_row_timer.so"
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-fPIC", "-shared", str(source), "-o", str(out)],
+                       check=True, capture_output=True)
+    timer = ctypes.CDLL(str(out))
+    timer.qwen_time_a8_panels.restype = ctypes.c_double
+    timer.qwen_time_a8_panels.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    kernel = ctypes.cast(cpu.library().qwen_linear_a8_panels, ctypes.c_void_p).value
+
+    def time_calls(kind: str, x: torch.Tensor, panels: list[torch.Tensor], scales: torch.Tensor,
+                   zeros, n: int, y: torch.Tensor) -> float:
+        ptrs = (ctypes.c_void_p * len(panels))(*[p.data_ptr() for p in panels])
+        k = x.shape[1]
+        seconds = timer.qwen_time_a8_panels(kernel, 0 if kind == "int8" else 1, x.data_ptr(), ptrs, len(panels),
+                                            scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+                                            k // scales.shape[1], n, k, y.data_ptr(), torch.get_num_threads())
+        if seconds < 0:
+            raise RuntimeError("qwen_linear_a8_panels failed (scratch memory)")
+        return seconds
+
+    return time_calls
+
+
 def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dict]:
     """Item 3's figure: the one-row int8 / int4 (groups of 128) products of the 0.6B model's shapes, each
     streaming ``total_mb`` MB of distinct weights (so from DRAM), as ``linear_*_a8`` rows and as
@@ -236,6 +273,7 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
 
     torch.set_num_threads(threads)
     probe = read_bandwidth_probe()
+    time_kernel = kernel_timer()
     out = []
     for kind in ("int8", "int4"):
         for name, (n, k) in ONE_ROW_SHAPES.items():
@@ -259,50 +297,39 @@ def one_row_products(threads: int, rounds: int, total_mb: int = 300) -> list[dic
             got = panels_op(x, w, sp, zp, None, n)
             if not torch.equal(got, want):          # a fast wrong product is no figure
                 raise AssertionError(f"{kind} {name}: linear_a8_panels differs from linear_{kind}_a8")
+            y = torch.full((1, n), float("nan"))
+            time_kernel(kind, x, panels[:1], sp, zp, n, y)
+            if not torch.equal(y, want):            # the C loop runs the op's kernel, on the same arguments
+                raise AssertionError(f"{kind} {name}: the timed kernel differs from linear_{kind}_a8")
             calls = {"rows": lambda: [ref(x, r, s, None) if z is None else ref(x, r, s, z, None) for r in rows],
                      "panels": lambda: [panels_op(x, p, sp, zp, None, n) for p in panels]}
-            times = {"rows": [], "panels": [], "probe": []}
+            times = {"rows": [], "panels": [], "kernel": [], "probe": []}
             for fn in calls.values():
                 fn()                                 # warm-up
             for _ in range(rounds):
+                # each timing after the probe's 1 GB of other reads: the panels and their kernel alone read the
+                # same 300 MB, which this host's 480 MB L3 would otherwise keep in part for the second of them
                 for key, fn in calls.items():
+                    times["probe"].append(probe())
                     t0 = time.perf_counter()
                     fn()
                     times[key].append(time.perf_counter() - t0)
                 times["probe"].append(probe())
+                times["kernel"].append(time_kernel(kind, x, panels, sp, zp, n, y))
             # every byte a product reads: the weights, their scales and (int4) zeros (the same in both layouts)
             nbytes = copies * (q.numel() + 4 * s.numel() + (0 if z is None else z.numel()))
             bw = statistics.median(times["probe"])
             row = {"kind": kind, "shape": name, "n": n, "k": k, "threads": threads, "probe_gb_s": bw / 1e9}
-            for key in ("rows", "panels"):
+            for key in ("rows", "panels", "kernel"):
                 rate = nbytes / statistics.median(times[key])
                 row[f"{key}_gb_s"], row[f"{key}_fraction"] = rate / 1e9, rate / bw
             row["bytes_per_call"] = nbytes // copies
-            row["panels_us_per_call"] = statistics.median(times["panels"]) / copies * 1e6
+            for key in ("panels", "kernel"):
+                row[f"{key}_us_per_call"] = statistics.median(times[key]) / copies * 1e6
             out.append(row)
             del rows, panels
             gc.collect()
     return out
-
-
-def fixed_cost_fit(rows: list[dict]) -> list[dict]:
-    """Per kind and thread count, a least-squares line through the decoder layers' one-row panel calls
-    (the LM head left out): microseconds per call = ``fixed_us`` + bytes / ``stream_gb_s``. The fixed
-    part (the call from Python, the op's checks, quantizing x, the threads' fork and join, the first
-    bytes' DRAM latency) is what keeps the smallest products under the probe's rate."""
-    import numpy as np
-
-    fits = []
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        for threads in dict.fromkeys(r["threads"] for r in rows):
-            pts = [r for r in rows if r["kind"] == kind and r["threads"] == threads and r["shape"] != "LM head"]
-            if len(pts) < 2:
-                continue
-            slope, fixed = np.polyfit([r["bytes_per_call"] for r in pts], [r["panels_us_per_call"] for r in pts], 1)
-            stream = 1e-3 / slope       # bytes per us -> GB/s
-            fits.append({"kind": kind, "threads": threads, "fixed_us": float(fixed), "stream_gb_s": float(stream),
-                         "stream_fraction": float(stream / statistics.median(r["probe_gb_s"] for r in pts))})
-    return fits
 
 
 def main(argv=None) -> int:
@@ -327,20 +354,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.one_row:
         rows = [r for threads in args.threads for r in one_row_products(threads, max(3, args.reps))]
-        print("| product | shape (N x K) | threads | rows: GB/s, of probe | panels: GB/s, of probe | probe (GB/s) |")
-        print("|---|---|---|---|---|---|")
+        print("| product | shape (N x K) | threads | rows: GB/s, of probe | panels: GB/s, of probe | "
+              "panels kernel alone: GB/s, of probe | probe (GB/s) |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['kind']} {r['shape']} | {r['n']} x {r['k']} | {r['threads']} | {r['rows_gb_s']:.1f}, "
                   f"{100 * r['rows_fraction']:.0f}% | {r['panels_gb_s']:.1f}, {100 * r['panels_fraction']:.0f}% | "
-                  f"{r['probe_gb_s']:.1f} |")
-        fits = fixed_cost_fit(rows)
-        print("\n| panels | threads | fixed cost per call (us) | streaming rate (GB/s), of probe |")
-        print("|---|---|---|---|")
-        for f in fits:
-            print(f"| {f['kind']} | {f['threads']} | {f['fixed_us']:.1f} | {f['stream_gb_s']:.1f}, "
-                  f"{100 * f['stream_fraction']:.0f}% |")
+                  f"{r['kernel_gb_s']:.1f}, {100 * r['kernel_fraction']:.0f}% | {r['probe_gb_s']:.1f} |")
+        print("\n| panels | threads | per call: torch.ops call, kernel alone, the difference (us) |")
+        print("|---|---|---|")
+        for r in rows:
+            print(f"| {r['kind']} {r['shape']} | {r['threads']} | {r['panels_us_per_call']:.1f}, "
+                  f"{r['kernel_us_per_call']:.1f}, {r['panels_us_per_call'] - r['kernel_us_per_call']:.1f} |")
         if args.json:
-            args.json.write_text(json.dumps({"products": rows, "fits": fits}, indent=2))
+            args.json.write_text(json.dumps(rows, indent=2))
         return 0
     base = args.checkpoint or make_checkpoint(args.cache_dir or default_cache_dir())
     if args.vs_bf16:

@@ -331,9 +331,11 @@ def test_bench_quant_gates_a8_tokens_and_runs_vs_bf16(ckpt, monkeypatch, capsys)
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_bench_quant_fits_the_fixed_cost_of_a_call():
-    """``--one-row``'s line through the layers' calls: times made from a known fixed cost and rate give them
-    back; the LM head, which would dominate the fit, is left out."""
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="needs the C kernels")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_bench_quant_kernel_timer_runs_the_ops_kernel(kind):
+    """``--one-row``'s C loop calls the library's kernel on each weight it is given: its output (the last
+    weight's) equals ``linear_a8_panels``' on that weight, and it takes time."""
     import importlib.util
     from pathlib import Path
 
@@ -341,16 +343,26 @@ def test_bench_quant_fits_the_fixed_cost_of_a_call():
         "bench_quant", Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quant.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = [{"kind": "int4", "threads": 2, "shape": shape, "bytes_per_call": b, "probe_gb_s": 25.0,
-             "panels_us_per_call": 6.5 + b / 20e3}         # 6.5 us, then 20 GB/s (20e3 bytes per us)
-            for shape, b in (("qkv", 2 << 20), ("o", 1 << 20), ("down", 3 << 19), ("gate_up", 3 << 20))]
-    rows.append({"kind": "int4", "threads": 2, "shape": "LM head", "bytes_per_call": 80 << 20, "probe_gb_s": 25.0,
-                 "panels_us_per_call": 1e6})
-    (fit,) = bench.fixed_cost_fit(rows)
-    assert fit["kind"] == "int4" and fit["threads"] == 2
-    assert fit["fixed_us"] == pytest.approx(6.5, rel=1e-6)
-    assert fit["stream_gb_s"] == pytest.approx(20.0, rel=1e-6)
-    assert fit["stream_fraction"] == pytest.approx(0.8, rel=1e-6)
+    time_calls = bench.kernel_timer()
+    g = torch.Generator().manual_seed(7)
+    n, k = 128, 256
+    s = torch.rand(n, k // 128, generator=g) * 0.01 + 1e-3
+    weights = []
+    for _ in range(3):
+        if kind == "int8":
+            q, z = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), None
+        else:
+            q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+            z = torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8)
+        weights.append(Q.pack_a8_panels(q, s, z))
+    x = torch.randn(1, k, generator=g)
+    y = torch.full((1, n), float("nan"))
+    sp, zp = weights[0][1], weights[0][2]
+    seconds = time_calls(kind, x, [w for w, _, _ in weights], sp, zp, n, y)
+    assert seconds > 0
+    want = torch.ops.qwen.linear_a8_panels(x, weights[-1][0], sp, zp, None, n)
+    assert torch.equal(y, want)
+    assert not torch.equal(y, torch.ops.qwen.linear_a8_panels(x, weights[0][0], sp, zp, None, n))
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
