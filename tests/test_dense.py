@@ -264,6 +264,14 @@ def test_decoder_layer_calls_its_parts_chosen_forwards_and_follows_a_replaced_pa
             self.seen += 1
             return 2 * self.inner(x)
 
+    model._apply(lambda t: t.clone())        # as .to(another device): new buffers; the attention's follow them
+    attention = layer.self_attn
+    assert attention._block_weights[0] is attention.q_norm.weight
+    assert attention._block_weights[1] is attention.k_norm.weight
+    assert attention._block_weights[2] is attention.rope_cos_sin
+    with torch.no_grad():
+        again = model(torch.arange(5), positions, attn, new_kv_caches(config, 3, BLOCK_SIZE, torch.float32), last)
+    torch.testing.assert_close(again, before, rtol=0, atol=0)
     layer.mlp = Doubled(layer.mlp)
     with torch.no_grad():
         after = model(torch.arange(5), positions, attn, new_kv_caches(config, 3, BLOCK_SIZE, torch.float32), last)

@@ -244,6 +244,11 @@ def test_layer_forward_follows_assigned_tensors_and_ops():
     with torch.no_grad():
         layer.qweight.copy_(q)                          # in place: the call holds the same tensor
     torch.testing.assert_close(layer(x).double(), oracle(x, q, s2, layer.bias), rtol=1e-5, atol=1e-4)
+    layer._apply(lambda t: t.clone())                   # as .to(another device): new tensors, no __setattr__
+    with torch.no_grad():
+        layer.qweight.copy_(q2)
+        layer.bias.mul_(-1)
+    torch.testing.assert_close(layer(x).double(), oracle(x, q2, s2, layer.bias), rtol=1e-5, atol=1e-4)
     calls = []
     layer._op = lambda *args: calls.append(args) or RQ.linear_int8_reference(*args)
     layer(x)

@@ -350,10 +350,20 @@ class SlotAttention(nn.Module):
             if qkv is not None and o is not None:
                 self._qkv_product, self._o_product = qkv, o
                 self.register_buffer("rope_cos_sin", rope_table, persistent=False)
-                # attention_block's weights, gathered once (not three module lookups per call)
-                self._block_weights = (None if self.q_norm is None else self.q_norm.weight,
-                                       None if self.k_norm is None else self.k_norm.weight, rope_table)
+                self._gather_block_weights()
                 self._forward_method = self.forward_cpu
+
+    def _gather_block_weights(self) -> None:
+        """attention_block's weights, gathered once (not three module lookups per call)."""
+        self._block_weights = (None if self.q_norm is None else self.q_norm.weight,
+                               None if self.k_norm is None else self.k_norm.weight, self.rope_cos_sin)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() give the buffers new tensors: the gathered weights follow them
+        super()._apply(fn, recurse)
+        if "_block_weights" in self.__dict__:
+            self._gather_block_weights()
+        return self
 
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                     attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

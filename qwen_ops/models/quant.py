@@ -316,6 +316,14 @@ class QuantLinear(nn.Module):
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
         self._call = self._make_call()
 
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() give the buffers new tensors without __setattr__: the built call and
+        # the fp32 bias follow them.
+        super()._apply(fn, recurse)
+        if self._call is not None:
+            self.process_weights_after_loading()
+        return self
+
     def reference(self):
         """The reference of the op this layer's forward calls, taking the same arguments (the oracle that
         tests and benchmarks swap in for ``_op``)."""
