@@ -244,6 +244,9 @@ def test_layer_forward_follows_assigned_tensors_and_ops():
     with torch.no_grad():
         layer.qweight.copy_(q)                          # in place: the call holds the same tensor
     torch.testing.assert_close(layer(x).double(), oracle(x, q, s2, layer.bias), rtol=1e-5, atol=1e-4)
+    layer.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)   # after the fp32 copy
+    torch.testing.assert_close(layer(x).double(), oracle(x, q, s2, layer.bias), rtol=1e-5, atol=1e-4)
+    layer.process_weights_after_loading()
     layer._apply(lambda t: t.clone())                   # as .to(another device): new tensors, no __setattr__
     with torch.no_grad():
         layer.qweight.copy_(q2)

@@ -271,6 +271,8 @@ class QuantLinear(nn.Module):
         super().__setattr__(name, value)
         if name in _CALL_INPUTS:        # what the forward's call reads changed: build it again when next needed
             self.__dict__["_call"] = None
+            if name == "bias":          # and its fp32 copy, made from the old bias
+                self.__dict__["_bias32"] = None
 
     def _make_call(self) -> tuple:
         """``(op, perm, args)``: the forward's op call, ``op(x[:, perm], *args)``, for this layer's scheme
