@@ -10,7 +10,7 @@ import qwen_ops
 from qwen_ops.ops import backend as B
 from qwen_ops.ops.kernels import cpu, reference
 
-from test_ops import make_attention_case  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_ops import Seq, make_attention_case  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
 def _needs_cpu_kernels():
@@ -99,19 +99,37 @@ def test_long_contexts_match_the_reference(monkeypatch):
     torch.testing.assert_close(out, reference.slot_attention_reference(*args), rtol=1e-5, atol=1e-5)
 
 
-def test_long_prefills_go_to_the_reference(monkeypatch):
-    """Above REFERENCE_ABOVE_QUERY_LEN query rows, SDPA (the reference) is the faster kernel."""
+def test_long_prefills_run_the_c_kernel_except_fp16(monkeypatch):
+    """fp32 and bf16 prompts of any length run the C kernel (its flash path); fp16, which has no flash
+    path, goes to the reference (SDPA) above FP16_REFERENCE_ABOVE_QUERY_LEN query rows."""
     _needs_cpu_kernels()
     calls = []
     monkeypatch.setattr(cpu, "slot_attention_reference", lambda *a: calls.append(a[8]) or reference.slot_attention_reference(*a))
-    case = make_attention_case("chunk", dtype=torch.float32, device="cpu")
-    args = case.args()
-    cpu.slot_attention_cpu(*args)
-    assert calls == []                                     # short queries: the C kernel
-    long_args = args[:8] + (cpu.REFERENCE_ABOVE_QUERY_LEN + 1,) + args[9:]
-    out = cpu.slot_attention_cpu(*long_args)
-    assert calls == [cpu.REFERENCE_ABOVE_QUERY_LEN + 1]
-    torch.testing.assert_close(out, reference.slot_attention_reference(*args), rtol=1e-5, atol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_attention_case((Seq(0, 3, 120),), dtype=dtype, device="cpu", block_size=16)
+        out = cpu.slot_attention_cpu(*case.args())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out, reference.slot_attention_reference(*case.args()), rtol=tol, atol=tol)
+    assert calls == []
+    case = make_attention_case((Seq(0, 3, 120),), dtype=torch.float16, device="cpu", block_size=16)
+    cpu.slot_attention_cpu(*case.args())
+    assert calls == [120] and 120 > cpu.FP16_REFERENCE_ABOVE_QUERY_LEN
+
+
+def test_flash_path_without_tiles_matches_the_reference(tmp_path, monkeypatch):
+    """bf16 long prompts on a CPU without AMX (or with the tiles turned off): the flash path's fp32
+    products on the bf16 caches as stored (a build of its own, so the library reads the setting anew)."""
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", "widening")
+    lib = cpu.library.__wrapped__()
+    assert lib.qwen_bf16_products() == 0
+    monkeypatch.setattr(cpu, "library", lambda: lib)
+    for seqs, group in (((Seq(0, 0, 130),), 2), ((Seq(1, 70, 67), Seq(0, 5, 1), Seq(2, 0, 16)), 8)):
+        case = make_attention_case(seqs, dtype=torch.bfloat16, device="cpu", group=group, block_size=16, seed=3)
+        got = cpu.slot_attention_cpu(*case.args())
+        torch.testing.assert_close(got, reference.slot_attention_reference(*case.args()), rtol=1.6e-2, atol=3e-2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,7 +144,9 @@ def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypat
     monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
     portable = cpu.library.__wrapped__()
     monkeypatch.setattr(cpu, "library", lambda: portable)
-    for scenario, dtype in (("decode", torch.float32), ("mixed", torch.float32), ("chunk", torch.bfloat16)):
+    # a long prompt too: without AVX-512 there is no flash path, its rows take the row-by-row loop
+    for scenario, dtype in (("decode", torch.float32), ("mixed", torch.float32), ("chunk", torch.bfloat16),
+                            ((Seq(0, 7, 70),), torch.float32)):
         case = make_attention_case(scenario, dtype=dtype, device="cpu", group=4, head_dim=64)
         got = cpu.slot_attention_cpu(*case.args())
         want = reference.slot_attention_reference(*case.args())

@@ -221,9 +221,9 @@ def test_the_runner_chooses_eager_compiled_or_graph_only(tmp_path):
 
     path = _engine_path(tmp_path)
     eng = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=256)
-    short, long = [BatchedRequest(0, [5] * 9, 0)], [BatchedRequest(0, [5] * (cpu.REFERENCE_ABOVE_QUERY_LEN + 1), 0)]
+    short, long = [BatchedRequest(0, [5] * 9, 0)], [BatchedRequest(0, [5] * 130, 0)]
     assert eng.runner.executor_for(short) == "eager" and eng.runner.executor_for(long) == "eager"
-    long_prompt = [3 + i % 90 for i in range(cpu.REFERENCE_ABOVE_QUERY_LEN + 1)]
+    long_prompt = [3 + i % 90 for i in range(130)]   # the attention's flash path
     got = eng.prefill(long_prompt, slot_id=1)
     ref = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=256, native_cpu=False)
     with qwen_ops.use_backend("reference"):

@@ -310,6 +310,59 @@ def test_slot_attention_vector_paths(backend, dtype, group, head_dim, device):
     check_attention(backend, case, dtype)
 
 
+# The CPU kernel's flash path (qwen_cpu_flash.c: sequences of FLASH_MIN_QUERY = 16 query rows or more):
+# whole prompts and chunks whose lengths cross the 64-key blocks, the query blocks (64 rows of
+# positions x heads) and the pages, a chunk starting off the diagonal, next to decode rows, a padding
+# sequence and a sequence at exactly 16 rows (the row path takes 15).
+FLASH_CASES = {
+    "prompt": (Seq(0, 0, 130),),
+    "chunk": (Seq(1, 70, 67), Seq(2, 128, 64)),
+    "mixed": (Seq(0, 5, 1), Seq(1, 0, 100), Seq(-1, 0, 3), Seq(2, 33, 16), Seq(3, 40, 15)),
+}
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["plain", "gate"])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case_name", list(FLASH_CASES))
+def test_slot_attention_cpu_flash(case_name, dtype, group, gate):
+    """The flash path against the reference (outputs poisoned), and for bf16 (P rounded to bf16 before
+    the P V product, as flash kernels do) within flash-attention's bound of the float64 loop oracle;
+    the same bits on one thread and on two (tasks are computed alike whoever takes them)."""
+    reason = backend_mod.why_unavailable("cpu", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    case = make_attention_case(FLASH_CASES[case_name], dtype=dtype, device=torch.device("cpu"), group=group,
+                               num_kv_heads=2, head_dim=64 if group != 3 else 80, block_size=16, gate=gate,
+                               seed=17)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = check_attention("cpu", case, dtype)
+        torch.set_num_threads(2)
+        poison_allocator(case.query)
+        two = run_op("cpu", torch.ops.qwen.slot_attention, *case.args())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two), "two threads differ from one"
+    if dtype != torch.float32:
+        assert_within_flash_bound(one, loop_oracle_attention(case), loop_oracle_attention(case, compute_dtype=dtype))
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
+def test_slot_attention_cpu_flash_head_dims_and_pages(head_dim):
+    """Head dims of one, four and eight 32-wide tile steps, on pages of 1 and 3 rows (a 16-key tile
+    spans pages) against the float64 loop oracle."""
+    reason = backend_mod.why_unavailable("cpu", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    for block_size in (1, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            case = make_attention_case((Seq(1, 21, 50),), dtype=dtype, device=torch.device("cpu"), group=2,
+                                       num_kv_heads=1, head_dim=head_dim, block_size=block_size, seed=18)
+            check_attention("cpu", case, dtype)
+
+
 # The CPU kernel's split over threads: one decode row split by kv heads (3 threads over 4 kv heads:
 # ranges of 1, 1 and 2 heads), and batches of rows split by rows.
 THREAD_CASES = {"lone_decode": (Seq(1, 70, 1),), "decode": SCENARIOS["decode_live"], "mixed": SCENARIOS["mixed"]}

@@ -144,10 +144,10 @@ def test_attention_block(dtype, norms):
         _close(got_args[i], want_args[i], dtype)
 
 
-def test_attention_block_long_prefill_takes_the_reference_attention():
-    """Above REFERENCE_ABOVE_QUERY_LEN query rows the attention part runs the slot_attention op."""
+def test_attention_block_long_prefill():
+    """A long prompt: attention_block's attention takes slot_attention's flash path."""
     table = shuffled_block_table(1, 30)
-    positions, attn, _ = step_metadata([(0, 0, cpu.REFERENCE_ABOVE_QUERY_LEN + 5)], table)
+    positions, attn, _ = step_metadata([(0, 0, 101)], table)
     qkv, _, _, _ = _qkv(positions.shape[0], 4, 2, 16, torch.float32)
     shape = (table.numel() + 1, 4, 2, 16)
     args = (qkv, None, None, 1e-6, _randn(128, 16), positions.to(torch.int32), _randn(*shape), _randn(*shape),

@@ -12,8 +12,9 @@ across torch's intra-op threads). It is called through ctypes: no torch headers,
 takes a few seconds, needs nothing but a C compiler, and ``pip install`` stays pure Python.
 
 Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
-Long prefills (more than ``REFERENCE_ABOVE_QUERY_LEN`` query rows in a sequence) run on the
-reference too, whose SDPA is faster there than the C kernel's row-by-row attention.
+Sequences with many query rows (prefill, chunked prefill) take slot_attention's flash path
+(``qwen_cpu_flash.c``: pages read in place, causal blocks skipped, AMX tiles for bf16); fp16
+long prefills run on the reference.
 The hybrid models' state ops (causal_conv1d, gated_delta_rule) have no native kernel here:
 this backend runs them with the reference kernels. ``fused_moe`` runs the grouped-by-expert torch
 implementation of ``reference_moe.py`` (its GEMMs are MKL's / oneDNN's).
@@ -43,6 +44,8 @@ from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qwen_cpu.c")
+# qwen_cpu.c and the files it includes: all of them key the cached build
+SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"))
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -148,7 +151,7 @@ def library() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, " ".join(FLAGS + tuple(_extra_flags())), _cpu_flags(),
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, " ".join(FLAGS + tuple(_extra_flags())), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"qwen_cpu_{key}.so"
     if not path.exists():
@@ -243,15 +246,15 @@ def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_
         bts[0], bts[1])
 
 
-# Above this many query rows per sequence, the reference (SDPA's flash attention over gathered
-# keys) is faster than the C kernel, which attends row by row (the crossover measured:
-# benchmarks/README.md, "Measured design choices").
-REFERENCE_ABOVE_QUERY_LEN = 96
+# fp16 has no flash path in the C kernel (qwen_cpu_flash.c takes fp32 and bf16): above this many
+# query rows per sequence its attention runs the reference (SDPA over gathered keys), which is
+# faster there than the C kernel's row-by-row attention.
+FP16_REFERENCE_ABOVE_QUERY_LEN = 96
 
 
 def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
                        scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if max_query_len > REFERENCE_ABOVE_QUERY_LEN:
+    if query.dtype == torch.float16 and max_query_len > FP16_REFERENCE_ABOVE_QUERY_LEN:
         return slot_attention_reference(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
                                         seq_lens, scale, max_query_len, gate)
     num_tokens, num_heads, head_dim = query.shape

@@ -449,6 +449,11 @@ weighted_sum_done:
     }
 }
 
+/* The flash path for sequences with many query rows (qwen_cpu_flash.c, included at the end of this file). */
+static int flash_takes(const attn_args *a, int64_t q_len);
+static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads);
+
 /* Keys (positions x kv heads) below which slot_attention stays on one thread: the second thread's
  * start costs more than it saves there. */
 #ifndef ATTN_PARALLEL_MIN
@@ -473,9 +478,14 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                         int64_t bt_s0, int64_t bt_s1, int64_t threads) {
     const int64_t H = num_heads, D = head_dim;
     const int64_t elem = dtype == 0 ? 4 : 2;
+    const attn_args a = {query, key_cache, value_cache, gate, out, block_table, H, num_heads / num_kv_heads, D,
+                         num_kv_heads, block_size, 1, q_s0, q_s1, g_s0, g_s1, k_sb, k_sr, k_sh, v_sb, v_sr, v_sh,
+                         bt_s1, dtype, scale};
+    /* sequences with many query rows: the flash path; the others row by row below */
+    if (flash_run(&a, seq_slots, query_start_loc, seq_lens, num_seqs, bt_s0, threads) != 0) return -1;
     int64_t max_len = 1, rows = 0, keys = 0;
     for (int64_t i = 0; i < num_seqs; ++i)
-        if (seq_slots[i] >= 0) {
+        if (seq_slots[i] >= 0 && !flash_takes(&a, query_start_loc[i + 1] - query_start_loc[i])) {
             const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
             if (seq_lens[i] > max_len) max_len = seq_lens[i];
             rows += q_len;
@@ -502,15 +512,15 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
             memset((char *)out + start * H * D * elem, 0, (size_t)((end - start) * H * D * elem));
             continue;
         }
+        if (flash_takes(&a, end - start)) continue;
         for (int64_t j = 0; j < end - start; ++j, ++at) {
             row_token[at] = start + j;
             row_n[at] = seq_lens[i] - (end - start) + j + 1;        /* keys 0 .. position of this row */
             row_slot[at] = slot;
         }
     }
-    const attn_args a = {query, key_cache, value_cache, gate, out, block_table, H, num_heads / num_kv_heads, D,
-                         num_kv_heads, block_size, max_len, q_s0, q_s1, g_s0, g_s1, k_sb, k_sr, k_sh, v_sb, v_sr, v_sh,
-                         bt_s1, dtype, scale};
+    attn_args ar = a;
+    ar.max_len = max_len;
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
     {
 #ifdef _OPENMP
@@ -521,7 +531,7 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < pieces; ++w) {
             const int64_t r = w / chunks, c = w % chunks;
-            attend_row(&a, row_token[r], row_n[r], block_table + row_slot[r] * bt_s0, num_kv_heads * c / chunks,
+            attend_row(&ar, row_token[r], row_n[r], block_table + row_slot[r] * bt_s0, num_kv_heads * c / chunks,
                        num_kv_heads * (c + 1) / chunks, mine);
         }
     }
@@ -3188,3 +3198,5 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
     quant_rows_portable(kind, x, xs, M, q, s, z, g, bn, bias, 0, N, K, y, ys, (int)threads);
     return 0;
 }
+
+#include "qwen_cpu_flash.c"

@@ -61,10 +61,6 @@ int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, i
 
 namespace {
 
-// Above this many query rows a sequence's attention runs the reference op (kernels/cpu.py's
-// REFERENCE_ABOVE_QUERY_LEN: SDPA is faster there than the row-by-row C kernel).
-constexpr int64_t kReferenceAboveQueryLen = 96;
-
 int dtype_code(const at::Tensor &t, const char *name) {
   if (t.scalar_type() == at::kFloat) return 0;
   if (t.scalar_type() == at::kBFloat16) return 2;
@@ -323,15 +319,6 @@ at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor
                 value_cache.mutable_data_ptr(), slot_ids.const_data_ptr<int32_t>(), positions.const_data_ptr<int32_t>(),
                 block_table.const_data_ptr<int32_t>(), T, nk, D, es, nk * D, D, s0, D, block_size, cs[0], cs[1], cs[2],
                 cs[0], cs[1], cs[2], block_table.stride(0), block_table.stride(1));
-  if (max_query_len > kReferenceAboveQueryLen) {   // long prefills: the slot_attention op (its reference there)
-    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("qwen::slot_attention", "")
-                               .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                                                 const at::Tensor &, const at::Tensor &, const at::Tensor &,
-                                                 const at::Tensor &, double, int64_t,
-                                                 const std::optional<at::Tensor> &)>();
-    return op.call(qr, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len,
-                   std::nullopt).view({T, num_heads * D});
-  }
   at::Tensor out = fresh({T, num_heads * D}, qkv.options());
   if (T == 0 || num_seqs == 0) return out.zero_();
   check_alloc(qwen_slot_attention(qr.const_data_ptr(), out.mutable_data_ptr(), key_cache.const_data_ptr(),

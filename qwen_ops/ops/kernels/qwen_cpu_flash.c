@@ -1,0 +1,542 @@
+/* Paged flash attention on the CPU: slot_attention's path for sequences with many query rows
+ * (prefill, chunked prefill, the prefill part of a mixed batch). Included by qwen_cpu.c after its
+ * AMX helpers; qwen_slot_attention hands it the sequences whose query has FLASH_MIN_QUERY rows or
+ * more, and attends the others (decode rows) row by row.
+ *
+ * The work is (sequence, kv head, range of query blocks), one task each, taken by torch's
+ * intra-op threads in turn. A task reads the keys and values its queries can see (positions
+ * 0 .. its last query's position) from their pages once, through the block table, into the
+ * layout its products take (below: no gathered copy of the cache, no mask tensor), then for each
+ * query block of FLASH_ROWS rows (positions x the query heads of its kv head, so a GQA group
+ * shares every key it reads) walks the key blocks of FLASH_BK keys up to the causal diagonal
+ * only, keeping an online softmax per row (running max and sum, the output rescaled when the max
+ * moves). Only blocks that cross the diagonal look at positions.
+ *
+ * Two sets of products:
+ *  - bf16 on AMX tiles (where qwen_bf16_products() chose AMX): S = Q K^T with K^T stored as the
+ *    B tiles' pairs of head dims, then O += P V with P rounded to bf16 (as flash-attention's bf16
+ *    kernels round it) and V as the B tiles' pairs of keys; fp32 accumulation throughout.
+ *  - fp32 FMAs (fp32 caches, and bf16 where there are no tiles): K^T [d][keys] and V [keys][d] in
+ *    fp32, 4 rows x 64 keys of scores and 2 rows x 128 dims of output per register block.
+ * The softmax (max, exp, sums) runs in fp32 on AVX-512 either way, scale applied in fp32.
+ * Results do not depend on the thread count: a task's rows are computed the same way whoever
+ * takes it. */
+
+#if QWEN_AVX512
+
+#define FLASH_BK 64          /* keys per key block */
+#ifndef FLASH_ROWS
+#define FLASH_ROWS 64        /* query rows per query block: positions x the query heads of one kv head */
+#endif
+#ifndef FLASH_MIN_QUERY
+#define FLASH_MIN_QUERY 16   /* query rows of a sequence from which it takes this path */
+#endif
+
+typedef struct {
+    int64_t token0, q_len, seq_len;   /* the sequence's first query row, query rows, keys after the write */
+    const int32_t *blocks;            /* its block-table row */
+    int64_t kvh, qb0, qb1;            /* kv head; query blocks qb0 .. qb1 - 1 */
+} flash_task;
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Keys 0 .. n - 1 of kv head kvh read from their pages into the products' layouts, zero-padded to
+ * whole key blocks and Dp head dims. amx: K^T as B tiles kt[kb][s][t][p][k] (dword = head dims
+ * 32 s + 2 p, +1 of key 64 kb + 16 t + k; each tile 1 KB) and V as B tiles vv[kb][h][c][p][d][e]
+ * (keys 64 kb + 32 h + 2 p + e, head dim 16 c + d). Else fp32: kt[kb][d][64] and vv[key][Dp].
+ * K^T's rows are gathered 16 keys at a time (one 64-byte store each: scattered stores were 10x
+ * slower); V's pairs of keys are interleaved by permutes. */
+static void flash_pack_kv(const attn_args *a, const int32_t *blocks, int64_t kvh, int64_t n, int amx, int64_t Dp,
+                          void *kt, void *vv) {
+    const int64_t D = a->D, nkb = (n + FLASH_BK - 1) / FLASH_BK, elem = a->dtype == 0 ? 4 : 2;
+    const int64_t S = Dp / 32, C = Dp / 16;
+    const int bf16 = a->dtype == 2;
+    memset(kt, 0, (size_t)(nkb * FLASH_BK * Dp * (amx ? 2 : 4)));
+    memset(vv, 0, (size_t)(nkb * FLASH_BK * Dp * (amx ? 2 : 4)));
+    /* each key's row offsets (elements from the caches' starts), 64 at a time; past n: key n - 1's */
+    int64_t koff[FLASH_BK] __attribute__((aligned(64))), voff[FLASH_BK] __attribute__((aligned(64)));
+    const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t k0 = kb * FLASH_BK, nk = n - k0 < FLASH_BK ? n - k0 : FLASH_BK;
+        for (int64_t kk = 0; kk < FLASH_BK; ++kk) {
+            const int64_t t = k0 + (kk < nk ? kk : nk - 1);
+            const int64_t block = blocks[(t / a->block_size) * a->bt_s1], r = t % a->block_size;
+            koff[kk] = block * a->k_sb + r * a->k_sr + kvh * a->k_sh;
+            voff[kk] = block * a->v_sb + r * a->v_sr + kvh * a->v_sh;
+        }
+        if (amx) {
+            /* K^T: tile row (s, t, p) = dword 16 s + p of keys 16 t .. 16 t + 15 */
+            const int *kbase = (const int *)a->key_cache;
+            uint32_t *kdst = (uint32_t *)kt + kb * S * 4 * 256;
+            for (int64_t tt = 0; tt < 4 && 16 * tt < nk; ++tt) {
+                const __m512i o0 = _mm512_srli_epi64(_mm512_load_si512(koff + 16 * tt), 1);   /* in dwords */
+                const __m512i o1 = _mm512_srli_epi64(_mm512_load_si512(koff + 16 * tt + 8), 1);
+                const __mmask16 live = nk - 16 * tt >= 16 ? 0xffff : (__mmask16)((1u << (nk - 16 * tt)) - 1);
+                for (int64_t dd = 0; dd < D / 2; ++dd) {
+                    const __m512i step = _mm512_set1_epi64(dd);
+                    const __m256i g0 = _mm512_i64gather_epi32(_mm512_add_epi64(o0, step), kbase, 4);
+                    const __m256i g1 = _mm512_i64gather_epi32(_mm512_add_epi64(o1, step), kbase, 4);
+                    const __m512i row = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
+                    _mm512_store_si512(kdst + ((dd / 16) * 4 + tt) * 256 + (dd % 16) * 16,
+                                       _mm512_maskz_mov_epi32(live, row));
+                }
+            }
+            /* V: tile row (h, c, p) = head dims 16 c .. of keys 32 h + 2 p, + 1, interleaved */
+            const uint16_t *vbase = (const uint16_t *)a->value_cache;
+            uint16_t *vdst = (uint16_t *)vv + kb * FLASH_BK * Dp;
+            for (int64_t kk = 0; kk < nk; kk += 2) {
+                const uint16_t *v0 = vbase + voff[kk], *v1 = vbase + voff[kk + 1];
+                const int two = kk + 1 < nk;
+                uint16_t *row = vdst + (((kk / 32) * C) * 16 + (kk % 32) / 2) * 32;
+                for (int64_t d = 0; d < D; d += 32) {
+                    const __mmask32 dm = D - d >= 32 ? 0xffffffffu : (__mmask32)((1u << (D - d)) - 1);
+                    const __m512i x0 = _mm512_maskz_loadu_epi16(dm, v0 + d);
+                    const __m512i x1 = two ? _mm512_maskz_loadu_epi16(dm, v1 + d) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(row + (d / 16) * 512, _mm512_permutex2var_epi16(x0, idx_lo, x1));
+                    if (D - d > 16) _mm512_storeu_si512(row + (d / 16 + 1) * 512, _mm512_permutex2var_epi16(x0, idx_hi, x1));
+                }
+            }
+        } else {
+            float *kdst = (float *)kt + kb * Dp * FLASH_BK;
+            for (int64_t kk = 0; kk < nk; ++kk) {
+                const char *v = (const char *)a->value_cache + voff[kk] * elem;
+                float *vd = (float *)vv + (k0 + kk) * Dp;
+                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vd + d, cache16_ps(v, d, bf16));
+            }
+            for (int64_t tt = 0; tt < 4 && 16 * tt < nk; ++tt) {
+                const __mmask16 live = nk - 16 * tt >= 16 ? 0xffff : (__mmask16)((1u << (nk - 16 * tt)) - 1);
+                if (bf16) {
+                    const __m512i o0 = _mm512_load_si512(koff + 16 * tt), o1 = _mm512_load_si512(koff + 16 * tt + 8);
+                    const short *kbase = (const short *)a->key_cache;
+                    for (int64_t d = 0; d < D; ++d) {
+                        /* 32-bit gathers at 2-byte scale read two bf16s: element d and d + 1 (the
+                         * last: d - 1 and d), so no read passes the row */
+                        const int64_t at = d < D - 1 ? d : d - 1;
+                        const __m512i step = _mm512_set1_epi64(at);
+                        const __m256i g0 = _mm512_i64gather_epi32(_mm512_add_epi64(o0, step), (const int *)kbase, 2);
+                        const __m256i g1 = _mm512_i64gather_epi32(_mm512_add_epi64(o1, step), (const int *)kbase, 2);
+                        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
+                        const __m512i x = d < D - 1 ? _mm512_slli_epi32(w, 16)
+                                                    : _mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u));
+                        _mm512_store_ps(kdst + d * FLASH_BK + 16 * tt, _mm512_maskz_mov_ps(live, _mm512_castsi512_ps(x)));
+                    }
+                } else {
+                    const __m512i o0 = _mm512_load_si512(koff + 16 * tt), o1 = _mm512_load_si512(koff + 16 * tt + 8);
+                    const float *kbase = (const float *)a->key_cache;
+                    for (int64_t d = 0; d < D; ++d) {
+                        const __m512i step = _mm512_set1_epi64(d);
+                        const __m256 g0 = _mm512_i64gather_ps(_mm512_add_epi64(o0, step), kbase, 4);
+                        const __m256 g1 = _mm512_i64gather_ps(_mm512_add_epi64(o1, step), kbase, 4);
+                        const __m512 w = _mm512_insertf32x8(_mm512_castps256_ps512(g0), g1, 1);
+                        _mm512_store_ps(kdst + d * FLASH_BK + 16 * tt, _mm512_maskz_mov_ps(live, w));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* fp32 products. S[r][0:64] = Q[r] . K^T block for rows 0 .. Mp - 1 (Mp a multiple of 4). */
+static void flash_scores_f32(const float *q, int64_t Dp, int64_t Mp, const float *kt, float *s) {
+    for (int64_t r = 0; r < Mp; r += 4) {
+        __m512 acc[4][4];
+        for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+        const float *q0 = q + r * Dp;
+        for (int64_t d = 0; d < Dp; ++d) {
+            const float *k = kt + d * FLASH_BK;
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                         k3 = _mm512_loadu_ps(k + 48);
+            for (int i = 0; i < 4; ++i) {
+                const __m512 b = _mm512_set1_ps(q0[i * Dp + d]);
+                acc[i][0] = _mm512_fmadd_ps(b, k0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(b, k1, acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(b, k2, acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(b, k3, acc[i][3]);
+            }
+        }
+        for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + (r + i) * FLASH_BK + 16 * j, acc[i][j]);
+    }
+}
+
+/* O[r][c0 .. c0 + 16 NV) += sum_k P[r][k] V[k][..] for rows r, r + 1 (keys 0 .. nk - 1). */
+static inline __attribute__((always_inline)) void flash_pv_f32_rows(const float *p, const float *vv, int64_t Dp,
+                                                                    float *o, int64_t nk, int64_t c0, const int NV) {
+    __m512 a0[8], a1[8];
+    for (int c = 0; c < NV; ++c) {
+        a0[c] = _mm512_loadu_ps(o + c0 + 16 * c);
+        a1[c] = _mm512_loadu_ps(o + Dp + c0 + 16 * c);
+    }
+    for (int64_t k = 0; k < nk; ++k) {
+        const __m512 b0 = _mm512_set1_ps(p[k]), b1 = _mm512_set1_ps(p[FLASH_BK + k]);
+        const float *v = vv + k * Dp + c0;
+        for (int c = 0; c < NV; ++c) {
+            const __m512 x = _mm512_loadu_ps(v + 16 * c);
+            a0[c] = _mm512_fmadd_ps(b0, x, a0[c]);
+            a1[c] = _mm512_fmadd_ps(b1, x, a1[c]);
+        }
+    }
+    for (int c = 0; c < NV; ++c) {
+        _mm512_storeu_ps(o + c0 + 16 * c, a0[c]);
+        _mm512_storeu_ps(o + Dp + c0 + 16 * c, a1[c]);
+    }
+}
+
+static void flash_pv_f32(const float *p, const float *vv, int64_t Dp, int64_t Mp, float *o, int64_t nk) {
+    for (int64_t r = 0; r < Mp; r += 2)
+        for (int64_t c0 = 0; c0 < Dp; c0 += 128) {
+            const int64_t left = (Dp - c0) / 16;
+            float *orow = o + r * Dp;
+            const float *prow = p + r * FLASH_BK;
+            switch (left >= 8 ? 8 : left) {   /* Dp is a multiple of 32: 8, 6, 4 or 2 vectors */
+                case 8: flash_pv_f32_rows(prow, vv, Dp, orow, nk, c0, 8); break;
+                case 6: flash_pv_f32_rows(prow, vv, Dp, orow, nk, c0, 6); break;
+                case 4: flash_pv_f32_rows(prow, vv, Dp, orow, nk, c0, 4); break;
+                default: flash_pv_f32_rows(prow, vv, Dp, orow, nk, c0, 2); break;
+            }
+        }
+}
+
+#if QWEN_AMX
+/* Every tile 16 rows x 64 bytes: tmm0-3 C (fp32), tmm4 A, tmm5-7 B. */
+static QWEN_AMX_TARGET void flash_amx_configure(void) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    AMX_MEMORY();
+    _tile_loadconfig(&c);
+}
+
+/* S rows 16 i .. 16 i + 15 [16][64] = Q tile row i (qt[i][s][16][32] bf16) times a key block's K^T. */
+static QWEN_AMX_TARGET void flash_scores_amx(const uint16_t *qt, int64_t S, int64_t Mp, const uint32_t *kt,
+                                             float *s) {
+    AMX_MEMORY();
+    for (int64_t i = 0; i < Mp / 16; ++i) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t st = 0; st < S; ++st) {
+            const uint32_t *b = kt + st * 4 * 256;
+            _tile_loadd(4, qt + (i * S + st) * 512, 64);
+            _tile_loadd(5, b, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, b + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float *si = s + i * 16 * FLASH_BK;
+        _tile_stored(0, si, FLASH_BK * 4);
+        _tile_stored(1, si + 16, FLASH_BK * 4);
+        _tile_stored(2, si + 32, FLASH_BK * 4);
+        _tile_stored(3, si + 48, FLASH_BK * 4);
+    }
+    AMX_MEMORY();
+}
+
+/* O [Mp][Dp] fp32 += P (pt[i][h][16][32] bf16: rows 16 i.., keys 32 h..) times a key block's V tiles. */
+static QWEN_AMX_TARGET void flash_pv_amx(const uint16_t *pt, const uint16_t *vv, int64_t Dp, int64_t Mp, float *o) {
+    const int64_t C = Dp / 16;
+    AMX_MEMORY();
+    for (int64_t i = 0; i < Mp / 16; ++i) {
+        float *oi = o + i * 16 * Dp;
+        for (int64_t c0 = 0; c0 < C; c0 += 4) {
+            const int64_t nc = C - c0 < 4 ? C - c0 : 4;
+            /* the C tiles that exist in this group; unrolled by hand: tile numbers are immediates */
+            _tile_loadd(0, oi + 16 * c0, Dp * 4);
+            _tile_loadd(1, oi + 16 * (c0 + 1), Dp * 4);
+            if (nc > 2) _tile_loadd(2, oi + 16 * (c0 + 2), Dp * 4);
+            if (nc > 3) _tile_loadd(3, oi + 16 * (c0 + 3), Dp * 4);
+            for (int64_t h = 0; h < 2; ++h) {
+                const uint16_t *b = vv + (h * C + c0) * 512;
+                _tile_loadd(4, pt + (i * 2 + h) * 512, 64);
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, b + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                if (nc > 2) {
+                    _tile_loadd(7, b + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (nc > 3) {
+                    _tile_loadd(5, b + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, oi + 16 * c0, Dp * 4);
+            _tile_stored(1, oi + 16 * (c0 + 1), Dp * 4);
+            if (nc > 2) _tile_stored(2, oi + 16 * (c0 + 2), Dp * 4);
+            if (nc > 3) _tile_stored(3, oi + 16 * (c0 + 3), Dp * 4);
+        }
+    }
+    AMX_MEMORY();
+}
+#endif
+
+#if QWEN_AMX
+#define flash_scores_amx_any flash_scores_amx
+#else
+#define flash_scores_amx_any(q, S, Mp, kt, s) ((void)0)
+#endif
+
+/* 2^t for t <= 0 (and t > -inf), 16 lanes: exp_nonpositive's polynomial on the fraction, the power by
+ * scalef (which goes to 0 below the normal range instead of wrapping). */
+static inline __attribute__((always_inline)) __m512 flash_exp2(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online softmax of one row's block of 64 scores s (keys 0 .. lim - 1 visible, 1 <= lim <= 64):
+ * returns the new running max m (of score x scale), updates the running sum *l, rescales the
+ * row's output o [Dp] when the max moved, and writes p = exp(score x scale - m) to pb (bf16 tile
+ * rows: keys 0-31, then 512 words on, 32-63) or, when pb is NULL, back to s (0 past lim). */
+static inline float flash_softmax_row(float *s, int64_t lim, float scale, float m_old, float *l, uint16_t *pb,
+                                      float *o, int64_t Dp) {
+    const float log2e = 1.44269504088896341f;
+    __mmask16 live[4];
+    __m512 x[4];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < 4; ++j) {
+        const int64_t left = lim - 16 * j;
+        live[j] = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        x[j] = _mm512_loadu_ps(s + 16 * j);
+        mx = _mm512_mask_max_ps(mx, live[j], mx, x[j]);
+    }
+    const float block_max = _mm512_reduce_max_ps(mx) * scale;
+    const float m_new = block_max > m_old ? block_max : m_old;
+    const __m512 c = _mm512_set1_ps(scale * log2e), off = _mm512_set1_ps(-m_new * log2e);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+        /* visible lanes: t = (score x scale - m) log2 e <= 0; others 0 */
+        x[j] = _mm512_maskz_mov_ps(live[j], flash_exp2(_mm512_min_ps(_mm512_fmadd_ps(x[j], c, off), _mm512_setzero_ps())));
+        sum = _mm512_add_ps(sum, x[j]);
+    }
+    const float alpha = m_old == -INFINITY ? 0.0f : exp_nonpositive(m_old - m_new);
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    if (alpha != 1.0f) {
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+    }
+    if (pb == NULL) {
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + 16 * j, x[j]);
+    } else {
+        /* bf16, round to nearest even (the values are in [0, 1]: no NaN to keep) */
+        for (int j = 0; j < 4; ++j) {
+            const __m512i u = _mm512_castps_si512(x[j]);
+            const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                            _mm512_set1_epi32(1)));
+            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16));
+            _mm256_storeu_si256((__m256i *)(void *)(pb + (j / 2) * 512 + (j % 2) * 16), h);
+        }
+    }
+    return m_new;
+}
+
+/* One query block: rows r = j G + g (position pos0 + j, query head kvh G + g, token token0 + j),
+ * j < nq, over keys 0 .. pos0 + nq - 1 already packed. Scratch (floats unless said): q (Mp x Dp,
+ * bf16 tiles or fp32), o (Mp x Dp), s (Mp x 64), pb (bf16 Mp x 64), m, l (Mp). */
+static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t token0, int64_t pos0, int64_t nq,
+                              int64_t kvh, const void *kt, const void *vv, float *q, float *o, float *scores,
+                              uint16_t *pb, float *m, float *l) {
+    const int64_t G = a->G, D = a->D, H = a->H, M = nq * G, Mp = round_up(M, 16), S = Dp / 32;
+    const int64_t nkeys = pos0 + nq, nkb = (nkeys + FLASH_BK - 1) / FLASH_BK, elem = a->dtype == 0 ? 4 : 2;
+    const float scale = a->scale;
+    float *s_next[2] = {scores, scores + Mp * FLASH_BK};
+    /* Q rows: bf16 tiles qt[i][s][16][32] (zero padding), or fp32 [Mp][Dp] */
+    memset(q, 0, (size_t)(Mp * Dp * (amx ? 2 : 4)));
+    for (int64_t r = 0; r < M; ++r) {
+        const int64_t at = (token0 + r / G) * a->q_s0 + (kvh * G + r % G) * a->q_s1;
+        if (amx) {
+            const uint16_t *src = (const uint16_t *)a->query + at;
+            uint16_t *dst = (uint16_t *)(void *)q + ((r / 16) * S) * 512 + (r % 16) * 32;
+            for (int64_t st = 0; st < S; ++st) {
+                const int64_t n = D - 32 * st < 32 ? D - 32 * st : 32;
+                memcpy(dst + st * 512, src + 32 * st, (size_t)n * 2);
+            }
+        } else {
+            load_row(a->query, at, a->dtype, D, q + r * Dp);
+        }
+    }
+    memset(o, 0, sizeof(float) * (size_t)(Mp * Dp));
+    if (amx) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * FLASH_BK));
+    else memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * FLASH_BK));
+    for (int64_t r = 0; r < Mp; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    /* scores one key block ahead, in two buffers: the softmax then never loads rows that tile stores
+     * have only just written (measured: 25% of a 2,000-token prefill's attention time) */
+#define FLASH_SCORES(KB, DST)                                                                                   \
+    do {                                                                                                       \
+        if (amx) flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                                \
+                                      (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST);                  \
+        else flash_scores_f32(q, Dp, round_up(M, 4), (const float *)kt + (KB) * FLASH_BK * Dp, DST);          \
+    } while (0)
+    FLASH_SCORES(0, s_next[0]);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t k0 = kb * FLASH_BK;
+        float *s = s_next[kb & 1];
+        if (kb + 1 < nkb) FLASH_SCORES(kb + 1, s_next[(kb + 1) & 1]);
+        int64_t nk_used = 0;   /* keys of this block some row sees */
+        for (int64_t r = 0; r < M; ++r) {
+            float *sr = s + r * FLASH_BK;
+            /* keys k0 .. k0 + lim - 1 are at or before this row's position */
+            int64_t lim = pos0 + r / G + 1 - k0;
+            if (lim > FLASH_BK) lim = FLASH_BK;
+            /* P rounded to bf16, as pt[i][h][16][32] tiles (amx) */
+            uint16_t *pr = pb + (r / 16) * 2 * 512 + (r % 16) * 32;
+            if (lim <= 0) {   /* the whole block lies past this row's position */
+                if (amx) {
+                    memset(pr, 0, sizeof(uint16_t) * 32);
+                    memset(pr + 512, 0, sizeof(uint16_t) * 32);
+                } else {
+                    memset(sr, 0, sizeof(float) * FLASH_BK);
+                }
+                continue;
+            }
+            if (lim > nk_used) nk_used = lim;
+            m[r] = flash_softmax_row(sr, lim, scale, m[r], &l[r], amx ? pr : NULL, o + r * Dp, Dp);
+        }
+#if QWEN_AMX
+        if (amx) flash_pv_amx(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o);
+        else
+#endif
+            flash_pv_f32(s, (const float *)vv + kb * FLASH_BK * Dp, Dp, round_up(M, 2), o, nk_used);
+    }
+#undef FLASH_SCORES
+    float *s = s_next[0];
+    for (int64_t r = 0; r < M; ++r) {
+        float *orow = o + r * Dp;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
+        const int64_t token = token0 + r / G, h = kvh * G + r % G;
+        if (a->gate != NULL) {
+            float *row = s;   /* the scores are spent: a converted gate row */
+            load_row(a->gate, token * a->g_s0 + h * a->g_s1, a->dtype, D, row);
+            for (int64_t d = 0; d < D; ++d) orow[d] *= 1.0f / (1.0f + expf(-row[d]));
+        }
+        store_row(a->out, (token * H + h) * D, a->dtype, D, orow);
+    }
+    (void)elem;
+}
+
+/* Whether the flash path takes a sequence: fp32 or bf16, head dims of 16s (every Qwen model's). */
+static int flash_supported(const attn_args *a) { return (a->dtype == 0 || a->dtype == 2) && a->D % 16 == 0; }
+
+/* Whether the flash path takes a sequence of q_len query rows. */
+static int flash_takes(const attn_args *a, int64_t q_len) { return q_len >= FLASH_MIN_QUERY && flash_supported(a); }
+
+/* Attends every live sequence that flash_takes, over threads: tasks of (sequence, kv head, range of
+ * query blocks), enough ranges that each thread has about two tasks, taken in turn. Returns 0, or
+ * -1 when scratch memory could not be allocated (then nothing of these sequences is written). */
+static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
+    int amx = 0;
+#if QWEN_AMX
+    amx = a->dtype == 2 && qwen_bf16_products() == 2;
+#endif
+    const int64_t BQ = FLASH_ROWS / a->G > 0 ? FLASH_ROWS / a->G : 1;
+    int64_t n_seqs = 0, max_keys = 0, n_tasks = 0;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        if (seq_slots[i] >= 0 && flash_takes(a, query_start_loc[i + 1] - query_start_loc[i])) {
+            ++n_seqs;
+            if (seq_lens[i] > max_keys) max_keys = seq_lens[i];
+        }
+    if (n_seqs == 0) return 0;
+    if (threads < 1) threads = 1;
+    const int64_t per_head = (2 * threads + n_seqs * a->num_kv_heads - 1) / (n_seqs * a->num_kv_heads);
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+        if (seq_slots[i] < 0 || !flash_takes(a, q_len)) continue;
+        const int64_t nqb = (q_len + BQ - 1) / BQ;
+        n_tasks += a->num_kv_heads * (per_head < nqb ? per_head : nqb);
+    }
+    flash_task *tasks = malloc(sizeof(flash_task) * (size_t)n_tasks);
+    if (tasks == NULL) return -1;
+    int64_t w = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+        if (seq_slots[i] < 0 || !flash_takes(a, q_len)) continue;
+        const int64_t nqb = (q_len + BQ - 1) / BQ, ranges = per_head < nqb ? per_head : nqb;
+        /* later ranges first: they see more keys (dynamic scheduling then evens the tail) */
+        for (int64_t rg = ranges - 1; rg >= 0; --rg)
+            for (int64_t kvh = 0; kvh < a->num_kv_heads; ++kvh) {
+                const flash_task t = {query_start_loc[i], q_len, seq_lens[i], a->block_table + seq_slots[i] * bt_s0,
+                                      kvh, nqb * rg / ranges, nqb * (rg + 1) / ranges};
+                tasks[w++] = t;
+            }
+    }
+    const int64_t Dp = round_up(a->D, 32), Mp = round_up(FLASH_ROWS > a->G ? FLASH_ROWS : a->G, 16);
+    const int64_t kv_floats = round_up(max_keys, FLASH_BK) * Dp / (amx ? 2 : 1);   /* kt or vv, in floats */
+    /* per thread: kt, vv, q, o, s (2 x Mp x 64), pb (Mp x 64 bf16), m, l; each 64-byte aligned */
+    const int64_t per_thread = 2 * kv_floats + 2 * Mp * Dp + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2 + 2 * Mp + 6 * 16;
+    if (threads > n_tasks) threads = n_tasks;
+    float *scratch = aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(float));
+    if (scratch == NULL) {
+        free(tasks);
+        return -1;
+    }
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        float *mine = scratch + per_thread * (int64_t)omp_get_thread_num();
+#else
+        float *mine = scratch;
+#endif
+        float *kt = mine, *vv = kt + kv_floats, *q = vv + kv_floats;
+        float *o = q + Mp * Dp, *s = o + Mp * Dp;
+        uint16_t *pb = (uint16_t *)(void *)(s + 2 * Mp * FLASH_BK);
+        float *m = s + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2, *l = m + Mp;
+#if QWEN_AMX
+        if (amx) flash_amx_configure();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < n_tasks; ++k) {
+            const flash_task *t = &tasks[k];
+            const int64_t last = t->qb1 * BQ < t->q_len ? t->qb1 * BQ : t->q_len;   /* query rows up to its end */
+            const int64_t n = t->seq_len - t->q_len + last;                          /* keys it can see */
+            flash_pack_kv(a, t->blocks, t->kvh, n, amx, Dp, kt, vv);
+            for (int64_t qb = t->qb0; qb < t->qb1; ++qb) {
+                const int64_t j0 = qb * BQ, nq = t->q_len - j0 < BQ ? t->q_len - j0 : BQ;
+                flash_query_block(a, amx, Dp, t->token0 + j0, t->seq_len - t->q_len + j0, nq, t->kvh, kt, vv, q, o,
+                                  s, pb, m, l);
+            }
+        }
+#if QWEN_AMX
+        if (amx) amx_tile_release();
+#endif
+    }
+    free(scratch);
+    free(tasks);
+    return 0;
+}
+#else
+static int flash_takes(const attn_args *a, int64_t q_len) {
+    (void)a;
+    (void)q_len;
+    return 0;
+}
+static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
+    (void)a, (void)seq_slots, (void)query_start_loc, (void)seq_lens, (void)num_seqs, (void)bt_s0, (void)threads;
+    return 0;
+}
+#endif
