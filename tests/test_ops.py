@@ -310,14 +310,14 @@ def test_slot_attention_vector_paths(backend, dtype, group, head_dim, device):
     check_attention(backend, case, dtype)
 
 
-# The CPU kernel's flash path (qwen_cpu_flash.c: sequences of FLASH_MIN_QUERY = 16 query rows or more):
+# The CPU kernel's flash path (qwen_cpu_flash.c: sequences of FLASH_MIN_QUERY = 2 query rows or more):
 # whole prompts and chunks whose lengths cross the 64-key blocks, the query blocks (64 rows of
-# positions x heads) and the pages, a chunk starting off the diagonal, next to decode rows, a padding
-# sequence and a sequence at exactly 16 rows (the row path takes 15).
+# positions x heads) and the pages, a chunk starting off the diagonal, next to decode rows (the row
+# path), a padding sequence and short queries (2 and 15 rows).
 FLASH_CASES = {
     "prompt": (Seq(0, 0, 130),),
     "chunk": (Seq(1, 70, 67), Seq(2, 128, 64)),
-    "mixed": (Seq(0, 5, 1), Seq(1, 0, 100), Seq(-1, 0, 3), Seq(2, 33, 16), Seq(3, 40, 15)),
+    "mixed": (Seq(0, 5, 1), Seq(1, 0, 100), Seq(-1, 0, 3), Seq(2, 33, 2), Seq(3, 40, 15)),
 }
 
 
