@@ -134,6 +134,41 @@ def op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -
              "seconds": {b: gpu[b] for b in gpu}}, indent=2))
 
 
+def long_prompt_attention(device: torch.device, smoke: bool, reps: int) -> None:
+    """Issue 42 on the GPU: slot_attention over one long prompt, whole (one chunk) and in chunks of 512
+    (each chunk over the keys before it), per backend: time and TFLOP/s of the causal work (2 products
+    of 2 x head_dim flops a visible query-key pair and head)."""
+    import qwen_ops
+    from qwen_ops.ops.backend import why_unavailable
+
+    heads, kv_heads, head_dim, block = (4, 2, 32, 16) if smoke else (16, 8, 128, 16)
+    say("\n## Long prompts (issue 42): slot_attention over one prompt, bf16\n")
+    say("| prompt | chunks | backend | time (ms) | TFLOP/s |")
+    say("|---|---|---|---|---|")
+    for length in ((96,) if smoke else (2000, 4000)):
+        blocks = -(-length // block)
+        kc = torch.randn(blocks, block, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(blocks, device=device, dtype=torch.int32)[None]
+        q = torch.randn(length, heads, head_dim, device=device, dtype=torch.bfloat16)
+        flop = 2 * 2 * head_dim * heads * length * (length + 1) / 2
+        chunk = 32 if smoke else 512
+        for name, cuts in (("one", [(0, length)]), (f"{chunk} each", [(c, min(c + chunk, length))
+                                                                      for c in range(0, length, chunk)])):
+            def run():
+                for a, b in cuts:
+                    torch.ops.qwen.slot_attention(q[a:b], kc, vc, bt, torch.zeros(1, dtype=torch.int32, device=device),
+                                                  torch.tensor([0, b - a], dtype=torch.int32, device=device),
+                                                  torch.tensor([b], dtype=torch.int32, device=device),
+                                                  head_dim ** -0.5, b - a)
+            for backend in ("reference", "triton", "cuda"):
+                if why_unavailable(backend, device) is not None:
+                    continue
+                with qwen_ops.use_backend(backend):
+                    t = timed(run, max(1, reps // 3), device)
+                say(f"| {length} | {name} | {backend} | {t * 1e3:.2f} | {flop / t / 1e12:.2f} |")
+
+
 def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     """gated_delta_rule / causal_conv1d decode at Qwen3.5 shapes: bandwidth on the state bytes."""
     import qwen_ops
@@ -364,6 +399,7 @@ def main() -> int:
     copy_bw = copy_bandwidth(device, (1 << 20) if args.smoke else (1 << 30), reps)
     say(f"\n## Bandwidth\nmeasured device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)\n")
     op_bandwidth(device, args.smoke, reps, copy_bw)
+    long_prompt_attention(device, args.smoke, reps)
     state_op_bandwidth(device, args.smoke, reps, copy_bw)
     moe_throughput(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
