@@ -68,8 +68,7 @@ SMOKE_DEFAULTS = dict(lengths=[64, 128], concurrent=4, concurrent_len=32, concur
 def worker(config: str) -> None:
     """One JSON request per stdin line ({"prompts": [[ids]], "new": n}), one JSON line back with its
     wall time and tokens. ``config`` is the JSON of vLLM's ``LLM`` keyword arguments."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     llm = LLM(**json.loads(config))
     ready = {"ready": True}
@@ -82,14 +81,9 @@ def worker(config: str) -> None:
     except Exception as e:                         # informative only
         ready["note"] = f"could not read the token budget: {e!r}"
     print(json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        sp = SamplingParams(temperature=0.0, max_tokens=req["new"], ignore_eos=True, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        print(json.dumps({"seconds": dt, "tokens": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+    from bench_vs_vllm import serve_requests   # this folder is on sys.path: the worker runs this file
+
+    serve_requests(llm)
 
 
 class VllmWorker:
@@ -173,34 +167,6 @@ def parse_kv(items: list[str], flag: str) -> dict:
     return out
 
 
-def make_smoke_checkpoint(cache_dir: Path) -> Path:
-    """A tiny random Qwen3 (``SMOKE_SHAPE``), written once like bench_realsize's checkpoint."""
-    import shutil
-
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    import bench_realsize as realsize
-
-    path = Path(cache_dir) / SMOKE_NAME
-    if (path / "config.json").exists() and (path / "model.safetensors").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**SMOKE_SHAPE))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, realsize.WEIGHT_STD)
-    model.save_pretrained(tmp)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
 def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
     """(sequences equal, mean length of the agreeing prefix) of two lists of token sequences."""
     same = sum(a == b for a, b in zip(ref, other))
@@ -273,7 +239,7 @@ def main(argv=None) -> int:
     print(f"CPU: {model_name}; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in flags.items()), flush=True)
 
     cache = args.cache_dir or realsize.default_cache_dir()
-    path = make_smoke_checkpoint(cache) if args.smoke else realsize.make_checkpoint(cache)
+    path = realsize.make_checkpoint(cache, SMOKE_SHAPE, SMOKE_NAME) if args.smoke else realsize.make_checkpoint(cache)
     vocab = (SMOKE_SHAPE if args.smoke else realsize.SHAPE)["vocab_size"]
     long_cases = [c for c in cases if c in ("ttft", "decode")]
     longest = max(([L + args.new_tokens for L in args.lengths] if long_cases else [0])

@@ -51,9 +51,10 @@ def default_cache_dir() -> Path:
     return cpu.cache_dir() / "realsize"
 
 
-def make_checkpoint(cache_dir: Path) -> Path:
-    """The checkpoint directory, written on first use (to a temporary name, then renamed)."""
-    path = Path(cache_dir) / CHECKPOINT_NAME
+def make_checkpoint(cache_dir: Path, shape: dict = SHAPE, name: str = CHECKPOINT_NAME) -> Path:
+    """The checkpoint directory (a random Qwen3 of ``shape``, weights of std WEIGHT_STD), written on first
+    use (to a temporary name, then renamed)."""
+    path = Path(cache_dir) / name
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -61,7 +62,7 @@ def make_checkpoint(cache_dir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE))
+    model = Qwen3ForCausalLM(Qwen3Config(**shape))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

@@ -37,6 +37,15 @@ def worker(path: str, dtype: str, threads: int, max_seqs: int, max_len: int) -> 
     llm = LLM(model=path, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=max_seqs,
               max_model_len=max_len, seed=0)
     print(json.dumps({"ready": True}), flush=True)
+    serve_requests(llm)
+
+
+def serve_requests(llm) -> None:
+    """The worker's loop (here and in bench_long.py): one JSON request per stdin line ({"prompts":
+    [[ids]], "new": n}), greedy with ignore_eos, one JSON line back with its wall time and tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     for line in sys.stdin:
         req = json.loads(line)
         sp = SamplingParams(temperature=0.0, max_tokens=req["new"], ignore_eos=True, detokenize=False)
