@@ -422,7 +422,7 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
         l[r] = 0.0f;
     }
     /* scores one key block ahead, in two buffers: the softmax then never loads rows that tile stores
-     * have only just written (measured: 25% of a 2,000-token prefill's attention time) */
+     * have only just written (measured: docs/design.md, "Long prompts") */
 #define FLASH_SCORES(KB, DST)                                                                                   \
     do {                                                                                                       \
         if (amx) flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                                \
@@ -482,7 +482,9 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
                      const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
     int amx = 0;
 #if QWEN_AMX
-    amx = a->dtype == 2 && qwen_bf16_products() == 2;
+    /* the tiles' K^T gathers read a key row's bf16 pairs as dwords: every row must start at an even element */
+    const int even = ((a->k_sb | a->k_sr | a->k_sh | a->v_sb | a->v_sr | a->v_sh) & 1) == 0;
+    amx = a->dtype == 2 && even && qwen_bf16_products() == 2;
 #endif
     const int64_t BQ = FLASH_ROWS / a->G > 0 ? FLASH_ROWS / a->G : 1;
     int64_t n_seqs = 0, max_keys = 0, n_tasks = 0;
