@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     from bench_realsize import default_cache_dir, make_checkpoint
     from qwen_ops import LLM, SamplingParams
 
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     path = make_checkpoint(default_cache_dir())
     llms = {b: LLM(str(path), dtype=args.dtype, max_num_seqs=args.decodes + 1, max_model_len=args.length + 64,
                    kv_cache_bytes=4 << 30, max_num_batched_tokens=b) for b in args.budgets}

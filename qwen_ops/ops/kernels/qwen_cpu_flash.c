@@ -372,18 +372,15 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
             float *orow = o + j * Dp;
             for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), a));
         }
-        if (pb == NULL) {
-            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + j * FLASH_BK + 16 * v, x[v]);
-        } else {
-            /* bf16, round to nearest even (the values are in [0, 1]: no NaN to keep) */
-            for (int v = 0; v < 4; ++v) {
-                const __m512i u = _mm512_castps_si512(x[v]);
-                const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+#if QWEN_AMX
+        if (pb != NULL) {   /* P rounded to bf16 for the tiles, as the products' outputs are */
+            for (int v = 0; v < 4; ++v)
                 _mm256_storeu_si256((__m256i *)(void *)(pb + j * 32 + (v / 2) * 512 + (v % 2) * 16),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16)));
-            }
+                                    amx_round_bf16(x[v]));
+            continue;
         }
+#endif
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + j * FLASH_BK + 16 * v, x[v]);
     }
     _mm512_storeu_ps(l, _mm512_mask_fmadd_ps(_mm512_loadu_ps(l), any, alpha, flash_sum16(part)));
     _mm512_storeu_ps(m, m_new);
@@ -396,7 +393,7 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
                               int64_t kvh, const void *kt, const void *vv, float *q, float *o, float *scores,
                               uint16_t *pb, float *m, float *l) {
     const int64_t G = a->G, D = a->D, H = a->H, M = nq * G, Mp = round_up(M, 16), S = Dp / 32;
-    const int64_t nkeys = pos0 + nq, nkb = (nkeys + FLASH_BK - 1) / FLASH_BK, elem = a->dtype == 0 ? 4 : 2;
+    const int64_t nkeys = pos0 + nq, nkb = (nkeys + FLASH_BK - 1) / FLASH_BK;
     const float scale = a->scale;
     float *s_next[2] = {scores, scores + Mp * FLASH_BK};
     /* Q rows: bf16 tiles qt[i][s][16][32] (zero padding), or fp32 [Mp][Dp] */
@@ -466,7 +463,6 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
         }
         store_row(a->out, (token * H + h) * D, a->dtype, D, orow);
     }
-    (void)elem;
 }
 
 /* Whether the flash path takes a sequence: fp32 or bf16, head dims of 16s (every Qwen model's). */
