@@ -24,26 +24,27 @@ for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
 
 
-def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
-    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+def _kv_write_impl(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                   v_scale=None) -> None:
+    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
     backend = backend_for(key.device, "kv_write")
     if value_checks_enabled(backend):
         V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
     getattr(kernels(backend), f"kv_write_{backend}")(key, value, key_cache, value_cache, slot_ids,
-                                                      positions, block_table)
+                                                      positions, block_table, k_scale, v_scale)
 
 
 def _slot_attention_impl(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                         scale, max_query_len, gate=None) -> torch.Tensor:
+                         scale, max_query_len, gate=None, k_scale=None, v_scale=None) -> torch.Tensor:
     V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                           scale, max_query_len, gate)
+                           scale, max_query_len, gate, k_scale, v_scale)
     backend = backend_for(query.device, "slot_attention", "decode" if max_query_len == 1 else "prefill")
     if value_checks_enabled(backend):
         V.check_slot_attention_values(query, key_cache, block_table, seq_slots, query_start_loc, seq_lens,
                                       max_query_len)
     return getattr(kernels(backend), f"slot_attention_{backend}")(
         query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale,
-        max_query_len, gate)
+        max_query_len, gate, k_scale, v_scale)
 
 
 for _key in ("CPU", "CUDA"):
@@ -52,33 +53,38 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake(f"{NAMESPACE}::kv_write", lib=_LIB)
-def _kv_write_fake(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
-    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+def _kv_write_fake(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                   v_scale=None) -> None:
+    V.check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::slot_attention", lib=_LIB)
 def _slot_attention_fake(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                         scale, max_query_len, gate=None) -> torch.Tensor:
+                         scale, max_query_len, gate=None, k_scale=None, v_scale=None) -> torch.Tensor:
     V.check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                           scale, max_query_len, gate)
+                           scale, max_query_len, gate, k_scale, v_scale)
     return torch.empty_like(query)
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
+             slot_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+             k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches.
 
     Token i goes to slot ``slot_ids[i]`` (int32, -1 = padding, nothing written) at position
     ``positions[i]`` (int32), i.e. block ``block_table[slot, pos // block_size]``, row
     ``pos % block_size`` of ``key_cache``/``value_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``.
+    A float8_e4m3fn / float8_e5m2 cache stores ``fp8(clamp(key / k_scale))`` (and values by
+    ``v_scale``; one-element fp32 tensors, None = 1.0): ``qwen_ops.ops.kv_quant``.
     """
-    torch.ops.qwen.kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
+    torch.ops.qwen.kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
 
 
 def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, seq_slots: torch.Tensor, query_start_loc: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                   gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   gate: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
+                   v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal GQA attention over slot-indexed paged KV, for prefill, chunks, decode and mixes.
 
     query ``[num_tokens, num_heads, head_dim]``; sequence i owns rows
@@ -86,10 +92,11 @@ def slot_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     rows zero) holding ``seq_lens[i]`` tokens after this step's write. Row j of a sequence with
     q rows sits at position ``seq_len - q + j``. ``max_query_len`` is a static upper bound on q
     (1 selects the decode kernel). ``gate`` multiplies the output by ``sigmoid(gate)``.
-    Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. An fp8 cache (any query
+    dtype) is read as ``float(cache) * k_scale`` / ``* v_scale``.
     """
     return torch.ops.qwen.slot_attention(query, key_cache, value_cache, block_table, seq_slots,
-                                         query_start_loc, seq_lens, scale, max_query_len, gate)
+                                         query_start_loc, seq_lens, scale, max_query_len, gate, k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,9 +277,11 @@ def _moe_packed_cpu(hidden_states, w13, w2, topk_weights, topk_ids):
 
 
 def _attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                         block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+                         block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
+                         k_scale=None, v_scale=None):
     _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads)
+                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
+                          k_scale, v_scale)
     if value_checks_enabled("cpu"):
         V.check_qk_norm_rope_values(cos_sin, positions)
         V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
@@ -280,7 +289,7 @@ def _attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_c
         V.check_slot_attention_values(q, key_cache, block_table, seq_slots, query_start_loc, seq_lens, max_query_len)
     return _cpu().attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache,
                                       slot_ids, block_table, seq_slots, query_start_loc, seq_lens, scale,
-                                      max_query_len, num_heads)
+                                      max_query_len, num_heads, k_scale, v_scale)
 
 
 # The ctypes kernels: the fallback where the C++ ones (kernels/qwen_cpu_ops.cpp) do not build.
@@ -366,9 +375,11 @@ def _moe_packed_fake(hidden_states, w13, w2, topk_weights, topk_ids):
 
 @torch.library.register_fake(f"{NAMESPACE}::attention_block", lib=_LIB)
 def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
+                          k_scale=None, v_scale=None):
     V.check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache, value_cache, slot_ids,
-                            block_table, seq_slots, query_start_loc, seq_lens, max_query_len, num_heads)
+                            block_table, seq_slots, query_start_loc, seq_lens, max_query_len, num_heads,
+                            k_scale, v_scale)
     return qkv.new_empty((qkv.shape[0], num_heads * key_cache.shape[3]))
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)     # a quantized KV cache (ops/kv_quant.py)
 INDEX_DTYPE = torch.int32
 
 
@@ -49,8 +50,15 @@ def _same_device(**tensors: Optional[torch.Tensor]) -> None:
 def _cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
     _rank("key_cache", key_cache, 4, layout)
-    _float("key_cache", key_cache)
-    _float("value_cache", value_cache)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype in FP8_DTYPES:
+            if t.stride(-1) != 1 and t.shape[-1] > 1:
+                raise ValueError(f"{name} has stride {t.stride()}: its last dimension must be contiguous (stride 1)")
+        elif t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected one of float32, float16, bfloat16 (the model's "
+                             "dtype) or float8_e4m3fn, float8_e5m2 (a quantized cache)")
+        else:
+            _float(name, t)
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache has shape {tuple(value_cache.shape)}, expected the shape of "
                          f"key_cache {tuple(key_cache.shape)}")
@@ -58,10 +66,33 @@ def _cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         raise ValueError(f"value_cache has dtype {value_cache.dtype}, expected key_cache's {key_cache.dtype}")
 
 
-def check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
+    """k_scale / v_scale: None or one-element float32 tensors on the cache's device (read for fp8 caches)."""
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(f"{name} has dtype {t.dtype} and shape {tuple(t.shape)}, expected a one-element "
+                             "float32 tensor (the cache's per-tensor scale) or None (1.0)")
+        if t.device != key_cache.device:
+            raise ValueError(f"{name} is on {t.device} but key_cache is on {key_cache.device}; "
+                             "all tensors must be on one device")
+
+
+def _cache_takes(name: str, t: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """A tensor written to / read against the caches: their dtype, or any float dtype for an fp8 cache."""
+    if key_cache.dtype in FP8_DTYPES:
+        return
+    if t.dtype != key_cache.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected the cache dtype {key_cache.dtype}")
+
+
+def check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                   v_scale=None) -> None:
     _same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                  slot_ids=slot_ids, positions=positions, block_table=block_table)
     _cache_pair(key_cache, value_cache)
+    _check_kv_scales(key_cache, k_scale, v_scale)
     _, _, kv_heads, head_dim = key_cache.shape
     for name, t in (("key", key), ("value", value)):
         _rank(name, t, 3, "[num_tokens, num_kv_heads, head_dim]")
@@ -69,8 +100,9 @@ def check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, bloc
         if tuple(t.shape[1:]) != (kv_heads, head_dim):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [num_tokens, {kv_heads}, {head_dim}] "
                              f"to match the cache's num_kv_heads={kv_heads}, head_dim={head_dim}")
-        if t.dtype != key_cache.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, expected the cache dtype {key_cache.dtype}")
+        _cache_takes(name, t, key_cache)
+    if value.dtype != key.dtype:
+        raise ValueError(f"value has dtype {value.dtype}, expected key's {key.dtype}")
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
     num_tokens = key.shape[0]
@@ -82,10 +114,11 @@ def check_kv_write(key, value, key_cache, value_cache, slot_ids, positions, bloc
 
 
 def check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                         seq_lens, scale, max_query_len, gate) -> None:
+                         seq_lens, scale, max_query_len, gate, k_scale=None, v_scale=None) -> None:
     _same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
                  seq_slots=seq_slots, query_start_loc=query_start_loc, seq_lens=seq_lens, gate=gate)
     _cache_pair(key_cache, value_cache)
+    _check_kv_scales(key_cache, k_scale, v_scale)
     _, _, kv_heads, head_dim = key_cache.shape
     _rank("query", query, 3, "[num_tokens, num_heads, head_dim]")
     _float("query", query)
@@ -95,8 +128,7 @@ def check_slot_attention(query, key_cache, value_cache, block_table, seq_slots, 
     if query.shape[1] % kv_heads != 0:
         raise ValueError(f"query has {query.shape[1]} heads, expected a multiple of the cache's "
                          f"num_kv_heads = {kv_heads}")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query has dtype {query.dtype}, expected the cache dtype {key_cache.dtype}")
+    _cache_takes("query", query, key_cache)
     if gate is not None:
         _float("gate", gate)
         if gate.shape != query.shape:
@@ -536,7 +568,8 @@ def check_moe_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
 
 
 def check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache, value_cache, slot_ids, block_table,
-                          seq_slots, query_start_loc, seq_lens, max_query_len, num_heads) -> None:
+                          seq_slots, query_start_loc, seq_lens, max_query_len, num_heads, k_scale=None,
+                          v_scale=None) -> None:
     _rank("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     nk, D = key_cache.shape[2], key_cache.shape[3]
     if not isinstance(num_heads, int) or num_heads < 1 or num_heads % nk:
@@ -551,11 +584,11 @@ def check_attention_block(qkv, q_weight, k_weight, cos_sin, positions, key_cache
     k = qkv[:, num_heads * D:(num_heads + nk) * D].view(T, nk, D)
     v = qkv[:, (num_heads + nk) * D:].view(T, nk, D)
     check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
-    if key_cache.dtype != qkv.dtype:
-        raise ValueError(f"key_cache has dtype {key_cache.dtype}, expected qkv's {qkv.dtype}")
-    check_kv_write(k, v, key_cache, value_cache, slot_ids, positions, block_table)
+    if key_cache.dtype != qkv.dtype and key_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"key_cache has dtype {key_cache.dtype}, expected qkv's {qkv.dtype} or an fp8 dtype")
+    check_kv_write(k, v, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
     check_slot_attention(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, 1.0,
-                         max_query_len, None)
+                         max_query_len, None, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,15 +47,18 @@ SOURCE = Path(__file__).with_name("qwen_cpu.c")
 # qwen_cpu.c and the files it includes: all of them key the cached build
 SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"))
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _KV_WRITE_ARGS = [_p] * 7 + [_i64] * 4 + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
-_ATTENTION_ARGS = [_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2 + [_i64]
+_KV_WRITE_FP8_ARGS = [_p] * 7 + [_i64] * 3 + [_i32, _i32, _f32, _f32] + [_i64] * 4 + [_i64] * 7 + [_i64] * 2
+_ATTENTION_ARGS = ([_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 6 + [_i64] * 2 + [_i64]
+                   + [_i32, _f32, _f32])
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
+    "qwen_kv_write_fp8": (_KV_WRITE_FP8_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
     "qwen_argmax_rows": ([_p, _i64, _i64, _i64, _p], None),
     "qwen_apply_token_bitmask": ([_p, _i64, _i64, _p, _i64, _p, _i64], None),
@@ -232,10 +235,24 @@ def _i32_vector(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+def _scale(t: Optional[torch.Tensor]) -> float:
+    """A one-element fp32 scale tensor (validated) as a float; None is 1.0."""
+    return 1.0 if t is None else float(t.reshape(()))
+
+
+def kv_write_cpu(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                 v_scale=None) -> None:
     slot_ids, positions = _i32_vector(slot_ids), _i32_vector(positions)
     ks, vs, kcs, vcs, bts = key.stride(), value.stride(), key_cache.stride(), value_cache.stride(), block_table.stride()
     _, block_size, kv_heads, head_dim = key_cache.shape
+    if key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        library().qwen_kv_write_fp8(
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            slot_ids.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
+            key.shape[0], kv_heads, head_dim, _DTYPE_CODES[key.dtype], _DTYPE_CODES[key_cache.dtype],
+            _scale(k_scale), _scale(v_scale), ks[0], ks[1], vs[0], vs[1],
+            block_size, kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2], bts[0], bts[1])
+        return
     library().qwen_kv_write(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         slot_ids.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
@@ -253,10 +270,11 @@ FP16_REFERENCE_ABOVE_QUERY_LEN = 96
 
 
 def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                       scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None,
+                       k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if query.dtype == torch.float16 and max_query_len > FP16_REFERENCE_ABOVE_QUERY_LEN:
         return slot_attention_reference(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                                        seq_lens, scale, max_query_len, gate)
+                                        seq_lens, scale, max_query_len, gate, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     num_seqs = seq_slots.shape[0]
@@ -274,7 +292,7 @@ def slot_attention_cpu(query, key_cache, value_cache, block_table, seq_slots, qu
         qs[0], qs[1], gs[0], gs[1],
         kcs[0], kcs[1], kcs[2],
         vcs[0], vcs[1], vcs[2],
-        bts[0], bts[1], torch.get_num_threads())
+        bts[0], bts[1], torch.get_num_threads(), _DTYPE_CODES[key_cache.dtype], _scale(k_scale), _scale(v_scale))
     if status != 0:
         raise MemoryError("qwen_ops cpu slot_attention could not allocate its scratch memory")
     return out
@@ -536,15 +554,16 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                        block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+                        block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
+                        k_scale=None, v_scale=None):
     """The ctypes fallback of attention_block: its three parts as this module's kernels."""
     T = qkv.shape[0]
     nk, D = key_cache.shape[2], key_cache.shape[3]
     q, k, v = qkv.view(T, -1, D).split([num_heads, nk, nk], 1)
     q, k = qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions)
-    kv_write_cpu(k, v, key_cache, value_cache, slot_ids, positions, block_table)
+    kv_write_cpu(k, v, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
     return slot_attention_cpu(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale,
-                              max_query_len).view(T, num_heads * D)
+                              max_query_len, None, k_scale, v_scale).view(T, num_heads * D)
 
 
 def moe_packed_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

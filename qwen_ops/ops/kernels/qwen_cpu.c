@@ -15,7 +15,8 @@
  * and accumulation in fp32, output rounded once to the query dtype. Index values are trusted:
  * the Python side validates them first (or the engine built them from validated state).
  *
- * Dtype codes: 0 = float32, 1 = float16, 2 = bfloat16.
+ * Dtype codes: 0 = float32, 1 = float16, 2 = bfloat16; KV caches also 3 = float8_e4m3fn, 4 = float8_e5m2
+ * (a quantized cache: kv_write stores fp8(clamp(x / scale)), the attention reads float(q) * scale).
  */
 
 #include <math.h>
@@ -67,6 +68,38 @@ static inline uint16_t f32_to_f16(float f) {
     return h;
 }
 
+/* fp8 (3 = e4m3fn, 4 = e5m2) to fp32, exactly: the byte moved into an fp16's bit pattern (e5m2 is an
+ * fp16's top byte; e4m3's exponent is 8 below fp16's, hence the 2^8), subnormals included. */
+static inline float fp8_to_f32(uint8_t b, int kind) {
+    if (kind == 4) return f16_to_f32((uint16_t)(b << 8));
+    return f16_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+}
+
+/* fp32 to fp8, round to nearest even, saturated at the largest finite value (448 / 57344; vLLM's
+ * __NV_SATFINITE, torch's .to() after a clamp); NaN stays NaN. Below the smallest normal (2^-6 /
+ * 2^-14) the steps are 2^-9 / 2^-16: a scaling by a power of two and a rounding to an integer
+ * (which carries into the smallest normal's code); above it the mantissa is rounded in the bits. */
+static inline uint8_t f32_to_fp8(float x, int kind) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    float af;
+    memcpy(&af, &a, 4);
+    if (a > 0x7f800000u) return sign | 0x7fu;
+    if (kind == 4) {
+        if (a >= 0x47600000u) return sign | 0x7bu;                                  /* >= 57344 */
+        if (a < 0x38800000u) return sign | (uint8_t)(int)nearbyintf(af * 65536.0f);  /* < 2^-14 */
+        return sign | (uint8_t)(((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2));
+    }
+    if (a >= 0x43e00000u) return sign | 0x7eu;                                      /* >= 448 */
+    if (a < 0x3c800000u) return sign | (uint8_t)(int)nearbyintf(af * 512.0f);       /* < 2^-6 */
+    return sign | (uint8_t)(((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3));
+}
+
+/* Bytes per element of a dtype code. */
+static inline int64_t dtype_elem(int dtype) { return dtype == 0 ? 4 : dtype <= 2 ? 2 : 1; }
+
 /* Whole rows of bf16 <-> fp32, branch-free so that they vectorize (the fast path's ops convert
  * every bf16 activation row they read and write); the roundings of bf16_to_f32 / f32_to_bf16. */
 static inline void bf16_row_to_f32(const uint16_t *src, int64_t n, float *dst) {
@@ -93,6 +126,9 @@ static inline void load_row(const void *base, int64_t offset, int dtype, int64_t
     } else if (dtype == 1) {
         const uint16_t *p = (const uint16_t *)base + offset;
         for (int64_t d = 0; d < n; ++d) dst[d] = f16_to_f32(p[d]);
+    } else if (dtype >= 3) {
+        const uint8_t *p = (const uint8_t *)base + offset;
+        for (int64_t d = 0; d < n; ++d) dst[d] = fp8_to_f32(p[d], dtype);
     } else {
         bf16_row_to_f32((const uint16_t *)base + offset, n, dst);
     }
@@ -186,6 +222,34 @@ void qwen_kv_write(const void *key, const void *value, void *key_cache, void *va
     }
 }
 
+/* qwen_kv_write into an fp8 cache (fp8_kind 3 or 4): each element of key / value (src_dtype 0-2)
+ * divided by k_scale / v_scale in fp32 and rounded by f32_to_fp8. */
+void qwen_kv_write_fp8(const void *key, const void *value, void *key_cache, void *value_cache,
+                       const int32_t *slot_ids, const int32_t *positions, const int32_t *block_table,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int src_dtype, int fp8_kind,
+                       float k_scale, float v_scale, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
+                       int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
+                       int64_t vc_sb, int64_t vc_sr, int64_t vc_sh, int64_t bt_s0, int64_t bt_s1) {
+    float *row = (float *)malloc(sizeof(float) * (size_t)head_dim);
+    if (row == NULL) return;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int32_t slot = slot_ids[i];
+        if (slot < 0) continue;
+        const int64_t pos = positions[i];
+        const int64_t block = block_table[slot * bt_s0 + (pos / block_size) * bt_s1];
+        const int64_t r = pos % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            uint8_t *kd = (uint8_t *)key_cache + block * c_sb + r * c_sr + h * c_sh;
+            uint8_t *vd = (uint8_t *)value_cache + block * vc_sb + r * vc_sr + h * vc_sh;
+            load_row(key, i * k_s0 + h * k_s1, src_dtype, head_dim, row);
+            for (int64_t d = 0; d < head_dim; ++d) kd[d] = f32_to_fp8(row[d] / k_scale, fp8_kind);
+            load_row(value, i * v_s0 + h * v_s1, src_dtype, head_dim, row);
+            for (int64_t d = 0; d < head_dim; ++d) vd[d] = f32_to_fp8(row[d] / v_scale, fp8_kind);
+        }
+    }
+    free(row);
+}
+
 /* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */
 static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
     return n - t < block_size ? n - t : block_size;
@@ -231,12 +295,24 @@ static inline __attribute__((always_inline)) __m128 sum4_avx512(__m512 a0, __m51
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* 16 elements of a cache row from element i, as fp32: an fp32 row as it is, a bf16 row widened (exact). */
-static inline __attribute__((always_inline)) __m512 cache16_ps(const void *row, int64_t i, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)row + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+/* 16 elements of a cache row from element i, as fp32, exactly: kind 0 an fp32 row as it is, 1 a bf16
+ * row widened, 3 / 4 an fp8 e4m3 / e5m2 row through fp16's bit pattern (fp8_to_f32; the fp16
+ * conversion takes subnormals as they are). */
+static inline __attribute__((always_inline)) __m512 cache16_ps(const void *row, int64_t i, int kind) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)row + i);
+    if (kind == 1) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)((const uint16_t *)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)((const uint8_t *)row + i)));
+    if (kind == 4) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
+
+/* Bytes per element of a cache16_ps kind. */
+static inline int64_t kind_elem(int kind) { return kind == 0 ? 4 : kind == 1 ? 2 : 1; }
 
 /* The dot products q4[g*D ..] . k for g < NQ (1, 2 or 4 heads sharing a kv head) at once: one FMA
  * chain per head, then a shuffle network that sums them into lanes 0 .. NQ - 1 (no scalar
@@ -283,7 +359,7 @@ static inline __attribute__((always_inline)) void wsum_avx512(float *out, const 
                                                               const int32_t *blocks, int64_t bt_s1, int64_t block_size,
                                                               int64_t sb, int64_t sr, int64_t off_h, int64_t n,
                                                               const int NV) {
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kind_elem(bf16);
     __m512 acc[16];
     for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t t = 0, b = 0; t < n; ++b) {
@@ -309,7 +385,7 @@ static void wsum_any_avx512(float *out, const float *p, const void *cache, int b
         default: break;
     }
     memset(out, 0, sizeof(float) * (size_t)D);
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kind_elem(bf16);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
         const int64_t rows = rows_in_block(n, t, block_size);
@@ -320,7 +396,7 @@ static void wsum_any_avx512(float *out, const float *p, const void *cache, int b
             }
             const __m512 pt = _mm512_set1_ps(p[t]);
             for (int64_t c = 0; c < D; c += 16)
-                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, 1),
+                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, bf16),
                                                           _mm512_loadu_ps(out + c)));
         }
     }
@@ -344,8 +420,10 @@ typedef struct {
     const int32_t *block_table;
     int64_t H, G, D, num_kv_heads, block_size, max_len, q_s0, q_s1, g_s0, g_s1;
     int64_t k_sb, k_sr, k_sh, v_sb, v_sr, v_sh, bt_s1;
-    int dtype;
-    float scale;
+    int dtype;       /* the query's, gate's and output's */
+    float scale;     /* times k_scale for an fp8 cache */
+    int kv_dtype;    /* the caches': dtype, or 3 / 4 (fp8) */
+    float v_scale;   /* 1, or an fp8 cache's value scale */
 } attn_args;
 
 /* One query row (token, over keys 0 .. n - 1 of the slot whose block-table row is blocks) for the
@@ -356,12 +434,13 @@ typedef struct {
  * softmax per head, then one pass over the values. */
 static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32_t *blocks, int64_t kh0, int64_t kh1,
                        float *scratch) {
-    const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype;
-    const int64_t elem = dtype == 0 ? 4 : 2, h0 = kh0 * G, h1 = kh1 * G;
+    const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype, kvd = a->kv_dtype;
+    const int64_t elem = dtype_elem((int)kvd), h0 = kh0 * G, h1 = kh1 * G;
     float *scores = scratch, *q = scores + H * max_len, *acc = q + H * D, *row = acc + H * D;
 #if QWEN_AVX512
-    /* fp32 and bf16 caches, head dims of 16s: vector dot products and weighted sums on the rows as stored */
-    const int fast = (dtype == 0 || dtype == 2) && D % 16 == 0, bf16 = dtype == 2;
+    /* fp32, bf16 and fp8 caches, head dims of 16s: vector dot products and weighted sums on the rows as
+     * stored (bf16 = cache16_ps's kind) */
+    const int fast = kvd != 1 && D % 16 == 0, bf16 = kvd == 2 ? 1 : (int)kvd;
 #endif
     for (int64_t h = h0; h < h1; ++h) {
         load_row(a->query, token * a->q_s0 + h * a->q_s1, (int)dtype, D, q + h * D);
@@ -391,7 +470,7 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
                     continue;
                 }
 #endif
-                const float *k = cache_row(a->key_cache, at, (int)dtype, D, row);
+                const float *k = cache_row(a->key_cache, at, (int)kvd, D, row);
                 for (int64_t g = 0; g < G; ++g)
                     scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
             }
@@ -429,7 +508,7 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
         const int64_t rows = rows_in_block(n, t, a->block_size);
         for (int64_t r = 0; r < rows; ++r, ++t) {
             for (int64_t kh = kh0; kh < kh1; ++kh) {
-                const float *v = cache_row(a->value_cache, block * a->v_sb + r * a->v_sr + kh * a->v_sh, (int)dtype,
+                const float *v = cache_row(a->value_cache, block * a->v_sb + r * a->v_sr + kh * a->v_sh, (int)kvd,
                                            D, row);
                 for (int64_t g = 0; g < G; ++g)
                     axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
@@ -441,6 +520,8 @@ weighted_sum_done:
 #endif
     for (int64_t h = h0; h < h1; ++h) {
         float *o = acc + h * D;
+        if (a->v_scale != 1.0f)
+            for (int64_t d = 0; d < D; ++d) o[d] *= a->v_scale;
         if (a->gate != NULL) {
             load_row(a->gate, token * a->g_s0 + h * a->g_s1, (int)dtype, D, row);
             for (int64_t d = 0; d < D; ++d) o[d] *= 1.0f / (1.0f + expf(-row[d]));
@@ -453,6 +534,8 @@ weighted_sum_done:
 static int flash_takes(const attn_args *a, int64_t q_len);
 static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
                      const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads);
+static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads);
 
 /* Keys (positions x kv heads) below which slot_attention stays on one thread: the second thread's
  * start costs more than it saves there. */
@@ -475,14 +558,17 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
                         int64_t block_size, int dtype, float scale,
                         int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1,
                         int64_t k_sb, int64_t k_sr, int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh,
-                        int64_t bt_s0, int64_t bt_s1, int64_t threads) {
+                        int64_t bt_s0, int64_t bt_s1, int64_t threads, int kv_dtype, float k_scale, float v_scale) {
     const int64_t H = num_heads, D = head_dim;
-    const int64_t elem = dtype == 0 ? 4 : 2;
+    const int64_t elem = dtype_elem(dtype);
+    const int fp8 = kv_dtype >= 3;
     const attn_args a = {query, key_cache, value_cache, gate, out, block_table, H, num_heads / num_kv_heads, D,
                          num_kv_heads, block_size, 1, q_s0, q_s1, g_s0, g_s1, k_sb, k_sr, k_sh, v_sb, v_sr, v_sh,
-                         bt_s1, dtype, scale};
-    /* sequences with many query rows: the flash path; the others row by row below */
-    if (flash_run(&a, seq_slots, query_start_loc, seq_lens, num_seqs, bt_s0, threads) != 0) return -1;
+                         bt_s1, dtype, fp8 ? scale * k_scale : scale, fp8 ? kv_dtype : dtype, fp8 ? v_scale : 1.0f};
+    /* sequences with many query rows: the flash path (an fp8 cache's pages widened first); the others row
+     * by row below */
+    if ((fp8 ? flash_run_fp8 : flash_run)(&a, seq_slots, query_start_loc, seq_lens, num_seqs, bt_s0, threads) != 0)
+        return -1;
     int64_t max_len = 1, rows = 0, keys = 0;
     for (int64_t i = 0; i < num_seqs; ++i)
         if (seq_slots[i] >= 0 && !flash_takes(&a, query_start_loc[i + 1] - query_start_loc[i])) {

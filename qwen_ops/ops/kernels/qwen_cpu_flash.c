@@ -453,7 +453,7 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
     float *s = s_next[0];
     for (int64_t r = 0; r < M; ++r) {
         float *orow = o + r * Dp;
-        const float inv = 1.0f / l[r];
+        const float inv = a->v_scale / l[r];
         for (int64_t d = 0; d < D; ++d) orow[d] *= inv;
         const int64_t token = token0 + r / G, h = kvh * G + r % G;
         if (a->gate != NULL) {
@@ -557,6 +557,70 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
     free(tasks);
     return 0;
 }
+
+/* flash_run over an fp8 cache: the pages of the sequences it takes widened (exactly) into a shadow
+ * cache in the query's dtype, read through a block table of their own; the fp8 scales are a->scale
+ * (times k_scale) and a->v_scale already. A shadow page costs a pass over its bytes, small beside the
+ * products over it (each key meets every query row of its sequence). */
+static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
+    const int64_t bs = a->block_size, nk = a->num_kv_heads, D = a->D, page = bs * nk * D;
+    int64_t total = 0, max_blocks = 1;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        if (seq_slots[i] >= 0 && flash_takes(a, query_start_loc[i + 1] - query_start_loc[i])) {
+            const int64_t nb = (seq_lens[i] + bs - 1) / bs;
+            total += nb;
+            if (nb > max_blocks) max_blocks = nb;
+        }
+    if (total == 0) return 0;
+    const int64_t elem = a->dtype == 0 ? 4 : 2;
+    char *pages = malloc((size_t)(2 * total * page * elem));
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)(num_seqs * max_blocks + num_seqs + 2 * total));
+    if (pages == NULL || table == NULL) {
+        free(pages);
+        free(table);
+        return -1;
+    }
+    int32_t *slots = table + num_seqs * max_blocks, *src = slots + num_seqs, *dst = src + total;
+    int64_t w = 0;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        slots[i] = -1;
+        if (seq_slots[i] < 0 || !flash_takes(a, query_start_loc[i + 1] - query_start_loc[i])) continue;
+        slots[i] = (int32_t)i;
+        for (int64_t b = 0; b < (seq_lens[i] + bs - 1) / bs; ++b, ++w) {
+            table[i * max_blocks + b] = (int32_t)w;
+            src[w] = a->block_table[seq_slots[i] * bt_s0 + b * a->bt_s1];
+            dst[w] = (int32_t)w;
+        }
+    }
+    char *kp = pages, *vp = pages + total * page * elem;
+    float row[256];
+#pragma omp parallel for num_threads((int)(threads < 1 ? 1 : threads)) if (threads > 1 && total > 1) \
+    schedule(static) private(row)
+    for (int64_t p = 0; p < total; ++p)
+        for (int64_t r = 0; r < bs; ++r)
+            for (int64_t h = 0; h < nk; ++h)
+                for (int64_t d0 = 0; d0 < D; d0 += 256) {
+                    const int64_t n = D - d0 < 256 ? D - d0 : 256, at = (dst[p] * bs + r) * nk * D + h * D + d0;
+                    load_row(a->key_cache, src[p] * a->k_sb + r * a->k_sr + h * a->k_sh + d0, a->kv_dtype, n, row);
+                    store_row(kp, at, a->dtype, n, row);
+                    load_row(a->value_cache, src[p] * a->v_sb + r * a->v_sr + h * a->v_sh + d0, a->kv_dtype, n, row);
+                    store_row(vp, at, a->dtype, n, row);
+                }
+    attn_args s = *a;
+    s.key_cache = kp;
+    s.value_cache = vp;
+    s.block_table = table;
+    s.k_sb = s.v_sb = page;
+    s.k_sr = s.v_sr = nk * D;
+    s.k_sh = s.v_sh = D;
+    s.bt_s1 = 1;
+    s.kv_dtype = a->dtype;
+    const int rc = flash_run(&s, slots, query_start_loc, seq_lens, num_seqs, max_blocks, threads);
+    free(pages);
+    free(table);
+    return rc;
+}
 #else
 static int flash_takes(const attn_args *a, int64_t q_len) {
     (void)a;
@@ -567,5 +631,9 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
                      const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
     (void)a, (void)seq_slots, (void)query_start_loc, (void)seq_lens, (void)num_seqs, (void)bt_s0, (void)threads;
     return 0;
+}
+static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
+    return flash_run(a, seq_slots, query_start_loc, seq_lens, num_seqs, bt_s0, threads);
 }
 #endif

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 extern "C" {
@@ -39,13 +40,19 @@ void qwen_kv_write(const void *key, const void *value, void *key_cache, void *va
                    int64_t head_dim, int64_t elem_size, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
                    int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh, int64_t vc_sb, int64_t vc_sr,
                    int64_t vc_sh, int64_t bt_s0, int64_t bt_s1);
+void qwen_kv_write_fp8(const void *key, const void *value, void *key_cache, void *value_cache,
+                       const int32_t *slot_ids, const int32_t *positions, const int32_t *block_table,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int src_dtype, int fp8_kind,
+                       float k_scale, float v_scale, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
+                       int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh, int64_t vc_sb, int64_t vc_sr,
+                       int64_t vc_sh, int64_t bt_s0, int64_t bt_s1);
 int qwen_slot_attention(const void *query, void *out, const void *key_cache, const void *value_cache,
                         const int32_t *block_table, const int32_t *seq_slots, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const void *gate, int64_t num_seqs, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, float scale,
                         int64_t q_s0, int64_t q_s1, int64_t g_s0, int64_t g_s1, int64_t k_sb, int64_t k_sr,
                         int64_t k_sh, int64_t v_sb, int64_t v_sr, int64_t v_sh, int64_t bt_s0, int64_t bt_s1,
-                        int64_t threads);
+                        int64_t threads, int kv_dtype, float k_scale, float v_scale);
 int qwen_moe_packed(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights, int64_t k,
                     int64_t E, const int64_t *w13, const int64_t *w2, int64_t I, float *out, int64_t threads);
 int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uint8_t *q, const float *s,
@@ -265,14 +272,25 @@ at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor
                            const at::Tensor &positions, at::Tensor &key_cache, at::Tensor &value_cache,
                            const at::Tensor &slot_ids, const at::Tensor &block_table, const at::Tensor &seq_slots,
                            const at::Tensor &query_start_loc, const at::Tensor &seq_lens, double scale,
-                           int64_t max_query_len, int64_t num_heads) {
+                           int64_t max_query_len, int64_t num_heads, const std::optional<at::Tensor> &k_scale,
+                           const std::optional<at::Tensor> &v_scale) {
   const int code = dtype_code(qkv, "qkv");
+  const auto kv_type = key_cache.scalar_type();
+  const int fp8 = kv_type == at::kFloat8_e4m3fn ? 3 : kv_type == at::kFloat8_e5m2 ? 4 : 0;
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                        key_cache.scalar_type() == qkv.scalar_type() && value_cache.scalar_type() == qkv.scalar_type() &&
+                        (kv_type == qkv.scalar_type() || fp8) && value_cache.scalar_type() == kv_type &&
                         key_cache.strides() == value_cache.strides() && key_cache.stride(3) == 1,
                     "key_cache ", key_cache.sizes(), " ", key_cache.scalar_type(), " and value_cache ", value_cache.sizes(),
                     " ", value_cache.scalar_type(), ": expected one [num_blocks, block_size, num_kv_heads, head_dim] layout "
-                    "in qkv's dtype ", qkv.scalar_type(), ", last dim contiguous");
+                    "in qkv's dtype ", qkv.scalar_type(), " or an fp8 dtype, last dim contiguous");
+  float ks = 1.0f, vs = 1.0f;
+  for (const auto &[t, f, name] : {std::tuple{&k_scale, &ks, "k_scale"}, std::tuple{&v_scale, &vs, "v_scale"}}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK_VALUE((*t)->scalar_type() == at::kFloat && (*t)->numel() == 1 && (*t)->device().is_cpu(), name,
+                      " has dtype ", (*t)->scalar_type(), " and shape ", (*t)->sizes(),
+                      ", expected a one-element float32 CPU tensor or None");
+    *f = *(*t)->const_data_ptr<float>();
+  }
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1), nk = key_cache.size(2),
                 D = key_cache.size(3);
   TORCH_CHECK_VALUE(num_heads >= 1 && num_heads % nk == 0, "num_heads = ", num_heads,
@@ -315,10 +333,17 @@ at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor
                                 qr.mutable_data_ptr(), kr.mutable_data_ptr(), T, D, code),
               "attention_block");
   const auto cs = key_cache.strides();
-  qwen_kv_write(kr.const_data_ptr(), base + (num_heads + nk) * D * es, key_cache.mutable_data_ptr(),
-                value_cache.mutable_data_ptr(), slot_ids.const_data_ptr<int32_t>(), positions.const_data_ptr<int32_t>(),
-                block_table.const_data_ptr<int32_t>(), T, nk, D, es, nk * D, D, s0, D, block_size, cs[0], cs[1], cs[2],
-                cs[0], cs[1], cs[2], block_table.stride(0), block_table.stride(1));
+  if (fp8)
+    qwen_kv_write_fp8(kr.const_data_ptr(), base + (num_heads + nk) * D * es, key_cache.mutable_data_ptr(),
+                      value_cache.mutable_data_ptr(), slot_ids.const_data_ptr<int32_t>(),
+                      positions.const_data_ptr<int32_t>(), block_table.const_data_ptr<int32_t>(), T, nk, D, code, fp8,
+                      ks, vs, nk * D, D, s0, D, block_size, cs[0], cs[1], cs[2], cs[0], cs[1], cs[2],
+                      block_table.stride(0), block_table.stride(1));
+  else
+    qwen_kv_write(kr.const_data_ptr(), base + (num_heads + nk) * D * es, key_cache.mutable_data_ptr(),
+                  value_cache.mutable_data_ptr(), slot_ids.const_data_ptr<int32_t>(), positions.const_data_ptr<int32_t>(),
+                  block_table.const_data_ptr<int32_t>(), T, nk, D, es, nk * D, D, s0, D, block_size, cs[0], cs[1], cs[2],
+                  cs[0], cs[1], cs[2], block_table.stride(0), block_table.stride(1));
   at::Tensor out = fresh({T, num_heads * D}, qkv.options());
   if (T == 0 || num_seqs == 0) return out.zero_();
   check_alloc(qwen_slot_attention(qr.const_data_ptr(), out.mutable_data_ptr(), key_cache.const_data_ptr(),
@@ -326,7 +351,8 @@ at::Tensor attention_block(const at::Tensor &qkv, const std::optional<at::Tensor
                                   seq_slots.const_data_ptr<int32_t>(), query_start_loc.const_data_ptr<int32_t>(),
                                   seq_lens.const_data_ptr<int32_t>(), nullptr, num_seqs, num_heads, nk, D, block_size,
                                   code, (float)scale, num_heads * D, D, 0, 0, cs[0], cs[1], cs[2], cs[0], cs[1], cs[2],
-                                  block_table.stride(0), block_table.stride(1), at::get_num_threads()),
+                                  block_table.stride(0), block_table.stride(1), at::get_num_threads(),
+                                  fp8 ? fp8 : code, ks, vs),
               "attention_block");
   return out;
 }

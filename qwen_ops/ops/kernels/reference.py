@@ -13,9 +13,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from qwen_ops.ops.kv_quant import dequantize, is_fp8, quantize
 
-def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
-    """Write token i's key/value to slot slot_ids[i] at positions[i]; slot -1 writes nothing."""
+
+def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                       v_scale=None) -> None:
+    """Write token i's key/value to slot slot_ids[i] at positions[i]; slot -1 writes nothing. An fp8
+    cache gets ``kv_quant.quantize(key, k_scale)`` (values by v_scale)."""
+    if is_fp8(key_cache.dtype):
+        key, value = quantize(key, k_scale, key_cache.dtype), quantize(value, v_scale, value_cache.dtype)
     if not bool((slot_ids >= 0).all()):
         live = slot_ids >= 0
         key, value, slot_ids, positions = key[live], value[live], slot_ids[live], positions[live]
@@ -37,7 +43,13 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache[blocks].view(S, n_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
-def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_lens, seq_lens, scale, gate):
+def _as_float(kv: torch.Tensor, scale) -> torch.Tensor:
+    """Gathered cache rows in fp32: an fp8 cache dequantized (``float(q) * scale``)."""
+    return dequantize(kv, scale) if is_fp8(kv.dtype) else kv.float()
+
+
+def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_lens, seq_lens, scale, gate,
+            k_scale=None, v_scale=None):
     """Causal attention for a group of sequences, padded to the longest query and context.
 
     slots, starts, q_lens, seq_lens: int64 tensors [S]. Query row j of a sequence with q query
@@ -60,12 +72,11 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
 
     ragged = S > 1 and bool((seq_lens != L).any())   # some sequence has keys past its seq_len
 
-    def gather(cache):
-        kv = _gather_blocks(cache, blocks)[:, :L]
-        kv = kv.transpose(1, 2).float()
+    def gather(cache, kv_scale):
+        kv = _as_float(_gather_blocks(cache, blocks)[:, :L], kv_scale).transpose(1, 2)
         return kv.masked_fill(~key_valid, 0.0) if ragged else kv
 
-    k, v = gather(key_cache), gather(value_cache)
+    k, v = gather(key_cache, k_scale), gather(value_cache, v_scale)
 
     # Query rows padded to Q per sequence: [S, heads, Q, head_dim].
     j = torch.arange(Q, device=device)
@@ -95,7 +106,7 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
 PER_SEQUENCE_KV_BYTES = 256 * 1024
 
 
-def _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens, scale, gate):
+def _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens, scale, gate, k_scale, v_scale):
     """``_decode_attend`` for long contexts: each sequence's keys exactly (no padding, no mask)."""
     S, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -106,8 +117,8 @@ def _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens, sca
         nb = (n + block_size - 1) // block_size
         k = torch.index_select(key_cache, 0, blocks[s, :nb], out=k_buf[:nb])
         v = torch.index_select(value_cache, 0, blocks[s, :nb], out=v_buf[:nb])
-        k = k.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n].transpose(1, 2).float()
-        v = v.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n].transpose(1, 2).float()
+        k = _as_float(k.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n], k_scale).transpose(1, 2)
+        v = _as_float(v.view(1, nb * block_size, num_kv_heads, head_dim)[:, :n], v_scale).transpose(1, 2)
         o = F.scaled_dot_product_attention(query[s:s + 1, :, None, :].float(), k, v, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)[0, :, 0]   # [H, D] fp32
         if gate is not None:
@@ -116,7 +127,8 @@ def _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens, sca
     return out
 
 
-def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_lens, scale, gate):
+def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_lens, scale, gate, k_scale=None,
+                   v_scale=None):
     """The pure-decode case (every sequence live, one query row each, rows in sequence order).
 
     Same math as ``_attend`` with fewer steps: the query rows need no gather, the output no
@@ -129,9 +141,12 @@ def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_le
     n_blocks = (L + block_size - 1) // block_size
     blocks = block_table.index_select(0, seq_slots.long())[:, :n_blocks].long().clamp_(0, key_cache.shape[0] - 1)
     if S > 1 and L * num_kv_heads * head_dim * key_cache.element_size() >= PER_SEQUENCE_KV_BYTES:
-        return _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens.tolist(), scale, gate)
+        return _decode_attend_per_sequence(query, key_cache, value_cache, blocks, lens.tolist(), scale, gate,
+                                           k_scale, v_scale)
     k = _gather_blocks(key_cache, blocks)[:, :L]     # fresh copies
     v = _gather_blocks(value_cache, blocks)[:, :L]
+    if is_fp8(k.dtype):
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     mask = None
     if S > 1 and bool((lens != L).any()):
         junk = torch.arange(L, device=query.device)[None, :] >= lens[:, None]           # [S, L]
@@ -149,16 +164,19 @@ def _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_le
 
 def slot_attention_reference(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
                              seq_lens, scale: float, max_query_len: int,
-                             gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             gate: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
+                             v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal GQA attention of each sequence's query rows over its slot's cached keys.
 
     Returns [num_tokens, num_heads, head_dim] in query.dtype; rows of padding sequences
-    (seq_slots == -1) are zero. Softmax is accumulated in fp32.
+    (seq_slots == -1) are zero. Softmax is accumulated in fp32. An fp8 cache is read as
+    ``float(cache) * k_scale`` / ``* v_scale`` (fp32).
     """
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     q_list, slot_list = q_lens.tolist(), seq_slots.tolist()
     if len(q_list) == query.shape[0] and all(q == 1 for q in q_list) and min(slot_list, default=-1) >= 0:
-        return _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_lens, scale, gate)
+        return _decode_attend(query, key_cache, value_cache, block_table, seq_slots, seq_lens, scale, gate,
+                              k_scale, v_scale)
     # Otherwise decode rows (one query token) are attended in one padded batch and longer
     # queries one sequence at a time, so a long prefill never pads the whole batch to its length.
     out = torch.zeros_like(query)
@@ -170,7 +188,7 @@ def slot_attention_reference(query, key_cache, value_cache, block_table, seq_slo
         groups.append(torch.tensor(single, device=query.device))
     for idx in groups:
         _attend(query, out, key_cache, value_cache, block_table, slots[idx], starts[idx], q_lens[idx],
-                lens[idx], scale, gate)
+                lens[idx], scale, gate, k_scale, v_scale)
     return out
 
 

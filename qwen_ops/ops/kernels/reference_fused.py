@@ -79,16 +79,17 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[
 
 
 def attention_block_reference(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                              block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads):
+                              block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
+                              k_scale=None, v_scale=None):
     from qwen_ops.ops.kernels.reference import kv_write_reference, slot_attention_reference
 
     T = qkv.shape[0]
     nk, D = key_cache.shape[2], key_cache.shape[3]
     q, k, v = qkv.view(T, -1, D).split([num_heads, nk, nk], 1)
     q, k = qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos_sin, positions)
-    kv_write_reference(k, v, key_cache, value_cache, slot_ids, positions, block_table)
+    kv_write_reference(k, v, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
     return slot_attention_reference(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                                    scale, max_query_len).reshape(T, num_heads * D)
+                                    scale, max_query_len, None, k_scale, v_scale).reshape(T, num_heads * D)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
