@@ -93,7 +93,12 @@ std::vector<int64_t> decode_plan(int64_t num_seqs, int64_t num_heads, int64_t nu
 }
 
 void kv_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                   const at::Tensor& slot_ids, const at::Tensor& positions, const at::Tensor& block_table) {
+                   const at::Tensor& slot_ids, const at::Tensor& positions, const at::Tensor& block_table,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  // fp8 caches are the triton backend's (qwen_ops/ops/kernels/cuda.py routes them there); the scales
+  // are read only for fp8 caches, so here they are unused.
+  (void)k_scale;
+  (void)v_scale;
   check_cache(key_cache, "key_cache", key_cache);
   check_cache(value_cache, "value_cache", key_cache);
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "_qwen_C: value_cache shape ", value_cache.sizes(),
@@ -157,7 +162,10 @@ void kv_write_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
 at::Tensor slot_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_table, const at::Tensor& seq_slots,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                               int64_t max_query_len, const std::optional<at::Tensor>& gate) {
+                               int64_t max_query_len, const std::optional<at::Tensor>& gate,
+                               const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  (void)k_scale;   // fp8 caches: the triton backend's (see kv_write_cuda)
+  (void)v_scale;
   TORCH_CHECK(query.is_cuda(), "_qwen_C: query must be a CUDA tensor, got ", query.device());
   const DType dtype = to_dtype(query);
   check_cache(key_cache, "key_cache", query);

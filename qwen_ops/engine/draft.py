@@ -88,7 +88,7 @@ class DraftRunner(RunnerProposer):
         rows, cols = target.block_table.shape
         self.runner = ModelRunner(model, num_blocks=target.num_blocks, block_size=target.block_size, max_slots=rows,
                                   max_blocks_per_slot=cols, dtype=target.dtype, device=target.device,
-                                  native_cpu=target.native_cpu)
+                                  native_cpu=target.native_cpu, kv_dtype=target.kv_dtype)
         # slot -> (request id, position, token): a kept draft the draft model has not fed yet.
         self.pending: dict[int, tuple] = {}
 

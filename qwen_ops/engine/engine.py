@@ -38,6 +38,7 @@ from qwen_ops.engine.runner import ModelRunner, RunnerOutput
 from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, finish_reason
 from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
 from qwen_ops.ops.memory import check_fits
 
 
@@ -94,7 +95,8 @@ class QwenEngine:
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (), compile: Optional[bool] = None,
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, kv_cache_dtype: Union[str, torch.dtype] = "auto",
+                 calculate_kv_scales: bool = False):
         for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
                                  ("block_size", block_size, 1), ("chunk_size", chunk_size, 1)):
             if not _is_int(value) or value < low:
@@ -107,6 +109,8 @@ class QwenEngine:
         if rope is not None and max_seq_len > rope.shape[0]:
             raise ValueError(f"max_seq_len = {max_seq_len}, but the model's RoPE table holds {rope.shape[0]} positions "
                              f"(it was loaded with max_positions = {rope.shape[0]}); expected at most that")
+        if not isinstance(calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales = {calculate_kv_scales!r}, expected True or False")
         param = next(model.parameters())
         self.model = model.eval()
         self.config = config
@@ -114,6 +118,8 @@ class QwenEngine:
         if self.device.type == "cpu":
             configure_cpu_threads()          # once, here: see engine/threads.py
         self.dtype = param.dtype
+        # The paged KV's dtype (vLLM's kv_cache_dtype): the model's, or fp8 (ops/kv_quant.py).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = int(config.vocab_size)
@@ -134,7 +140,10 @@ class QwenEngine:
             max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
             compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
             cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
-            compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu)
+            compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu,
+            kv_dtype=self.kv_cache_dtype)
+        if calculate_kv_scales:
+            self.calculate_kv_scales()
         self.tp = None                    # this rank's TPGroup under tensor parallelism (from_pretrained)
         prefix_caching = bool(enable_prefix_caching)
         self.prefix_caching_disabled_reason: Optional[str] = None
@@ -145,12 +154,23 @@ class QwenEngine:
                 "cached KV block does not capture")
             logger.warning("prefix caching is off: %s", self.prefix_caching_disabled_reason)
         # Anything that changes the KV of a token run: model, cache dtype, block size.
-        salt = f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{block_size}".encode()
+        salt = (f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{self.kv_cache_dtype}|"
+                f"{block_size}").encode()
         self.kv = KVCacheManager(num_kv_blocks, block_size, max_slots, prefix_caching, salt,
                                  host_bytes=self.runner.host_copy_nbytes)
         # The slot API's own sampling state: each slot's seeded noise (the scheduler's requests keep theirs).
         self._generators: list[Optional[SeededNoise]] = [None] * max_slots
         self._lock = threading.RLock()
+
+    def calculate_kv_scales(self) -> None:
+        """Have every attention layer set its fp8 KV scales from the next forward's keys and values
+        (vLLM's ``calculate_kv_scales``: amax / 200 and amax / 100, once; ``SlotAttention``). Call it
+        before the first request; blocks written before it keep the scales they were written with."""
+        from qwen_ops.models.layers import SlotAttention
+
+        for m in self.model.modules():
+            if isinstance(m, SlotAttention):
+                m.calculate_kv_scales = True
 
     @property
     def prefix_caching(self) -> bool:
@@ -179,7 +199,8 @@ class QwenEngine:
         """Refuse, before anything is allocated, a cache that does not fit the device's free memory:
         its size is measured by building it on the meta device (no storage), so every model kind
         (paged KV, per-slot linear-attention state) is counted by its own ``allocate_caches``."""
-        caches = model.allocate_caches(num_blocks, block_size, max_slots, self.dtype, torch.device("meta"))
+        caches = model.allocate_caches(num_blocks, block_size, max_slots, self.dtype, torch.device("meta"),
+                                       kv_dtype=self.kv_cache_dtype)
         device_bytes = sum(t.numel() * t.element_size() for pair in caches for t in pair)
         device_bytes += 4 * max_slots * max_blocks_per_slot                    # the block table (int32)
         host_bytes = self._HOST_BYTES_PER_BLOCK * num_blocks + self._HOST_BYTES_PER_SLOT * max_slots

@@ -42,7 +42,7 @@ class MTPRunner(RunnerProposer):
         rows, cols = target.block_table.shape
         self.runner = ModelRunner(self.model, num_blocks=target.num_blocks, block_size=target.block_size,
                                   max_slots=rows, max_blocks_per_slot=cols, dtype=target.dtype, device=target.device,
-                                  native_cpu=target.native_cpu)
+                                  native_cpu=target.native_cpu, kv_dtype=target.kv_dtype)
         # slot -> (request id, first position, tokens after each row but the last, hidden states [n, H])
         self.pending: dict[int, tuple] = {}
 

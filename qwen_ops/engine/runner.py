@@ -151,16 +151,19 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_slots: int,
                  max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
                  buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
-                 compile_backend: str = "inductor", graph_api=None, native_cpu: bool = True):
+                 compile_backend: str = "inductor", graph_api=None, native_cpu: bool = True,
+                 kv_dtype: Optional[torch.dtype] = None):
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype      # the paged KV's dtype: the model's, or fp8 (ops/kv_quant.py)
         self.block_size = block_size
         # Per layer: "attention" layers hold paged KV [num_blocks, block_size, kv_heads, head_dim];
         # "linear" layers (hybrid models) hold per-slot state [max_slots, ...] (conv, recurrent).
         # Both are zero-filled, so unused rows never hold NaN.
         self.layer_kinds = list(model.layer_kinds)
-        self.kv_caches = model.allocate_caches(num_blocks, block_size, max_slots, dtype, device)
+        self.kv_caches = model.allocate_caches(num_blocks, block_size, max_slots, dtype, device,
+                                               kv_dtype=self.kv_dtype)
         self.block_table = torch.zeros((max_slots, max_blocks_per_slot), dtype=torch.int32, device=device)
         self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
         if self.buckets[0] < 1:

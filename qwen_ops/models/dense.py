@@ -163,11 +163,13 @@ class QwenForCausalLM(nn.Module):
         return ["attention"] * len(self.model.layers)
 
     def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int, dtype: torch.dtype,
-                        device: torch.device) -> list[KVCache]:
-        """Zero-filled ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+                        device: torch.device, kv_dtype: Optional[torch.dtype] = None) -> list[KVCache]:
+        """Zero-filled ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer,
+        in ``kv_dtype`` (default ``dtype``; an fp8 dtype for a quantized cache).
 
         ``max_slots`` is unused (no per-slot state); it keeps the signature of the hybrid model's method.
         """
+        dtype = kv_dtype or dtype
         # The heads this model holds (fewer than the config's under tensor parallelism).
         shape = (num_blocks, block_size, self.model.layers[0].self_attn.num_kv_heads, self.config.head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -39,6 +39,8 @@ Parameter names equal transformers' state-dict keys (``model.layers.0.linear_att
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -199,10 +201,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         return [LINEAR if layer.is_linear else ATTENTION for layer in self.model.layers]
 
     def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int, dtype: torch.dtype,
-                        device: torch.device) -> list[Cache]:
+                        device: torch.device, kv_dtype: Optional[torch.dtype] = None) -> list[Cache]:
         """Zero-filled caches, one pair per layer in ``layer_kinds`` order.
 
-        attention: key_cache, value_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``dtype``;
+        attention: key_cache, value_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``kv_dtype``
+        (default ``dtype``; an fp8 dtype for a quantized cache);
         linear: conv_state ``[max_slots, conv_dim, kernel - 1]`` in ``dtype`` and recurrent_state
         ``[max_slots, num_v_heads, k_dim, v_dim]`` in fp32 (indexed by slot, like block_table rows).
         """
@@ -213,8 +216,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         for kind, layer in zip(self.layer_kinds, self.model.layers):
             if kind == ATTENTION:
                 shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, c.head_dim)
-                caches.append((torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device)))
+                caches.append((torch.zeros(shape, dtype=kv_dtype or dtype, device=device),
+                               torch.zeros(shape, dtype=kv_dtype or dtype, device=device)))
             else:
                 gdn = layer.linear_attn
                 caches.append((torch.zeros((max_slots, gdn.conv1d.weight.shape[0], lin.conv_kernel_dim - 1),

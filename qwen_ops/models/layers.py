@@ -311,6 +311,12 @@ class SlotAttention(nn.Module):
     ``output_gate``: q_proj also yields a per-channel gate, ``[query | gate]`` per head, that the
     attention op applies as ``sigmoid(gate)`` (Qwen3.5 / Qwen3-Next full-attention layers).
     ``qk_norm``: the norm class for q and k (RMSNorm in Qwen3, OffsetRMSNorm in Qwen3.5), or None.
+
+    ``k_scale`` / ``v_scale`` (fp32 scalar buffers, 1.0 unless a checkpoint carries them or
+    ``calculate_kv_scales`` measured them): the scales of an fp8 KV cache, passed to the ops on
+    every call and read by them only when the cache is fp8 (vLLM's per-tensor ``k_scale`` /
+    ``v_scale``). ``calculate_kv_scales = True`` makes the next forward set them from its own keys
+    and values (amax / 200 and amax / 100, vLLM's constants) before it writes them, once.
     """
 
     def __init__(self, config: QwenConfig, *, qk_norm: type[nn.Module] | None, output_gate: bool = False) -> None:
@@ -331,11 +337,34 @@ class SlotAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.eps = config.rms_norm_eps
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.calculate_kv_scales = False
         self._forward_method = self.forward_native
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.calculate_kv_scales:     # once, on the first batch after it was asked for (vLLM's calculate_kv_scales)
+            return self.forward_native(x, cos, sin, positions32, attn, kv_cache)
         return self._forward_method(x, cos, sin, positions32, attn, kv_cache)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """The fp8 cache's scales (values > 0), as fp32 scalar buffers on the layer's device."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
+                raise ValueError(f"{name} = {value!r}, expected a finite float > 0")
+        device = self.o_proj.weight.device
+        self.k_scale = torch.tensor(float(k_scale), dtype=torch.float32, device=device)
+        self.v_scale = torch.tensor(float(v_scale), dtype=torch.float32, device=device)
+
+    def _measure_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        from qwen_ops.ops.kv_quant import K_SCALE_CONSTANT, V_SCALE_CONSTANT
+
+        tiny = torch.finfo(torch.float32).tiny
+        with torch.no_grad():
+            self.k_scale.copy_((k.detach().abs().amax().float() / K_SCALE_CONSTANT).clamp_min(tiny))
+            self.v_scale.copy_((v.detach().abs().amax().float() / V_SCALE_CONSTANT).clamp_min(tiny))
+        self.calculate_kv_scales = False
 
     def process_weights_after_loading(self, rope_table: Optional[torch.Tensor] = None) -> None:
         """The CPU fast path (module comment above) when the layer is plain enough for it: no
@@ -363,6 +392,10 @@ class SlotAttention(nn.Module):
         super()._apply(fn, recurse)
         if "_block_weights" in self.__dict__:
             self._gather_block_weights()
+        for name in ("k_scale", "v_scale"):   # the ops take fp32 scales whatever the model's dtype
+            t = self._buffers.get(name)
+            if t is not None and t.dtype != torch.float32 and not t.is_meta:
+                self._buffers[name] = t.float()
         return self
 
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
@@ -373,7 +406,7 @@ class SlotAttention(nn.Module):
         key_cache, value_cache = kv_cache
         o = ATTENTION_BLOCK(self._qkv_product(x), q_norm, k_norm, self.eps, rope, positions32, key_cache, value_cache,
                             attn.slot_ids, attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens,
-                            self.scale, attn.max_query_len, self.num_heads)
+                            self.scale, attn.max_query_len, self.num_heads, self.k_scale, self.v_scale)
         return self._o_product(o)
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
@@ -390,9 +423,12 @@ class SlotAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.calculate_kv_scales:
+            self._measure_kv_scales(k, v)
         key_cache, value_cache = kv_cache
-        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table)
+        torch.ops.qwen.kv_write(k, v, key_cache, value_cache, attn.slot_ids, positions32, attn.block_table,
+                                self.k_scale, self.v_scale)
         o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
                                           attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len,
-                                          gate)
+                                          gate, self.k_scale, self.v_scale)
         return self.o_proj(o.view(T, self.num_heads * self.head_dim))

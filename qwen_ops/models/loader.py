@@ -57,6 +57,13 @@ MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Names a checkpoint may hold that carry nothing the model needs (old exports saved RoPE buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# An fp8-KV checkpoint's per-layer cache scales, under an attention module's checkpoint prefix, in the
+# spellings vLLM reads (compressed-tensors / ModelOpt / AutoFP8): key scale first, then value scale.
+# ``kv_scale`` (AutoFP8's older single scale) is both.
+KV_SCALE_NAMES = ((".k_scale", ".v_scale"), (".attn.k_scale", ".attn.v_scale"),
+                  (".k_proj.k_scale", ".v_proj.v_scale"), (".k_proj.output_scale", ".v_proj.output_scale"),
+                  (".kv_scale", ".kv_scale"))
+KV_SCALE_SUFFIXES = tuple({name for pair in KV_SCALE_NAMES for name in pair})
 # Qwen3.5 checkpoints: the multi-token-prediction head and (qwen3_5) the vision tower are not loaded.
 HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
 # qwen3_5 / qwen3_5_moe (multimodal) checkpoints hold the language model under this prefix instead of "model.".
@@ -213,8 +220,34 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
             logger.warning("quantization with int8 activations (%s): this CPU (or build) has no AVX512-VNNI, so "
                            "the products run a portable loop, correct but tens of times slower than the "
                            "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)
+    _load_kv_scales(model, files, config, device)
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
+
+
+def _load_kv_scales(model: nn.Module, files: dict[str, Path], config: QwenConfig, device: torch.device) -> None:
+    """Every attention layer's fp8-KV scales: the checkpoint's (``KV_SCALE_NAMES``), else 1.0 (vLLM's
+    default; ``calculate_kv_scales`` measures them instead). Read for fp8 caches only."""
+    from qwen_ops.models.layers import SlotAttention
+
+    for module_name, module in model.named_modules():
+        if not isinstance(module, SlotAttention):
+            continue
+        prefix = checkpoint_name(module_name + ".o_proj.weight", config).removesuffix(".o_proj.weight")
+        scales = (1.0, 1.0)
+        for k_name, v_name in KV_SCALE_NAMES:
+            if prefix + k_name in files and prefix + v_name in files:
+                with _open(files[prefix + k_name]) as f:
+                    k = f.get_tensor(prefix + k_name)
+                with _open(files[prefix + v_name]) as f:
+                    v = f.get_tensor(prefix + v_name)
+                if k.numel() != 1 or v.numel() != 1:
+                    raise CheckpointError(f"{prefix + k_name} / {prefix + v_name} have shapes {list(k.shape)} / "
+                                          f"{list(v.shape)}, expected one per-tensor scale each")
+                scales = (float(k.float().reshape(())), float(v.float().reshape(())))
+                break
+        module.k_scale = torch.tensor(scales[0], dtype=torch.float32, device=device)
+        module.v_scale = torch.tensor(scales[1], dtype=torch.float32, device=device)
 
 
 def _quantize_lm_head(model: nn.Module, quant: "Q.QuantConfig", dtype: torch.dtype, device: torch.device) -> None:
@@ -369,7 +402,8 @@ def _ignorable(name: str, config: QwenConfig) -> bool:
     # A tied checkpoint may still hold lm_head.weight (transformers 4.x often saved it); it is unused.
     # A switched-off shared expert (shared_expert_intermediate_size 0) is saved as empty tensors.
     shared_off = config.moe is not None and config.moe.shared_expert_intermediate_size == 0
-    return (name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return (name.endswith(IGNORED_SUFFIXES) or name.endswith(KV_SCALE_SUFFIXES)
+            or (config.tie_word_embeddings and name == "lm_head.weight")
             or (config.is_hybrid and name.startswith(HYBRID_IGNORED_PREFIXES))
             or (shared_off and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name)))
 

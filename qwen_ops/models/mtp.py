@@ -70,10 +70,12 @@ class MTPModel(nn.Module):
         return ["attention"]
 
     def allocate_caches(self, num_blocks: int, block_size: int, max_slots: int, dtype: torch.dtype,
-                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        device: torch.device, kv_dtype: Optional[torch.dtype] = None
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One ``(key_cache, value_cache)`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (zeros)."""
         attn = self.target.mtp.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, self.config.head_dim)
+        dtype = kv_dtype or dtype
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

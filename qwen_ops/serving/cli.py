@@ -20,7 +20,8 @@ def _llm(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                preemption_mode=args.preemption_mode, swap_space=args.swap_space, quantization=args.quantization,
-               speculative_config=args.speculative_config)
+               speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+               calculate_kv_scales=args.calculate_kv_scales)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -224,6 +224,7 @@ class EngineCore:
                 "swap_bytes_used": s.swap_bytes_used,
                 "num_swap_full_recomputes": s.num_swap_full_recomputes,
                 "num_swap_in_recomputes": s.num_swap_in_recomputes,
+                "kv_cache_dtype": str(self.engine.kv_cache_dtype).removeprefix("torch."),
                 **self._spec_stats(),
                 **kv.stats(),
             }

@@ -26,6 +26,7 @@ from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
+from qwen_ops.ops.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams
@@ -187,8 +188,15 @@ class LLM:
                  cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, tp_port: Optional[int] = None,
-                 quantization: Optional[str] = None, speculative_config: Optional[dict] = None):
-        """``quantization`` (vLLM's argument): ``"int8"`` or ``"fp8"`` quantizes a full-precision
+                 quantization: Optional[str] = None, speculative_config: Optional[dict] = None,
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):
+        """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
+        ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
+        ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
+        ``k_scale`` / ``v_scale``: the checkpoint's where it carries them, else 1.0, or measured on the
+        first batch with ``calculate_kv_scales=True`` (vLLM's). ``ops/kv_quant.py`` has the format.
+
+        ``quantization`` (vLLM's argument): ``"int8"`` or ``"fp8"`` quantizes a full-precision
         checkpoint's projections as they load (``models/quant.py``); a checkpoint quantized in a
         supported format (``quantization_config`` fp8 / awq / gptq) loads as it is, with or without
         naming its method here.
@@ -225,6 +233,11 @@ class LLM:
         _check_int("num_kv_blocks", num_kv_blocks, 1, optional=True)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, optional=True)
         _check_int("kv_cache_bytes", kv_cache_bytes, 1, optional=True)
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected one of {sorted(KV_CACHE_DTYPES)} "
+                             "(vLLM's names)")
+        if not isinstance(calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales = {calculate_kv_scales!r}, expected True or False")
         if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float))
                                        or not math.isfinite(swap_space) or swap_space < 0):
             raise ValueError(f"swap_space = {swap_space!r}, expected a number of GiB >= 0 (vLLM's unit) or None")
@@ -263,7 +276,7 @@ class LLM:
         if tensor_parallel_size == 1:
             ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg,
                                    quantization=quantization, mtp=spec is not None and spec.method == "mtp")
-            elem = next(ckpt.model.parameters()).element_size()
+            elem = resolve_kv_cache_dtype(kv_cache_dtype, next(ckpt.model.parameters()).dtype).itemsize
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
                 attention_layers += 1
@@ -271,7 +284,7 @@ class LLM:
         else:
             # Each rank loads its own slice in from_pretrained; size the cache from the config.
             check_tp_config(cfg, tensor_parallel_size)
-            elem = torch.empty((), dtype=resolve_dtype(dtype, cfg)).element_size()
+            elem = resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, cfg)).itemsize
             attention_layers = cfg.num_hidden_layers
             kv_heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
         per_seq_blocks = -(-max_model_len // block_size)
@@ -289,7 +302,8 @@ class LLM:
         engine_kwargs = dict(max_slots=max_num_seqs, max_seq_len=max_model_len, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
                              cuda_graphs=cuda_graphs, compile_backend=compile_backend,
-                             enable_prefix_caching=enable_prefix_caching)
+                             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                             calculate_kv_scales=calculate_kv_scales)
         if tensor_parallel_size == 1:
             self.engine = QwenEngine(ckpt.model, cfg, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids,
                                      **engine_kwargs)

@@ -41,15 +41,32 @@ def why_unavailable() -> Optional[str]:
     return None
 
 
-def kv_write_cuda(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+def _fp8(cache: torch.Tensor) -> bool:
+    """fp8 caches have no kernels in the extension: the triton backend's take them (a choice by the
+    cache's dtype, fixed when the engine allocates it)."""
+    return cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_write_cuda(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                  v_scale=None) -> None:
     """Validated arguments of torch.ops.qwen.kv_write -> the extension's kernel (in place)."""
+    if _fp8(key_cache):
+        from qwen_ops.ops.kernels.triton import kv_write_triton
+
+        return kv_write_triton(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
     _load_extension()
     torch.ops._qwen_C.kv_write(key, value, key_cache, value_cache, slot_ids, positions, block_table)
 
 
 def slot_attention_cuda(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                        scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None,
+                        k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Validated arguments of torch.ops.qwen.slot_attention -> the extension's kernels."""
+    if _fp8(key_cache):
+        from qwen_ops.ops.kernels.triton import slot_attention_triton
+
+        return slot_attention_triton(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
+                                     seq_lens, scale, max_query_len, gate, k_scale, v_scale)
     _load_extension()
     return torch.ops._qwen_C.slot_attention(query, key_cache, value_cache, block_table, seq_slots,
                                             query_start_loc, seq_lens, float(scale), int(max_query_len), gate)

@@ -57,14 +57,53 @@ LOG2E = 1.4426950408889634
 # Kernels
 # --------------------------------------------------------------------------------------------
 
+# fp8 caches (FP8 constexpr: 0 none, 1 float8_e4m3fn, 2 float8_e5m2) are passed as uint8 views and
+# converted in integer arithmetic (no fp8 conversion instructions needed; the interpreter runs it).
+
+@triton.jit
+def _fp8_to_f32(b, FP8: tl.constexpr):
+    """uint8 codes -> fp32, exactly: the byte moved into an fp16's bit pattern (e4m3's exponent is 8
+    below fp16's: times 2^8), subnormals included."""
+    b = b.to(tl.uint16)
+    if FP8 == 2:
+        h = b << 8
+        return h.to(tl.float16, bitcast=True).to(tl.float32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _f32_to_fp8(x, FP8: tl.constexpr):
+    """fp32 -> uint8 codes, round to nearest even, saturated at the largest finite value; NaN stays NaN.
+    Below the smallest normal: a power-of-two scaling rounded by adding and removing 2^23."""
+    u = x.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    af = a.to(tl.float32, bitcast=True)
+    if FP8 == 2:
+        sub = ((af * 65536.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+        normal = ((a + 0xFFFFF + ((a >> 21) & 1)) >> 21) - (112 << 2)
+        code = tl.where(a < 0x38800000, sub, normal)
+        code = tl.where(a >= 0x47600000, 0x7B, code)
+    else:
+        sub = ((af * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+        code = tl.where(a < 0x3C800000, sub, normal)
+        code = tl.where(a >= 0x43E00000, 0x7E, code)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return (sign | code).to(tl.uint8)
+
+
 @triton.jit
 def _kv_write_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ids_ptr, positions_ptr, block_table_ptr,
+    k_scale_ptr, v_scale_ptr,                                         # fp8 caches only
     stride_kt, stride_kh, stride_vt, stride_vh,                      # key / value [T, KVH, D]
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,  # caches [NB, BS, KVH, D]
     stride_bts, stride_btb,                                           # block_table [slots, blocks]
     block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     # One program per token; it copies all kv heads of the token (a [BLOCK_H, BLOCK_D] tile).
     tok = tl.program_id(0).to(tl.int64)
@@ -81,6 +120,9 @@ def _kv_write_kernel(
     v = tl.load(value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = key_cache_ptr + block.to(tl.int64) * stride_kcb + row * stride_kcs
     vc = value_cache_ptr + block.to(tl.int64) * stride_vcb + row * stride_vcs
+    if FP8 != 0:
+        k = _f32_to_fp8(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), FP8)
+        v = _f32_to_fp8(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), FP8)
     tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
     tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
@@ -89,7 +131,7 @@ def _kv_write_kernel(
 def _attend_tile(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, bt_row_ptr, stride_btb,
                  stride_kb, stride_ks, stride_vb, stride_vs, k_head_off, v_head_off,
                  start_n, kv_end, q_pos, block_size, qk_scale, offs_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over key positions [start_n, start_n + BLOCK_N) ∩ [0, kv_end).
 
     q [M, BLOCK_D]; m_i, l_i [M] fp32 (log2 domain); acc [M, BLOCK_D] fp32; q_pos [M] absolute
@@ -102,10 +144,13 @@ def _attend_tile(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, bt_row_ptr, s
     row = offs_n % block_size
     kv_mask = key_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(key_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + k_head_off
-                + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_d[None, :], mask=kv_mask, other=0)
     v = tl.load(value_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + v_head_off
-                + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
+                + offs_d[None, :], mask=kv_mask, other=0)
+    if FP8 != 0:   # widened exactly to q's dtype; the scales are in qk_scale and applied to the output
+        k = _fp8_to_f32(k, FP8).to(q.dtype)
+        v = _fp8_to_f32(v, FP8).to(q.dtype)
+    elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale          # [M, BLOCK_N] fp32
@@ -125,7 +170,7 @@ def _attend_tile(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, bt_row_ptr, s
 def _slot_attention_decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_slots_ptr, query_start_loc_ptr,
-    seq_lens_ptr, gate_ptr,
+    seq_lens_ptr, gate_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,                                                         # scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh,  # [T, H, D] tensors
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # caches [NB, BS, KVH, D]
@@ -133,6 +178,7 @@ def _slot_attention_decode_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     # Program (seq, kv head, split): the GROUP query heads of one kv head over one key range.
     seq = tl.program_id(0)
@@ -163,11 +209,15 @@ def _slot_attention_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + slot.to(tl.int64) * stride_bts
+    if FP8 != 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     for start_n in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, bt_row, stride_btb,
                                      stride_kb, stride_ks, stride_vb, stride_vs, kvh * stride_kh,
                                      kvh * stride_vh, start_n, end, q_pos, block_size, qk_scale, offs_d,
-                                     HEAD_DIM, BLOCK_N, UPCAST)
+                                     HEAD_DIM, BLOCK_N, UPCAST, FP8)
+    if FP8 != 0:
+        acc = acc * tl.load(v_scale_ptr)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -254,7 +304,7 @@ def _find_sequence(query_start_loc_ptr, block_id, num_seqs, BLOCK_T: tl.constexp
 @triton.jit
 def _slot_attention_prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_slots_ptr, query_start_loc_ptr,
-    seq_lens_ptr, gate_ptr,
+    seq_lens_ptr, gate_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -262,6 +312,7 @@ def _slot_attention_prefill_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     # Program (query block id, kv head). Tile rows m = (query token m // GROUP, head m % GROUP).
     qb = tl.program_id(0)
@@ -295,11 +346,15 @@ def _slot_attention_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_table_ptr + slot.to(tl.int64) * stride_bts
+    if FP8 != 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     for start_n in range(0, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, bt_row, stride_btb,
                                      stride_kb, stride_ks, stride_vb, stride_vs, kvh * stride_kh,
                                      kvh * stride_vh, start_n, kv_end, q_pos, block_size, qk_scale, offs_d,
-                                     HEAD_DIM, BLOCK_N, UPCAST)
+                                     HEAD_DIM, BLOCK_N, UPCAST, FP8)
+    if FP8 != 0:
+        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if HAS_GATE:
         g = tl.load(gate_ptr + tok[:, None] * stride_gt + heads[:, None] * stride_gh + offs_d[None, :], mask=mask,
@@ -382,26 +437,46 @@ def prefill_config(group: int, head_dim: int, dtype: torch.dtype, interpret: boo
     return PrefillConfig(block_m, block_m // group, block_d, block_n, num_warps, num_stages)
 
 
-def kv_write_launches(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> list[Launch]:
+_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def _fp8_args(key_cache, value_cache, k_scale, v_scale):
+    """(FP8 code, key cache, value cache, k_scale, v_scale) for the kernels: fp8 caches as uint8 views
+    and their scales as one-element fp32 tensors (ones where None); else the caches and unread stand-ins."""
+    code = _FP8_CODES.get(key_cache.dtype, 0)
+    if code == 0:
+        return 0, key_cache, value_cache, key_cache, key_cache
+    ones = None
+    if k_scale is None or v_scale is None:
+        ones = torch.ones(1, dtype=torch.float32, device=key_cache.device)
+    return (code, key_cache.view(torch.uint8), value_cache.view(torch.uint8),
+            ones if k_scale is None else k_scale.reshape(1), ones if v_scale is None else v_scale.reshape(1))
+
+
+def kv_write_launches(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                      v_scale=None) -> list[Launch]:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return []
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
+    fp8, key_cache, value_cache, k_scale, v_scale = _fp8_args(key_cache, value_cache, k_scale, v_scale)
     args = (key, value, key_cache, value_cache, slot_ids.contiguous(), positions.contiguous(), block_table,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_scale, v_scale, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *key_cache.stride()[:3], *value_cache.stride()[:3], *block_table.stride(),
             key_cache.shape[1])
     constexprs = (("NUM_KV_HEADS", num_kv_heads), ("HEAD_DIM", head_dim), ("BLOCK_H", block_h),
-                  ("BLOCK_D", block_d))
+                  ("BLOCK_D", block_d), ("FP8", fp8))
     num_warps = 1 if block_h * block_d <= 512 else 4
     return [Launch(_kv_write_kernel, (num_tokens,), args, constexprs, num_warps=num_warps, num_stages=1)]
 
 
 def slot_attention_launches(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
                             scale: float, max_query_len: int, gate: Optional[torch.Tensor], out: torch.Tensor,
-                            interpret: bool) -> list[Launch]:
+                            interpret: bool, k_scale: Optional[torch.Tensor] = None,
+                            v_scale: Optional[torch.Tensor] = None) -> list[Launch]:
     """The launches that fill ``out`` (zeros on entry, [num_tokens, num_heads, head_dim])."""
+    fp8, key_cache, value_cache, k_scale, v_scale = _fp8_args(key_cache, value_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_slots.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -432,9 +507,9 @@ def slot_attention_launches(query, key_cache, value_cache, block_table, seq_slot
         launches = [Launch(
             _slot_attention_decode_kernel, (num_seqs, num_kv_heads, cfg.num_splits),
             (out, part_m, part_l, part_acc, query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-             seq_lens, gate_t, qk_scale, *tensor_strides),
+             seq_lens, gate_t, k_scale, v_scale, qk_scale, *tensor_strides),
             common + (("BLOCK_N", cfg.block_n), ("NUM_SPLITS", cfg.num_splits), ("HAS_GATE", has_gate),
-                      ("UPCAST", upcast)),
+                      ("UPCAST", upcast), ("FP8", fp8)),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)]
         if cfg.num_splits > 1:
             launches.append(Launch(
@@ -451,9 +526,10 @@ def slot_attention_launches(query, key_cache, value_cache, block_table, seq_slot
     return [Launch(
         _slot_attention_prefill_kernel, (num_q_blocks, num_kv_heads),
         (out, query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, gate_t,
-         qk_scale, num_seqs, *tensor_strides),
+         k_scale, v_scale, qk_scale, num_seqs, *tensor_strides),
         (("GROUP", group), ("HEAD_DIM", head_dim), ("BLOCK_M", cfg.block_m), ("BLOCK_Q", cfg.block_q),
-         ("BLOCK_D", cfg.block_d), ("BLOCK_N", cfg.block_n), ("HAS_GATE", has_gate), ("UPCAST", upcast)),
+         ("BLOCK_D", cfg.block_d), ("BLOCK_N", cfg.block_n), ("HAS_GATE", has_gate), ("UPCAST", upcast),
+         ("FP8", fp8)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)]
 
 
@@ -461,18 +537,23 @@ def slot_attention_launches(query, key_cache, value_cache, block_table, seq_slot
 # Launchers called by qwen_ops.ops.backend (arguments already validated)
 # --------------------------------------------------------------------------------------------
 
-def kv_write_triton(key, value, key_cache, value_cache, slot_ids, positions, block_table) -> None:
+def kv_write_triton(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,
+                    v_scale=None) -> None:
     """Write token i's key/value to slot slot_ids[i] at positions[i]; slot -1 writes nothing."""
-    for launch in kv_write_launches(key, value, key_cache, value_cache, slot_ids, positions, block_table):
+    for launch in kv_write_launches(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale,
+                                    v_scale):
         launch.run()
 
 
 def slot_attention_triton(query, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens,
-                          scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          scale: float, max_query_len: int, gate: Optional[torch.Tensor] = None,
+                          k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
     """Causal GQA attention over the paged cache; [num_tokens, num_heads, head_dim] in query.dtype."""
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     for launch in slot_attention_launches(query, key_cache, value_cache, block_table, seq_slots, query_start_loc,
-                                          seq_lens, scale, max_query_len, gate, out, triton_interpret()):
+                                          seq_lens, scale, max_query_len, gate, out, triton_interpret(), k_scale,
+                                          v_scale):
         launch.run()
     return out
 

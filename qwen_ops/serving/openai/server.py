@@ -1104,7 +1104,9 @@ def run_server(args) -> int:
                                           engine_process=args.engine_process, quantization=args.quantization,
                                           speculative_config=args.speculative_config,
                                           tensor_parallel_size=args.tensor_parallel_size,
-                                          enable_prefix_caching=args.enable_prefix_caching)
+                                          enable_prefix_caching=args.enable_prefix_caching,
+                                          kv_cache_dtype=args.kv_cache_dtype,
+                                          calculate_kv_scales=args.calculate_kv_scales)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
