@@ -344,8 +344,6 @@ class SlotAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                 attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if self.calculate_kv_scales:     # once, on the first batch after it was asked for (vLLM's calculate_kv_scales)
-            return self.forward_native(x, cos, sin, positions32, attn, kv_cache)
         return self._forward_method(x, cos, sin, positions32, attn, kv_cache)
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
@@ -404,7 +402,13 @@ class SlotAttention(nn.Module):
         (``cos``/``sin`` unused: it reads the table by position); the o product."""
         q_norm, k_norm, rope = self._block_weights
         key_cache, value_cache = kv_cache
-        o = ATTENTION_BLOCK(self._qkv_product(x), q_norm, k_norm, self.eps, rope, positions32, key_cache, value_cache,
+        qkv = self._qkv_product(x)
+        if self.calculate_kv_scales:      # once, on the first batch after it was asked for
+            T, D, nh, nk = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+            q, k = QK_NORM_ROPE(qkv[:, :nh * D].view(T, nh, D), qkv[:, nh * D:(nh + nk) * D].view(T, nk, D), q_norm,
+                                k_norm, self.eps, rope, positions32)
+            self._measure_kv_scales(k, qkv[:, (nh + nk) * D:])
+        o = ATTENTION_BLOCK(qkv, q_norm, k_norm, self.eps, rope, positions32, key_cache, value_cache,
                             attn.slot_ids, attn.block_table, attn.seq_slots, attn.query_start_loc, attn.seq_lens,
                             self.scale, attn.max_query_len, self.num_heads, self.k_scale, self.v_scale)
         return self._o_product(o)

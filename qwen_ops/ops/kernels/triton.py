@@ -79,7 +79,7 @@ def _f32_to_fp8(x, FP8: tl.constexpr):
     u = x.to(tl.uint32, bitcast=True)
     sign = (u >> 24) & 0x80
     a = u & 0x7FFFFFFF
-    af = a.to(tl.float32, bitcast=True)
+    af = tl.minimum(a.to(tl.float32, bitcast=True), 1.0)    # the subnormal branch's input (others masked)
     if FP8 == 2:
         sub = ((af * 65536.0 + 8388608.0) - 8388608.0).to(tl.uint32)
         normal = ((a + 0xFFFFF + ((a >> 21) & 1)) >> 21) - (112 << 2)
