@@ -58,12 +58,15 @@ def _arg_type(value) -> str:
     raise TypeError(f"unsupported runtime argument {value!r}")
 
 
-def _launches(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, gate: bool, capacity: int):
-    """Launch plans of both ops for one shape, built on tiny CPU tensors (nothing runs)."""
+def _launches(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, gate: bool, capacity: int,
+              kv_dtype: torch.dtype = None):
+    """Launch plans of both ops for one shape, built on tiny CPU tensors (nothing runs); ``kv_dtype``: an
+    fp8 cache (the kernels' FP8 variants, with scale tensors)."""
     block_size = 16
     num_slots, num_seqs = 4, 4
     blocks = capacity // block_size
-    cache = torch.empty(num_slots * blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache = torch.empty(num_slots * blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype)
+    scale = torch.ones(1) if kv_dtype is not None else None
     block_table = torch.zeros(num_slots, blocks, dtype=torch.int32)
     index = torch.zeros(num_seqs, dtype=torch.int32)
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -73,9 +76,9 @@ def _launches(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: i
         g = torch.empty_like(query) if gate else None
         out = torch.empty_like(query)
         plans += qt.slot_attention_launches(query, cache, cache, block_table, index, qsl, index, 0.1,
-                                            max_query_len, g, out, interpret=False)
+                                            max_query_len, g, out, interpret=False, k_scale=scale, v_scale=scale)
     kv = torch.empty(num_seqs, num_kv_heads, head_dim, dtype=dtype)
-    plans += qt.kv_write_launches(kv, kv, cache, cache, index, index, block_table)
+    plans += qt.kv_write_launches(kv, kv, cache, cache, index, index, block_table, scale, scale)
     return plans
 
 
@@ -180,6 +183,11 @@ def _plans():
         for head_dim in HEAD_DIMS:
             for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):
                 for launch in _launches(dtype, head_dim, num_heads, num_kv_heads, gate, capacity):
+                    yield dtype, launch
+        for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # the fp8 KV cache (issue 42)
+            for head_dim in (128,):
+                num_heads, num_kv_heads, gate, capacity = SHAPES[0]
+                for launch in _launches(dtype, head_dim, num_heads, num_kv_heads, gate, capacity, kv_dtype):
                     yield dtype, launch
 
 

@@ -169,6 +169,46 @@ def long_prompt_attention(device: torch.device, smoke: bool, reps: int) -> None:
                 say(f"| {length} | {name} | {backend} | {t * 1e3:.2f} | {flop / t / 1e12:.2f} |")
 
 
+def fp8_kv_decode(device: torch.device, smoke: bool, reps: int) -> None:
+    """Issue 42's fp8 KV cache on the GPU: decode slot_attention over 4,000 keys for 8 sequences from a
+    bf16 cache and from an fp8 (e4m3) one, per backend, and the fp8 output's largest error against the
+    reference reading the same fp8 cache."""
+    import qwen_ops
+    from qwen_ops.ops.backend import why_unavailable
+
+    heads, kv_heads, head_dim, block = (4, 2, 32, 16) if smoke else (16, 8, 128, 16)
+    seqs, length = (2, 96) if smoke else (8, 4000)
+    say(f"\n## fp8 KV cache (issue 42): decode attention, {seqs} sequences x {length} keys, bf16 queries\n")
+    say("| cache | backend | time (us) | speed vs bf16 cache | max error vs reference |")
+    say("|---|---|---|---|---|")
+    blocks = -(-length // block)
+    kc = torch.randn(seqs * blocks, block, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(seqs * blocks, device=device, dtype=torch.int32).view(seqs, blocks)
+    q = torch.randn(seqs, heads, head_dim, device=device, dtype=torch.bfloat16)
+    meta = (bt, torch.arange(seqs, dtype=torch.int32, device=device),
+            torch.arange(seqs + 1, dtype=torch.int32, device=device),
+            torch.full((seqs,), length, dtype=torch.int32, device=device))
+    scale = torch.tensor([0.02], device=device)
+    k8 = (kc.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (vc.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    base = {}
+    for cache, (k, v, scales) in (("bf16", (kc, vc, ())), ("fp8_e4m3", (k8, v8, (scale, scale)))):
+        ref = None
+        for backend in ("reference", "triton", "cuda"):
+            if why_unavailable(backend, device) is not None:
+                continue
+            with qwen_ops.use_backend(backend):
+                def run():
+                    return torch.ops.qwen.slot_attention(q, k, v, *meta, head_dim ** -0.5, 1, None, *scales)
+                t = timed(run, reps, device)
+                out = run()
+            ref = out if backend == "reference" else ref
+            err = (out.float() - ref.float()).abs().max().item()
+            base.setdefault(backend, t)
+            say(f"| {cache} | {backend} | {t * 1e6:.1f} | {base[backend] / t:.2f}x | {err:.3g} |")
+
+
 def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     """gated_delta_rule / causal_conv1d decode at Qwen3.5 shapes: bandwidth on the state bytes."""
     import qwen_ops
@@ -389,7 +429,7 @@ def main() -> int:
             say("```\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]) + "\n```")
     if not args.skip_tests and not args.smoke:
         tests = ["tests/test_ops.py", "tests/test_ops_gated_delta.py", "tests/test_ops_moe.py", "tests/test_cuda_ext.py",
-                 "tests/test_cuda_graphs.py", "tests/test_engine.py", "-k", "not emulated"]
+                 "tests/test_cuda_graphs.py", "tests/test_engine.py", "tests/test_kv_fp8.py", "-k", "not emulated"]
         say(f"\n## GPU tests: pytest {' '.join(tests)}")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests], cwd=ROOT,
                               capture_output=True, text=True, env=dict(os.environ, QWEN_OPS_REQUIRE_GPU="1"))
@@ -400,6 +440,7 @@ def main() -> int:
     say(f"\n## Bandwidth\nmeasured device-to-device copy: {copy_bw / 1e9:.1f} GB/s (read + write)\n")
     op_bandwidth(device, args.smoke, reps, copy_bw)
     long_prompt_attention(device, args.smoke, reps)
+    fp8_kv_decode(device, args.smoke, reps)
     state_op_bandwidth(device, args.smoke, reps, copy_bw)
     moe_throughput(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
