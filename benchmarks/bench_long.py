@@ -30,6 +30,9 @@ max_num_batched_tokens=2048`` gives its server's). qwen_ops gets a KV budget of 
 (``kv_cache_bytes``) and its default token budget; ``--qwen-arg KEY=VALUE`` (repeatable, values
 parsed as Python literals, else strings) goes to its ``LLM`` constructor, e.g.
 ``--qwen-arg max_num_batched_tokens=2048``. The token budgets in force are printed.
+``--qwen-variant NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds another qwen_ops engine, ``qwen_ops[NAME]``,
+with those arguments on top, timed in the same alternating rounds, e.g. ``--qwen-variant fp8:kv_cache_dtype=fp8``
+(its column "qwen_ops vs qwen_ops[fp8]" below 1 means the variant is faster).
 
 Nothing here is a gate; the figures go to benchmarks/README.md by hand.
 """
@@ -197,6 +200,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--qwen-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a keyword argument of qwen_ops' LLM (repeatable), e.g. max_num_batched_tokens=2048")
+    parser.add_argument("--qwen-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="another qwen_ops engine with these LLM arguments on top (repeatable)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a keyword argument of vLLM's LLM (repeatable), e.g. max_num_batched_tokens=2048")
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and tiny lengths (well under a minute)")
@@ -273,6 +278,20 @@ def main(argv=None) -> int:
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
     engines = {"qwen_ops": run_qwen}
+    for variant in args.qwen_variant:
+        vname, sep, spec = variant.partition(":")
+        if not sep or not vname:
+            raise SystemExit(f"--qwen-variant {variant!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        vkw_q = qkw | parse_kv(spec.split(","), "--qwen-variant")
+        vllm_q = LLM(path, **vkw_q)
+
+        def run_variant(ps, new, _llm=vllm_q):
+            sp = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = _llm.generate(ps, sp)
+            return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+        engines[f"qwen_ops[{vname}]"] = run_variant
     hf = None
     if args.transformers:
         from transformers import AutoModelForCausalLM
@@ -295,7 +314,7 @@ def main(argv=None) -> int:
                "checkpoint": str(path), "smoke": args.smoke, "reps": args.reps, "max_model_len": max_len,
                "qwen_ops": {"kwargs": qkw, "max_num_batched_tokens": qwen_budget,
                             "bf16_products": cpu.bf16_products()},
-               "rows": []}
+               "qwen_variants": list(args.qwen_variant), "rows": []}
     try:
         if vw is not None:
             info = vw.wait_ready()
@@ -394,6 +413,7 @@ def _label(row: dict) -> str:
 
 def print_table(results: dict, engines: list[str], out=sys.stdout) -> None:
     names = {"qwen_ops": "qwen_ops", "vllm": "vLLM-CPU", "transformers": "transformers"}
+    names.update({e: e for e in engines if e not in names})
     others = [e for e in engines if e != "qwen_ops"]
     print(f"\n{results['cpu']}, {results['dtype']}, {results['threads']} thread(s); speed-up > 1: qwen_ops faster; "
           "tokens: greedy sequences equal to qwen_ops' (first token for TTFT), all rounds, mean agreeing prefix\n",

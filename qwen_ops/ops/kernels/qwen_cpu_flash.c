@@ -594,19 +594,28 @@ static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int
         }
     }
     char *kp = pages, *vp = pages + total * page * elem;
-    float row[256];
-#pragma omp parallel for num_threads((int)(threads < 1 ? 1 : threads)) if (threads > 1 && total > 1) \
-    schedule(static) private(row)
+    /* widened exactly (every e4m3 / e5m2 value is a bf16): 16 elements at a time by cache16_ps */
+    const int kind = a->kv_dtype, bf16 = a->dtype == 2;
+#pragma omp parallel for num_threads((int)(threads < 1 ? 1 : threads)) if (threads > 1 && total > 1) schedule(static)
     for (int64_t p = 0; p < total; ++p)
         for (int64_t r = 0; r < bs; ++r)
-            for (int64_t h = 0; h < nk; ++h)
-                for (int64_t d0 = 0; d0 < D; d0 += 256) {
-                    const int64_t n = D - d0 < 256 ? D - d0 : 256, at = (dst[p] * bs + r) * nk * D + h * D + d0;
-                    load_row(a->key_cache, src[p] * a->k_sb + r * a->k_sr + h * a->k_sh + d0, a->kv_dtype, n, row);
-                    store_row(kp, at, a->dtype, n, row);
-                    load_row(a->value_cache, src[p] * a->v_sb + r * a->v_sr + h * a->v_sh + d0, a->kv_dtype, n, row);
-                    store_row(vp, at, a->dtype, n, row);
+            for (int64_t h = 0; h < nk; ++h) {
+                const int64_t at = (dst[p] * bs + r) * nk * D + h * D;
+                const uint8_t *ks = (const uint8_t *)a->key_cache + src[p] * a->k_sb + r * a->k_sr + h * a->k_sh;
+                const uint8_t *vs = (const uint8_t *)a->value_cache + src[p] * a->v_sb + r * a->v_sr + h * a->v_sh;
+                for (int64_t d = 0; d < D; d += 16) {     /* D % 16 == 0: flash_supported */
+                    const __m512 kv = cache16_ps(ks, d, kind), vv = cache16_ps(vs, d, kind);
+                    if (bf16) {
+                        _mm256_storeu_si256((__m256i *)(void *)((uint16_t *)(void *)kp + at + d),
+                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(kv), 16)));
+                        _mm256_storeu_si256((__m256i *)(void *)((uint16_t *)(void *)vp + at + d),
+                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vv), 16)));
+                    } else {
+                        _mm512_storeu_ps((float *)(void *)kp + at + d, kv);
+                        _mm512_storeu_ps((float *)(void *)vp + at + d, vv);
+                    }
                 }
+            }
     attn_args s = *a;
     s.key_cache = kp;
     s.value_cache = vp;
