@@ -156,3 +156,23 @@ def test_prefix_caching_has_no_collisions_on_ordinary_traffic(tmp_path):
     stats = llm.stats()
     assert stats["prefix_cache_hits"] > 0
     assert stats["prefix_cache_collisions"] == 0
+
+
+def test_seeded_rows_draw_the_same_tokens_in_any_batch():
+    """A seeded row races over its own kept tokens (bounded filters) or the vocabulary (none), one noise
+    stream per request: the same tokens alone, beside an unbounded row, and beside a bounded one."""
+    from qwen_ops.engine.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, VOCAB, generator=g) * 3
+    cpu = torch.device("cpu")
+    for mine in (SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=0.8, seed=11),
+                 SamplingParams(temperature=0.9, top_k=7, seed=-5)):
+        def run(others):
+            gen = mine.make_generator(cpu)
+            rows = torch.cat([logits[:1], logits[1:1 + len(others)]])
+            return [int(sample(rows, [mine, *others], [gen] + [None] * len(others))[0]) for _ in range(1)] + \
+                   [int(sample(rows, [mine, *others], [gen] + [None] * len(others))[0]) for _ in range(5)]
+        alone = run([])
+        assert run([SamplingParams(temperature=1.0)]) == alone
+        assert run([SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0, top_p=0.5)]) == alone

@@ -31,7 +31,7 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
-from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
+from qwen_ops.engine.sampling import apply_logits_processing, bounded, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
@@ -312,7 +312,8 @@ class ModelRunner:
             if t.sampling.greedy:
                 out[i] = greedy_accept(rows, drafts)
             elif t.draft_probs is None:
-                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator)
+                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator,
+                                     bounded(t.sampling, rows.shape[1]))
             else:
                 probs = filtered_probs(rows.float(), [t.sampling] * len(rows))
                 out[i] = rejection_sample(probs / probs.sum(dim=-1, keepdim=True), drafts, t.draft_probs, t.generator)

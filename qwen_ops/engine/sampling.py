@@ -324,21 +324,74 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
-    probs = filtered_probs(logits, params)
-    # Exponential race; seeded rows draw from their own generator.
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
-    for i, g in enumerate(generators):
-        if g is not None:
-            g.exponential_(noise[i])
-    sampled = (probs / noise).argmax(dim=-1)
+    probs, cand = _filter(logits, params)
+    # Exponential race: argmax of p / Exp(1) noise is a draw from p; seeded rows draw from their own
+    # generator. Where the filters bound every row (top-k, top-p), the race runs over the candidates
+    # they kept (most likely first), and a row draws as many noise values as it keeps tokens: its draws
+    # depend on its own row alone, whatever else is in the batch.
+    if cand is not None:
+        cand_i, cand_p = cand
+        # the kept tokens in index order (the others after them, probability 0): the order race_pick uses
+        key = torch.where(cand_p > 0, cand_i, probs.shape[1])
+        cand_i, perm = key.sort(dim=-1)
+        cand_p = cand_p.gather(1, perm)
+        kept = (cand_p > 0).sum(dim=-1).tolist()
+        noise = torch.empty_like(cand_p).exponential_(generator=default_generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                g.exponential_(noise[i, :kept[i]])
+        sampled = cand_i.gather(1, (cand_p / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    else:
+        # unbounded rows race over the vocabulary; a bounded one among them over its kept tokens, alone
+        vocab = probs.shape[1]
+        own = [bounded(p, vocab) for p in params]
+        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        for i, g in enumerate(generators):
+            if g is not None and not own[i]:
+                g.exponential_(noise[i])
+        sampled = (probs / noise).argmax(dim=-1)
+        for i in (i for i, b in enumerate(own) if b):
+            g = generators[i]
+            draw = ((lambda n, g=g: g.exponential_(torch.empty(n, device=probs.device))) if g is not None else
+                    (lambda n: torch.empty(n, device=probs.device).exponential_(generator=default_generator)))
+            sampled[i] = race_pick(probs[i], True, draw)
     is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
+def bounded(params: SamplingParams, vocab: int) -> bool:
+    """Whether a row's filters bound the tokens it can sample (top-k or top-p): then ``sample`` races
+    over the kept tokens only, one noise draw each, in index order (``race_pick``)."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def race_pick(probs: torch.Tensor, bounded_row: bool, draw) -> int:
+    """One row's exponential race exactly as ``sample`` runs it for a batch of rows that are all
+    ``bounded`` (or not): ``draw(n)`` gives n Exp(1) values from the row's stream."""
+    if bounded_row:
+        idx = torch.nonzero(probs > 0).squeeze(1)
+        return int(idx[(probs[idx] / draw(idx.shape[0])).argmax()])
+    return int((probs / draw(probs.shape[0])).argmax())
+
+
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: fp32 ``logits`` [N, vocab] over the row's temperature
-    (1 for greedy rows), then its top-k and top-p filters (the plain sampler and speculative
-    verification both draw from these)."""
+    (1 for greedy rows), then its min-p, top-k and top-p filters (the plain sampler and speculative
+    verification both draw from these). Zero where a filter drops a token; not renormalized."""
+    return _filter(logits, params)[0]
+
+
+# The first width of the top-p search: the most likely tokens a topk takes before it widens (x 8).
+TOP_P_FIRST_WIDTH = 64
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]
+            ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """``filtered_probs`` and, where every row keeps a bounded set (top-k or top-p), the candidates:
+    ``(indices [N, W], probabilities [N, W])``, most likely first, zero past a row's kept tokens.
+
+    No full-vocabulary sort: top-k's k-th value comes from a topk, and top-p's cut from a topk that
+    widens (64, 512, ...) until its mass reaches every row's p: the token crossing p lies in it."""
     device = logits.device
     n, vocab = logits.shape
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
@@ -348,21 +401,40 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         pr = torch.softmax(scaled, dim=-1)
         scaled = scaled.masked_fill(pr < mp[:, None] * pr.amax(dim=-1, keepdim=True), float("-inf"))
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_ks):
-        k_t = torch.tensor(top_ks, device=device)
-        sorted_desc = scaled.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k_t - 1)[:, None])
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
     top_ps = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_ps):
-        p_t = torch.tensor(top_ps, device=device)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs   # mass strictly above each token
-        drop_sorted = before > p_t[:, None]                   # the top token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    return probs
+    cand = None
+    if any(k < vocab for k in top_ks):
+        # the k-th largest value of each row (ties with it are kept)
+        k_t = torch.tensor(top_ks, device=device)
+        top = scaled.topk(max(top_ks), dim=-1)
+        scaled = scaled.masked_fill(scaled < top.values.gather(1, (k_t - 1)[:, None]), float("-inf"))
+        if all(k < vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+            cand = top.indices
+    probs = torch.softmax(scaled, dim=-1)
+    if cand is not None:
+        return probs, (cand, probs.gather(1, cand))
+    if all(p >= 1.0 for p in top_ps):
+        return probs, None
+    p_t = torch.tensor(top_ps, device=device)
+    bounded = (p_t < 1.0) | torch.tensor([k < vocab for k in top_ks], device=device)
+    if all(k < vocab for k in top_ks):      # top-k kept these, most likely first: top-p cuts among them
+        order = top.indices
+        sorted_probs = probs.gather(1, order)
+    else:
+        width = min(vocab, max(TOP_P_FIRST_WIDTH, max(k for k in top_ks if k < vocab) if min(top_ks) < vocab else 0))
+        while True:
+            sorted_probs, order = probs.topk(width, dim=-1)
+            covered = (sorted_probs.sum(dim=-1) >= p_t) | ((probs > 0).sum(dim=-1) <= width) | ~bounded
+            if width == vocab or bool(covered.all()):
+                break
+            width = min(vocab, width * 8)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs   # mass strictly above each token
+    keep_sorted = ~(before > p_t[:, None])                # the top token is always kept
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, keep_sorted)
+    probs = probs.masked_fill(~keep, 0.0)
+    if bool(bounded.all()):
+        cand = (order, sorted_probs.masked_fill(~keep_sorted, 0.0))
+    return probs, cand
 
 
 def _ends_with(prompt: Sequence[int], output: Sequence[int], suffix: Sequence[int]) -> bool:

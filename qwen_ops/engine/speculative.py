@@ -38,6 +38,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from qwen_ops.engine.sampling import race_pick
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The speculative_config keys each method takes (vLLM's names).
 _COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
@@ -185,21 +187,24 @@ def _exponential(generator, n: int, device) -> torch.Tensor:
     return generator.exponential_(noise)
 
 
-def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator) -> list[int]:
+def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator, bounded: bool = False
+                ) -> list[int]:
     """Sampled verification of deterministic drafts (n-gram's point masses) that emits exactly the
     tokens the plain sampler would: row i's token is the exponential race ``argmax(p_i / E_i)``
     with the request's next noise row E_i (one row per emitted token, as plain decoding draws),
     and draft i is kept iff it is that token. The draft is kept with probability p_i(d_i), as
     rejection sampling keeps a point mass, and a rejected row emits the race winner, which given
     "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same law, and for a
-    seeded request the same tokens as without speculation, whatever the batch."""
+    seeded request the same tokens as without speculation, whatever the batch. ``bounded``: the
+    request's filters bound its tokens (``sampling.bounded``), so its race runs over the kept ones,
+    as the plain sampler's does (``sampling.race_pick``)."""
     k = len(draft_tokens)
     if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
     out = []
     for i in range(k + 1):
         row = target_probs[i]
-        t = int((row / _exponential(generator, row.shape[0], row.device)).argmax())
+        t = race_pick(row, bounded, lambda n: _exponential(generator, n, row.device))
         out.append(t)
         if i == k or t != draft_tokens[i]:
             break

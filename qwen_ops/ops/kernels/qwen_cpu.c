@@ -1535,6 +1535,11 @@ static inline void amx_x_row(const void *x, int x_f32, int64_t xs, int64_t M, in
  * (qwen_pack_panels_bf16); x fp32 holding bf16 values (x_f32 != 0: rounded to bf16, exact for such
  * values) or bf16, row stride xs. Returns -1 (nothing written) when scratch memory could not be
  * allocated. */
+/* Bytes of the A operand (the rows in tile order) a chunk of rows keeps in L2 (linear_packed_amx). */
+#ifndef AMX_CHUNK_BYTES
+#define AMX_CHUNK_BYTES (1 << 20)
+#endif
+
 static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t xs, int64_t M, const uint16_t *wp,
                                              const float *bias, int64_t N, int64_t K, void *y, int y_bf16, int64_t ys,
                                              int threads) {
@@ -1578,7 +1583,7 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
     /* Rows in chunks whose A stays within about 1 MB of L2; each panel is read from DRAM once a chunk
      * (prefetched into L2 by the chunk's previous panel, a share per pair of blocks) and from L2 for
      * the chunk's other pairs of blocks. */
-    const int64_t chunk = (1 << 20) / (nkb * 64 * 32) * 32 > 32 ? (1 << 20) / (nkb * 64 * 32) * 32 : 32;
+    const int64_t chunk = AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 > 32 ? AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 : 32;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float c[32 * 32] __attribute__((aligned(64)));
