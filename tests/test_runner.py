@@ -91,7 +91,7 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
     seen = []
     forward = eager.runner._run_uncompiled        # the model's forward
     monkeypatch.setattr(eager.runner, "_run_uncompiled",
-                        lambda executor, ids, *a, **k: seen.append(ids.shape[0]) or forward(executor, ids, *a, **k))
+                        lambda ids, *a, **k: seen.append(ids.shape[0]) or forward(ids, *a, **k))
     for engine in (eager, compiled):
         for s in range(3):
             engine.prefill(PROMPTS[s], slot_id=s)

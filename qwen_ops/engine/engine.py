@@ -374,10 +374,6 @@ class QwenEngine:
                                f"are free of {kv.num_total_blocks} (num_kv_blocks)")
 
     # ----------------------------------------------------------------- blocks
-    def prefix_cache_stats(self) -> dict:
-        """Prefix caching's figures (``KVCacheManager.stats``)."""
-        return self.kv.stats()
-
     def check_block_accounting(self) -> None:
         """Assert that reference counts, free list and every slot's blocks agree (tests, invariants)."""
         with self._lock:

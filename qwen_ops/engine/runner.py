@@ -527,9 +527,9 @@ class ModelRunner:
                 return "compiled"
         return "eager"
 
-    def _run_uncompiled(self, executor: str, input_ids: torch.Tensor, positions: torch.Tensor,
+    def _run_uncompiled(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         attn: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """An eager step: the model's forward (``executor`` is "eager" or the static path's fallback)."""
+        """An eager step: the model's forward."""
         return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
 
     def _decode_attn(self, slots: torch.Tensor, query_start_loc: torch.Tensor,
@@ -603,7 +603,7 @@ class ModelRunner:
                 logits = self._decode_step(*inputs)
             else:
                 ids, pos, slots, qsl, seq_lens, logits_indices = inputs
-                logits = self._run_uncompiled(executor, ids, pos, self._decode_attn(slots, qsl, seq_lens),
+                logits = self._run_uncompiled(ids, pos, self._decode_attn(slots, qsl, seq_lens),
                                               logits_indices)
         return logits[:len(chunks)].float()
 
@@ -786,5 +786,5 @@ class ModelRunner:
             logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
         # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
         with trusted_metadata(), bound_backends(self.op_backends):
-            logits = self._run_uncompiled(executor, input_ids, pos, attn, logits_indices)
+            logits = self._run_uncompiled(input_ids, pos, attn, logits_indices)
         return logits.float()

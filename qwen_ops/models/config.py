@@ -291,11 +291,6 @@ class QwenConfig:
         return ARCHITECTURES[self.model_type].hybrid
 
     @property
-    def is_moe(self) -> bool:
-        """Mixture-of-experts MLPs in the layers ``moe.is_sparse_layer`` names (qwen_ops.models.moe)."""
-        return self.moe is not None
-
-    @property
     def dtype(self) -> Optional[torch.dtype]:
         """The checkpoint's dtype as a torch dtype (None when config.json names none)."""
         return None if self.torch_dtype is None else getattr(torch, self.torch_dtype)

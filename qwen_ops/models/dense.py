@@ -137,8 +137,7 @@ class QwenForCausalLM(nn.Module):
         fast = all(layer.self_attn._forward_method == layer.self_attn.forward_cpu for layer in self.model.layers)
         self._rope = self._no_rope if fast else self.model.rotary_emb.forward
         if isinstance(self.lm_head, QuantLinear):     # online int8 quantizes the head too (models/quant.py)
-            self.lm_head.use_panels()
-            self._lm_head = self._lm_head_quant
+            self.lm_head.use_panels()         # its forward is the QuantLinear's: _lm_head_native
         elif uses_cpu_kernels(self.lm_head.weight):
             packed, _, self._vocab_rows, self._lm_head_finish = pack_linears(self.lm_head)
             self.register_buffer("lm_head_packed", packed, persistent=False)
@@ -149,9 +148,6 @@ class QwenForCausalLM(nn.Module):
         return None, None
 
     def _lm_head_native(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x)
-
-    def _lm_head_quant(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x)
 
     def _lm_head_cpu(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ def forward_choices(model: nn.Module) -> dict[str, str]:
                for name, m in model.named_modules() if "_forward_method" in m.__dict__}
     choices.update({name: m.kernel for name, m in model.named_modules() if isinstance(m, QuantLinear)})
     head = getattr(model, "_lm_head", None)
-    if head is not None:
+    if head is not None and not isinstance(getattr(model, "lm_head", None), QuantLinear):   # a QuantLinear: its kernel
         choices["lm_head"] = head.__name__.removeprefix("_lm_head_")
     return choices
 
