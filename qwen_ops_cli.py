@@ -36,6 +36,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's --kv-cache-dtype and --calculate-kv-scales (generate, bench and serve)."""
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                   help="KV cache dtype, as vLLM's: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, one byte "
+                        "an element, per-tensor scales (default: auto)")
+    p.add_argument("--calculate-kv-scales", action="store_true", default=False,
+                   help="with an fp8 KV cache: set each layer's k/v scales from the first batch (default: the "
+                        "checkpoint's, else 1.0)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
                    "default: the embedded model")
@@ -49,12 +59,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
-                   help="KV cache dtype, as vLLM's: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, one byte "
-                        "an element, per-tensor scales (default: auto)")
-    p.add_argument("--calculate-kv-scales", action="store_true", default=False,
-                   help="with an fp8 KV cache: set each layer's k/v scales from the first batch (default: the "
-                        "checkpoint's, else 1.0)")
+    _add_kv_cache_args(p)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--swap-space", type=float, default=None,
@@ -85,12 +90,7 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request (default: the model's limit, at most 4096)")
-    s.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
-                   help="KV cache dtype, as vLLM's: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, one byte "
-                        "an element, per-tensor scales (default: auto)")
-    s.add_argument("--calculate-kv-scales", action="store_true", default=False,
-                   help="with an fp8 KV cache: set each layer's k/v scales from the first batch (default: the "
-                        "checkpoint's, else 1.0)")
+    _add_kv_cache_args(s)
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (default: 1)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -269,8 +269,7 @@ void qwen_kv_write_fp8(const void *key, const void *value, void *key_cache, void
                        float k_scale, float v_scale, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
                        int64_t block_size, int64_t c_sb, int64_t c_sr, int64_t c_sh,
                        int64_t vc_sb, int64_t vc_sr, int64_t vc_sh, int64_t bt_s0, int64_t bt_s1) {
-    float *row = (float *)malloc(sizeof(float) * (size_t)head_dim);
-    if (row == NULL) return;
+    float row[head_dim > 0 ? head_dim : 1];   /* one head's row in fp32: no allocation that could fail */
     for (int64_t i = 0; i < num_tokens; ++i) {
         const int32_t slot = slot_ids[i];
         if (slot < 0) continue;
@@ -284,7 +283,6 @@ void qwen_kv_write_fp8(const void *key, const void *value, void *key_cache, void
                           (uint8_t *)value_cache + block * vc_sb + r * vc_sr + h * vc_sh, row);
         }
     }
-    free(row);
 }
 
 /* Positions t .. of a sequence of n that lie in the block holding position t (t is a block start). */

@@ -575,13 +575,13 @@ static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int
     if (total == 0) return 0;
     const int64_t elem = a->dtype == 0 ? 4 : 2;
     char *pages = malloc((size_t)(2 * total * page * elem));
-    int32_t *table = malloc(sizeof(int32_t) * (size_t)(num_seqs * max_blocks + num_seqs + 2 * total));
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)(num_seqs * max_blocks + num_seqs + total));
     if (pages == NULL || table == NULL) {
         free(pages);
         free(table);
         return -1;
     }
-    int32_t *slots = table + num_seqs * max_blocks, *src = slots + num_seqs, *dst = src + total;
+    int32_t *slots = table + num_seqs * max_blocks, *src = slots + num_seqs;   /* shadow page w copies src[w] */
     int64_t w = 0;
     for (int64_t i = 0; i < num_seqs; ++i) {
         slots[i] = -1;
@@ -590,7 +590,6 @@ static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int
         for (int64_t b = 0; b < (seq_lens[i] + bs - 1) / bs; ++b, ++w) {
             table[i * max_blocks + b] = (int32_t)w;
             src[w] = a->block_table[seq_slots[i] * bt_s0 + b * a->bt_s1];
-            dst[w] = (int32_t)w;
         }
     }
     char *kp = pages, *vp = pages + total * page * elem;
@@ -600,7 +599,7 @@ static int flash_run_fp8(const attn_args *a, const int32_t *seq_slots, const int
     for (int64_t p = 0; p < total; ++p)
         for (int64_t r = 0; r < bs; ++r)
             for (int64_t h = 0; h < nk; ++h) {
-                const int64_t at = (dst[p] * bs + r) * nk * D + h * D;
+                const int64_t at = (p * bs + r) * nk * D + h * D;
                 const uint8_t *ks = (const uint8_t *)a->key_cache + src[p] * a->k_sb + r * a->k_sr + h * a->k_sh;
                 const uint8_t *vs = (const uint8_t *)a->value_cache + src[p] * a->v_sb + r * a->v_sr + h * a->v_sh;
                 for (int64_t d = 0; d < D; d += 16) {     /* D % 16 == 0: flash_supported */
