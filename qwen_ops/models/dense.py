@@ -29,14 +29,14 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, pack_linears, uses_cpu_kernels
+from qwen_ops.models.layers import (RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, forward_hooks, pack_linears,
+                                    uses_cpu_kernels)
 from qwen_ops.models.moe import make_mlp
 from qwen_ops.models.quant import QuantLinear, attach_panel_arena
 from qwen_ops.ops.backend import use_backend
 from qwen_ops.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-_LAYER_PARTS = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
 
 
 class QwenAttention(SlotAttention):
@@ -53,36 +53,21 @@ class QwenDecoderLayer(nn.Module):
         self.mlp = make_mlp(config, layer_idx)   # dense SwiGLU, or a MoE block in qwen3_moe's sparse layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.choose_calls()
 
-    def choose_calls(self) -> None:
-        """What the forward calls for its four parts: each part's chosen forward (``_forward_method``,
-        see ``process_weights_after_loading``) called directly, or the part itself where it has no
-        choice. ``nn.Module.__call__`` and the ``forward`` hop cost a one-request CPU decode step about
-        0.3 ms over 28 layers; hooks registered on the parts therefore do not run where they chose
-        (hooks on this layer do). The model calls this after its parts choose
-        (``QwenForCausalLM.process_weights_after_loading``); assigning a part calls it too."""
-        self._calls = tuple(m.__dict__.get("_forward_method", m) for m in
-                            (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp))
-
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name in _LAYER_PARTS and "_calls" in self.__dict__:
-            self.choose_calls()
-
-    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                positions32: torch.Tensor, attn: AttentionMetadata,
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                sin: Optional[torch.Tensor], positions32: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp_out, residual)``: the residual stream is ``residual + h`` at the layer's entry
         (``residual`` None: ``h`` itself, the embeddings) and ``residual + mlp_out`` at its exit;
-        each add happens inside the next norm (vLLM's residual carry: one op on the CPU fast path)."""
-        norm_in, attention, norm_post, mlp = self._calls
+        each add happens inside the next norm (vLLM's residual carry: one op on the CPU fast path).
+        Its parts are called as modules, so their hooks run."""
         if residual is None:          # the first layer (structure, not data)
-            x, residual = norm_in(h), h
+            x, residual = self.input_layernorm(h), h
         else:
-            x, residual = norm_in(h, residual)
-        x, residual = norm_post(attention(x, cos, sin, positions32, attn, kv_cache), residual)
-        return mlp(x), residual
+            x, residual = self.input_layernorm(h, residual)
+        x = self.self_attn(x, cos, sin, positions32, attn, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class QwenModel(nn.Module):
@@ -99,6 +84,31 @@ class QwenModel(nn.Module):
         self.layers = nn.ModuleList(QwenDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.choose_rope()
+
+    def choose_rope(self) -> None:
+        """Whether a step needs cos / sin tables: not when every attention layer reads the table
+        itself (its CPU fast path), unless a hook waits on ``rotary_emb``."""
+        self._reads_rope = not all(layer.self_attn.reads_rope_table() for layer in self.layers)
+        self._rope_hooks = forward_hooks(self.rotary_emb)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states ``[N, hidden]`` of the rows ``logits_indices`` (arguments as
+        in :meth:`QwenForCausalLM.forward`)."""
+        # kv_write takes int32 positions; .to is a no-op when the engine already passes int32.
+        positions32 = positions.to(torch.int32)
+        h = self.embed_tokens(input_ids)
+        cos = sin = None
+        if self._reads_rope or any(self._rope_hooks):
+            cos, sin = self.rotary_emb(positions, h.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, cos, sin, positions32, attn, kv_cache)
+        # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
+        # skips the lm_head matmul on every other row.
+        h, residual = torch.index_select(h, 0, logits_indices), torch.index_select(residual, 0, logits_indices)
+        return self.norm(h, residual)[0]
 
 
 class QwenForCausalLM(nn.Module):
@@ -112,7 +122,7 @@ class QwenForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._lm_head = self._lm_head_native
-        self._rope = self.model.rotary_emb.forward
+        self._lm_head_hooks = ()
 
     def process_weights_after_loading(self) -> None:
         """Every layer picks its forward for the device, dtype and backend it now has, and packs what
@@ -130,27 +140,22 @@ class QwenForCausalLM(nn.Module):
                 module.process_weights_after_loading(self.model.rotary_emb.cos_sin)
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-        for layer in self.model.layers:     # once their parts have chosen
-            layer.choose_calls()
+        self.model.choose_rope()
         self._lm_head = self._lm_head_native
-        # No cos / sin tables per step when every attention layer reads the table itself (its op).
-        fast = all(layer.self_attn._forward_method == layer.self_attn.forward_cpu for layer in self.model.layers)
-        self._rope = self._no_rope if fast else self.model.rotary_emb.forward
         if isinstance(self.lm_head, QuantLinear):     # online int8 quantizes the head too (models/quant.py)
             self.lm_head.use_panels()         # its forward is the QuantLinear's: _lm_head_native
         elif uses_cpu_kernels(self.lm_head.weight):
             packed, _, self._vocab_rows, self._lm_head_finish = pack_linears(self.lm_head)
             self.register_buffer("lm_head_packed", packed, persistent=False)
             self._lm_head = self._lm_head_cpu
-
-    @staticmethod
-    def _no_rope(positions: torch.Tensor, dtype: torch.dtype) -> tuple[None, None]:
-        return None, None
+            self._lm_head_hooks = forward_hooks(self.lm_head)
 
     def _lm_head_native(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x)
 
     def _lm_head_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if any(self._lm_head_hooks):     # the packed product stands in for lm_head: call it as a module
+            return self.lm_head(x)
         return self._lm_head_finish(LINEAR_PACKED(x, self.lm_head_packed, None, self._vocab_rows))
 
     @property
@@ -180,14 +185,4 @@ class QwenForCausalLM(nn.Module):
         ``(key_cache, value_cache)`` per layer, written in place; logits_indices: int64 ``[N]``
         (typically the last token of each sequence). Padding tokens carry ``slot_ids == -1``.
         """
-        # kv_write takes int32 positions; .to is a no-op when the engine already passes int32.
-        positions32 = positions.to(torch.int32)
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, h.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, positions32, attn, kv_cache)
-        # RMSNorm is row-wise, so normalising only the selected rows gives the same values and
-        # skips the lm_head matmul on every other row.
-        h, residual = torch.index_select(h, 0, logits_indices), torch.index_select(residual, 0, logits_indices)
-        return self._lm_head(self.model.norm(h, residual)[0])
+        return self._lm_head(self.model(input_ids, positions, attn, kv_caches, logits_indices))

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
@@ -54,6 +55,20 @@ def uses_cpu_kernels(weight: torch.Tensor) -> bool:
 
     cpu.op_library()
     return True
+
+
+def forward_hooks(*modules: Optional[nn.Module]) -> tuple[dict, ...]:
+    """The forward hook and pre-hook dicts of ``modules`` (None skipped) and torch's global ones
+    (``register_module_forward_hook``): ``any(forward_hooks(...))`` is True while a hook waits on one
+    of them. A fast forward that stands in for modules it does not call (the packed q|k|v product for
+    q_proj, k_proj and v_proj) runs only while it is False; otherwise the layer runs its plain
+    forward, which calls them as modules, so that every hook runs (one ``any`` over a few dicts per
+    call, well under a microsecond). Dicts, not modules: the check reads no attribute per call."""
+    dicts = [_torch_module._global_forward_pre_hooks, _torch_module._global_forward_hooks]
+    for m in modules:
+        if m is not None:
+            dicts += [m._forward_pre_hooks, m._forward_hooks]
+    return tuple(dicts)
 
 
 def forward_choices(model: nn.Module) -> dict[str, str]:
@@ -249,9 +264,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, rotary_dim // 2]`` in ``dtype`` for int32 or int64 ``positions [T]``."""
-        table = torch.index_select(self.cos_sin, 0, positions).to(dtype)
-        half = self.rotary_dim // 2
-        return table[:, None, :half], table[:, None, half:]
+        return rope_rows(self.cos_sin, positions, dtype)
+
+
+def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, 1, rotary_dim // 2]`` in ``dtype``: the rows ``positions [T]`` of a table
+    ``cos_sin [max_positions, rotary_dim]`` (:func:`rope_table`)."""
+    table = torch.index_select(cos_sin, 0, positions).to(dtype)
+    half = cos_sin.shape[1] // 2
+    return table[:, None, :half], table[:, None, half:]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -284,6 +305,8 @@ class QwenMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if any(self._skipped_hooks):       # a hook on gate_proj, up_proj or down_proj: call them
+            return self.forward_native(x)
         return self._silu_mul_down(self._gate_up_product(x))
 
     def _silu_mul_then_down(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -301,6 +324,7 @@ class QwenMLP(nn.Module):
                 if isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up():
                     self._silu_mul_down = self.down_proj.forward_silu_mul
                     self.product_kinds["down"] += "; silu_mul in the same call"
+                self._skipped_hooks = forward_hooks(self.gate_proj, self.up_proj, self.down_proj)
                 self._forward_method = self.forward_cpu
 
 
@@ -378,7 +402,13 @@ class SlotAttention(nn.Module):
                 self._qkv_product, self._o_product = qkv, o
                 self.register_buffer("rope_cos_sin", rope_table, persistent=False)
                 self._gather_block_weights()
+                self._skipped_hooks = forward_hooks(self.q_proj, self.k_proj, self.v_proj, self.o_proj,
+                                                    self.q_norm, self.k_norm)
                 self._forward_method = self.forward_cpu
+
+    def reads_rope_table(self) -> bool:
+        """Whether the forward reads its RoPE rows itself (the CPU fast path: the model passes no cos / sin)."""
+        return self._forward_method == self.forward_cpu
 
     def _gather_block_weights(self) -> None:
         """attention_block's weights, gathered once (not three module lookups per call)."""
@@ -399,7 +429,11 @@ class SlotAttention(nn.Module):
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
                     attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
-        (``cos``/``sin`` unused: it reads the table by position); the o product."""
+        (``cos``/``sin`` unused: it reads the table by position); the o product. With a hook on a
+        module that this stands in for, the plain forward, on the rows of the same table."""
+        if any(self._skipped_hooks):
+            cos, sin = rope_rows(self.rope_cos_sin, positions32, x.dtype)
+            return self.forward_native(x, cos, sin, positions32, attn, kv_cache)
         q_norm, k_norm, rope = self._block_weights
         key_cache, value_cache = kv_cache
         qkv = self._qkv_product(x)
