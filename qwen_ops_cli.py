@@ -3,7 +3,7 @@
 ``qwen-ops --help`` (and every argument error) is answered from here before torch or
 ``qwen_ops`` is imported (a top-level module: importing anything inside ``qwen_ops`` runs the
 package's ``__init__``, which registers the ops and so imports torch). The commands themselves
-live in ``qwen_ops.serving.cli``.
+live in ``qwen_ops.serving.commands``.
 
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
@@ -171,9 +171,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         # Only now torch and the package load: --help and argument errors never wait for them.
-        from qwen_ops.serving import cli
+        from qwen_ops.serving import commands
 
-        return getattr(cli, "_" + args.func)(args)
+        return getattr(commands, "_" + args.func)(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

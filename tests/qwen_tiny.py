@@ -132,6 +132,14 @@ def hf_greedy(hf_model, prompt: Sequence[int], new_tokens: int) -> list[int]:
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None,
                            eos_token_id=None, pad_token_id=0)
-    out = hf_model.generate(torch.tensor([list(prompt)]), generation_config=gen,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64))
-    return out[0, len(prompt):].tolist()
+    # generate() fills a None field from the model's own generation_config (its EOS ids): clear that
+    # one for the call, or it would stop at an EOS after all.
+    saved, hf_model.generation_config.eos_token_id = hf_model.generation_config.eos_token_id, None
+    try:
+        out = hf_model.generate(torch.tensor([list(prompt)]), generation_config=gen,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64))
+    finally:
+        hf_model.generation_config.eos_token_id = saved
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == new_tokens, f"transformers stopped after {len(tokens)} of {new_tokens} tokens"
+    return tokens

@@ -172,10 +172,11 @@ def test_argmax_rows_matches_torch_argmax_with_ties_nan_and_inf():
 def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
     _needs_cpu_kernels()
     from qwen_ops.engine import sampling
+    from qwen_ops.ops import host        # the engine's way to the C kernels
 
     calls = []
-    native = cpu.argmax_rows
-    monkeypatch.setattr(cpu, "argmax_rows", lambda t: calls.append(1) or native(t))
+    native = host.argmax_rows
+    monkeypatch.setattr(host, "argmax_rows", lambda t: calls.append(1) or native(t))
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
     got = sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4)
     assert calls == [1] and torch.equal(got, logits.argmax(-1))
@@ -183,7 +184,7 @@ def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
     with qwen_ops.use_backend("reference"):
         assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
     assert calls == [1, 1]
-    monkeypatch.setattr(cpu, "why_unavailable", lambda: "no C compiler")      # without the library: torch
+    monkeypatch.setattr(host, "why_unavailable", lambda: "no C compiler")      # without the library: torch
     assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
     assert calls == [1, 1]
 

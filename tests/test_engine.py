@@ -12,14 +12,22 @@ from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
+from oracles import TransformersGreedy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+EOS = (1,)          # make_qwen3_checkpoint's eos_token_id
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [2, 71], [82, 81, 28, 30, 33, 27, 95, 2, 88, 41, 97]]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_qwen3_checkpoint(tmp_path_factory.mktemp("qwen3_engine"))
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    """transformers' greedy tokens and logits of the checkpoint: the outside oracle."""
+    return TransformersGreedy(ckpt)
 
 
 @pytest.fixture()
@@ -35,16 +43,18 @@ def run_single(engine: QwenEngine, prompt, n: int, slot: int = 0) -> list[int]:
 
 
 # ---------------------------------------------------------------- the seed's three tests
-def test_single_session_parity(engine):
+def test_single_session_parity(engine, oracle):
     prompt = [1, 2, 3, 4, 5]
     r1 = engine.prefill(prompt)
     r2 = engine.prefill(prompt, 0)
     assert r1.next_token == r2.next_token
     assert torch.equal(r1.logits, r2.logits)
     assert r1.logits.shape == (engine.vocab_size,)
+    torch.testing.assert_close(r1.logits, oracle.logits(prompt), atol=2e-5, rtol=0)
+    assert r1.next_token == oracle(prompt, 1)[0]
 
 
-def test_slot_isolation(engine):
+def test_slot_isolation(engine, oracle):
     engine.allocate_batch_slots(2)
     ra = engine.prefill(PROMPTS[0], slot_id=0)
     a1 = engine.decode_step(ra.next_token, slot_id=0).next_token
@@ -53,11 +63,12 @@ def test_slot_isolation(engine):
     a2 = engine.decode_step(a1, slot_id=0).next_token
     assert [ra.next_token, a1] != [rb.next_token, b1]
     # Slot 0 continued as if slot 1 never ran.
-    assert [ra.next_token, a1, a2] == run_single(engine, PROMPTS[0], 3, slot=2)
+    assert [ra.next_token, a1, a2] == oracle(PROMPTS[0], 3) == run_single(engine, PROMPTS[0], 3, slot=2)
+    assert [rb.next_token, b1] == oracle(PROMPTS[1], 2)
     assert engine.slot_seq_len(0) == len(PROMPTS[0]) + 2
 
 
-def test_batch_api_with_slots(engine):
+def test_batch_api_with_slots(engine, oracle):
     engine.allocate_batch_slots(2)
     req1 = QwenBatchedRequest(request_id=1, prompt_tokens=[1, 2, 3], slot_id=0, sampling=GREEDY)
     req2 = QwenBatchedRequest(request_id=2, prompt_tokens=[4, 5, 6], slot_id=1, sampling=GREEDY)
@@ -67,18 +78,18 @@ def test_batch_api_with_slots(engine):
         res = engine.batch_decode_step([req1, req2])
         assert len(res.next_tokens) == 2
     assert len(req1.generated_tokens) == 11 and req1.seq_len == 13
-    assert req1.generated_tokens == run_single(engine, [1, 2, 3], 11, slot=3)
-    assert req2.generated_tokens == run_single(engine, [4, 5, 6], 11, slot=3)
+    assert req1.generated_tokens == oracle([1, 2, 3], 11)
+    assert req2.generated_tokens == oracle([4, 5, 6], 11)
 
 
 # ---------------------------------------------------------------- batching behaviour
-def test_batch_decode_equals_single_sessions(engine):
+def test_batch_decode_equals_transformers(engine, oracle):
     reqs = [QwenBatchedRequest(request_id=i, prompt_tokens=p, slot_id=i, sampling=GREEDY) for i, p in enumerate(PROMPTS)]
     engine.batch_prefill(reqs)
     while not all(r.finished for r in reqs):
         res = engine.batch_decode_step(reqs)
     assert res.finished == [True] * 4
-    expected = [run_single(engine, p, GREEDY.max_new_tokens, slot=0) for p in PROMPTS]
+    expected = [oracle(p, GREEDY.max_new_tokens, eos=EOS) for p in PROMPTS]
     assert [r.generated_tokens for r in reqs] == expected
     # Finished requests are skipped and report their last token.
     again = engine.batch_decode_step(reqs)
@@ -95,8 +106,8 @@ def test_batch_decode_runs_one_forward(engine, monkeypatch):
     assert calls == [4, 4]
 
 
-def test_stop_token_finishes_request(engine):
-    first = run_single(engine, PROMPTS[0], 4)
+def test_stop_token_finishes_request(engine, oracle):
+    first = oracle(PROMPTS[0], 4)
     req = QwenBatchedRequest(request_id=9, prompt_tokens=PROMPTS[0], slot_id=1,
                              sampling=SamplingParams(temperature=0.0, max_new_tokens=50, stop_token_ids=[first[2]]))
     engine.batch_prefill([req])
@@ -106,22 +117,24 @@ def test_stop_token_finishes_request(engine):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4])
-def test_chunked_prefill_equals_unchunked(ckpt, chunk_size):
+def test_chunked_prefill_equals_unchunked(ckpt, oracle, chunk_size):
     whole = QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=64, block_size=4)
     chunked = QwenEngine.from_pretrained(ckpt, max_slots=2, max_seq_len=64, block_size=4, chunk_size=chunk_size)
     prompt = PROMPTS[3] + PROMPTS[1]
     a, b = whole.prefill(prompt), chunked.prefill(prompt)
     assert a.next_token == b.next_token
     torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
-    assert run_single(whole, prompt, 8) == run_single(chunked, prompt, 8)
+    torch.testing.assert_close(b.logits, oracle.logits(prompt), rtol=0, atol=2e-5)
+    assert run_single(whole, prompt, 8) == run_single(chunked, prompt, 8) == oracle(prompt, 8)
     reqs = [QwenBatchedRequest(request_id=i, prompt_tokens=p, slot_id=i, sampling=GREEDY)
             for i, p in enumerate([prompt, PROMPTS[2]])]
     chunked.batch_prefill(reqs)
     assert [r.generated_tokens[0] for r in reqs] == [a.next_token, whole.prefill(PROMPTS[2]).next_token]
 
 
-def test_freed_slot_is_fresh(engine):
-    expected = run_single(engine, PROMPTS[1], 6, slot=0)
+def test_freed_slot_is_fresh(engine, oracle):
+    expected = oracle(PROMPTS[1], 6)
+    assert run_single(engine, PROMPTS[1], 6, slot=0) == expected
     run_single(engine, PROMPTS[0], 9, slot=1)
     engine.free_slot(1)
     assert engine.num_free_blocks == engine.num_total_blocks - len(engine.slot_blocks(0))
@@ -130,7 +143,7 @@ def test_freed_slot_is_fresh(engine):
         engine.free_slot(1) or engine.decode_step(5, slot_id=1)
 
 
-def test_allocate_slot_and_grow(engine):
+def test_allocate_slot_and_grow(engine, oracle):
     got = [engine.allocate_slot(f"r{i}") for i in range(engine.num_slots)]
     assert got == list(range(4))
     with pytest.raises(ValueError, match="no free slot"):
@@ -139,12 +152,12 @@ def test_allocate_slot_and_grow(engine):
     assert engine.allocate_slot("again") == 2
     engine.allocate_batch_slots(6)
     assert engine.num_slots == 6
-    assert run_single(engine, PROMPTS[0], 4, slot=5) == run_single(engine, PROMPTS[0], 4, slot=0)
+    assert run_single(engine, PROMPTS[0], 4, slot=5) == oracle(PROMPTS[0], 4)
 
 
-def test_threads_match_sequential(ckpt):
+def test_threads_match_transformers(ckpt, oracle):
     engine = QwenEngine.from_pretrained(ckpt, max_slots=4, max_seq_len=64, block_size=4)
-    expected = [run_single(engine, p, 8, slot=0) for p in PROMPTS]
+    expected = [oracle(p, 8) for p in PROMPTS]
     results: dict[int, list[int]] = {}
     errors = []
 

@@ -14,9 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from qwen_ops import LLM, SamplingParams
+from qwen_ops.models.defaults import default_model_path
 from qwen_ops.serving.async_llm import AsyncLLM, EngineDeadError
+
+from oracles import TransformersGreedy
 
 KWARGS = {"max_num_seqs": 8, "max_model_len": 512}
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "class Stack:"]
@@ -37,6 +41,13 @@ def thread_engine():
     eng = AsyncLLM(LLM(None, **KWARGS))
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """transformers on the same (default) checkpoint, fp32 eager: the outside oracle."""
+    oracle = TransformersGreedy(default_model_path())
+    return oracle
 
 
 def _params() -> list[SamplingParams]:
@@ -66,8 +77,14 @@ def _summary(out):
             for c in out.outputs]
 
 
-def test_process_core_outputs_equal_thread_core(proc_engine, thread_engine):
-    got, want = _collect(proc_engine), _collect(thread_engine)
+@pytest.fixture(scope="module")
+def collected(proc_engine, thread_engine):
+    """Every update of ``_params()``'s requests, from the process core and from the thread core."""
+    return _collect(proc_engine), _collect(thread_engine)
+
+
+def test_process_core_outputs_equal_thread_core(proc_engine, thread_engine, collected):
+    got, want = collected
     for g, w in zip(got, want):
         assert g[-1].finished and w[-1].finished
         assert not any(u.finished for u in g[:-1])
@@ -82,6 +99,71 @@ def test_process_core_outputs_equal_thread_core(proc_engine, thread_engine):
     assert len(got[1][-1].outputs) == 2 and got[1][-1].outputs[0].logprobs is not None
     s = proc_engine.stats()
     assert s["num_running"] == 0 and s["free_blocks"] == s["total_blocks"]
+
+
+def _oracle_completion(oracle, llm, prompt_ids, sp):
+    """transformers' greedy completion of a request with ``sp``, ended as the engine ends it: after
+    ``max_tokens``, at the first stop token (EOS unless ``ignore_eos``), or at the first token whose
+    text completes a stop string. Returns (token_ids, text, finish_reason, stop_reason)."""
+    assert sp.temperature == 0.0 and sp.n == 1 and not sp.min_tokens and not sp.include_stop_str_in_output
+    stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(llm.engine.eos_token_ids))
+    tokens = oracle(prompt_ids, sp.max_tokens, eos=sorted(stop_ids) or None)
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)  # noqa: E731
+    for k in range(1, len(tokens) + 1):
+        text = decode(tokens[:k])
+        found = sorted((text.find(s), s) for s in sp.stop if s in text)
+        if found:
+            at, stop = found[0]
+            return tokens[:k], text[:at], "stop", stop
+    if tokens[-1] in stop_ids:
+        return tokens, decode(tokens), "stop", tokens[-1]
+    return tokens, decode(tokens), "length", None
+
+
+def test_greedy_outputs_equal_transformers(thread_engine, collected, oracle):
+    """The greedy requests' completions (tokens, text, why they ended), from both cores, are
+    transformers' greedy ones: the two cores agreeing is not enough (a wrong kernel agrees too)."""
+    llm = thread_engine.llm
+    checked = 0
+    for sp, g, w in zip(_params(), *collected):
+        if sp.temperature != 0.0:
+            continue
+        tokens, text, finish, stop = _oracle_completion(oracle, llm, g[-1].prompt_token_ids, sp)
+        for out in (g[-1], w[-1]):
+            c = out.outputs[0]
+            assert c.token_ids == tokens, out.prompt
+            assert (c.text, c.finish_reason, c.stop_reason) == (text, finish, stop), out.prompt
+        checked += 1
+    assert checked == 2
+
+
+@torch.no_grad()
+def test_logprobs_equal_transformers(collected, oracle):
+    """Every returned logprob (the chosen token's, with its rank, and the top ones), sampled or
+    greedy, is transformers' fp32 log_softmax at that position given the tokens before it."""
+    checked = 0
+    for sp, g, w in zip(_params(), *collected):
+        if sp.logprobs is None:
+            continue
+        for out in (g[-1], w[-1]):
+            prompt = list(out.prompt_token_ids)
+            for c in out.outputs:
+                ids = prompt + list(c.token_ids)
+                logits = oracle.model(torch.tensor([ids])).logits[0, len(prompt) - 1:len(ids) - 1]
+                ref = torch.log_softmax(logits.float(), dim=-1)
+                assert len(c.logprobs) == len(c.token_ids) == len(ref)
+                for tok, entry, lp in zip(c.token_ids, c.logprobs, ref):
+                    assert abs(entry[tok].logprob - float(lp[tok])) < 1e-4
+                    assert entry[tok].rank == int((lp > lp[tok]).sum()) + 1
+                    top = lp.topk(sp.logprobs) if sp.logprobs else None
+                    if top is not None:
+                        for rank, (tid, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+                            assert abs(entry[tid].logprob - v) < 1e-4
+                            assert tid == tok or entry[tid].rank == rank
+                    assert len(entry) in (max(sp.logprobs, 1), sp.logprobs + 1)
+                assert abs(c.cumulative_logprob - float(sum(lp[t] for t, lp in zip(c.token_ids, ref)))) < 1e-3
+                checked += 1
+    assert checked == 2 * 3          # the n = 2 sampled request and the greedy one, from each core
 
 
 def test_validation_happens_in_the_caller(proc_engine):

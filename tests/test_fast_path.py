@@ -194,9 +194,11 @@ def test_the_engine_packs_at_construction_and_refresh_repacks(tmp_path, monkeypa
 
     eng = QwenEngine.from_pretrained(_engine_path(tmp_path), max_slots=2, max_seq_len=64)
     assert set(forward_choices(eng.model).values()) == {"cpu"}
+    from qwen_ops.ops import host          # the models' way to packing
+
     packs = []
-    pack = cpu.pack_panels
-    monkeypatch.setattr(cpu, "pack_panels", lambda w: packs.append(1) or pack(w))
+    pack = host.pack_panels
+    monkeypatch.setattr(host, "pack_panels", lambda w: packs.append(1) or pack(w))
     r = eng.prefill([5, 6, 7], slot_id=0)
     eng.decode_step(r.next_token, slot_id=0)
     assert packs == []

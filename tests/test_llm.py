@@ -1,4 +1,5 @@
-"""LLM.generate / stream over the scheduler: equality with the engine, preemption, abort, stops."""
+"""LLM.generate / stream over the scheduler: greedy tokens equal transformers' (batched, preempted,
+swapped, threaded), abort, stops, validation."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import threading
 import pytest
 import torch
 
-from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.serving.llm import LLM
 from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
+from oracles import TransformersGreedy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
@@ -30,16 +31,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(ckpt, prompts):
-    """Each prompt generated alone, one slot, through the engine's single-session API."""
-    engine = QwenEngine.from_pretrained(ckpt, max_slots=1, max_seq_len=64, block_size=4)
-    out = []
-    for p in prompts:
-        toks = [engine.prefill(p).next_token]
-        while len(toks) < GREEDY.max_new_tokens:
-            toks.append(engine.decode_step(toks[-1]).next_token)
-        out.append(toks)
-    return out
+def oracle(ckpt):
+    return TransformersGreedy(ckpt)
+
+
+@pytest.fixture(scope="module")
+def expected(oracle, prompts):
+    """Each prompt's greedy tokens by transformers (the outside oracle: not this engine)."""
+    return [oracle(p, GREEDY.max_new_tokens) for p in prompts]
 
 
 def make_llm(ckpt, **kw):
@@ -49,7 +48,7 @@ def make_llm(ckpt, **kw):
     return LLM(ckpt, **kw)
 
 
-def test_generate_matches_engine(ckpt, prompts, expected):
+def test_generate_matches_transformers(ckpt, prompts, expected):
     llm = make_llm(ckpt, max_num_seqs=4, max_num_batched_tokens=24)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from qwen_ops import LLM, RequestOutput, SamplingParams
+from qwen_ops.models.defaults import default_model_path
 from qwen_ops.serving.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 
+from oracles import TransformersGreedy
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Foo:", "    return"]
+EOS_PROMPT = "def f():\n    return 1\n<|endoftext|>"     # greedy reaches an EOS id within 24 tokens
 
 
 def greedy(**kw) -> SamplingParams:
@@ -26,9 +30,63 @@ def llm():
 
 
 @pytest.fixture(scope="module")
+def oracle():
+    """transformers on the same checkpoint (fp32, eager attention): the outside oracle."""
+    oracle = TransformersGreedy(default_model_path())
+    return oracle
+
+
+@pytest.fixture(scope="module")
 def plain(llm):
     """Greedy outputs with no stop strings: what the stop-string tests cut."""
     return llm.generate(PROMPTS, greedy())
+
+
+def _oracle_tokens(oracle, llm, prompt_ids, sp: SamplingParams) -> list[int]:
+    """transformers' greedy completion for a request with ``sp`` (no stop strings): ``max_tokens``
+    tokens, cut after the first stop token (EOS unless ``ignore_eos``, and ``stop_token_ids``)."""
+    assert sp.temperature == 0.0 and not sp.stop and not sp.min_tokens
+    stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(llm.engine.eos_token_ids))
+    return oracle(prompt_ids, sp.max_tokens, eos=sorted(stops) or None)
+
+
+def test_plain_is_transformers_greedy(llm, plain, oracle):
+    """The greedy outputs every other test here builds on are transformers' greedy tokens."""
+    sp = greedy()
+    for o in plain:
+        c = o.outputs[0]
+        assert c.token_ids == _oracle_tokens(oracle, llm, o.prompt_token_ids, sp), o.prompt
+        assert len(c.token_ids) == sp.max_tokens and c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_greedy_at_eos_is_transformers_greedy(llm, oracle, ignore_eos):
+    """A greedy completion that reaches an EOS id is transformers' greedy tokens up to it, where
+    it ends unless ``ignore_eos`` (then it goes on, as transformers' does, to ``max_tokens``)."""
+    sp = greedy(ignore_eos=ignore_eos)
+    out = llm.generate(EOS_PROMPT, sp)[0]
+    c = out.outputs[0]
+    want = _oracle_tokens(oracle, llm, out.prompt_token_ids, sp)
+    assert c.token_ids == want
+    eos_at = [i for i, t in enumerate(want) if t in llm.engine.eos_token_ids]
+    assert eos_at and eos_at[0] < sp.max_tokens - 1, "EOS_PROMPT's greedy completion no longer reaches an EOS"
+    if ignore_eos:
+        assert len(want) == sp.max_tokens and c.finish_reason == "length"
+    else:
+        assert len(want) == eos_at[0] + 1 and c.finish_reason == "stop" and c.stop_reason == want[-1]
+    _assert_no_leak(llm)
+
+
+def test_greedy_at_a_stop_token_is_transformers_greedy(llm, plain, oracle):
+    """A stop token that greedy picks mid-completion ends it where transformers' greedy picks it."""
+    for o in plain[:2]:
+        stop = o.outputs[0].token_ids[5]
+        sp = greedy(stop_token_ids=[stop])
+        c = llm.generate(o.prompt, sp)[0].outputs[0]
+        want = _oracle_tokens(oracle, llm, o.prompt_token_ids, sp)
+        assert c.token_ids == want and want[-1] == stop and len(want) <= 6
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+    _assert_no_leak(llm)
 
 
 def _assert_no_leak(llm):
@@ -102,25 +160,20 @@ def test_streamed_text_is_the_final_text_and_never_shows_a_partial_stop(llm, pla
         assert stop not in text
 
 
-def _reference_logprobs(llm, prompt_ids, token_ids):
-    """log_softmax of the model's logits for each generated position, recomputed by one prefill
-    of prompt + completion through a fresh engine slot."""
-    from qwen_ops.engine.engine import QwenEngine
-
-    eng = QwenEngine(llm.engine.model, llm.engine.config, max_slots=1, max_seq_len=256)
+@torch.no_grad()
+def _reference_logprobs(oracle, prompt_ids, token_ids):
+    """transformers' log_softmax (fp32) of its logits for each generated position: one forward of
+    prompt + completion, the row before each generated token."""
     ids = list(prompt_ids) + list(token_ids)
-    lps = []
-    for cut in range(len(prompt_ids), len(ids)):
-        logits = eng.prefill(ids[:cut]).logits
-        lps.append(torch.log_softmax(logits.float(), dim=-1))
-    return lps
+    logits = oracle.model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1:len(ids) - 1]
+    return list(torch.log_softmax(logits.float(), dim=-1))
 
 
-def test_logprobs_match_the_model(llm):
+def test_logprobs_match_the_model(llm, oracle):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=3))[0]
     c = out.outputs[0]
     assert len(c.logprobs) == len(c.token_ids) == 6
-    ref = _reference_logprobs(llm, out.prompt_token_ids, c.token_ids)
+    ref = _reference_logprobs(oracle, out.prompt_token_ids, c.token_ids)
     total = 0.0
     for tok, entry, lp in zip(c.token_ids, c.logprobs, ref):
         assert tok in entry and len(entry) in (3, 4)          # the sampled token, plus the top 3
@@ -137,6 +190,10 @@ def test_logprobs_match_the_model(llm):
     zero = llm.generate(PROMPTS[0], greedy(max_tokens=3, logprobs=0))[0].outputs[0]
     assert all(list(e) == [t] for e, t in zip(zero.logprobs, zero.token_ids))
     assert all(e[t].rank == 1 for e, t in zip(zero.logprobs, zero.token_ids))   # greedy: the top token
+    assert zero.token_ids == oracle(out.prompt_token_ids, 3)
+    for tok, entry, lp in zip(zero.token_ids, zero.logprobs, _reference_logprobs(oracle, out.prompt_token_ids,
+                                                                                   zero.token_ids)):
+        assert math.isclose(entry[tok].logprob, float(lp.max()), abs_tol=1e-4)
     assert llm.generate(PROMPTS[0], greedy(max_tokens=3))[0].outputs[0].logprobs is None
 
 

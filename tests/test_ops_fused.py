@@ -33,7 +33,7 @@ ATTENTION_STEP = [(0, 0, 9), (2, 14, 1), (1, 5, 3), (-1, 0, 1)]
 def _fast_ops(monkeypatch):
     if cpu.why_unavailable() is not None:
         pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
-    cpu.op_library()
+    registry.cpu_fast_ops()
     monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
 
 

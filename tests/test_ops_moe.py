@@ -352,7 +352,7 @@ def test_native_packed_experts_match_the_oracle(num_tokens, top_k, num_experts, 
 
     if cpu.why_unavailable() is not None:
         pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
-    cpu.op_library()
+    ops.cpu_fast_ops()
     monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
     case = make_case(num_tokens, top_k, num_experts, dtype=torch.float32, device="cpu", seed=num_tokens)
     packed13 = torch.stack([cpu.pack_panels(w.contiguous()) for w in case.w13])

@@ -1,7 +1,9 @@
 """Automatic prefix caching: content-addressed, reference-counted full KV blocks.
 
 Every test compares with caching off: the same greedy tokens (and, through the engine, the same
-logits), with the hits counted, nothing leaked, and no shared block ever written."""
+logits), with the hits counted, nothing leaked, and no shared block ever written. The greedy tokens
+(and the logits) are also transformers' on the same checkpoint: caching on and off agreeing is not
+enough, a wrong attention kernel makes both agree."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.serving.llm import LLM
 
 from checkpoints import make_qwen3_5_checkpoint, make_qwen3_checkpoint
+from oracles import TransformersGreedy
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -25,6 +28,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_qwen3_checkpoint(tmp_path_factory.mktemp("qwen3_prefix"))
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt):
+    """transformers on the same checkpoint (fp32, eager attention): the outside oracle."""
+    oracle = TransformersGreedy(ckpt)
+    return oracle
+
+
+def _oracle_greedy(oracle, llm, prompts, params=GREEDY):
+    """transformers' greedy completions of ``prompts`` as requests with ``params`` end: after
+    ``max_tokens``, or at the first stop token (EOS unless ``ignore_eos``)."""
+    assert params.temperature == 0.0 and not params.stop and not params.min_tokens
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.engine.eos_token_ids))
+    return [oracle(p, params.max_tokens, eos=sorted(stops) or None) for p in prompts]
 
 
 def rand_tokens(rng, n):
@@ -84,7 +102,7 @@ def _engines(ckpt, **kw):
 
 
 @pytest.mark.parametrize("shared_blocks", [0, 1, 3, "all", "boundary"])
-def test_engine_prefill_hits_equal_a_full_prefill(ckpt, shared_blocks):
+def test_engine_prefill_hits_equal_a_full_prefill(ckpt, oracle, shared_blocks):
     rng = random.Random(hash(str(shared_blocks)) % 1000)
     cached, plain = _engines(ckpt)
     first = rand_tokens(rng, 14)
@@ -107,31 +125,41 @@ def test_engine_prefill_hits_equal_a_full_prefill(ckpt, shared_blocks):
     ref = plain.prefill(second, slot_id=1)
     assert r2.next_token == ref.next_token
     torch.testing.assert_close(r2.logits, ref.logits, rtol=1e-5, atol=1e-5)
-    assert plain.prefill(first, slot_id=0).next_token == r1.next_token
+    torch.testing.assert_close(r2.logits.float(), oracle.logits(second), rtol=1e-4, atol=1e-4)
+    assert plain.prefill(first, slot_id=0).next_token == r1.next_token == oracle(first, 1)[0]
     # Decoding on from the mapped prefix stays equal too.
     t_c, t_p = r2.next_token, ref.next_token
+    tokens = [t_c]
     for _ in range(5):
         t_c, t_p = cached.decode_step(t_c, slot_id=1).next_token, plain.decode_step(t_p, slot_id=1).next_token
         assert t_c == t_p
+        tokens.append(t_c)
+    assert tokens == oracle(second, 6)
     cached.check_block_accounting()
 
 
-def test_shared_blocks_are_never_written(ckpt):
+def test_shared_blocks_are_never_written(ckpt, oracle):
     cached, _ = _engines(ckpt)
     rng = random.Random(1)
     prefix = rand_tokens(rng, 8)
-    cached.prefill(prefix + rand_tokens(rng, 3), slot_id=0)
-    cached.prefill(prefix + rand_tokens(rng, 5), slot_id=1)
+    p0, p1 = prefix + rand_tokens(rng, 3), prefix + rand_tokens(rng, 5)
+    cached.prefill(p0, slot_id=0)
+    cached.prefill(p1, slot_id=1)
     shared = set(cached.slot_blocks(0)) & set(cached.slot_blocks(1))
     assert len(shared) == 2 and all(cached.allocator.ref_count(b) == 2 for b in shared)
     k0, v0 = cached.runner.kv_caches[0]
     before = {b: (k0[b].clone(), v0[b].clone()) for b in shared}
     t0, t1 = 5, 6
+    out0, out1 = [], []
     for _ in range(10):
         t0 = cached.decode_step(t0, slot_id=0).next_token
         t1 = cached.decode_step(t1, slot_id=1).next_token
+        out0.append(t0)
+        out1.append(t1)
     for b, (k, v) in before.items():
         assert torch.equal(k0[b], k) and torch.equal(v0[b], v)
+    # Each slot's decodes (fed 5 and 6 after its prompt) read the shared prefix right.
+    assert out0 == oracle(p0 + [5], 10) and out1 == oracle(p1 + [6], 10)
     cached.free_slot(0)
     assert all(cached.allocator.ref_count(b) == 1 for b in shared)
     cached.free_slot(1)
@@ -139,7 +167,7 @@ def test_shared_blocks_are_never_written(ckpt):
     assert cached.num_free_blocks == cached.num_total_blocks
 
 
-def test_batch_prefill_with_prefix_caching(ckpt):
+def test_batch_prefill_with_prefix_caching(ckpt, oracle):
     from qwen_ops.engine.engine import QwenBatchedRequest
 
     cached, plain = _engines(ckpt)
@@ -155,6 +183,7 @@ def test_batch_prefill_with_prefix_caching(ckpt):
             eng.batch_decode_step(reqs)
         outs.append([r.generated_tokens for r in reqs])
     assert outs[0] == outs[1]
+    assert outs[0] == [oracle(p, 5) for p in prompts]
     assert cached.prefix_cache_hits == 3 * 8
 
 
@@ -196,12 +225,13 @@ def _assert_clean(llm):
     assert all(llm.engine.allocator.ref_count(b) == 0 for b in range(s["total_blocks"]))
 
 
-def test_shared_system_prompt_concurrent_and_later(ckpt):
+def test_shared_system_prompt_concurrent_and_later(ckpt, oracle):
     rng = random.Random(3)
     system = rand_tokens(rng, 17)
     prompts = [system + rand_tokens(rng, rng.randint(1, 6)) for _ in range(6)]
     on, got, want = _both(ckpt, prompts, max_num_seqs=8)
     assert got == want
+    assert want == _oracle_greedy(oracle, on, prompts)
     first_hits = on.stats()["prefix_cache_hits"]        # admitted in one step: little to share yet
     again = on.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == want
@@ -210,7 +240,7 @@ def test_shared_system_prompt_concurrent_and_later(ckpt):
     _assert_clean(on)
 
 
-def test_multi_turn_chat(ckpt):
+def test_multi_turn_chat(ckpt, oracle):
     rng = random.Random(4)
     on = LLM(ckpt, max_model_len=96, block_size=BS, check_invariants=True)
     off = LLM(ckpt, max_model_len=96, block_size=BS, enable_prefix_caching=False)
@@ -219,6 +249,7 @@ def test_multi_turn_chat(ckpt):
         a = on.generate([convo_on], GREEDY)[0].outputs[0].token_ids
         b = off.generate([convo_off], GREEDY)[0].outputs[0].token_ids
         assert a == b, f"turn {turn}"
+        assert a == _oracle_greedy(oracle, on, [convo_on])[0], f"turn {turn}"
         user = rand_tokens(rng, 5)
         convo_on = convo_on + a + user
         convo_off = convo_off + b + user
@@ -229,7 +260,7 @@ def test_multi_turn_chat(ckpt):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_under_pressure(ckpt, mode):
+def test_preemption_under_pressure(ckpt, oracle, mode):
     rng = random.Random(5)
     system = rand_tokens(rng, 12)
     prompts = [system + rand_tokens(rng, rng.randint(1, 10)) for _ in range(8)]
@@ -237,6 +268,7 @@ def test_preemption_under_pressure(ckpt, mode):
     on, got, want = _both(ckpt, prompts, params, max_num_seqs=6, num_kv_blocks=24, preemption_mode=mode,
                           max_num_batched_tokens=16)
     assert got == want
+    assert want == _oracle_greedy(oracle, on, prompts, params)
     s = on.stats()
     assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
     _assert_clean(on)
@@ -255,7 +287,7 @@ def test_abort_releases_references(ckpt):
     _assert_clean(llm)
 
 
-def test_forced_hash_collisions_are_never_served(ckpt):
+def test_forced_hash_collisions_are_never_served(ckpt, oracle):
     rng = random.Random(7)
     prompts = [rand_tokens(rng, 13) for _ in range(5)]
     on = LLM(ckpt, max_model_len=64, block_size=BS, check_invariants=True)
@@ -264,13 +296,15 @@ def test_forced_hash_collisions_are_never_served(ckpt):
     for _ in range(2):
         got = [o.outputs[0].token_ids for o in on.generate(prompts, GREEDY)]
         assert got == [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY)]
+        assert got == _oracle_greedy(oracle, on, prompts)
     assert on.stats()["prefix_cache_collisions"] > 0
     _assert_clean(on)
 
 
-def test_unrelated_prompts_behave_as_without(ckpt):
+def test_unrelated_prompts_behave_as_without(ckpt, oracle):
     rng = random.Random(8)
     prompts = [rand_tokens(rng, rng.randint(3, 30)) for _ in range(10)]
     on, got, want = _both(ckpt, prompts, max_num_seqs=4)
     assert got == want
+    assert want == _oracle_greedy(oracle, on, prompts)
     _assert_clean(on)

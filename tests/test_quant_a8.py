@@ -301,7 +301,9 @@ def test_a8_products_report_their_path_and_warn_without_vnni(ckpt, monkeypatch, 
     kinds = product_choices(model)
     how = "linear_a8_panels" if has_vnni else "linear_int8_a8"     # the panels where VNNI runs them
     assert kinds["model.layers.0.mlp.gate_up"] == f"int8_a8 ({how}; {batches} past 4 rows)", kinds
-    monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
+    from qwen_ops.ops import host          # the models' way to the CPU's facts
+
+    monkeypatch.setattr(host, "int8_dot_products", lambda: False)
     with caplog.at_level(logging.WARNING, logger="qwen_ops.models.loader"):
         load_model(ckpt, quantization="w8a8")
     assert "no AVX512-VNNI" in caplog.text

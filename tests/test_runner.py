@@ -1,4 +1,5 @@
-"""Compiled decode: no graph breaks, no recompiles across buckets, same tokens as eager."""
+"""Compiled decode: no graph breaks, no recompiles across buckets, the same greedy tokens as eager
+and as transformers (the outside oracle)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from qwen_ops.engine.runner import decode_buckets
 from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
+from oracles import TransformersGreedy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38], [2, 71], [82, 81, 28, 30, 33, 27], [5, 9, 100],
@@ -32,6 +34,11 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def oracle(ckpt):
+    return TransformersGreedy(ckpt)
+
+
+@pytest.fixture(scope="module")
 def engines(ckpt):
     kw = dict(max_slots=8, max_seq_len=64, block_size=4, decode_buckets=[1, 2, 4, 8])
     return QwenEngine.from_pretrained(ckpt, compile=False, **kw), QwenEngine.from_pretrained(ckpt, compile=True, **kw)
@@ -45,19 +52,20 @@ def batch_tokens(engine, prompts):
     return [r.generated_tokens for r in reqs]
 
 
-def test_compiled_equals_eager_without_breaks_or_recompiles(engines):
+def test_compiled_equals_eager_without_breaks_or_recompiles(engines, oracle):
     eager, compiled = engines
+    expected = [oracle(p, GREEDY.max_new_tokens) for p in PROMPTS]
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     # Warm-up: batch 1 and one bucket above 1 compile the two graphs.
-    assert batch_tokens(compiled, PROMPTS[:1]) == batch_tokens(eager, PROMPTS[:1])
-    assert batch_tokens(compiled, PROMPTS[:3]) == batch_tokens(eager, PROMPTS[:3])
+    assert batch_tokens(compiled, PROMPTS[:1]) == batch_tokens(eager, PROMPTS[:1]) == expected[:1]
+    assert batch_tokens(compiled, PROMPTS[:3]) == batch_tokens(eager, PROMPTS[:3]) == expected[:3]
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 2
     # Every other size within the buckets reuses them: no recompilation, no graph break.
     for n in (2, 5, 7, 4, 1, 6):
-        assert batch_tokens(compiled, PROMPTS[:n]) == batch_tokens(eager, PROMPTS[:n]), n
+        assert batch_tokens(compiled, PROMPTS[:n]) == batch_tokens(eager, PROMPTS[:n]) == expected[:n], n
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["graph_break"].values()) == 0
 
@@ -78,11 +86,12 @@ def test_padding_rows_write_nothing(engines):
         assert torch.equal(k0[idx], k1[idx]) and torch.equal(v0[idx], v1[idx])
 
 
-def test_llm_generate_compiled_equals_eager(ckpt):
+def test_llm_generate_compiled_equals_eager(ckpt, oracle):
     kw = dict(max_num_seqs=4, max_model_len=64, block_size=4)
     eager = LLM(ckpt, compile=False, **kw).generate(PROMPTS, GREEDY)
     compiled = LLM(ckpt, compile=True, **kw).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+    assert [o.outputs[0].token_ids for o in eager] == [oracle(p, GREEDY.max_new_tokens) for p in PROMPTS]
 
 
 def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):

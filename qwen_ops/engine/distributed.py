@@ -35,7 +35,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -207,11 +207,14 @@ class ShmChannel:
 # ---------------------------------------------------------------------------------------- worker
 @dataclass
 class WorkerSpec:
-    """What a worker needs to build the same engine slice as rank 0."""
+    """What a worker needs to build the same runner slice as rank 0: ``build_runner(model, config,
+    engine_kwargs)`` (a module-level function, pickled by name) returns the runner that serves the
+    loaded slice, so this module knows nothing of the engine."""
     path: str
     dtype: Any
     device: str
     engine_kwargs: dict
+    build_runner: Callable
     port: int
     size: int
     threads: int = 1
@@ -224,7 +227,6 @@ def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
     try:
         import torch.distributed as dist
 
-        from qwen_ops.engine.engine import QwenEngine
         from qwen_ops.models.loader import load_checkpoint
 
         torch.set_num_threads(spec.threads)
@@ -238,9 +240,9 @@ def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
         tp = TPGroup(rank, spec.size, dist.group.WORLD.group_name, segments[0].tensor if segments[0] else None,
                      segments)
         ckpt = load_checkpoint(spec.path, dtype=spec.dtype, device=device, tp=tp)
-        engine = QwenEngine(ckpt.model, ckpt.config, **spec.engine_kwargs)
+        runner = spec.build_runner(ckpt.model, ckpt.config, spec.engine_kwargs)
         channel = ShmChannel(segments[1], spec.size) if segments[1] else None
-        serve_runner(engine.runner, (lambda: channel.recv(rank)) if channel else None)
+        serve_runner(runner, (lambda: channel.recv(rank)) if channel else None)
     except BaseException as e:   # report, then exit non-zero: the driver turns it into an error
         try:
             errors.put(f"rank {rank}: {type(e).__name__}: {e}")
@@ -372,7 +374,7 @@ class TPWorkers:
             seg.close()
 
 
-def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs: dict,
+def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs: dict, build_runner: Callable,
                   port: Optional[int] = None) -> TPWorkers:
     """Spawn ranks 1..size-1 and join them as rank 0 (the caller loads its own slice after)."""
     import torch.distributed as dist
@@ -385,7 +387,7 @@ def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs
         port = free_port()
     else:
         check_port_free(port)
-    spec = WorkerSpec(str(path), dtype, str(device), dict(engine_kwargs), port, size,
+    spec = WorkerSpec(str(path), dtype, str(device), dict(engine_kwargs), build_runner, port, size,
                       threads=torch.get_num_threads())
     segments: list[Optional[SharedSegment]] = [None, None]
     if device.type == "cpu" and shm_supported():

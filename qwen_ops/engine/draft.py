@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_ops.engine.batch import BatchedRequest
+from qwen_ops.engine.runner import ModelRunner
 from qwen_ops.engine.sampling import filtered_probs, sample
 
 
@@ -65,23 +66,8 @@ class RunnerProposer:
             self.seconds += time.perf_counter() - t0
 
 
-class DraftModelProposer:
-    """The scheduler's side of a draft model: it only asks for ``k`` draft places per decode (the
-    runner fills them), so budget and blocks are reserved as for any drafts."""
-
-    reads_tokens = False              # the scheduler passes no tokens (propose ignores them)
-
-    def __init__(self, num_speculative_tokens: int):
-        self.k = num_speculative_tokens
-
-    def propose(self, token_ids: Sequence[int]) -> list[int]:
-        return [0] * self.k               # placeholders: DraftRunner.propose writes the drafts
-
-
 class DraftRunner(RunnerProposer):
     def __init__(self, model: torch.nn.Module, target) -> None:
-        from qwen_ops.engine.runner import ModelRunner
-
         if "linear" in getattr(model, "layer_kinds", ()):
             raise ValueError("speculative_config.model has linear-attention (Gated DeltaNet) layers; expected a "
                              "draft model with attention layers only (its state could not follow rejections)")

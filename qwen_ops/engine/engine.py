@@ -257,7 +257,8 @@ class QwenEngine:
             tp = D.init_external(device, config, kwargs, resolve_dtype(dtype, config))
         else:
             workers = D.start_workers(path, size=tensor_parallel_size, dtype=resolve_dtype(dtype, config),
-                                      device=device, engine_kwargs=kwargs, port=tp_port)
+                                      device=device, engine_kwargs=kwargs, build_runner=_tp_worker_runner,
+                                      port=tp_port)
             tp = workers.group
         try:
             ckpt = load_checkpoint(path, dtype=dtype, device=device if device.type != "cuda" else
@@ -597,3 +598,9 @@ class QwenEngine:
                     r.last_result = QwenForwardResult(t, out.logits[row])
                     r.finished = self._finished(r, t)
             return QwenBatchDecodeResult([r.last_token for r in requests], [r.finished for r in requests])
+
+
+def _tp_worker_runner(model: torch.nn.Module, config: Any, engine_kwargs: dict) -> ModelRunner:
+    """A tensor-parallel worker's runner over its loaded slice (``engine/distributed.py`` calls it by
+    name): the runner of an engine built as rank 0's, so that both choose the same step."""
+    return QwenEngine(model, config, **engine_kwargs).runner

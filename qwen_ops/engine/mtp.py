@@ -26,11 +26,11 @@ import torch
 
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.draft import RunnerProposer, pick_drafts, with_drafts
+from qwen_ops.engine.runner import ModelRunner
 
 
 class MTPRunner(RunnerProposer):
     def __init__(self, target_model: torch.nn.Module, target) -> None:
-        from qwen_ops.engine.runner import ModelRunner
         from qwen_ops.models.mtp import MTPModel
 
         if target.compiled or target.cuda_graphs:

@@ -217,17 +217,11 @@ class ModelRunner:
                                              for a in args]))
         return getattr(self, method)(*args)
 
-    def attach_draft(self, model: torch.nn.Module) -> None:
-        """Run ``model`` as the draft model of speculative decoding, in this runner's slots and blocks."""
-        from qwen_ops.engine.draft import DraftRunner
-
-        self.draft = DraftRunner(model, self)
-
-    def attach_mtp(self) -> None:
-        """Run the model's own MTP layer (``model.mtp``) as the proposer, in this runner's slots and blocks."""
-        from qwen_ops.engine.mtp import MTPRunner
-
-        self.draft = MTPRunner(self.model, self)
+    def attach_proposer(self, proposer) -> None:
+        """Run ``proposer`` (an ``engine/draft.py`` ``DraftRunner`` over a draft model, or an
+        ``engine/mtp.py`` ``MTPRunner`` over the model's own MTP layer, built on this runner) as the
+        proposer of speculative decoding, in this runner's slots and blocks."""
+        self.draft = proposer
 
     @torch.inference_mode()
     def step(self, plan: IterationPlan) -> RunnerOutput:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qwen_ops.ops.kernels import cpu as cpu_kernels
+from qwen_ops.ops import host as cpu_kernels
 
 
 # Seeds are int64, as vLLM's and OpenAI's: [SEED_MIN, SEED_END). Each maps to its own noise stream

@@ -108,9 +108,21 @@ class SpeculativeConfig:
         """The scheduler's proposer: n-gram lookup, or k places that the runner fills (the draft
         model's or the MTP layer's)."""
         if self.method in ("draft_model", "mtp"):
-            from qwen_ops.engine.draft import DraftModelProposer
             return DraftModelProposer(self.num_speculative_tokens)
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+class DraftModelProposer:
+    """The scheduler's side of a draft model: it only asks for ``k`` draft places per decode (the
+    runner fills them), so budget and blocks are reserved as for any drafts."""
+
+    reads_tokens = False              # the scheduler passes no tokens (propose ignores them)
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        return [0] * self.k               # placeholders: DraftRunner.propose writes the drafts
 
 
 class NgramProposer:

@@ -136,9 +136,9 @@ class GrammarBackend:
     @staticmethod
     def apply(logits, mask, rows: Sequence[int]) -> None:
         """Mask ``logits`` rows ``rows`` (in place) with ``mask``'s rows, one call for the batch: the
-        package's C kernel on the CPU (``kernels.cpu.apply_token_bitmask``, 8x xgrammar's CPU
+        package's C kernel on the CPU (``ops.host.apply_token_bitmask``, 8x xgrammar's CPU
         kernel at 32 x 8192: benchmarks/README.md), xgrammar's elsewhere."""
-        from qwen_ops.ops.kernels import cpu as cpu_kernels
+        from qwen_ops.ops import host as cpu_kernels
 
         if logits.device.type == "cpu" and logits.dtype.is_floating_point and logits.dtype.itemsize == 4 and \
                 logits.stride(1) == 1 and cpu_kernels.why_unavailable() is None:

@@ -183,17 +183,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = None           # the MTP layer (models/mtp.py), when loaded for speculative "mtp"
+        self.mtp = None           # the MTP layer (models/mtp.py; the loader sets it) for speculative "mtp"
         # Speculative "mtp" (engine/mtp.py) reads every row's final hidden state: the forward then
         # normalises all rows and keeps them in ``hidden_out`` (eager; chosen when the MTP is attached).
         self.keep_hidden = False
         self.hidden_out = None
-
-    def attach_mtp(self) -> None:
-        """Give the model its MTP layer's parameters (``mtp.*``; filled by the loader)."""
-        from qwen_ops.models.mtp import MTPHead
-
-        self.mtp = MTPHead(self.config)
 
     @property
     def layer_kinds(self) -> list[str]:

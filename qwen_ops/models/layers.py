@@ -18,6 +18,7 @@ from torch.nn.modules import module as _torch_module
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.quant import QuantLinear
+from qwen_ops.ops import host
 from qwen_ops.ops.backend import resolve_backend
 from qwen_ops.ops.memory import check_fits
 from qwen_ops.ops.metadata import AttentionMetadata
@@ -47,13 +48,11 @@ ATTENTION_BLOCK = torch.ops.qwen.attention_block.default
 
 def uses_cpu_kernels(weight: torch.Tensor) -> bool:
     """Whether a layer holding ``weight`` takes the CPU fast path's ops (the one choice, read once;
-    it registers the ops' CPU kernels, built on first use: kernels/cpu.py ``op_library``)."""
+    it registers the ops' CPU kernels, built on first use: ``qwen_ops.ops.host.fast_ops``)."""
     if not (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and resolve_backend(weight.device, "kv_write") == "cpu"):
         return False
-    from qwen_ops.ops.kernels import cpu
-
-    cpu.op_library()
+    host.fast_ops()
     return True
 
 
@@ -112,8 +111,6 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     and ``<name>_bias`` of ``owner``), run by ``linear_packed``, then a row-parallel projection's
     all-reduce. QuantLinear layers of one scheme: one QuantLinear over their stacked quantized
     weights (submodule ``<name>_quant``; the layers then read slices of it). A mix cannot fuse."""
-    from qwen_ops.ops.kernels import cpu
-
     if all(isinstance(m, QuantLinear) for m in linears):
         if not QuantLinear.can_concat(list(linears)):
             return None
@@ -123,7 +120,7 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
         panels = fused.use_panels(tuple(linears) if len(linears) > 1 else ())
         how = "linear_a8_panels" if panels else f"linear_{fused.kernel}"
         if fused.kernel.endswith("_a8"):   # how this CPU runs their batches (amx, avx512_vnni or portable)
-            how += f"; {cpu.int8_products()} past 4 rows"
+            how += f"; {host.int8_products()} past 4 rows"
         owner.__dict__.setdefault("product_kinds", {})[name] = f"{fused.kernel} ({how})"
         return fused.forward
     if any(isinstance(m, QuantLinear) for m in linears):
@@ -133,7 +130,7 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     owner.register_buffer(packed_name, packed, persistent=False)
     owner.register_buffer(bias_name, bias, persistent=False)
     owner.__dict__.setdefault("product_kinds", {})[name] = (
-        f"packed panels ({cpu.bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
+        f"packed panels ({host.bf16_products()})" if packed.dtype == torch.bfloat16 else "packed panels")
     if finish is _identity:         # no all-reduce after it: one call less per product
         def product(x: torch.Tensor) -> torch.Tensor:
             return LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)
@@ -146,11 +143,9 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
 
 def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
     """``(packed, bias, out_features, finish)`` of one product over ``linears`` concatenated by
-    output features: ``cpu.pack_panels`` of their weights, their biases as one fp32 vector (None
+    output features: ``host.pack_panels`` of their weights, their biases as one fp32 vector (None
     without any), and ``finish``, what follows the product: a row-parallel projection's
     ``reduce_partial`` (all-reduce, then its bias), else the identity."""
-    from qwen_ops.ops.kernels import cpu
-
     finish = getattr(linears[0], "reduce_partial", None)
     if finish is not None and len(linears) != 1:
         raise ValueError("a row-parallel projection is packed on its own")
@@ -160,7 +155,7 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tens
         if finish is None and any(m.bias is not None for m in linears):
             bias = torch.cat([m.bias.detach().float() if m.bias is not None else
                               torch.zeros(m.out_features, device=m.weight.device) for m in linears]).contiguous()
-        return cpu.pack_panels(weight), bias, weight.shape[0], finish or _identity
+        return host.pack_panels(weight), bias, weight.shape[0], finish or _identity
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,6 +37,7 @@ from qwen_ops.models.config import ARCHITECTURES, QwenConfig, token_ids
 from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
 from qwen_ops.models.layers import rope_table
+from qwen_ops.models.mtp import MTPHead
 from qwen_ops.models.parallel import TPGroup, shard_model, tp_slice
 from qwen_ops.models import quant as Q
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
@@ -184,8 +185,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         raise ValueError("the MTP layer with tensor parallelism is not supported; load with tensor_parallel_size=1")
     with torch.device("meta"):
         model = (Qwen3_5ForCausalLM if config.is_hybrid else QwenForCausalLM)(config)
-        if mtp:
-            model.attach_mtp()
+        if mtp:                 # its parameters, mtp.*, are read under their checkpoint names
+            model.mtp = MTPHead(config)
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
     quantized, qexperts = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else ({}, {})
@@ -214,9 +215,9 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     if quant is not None and quant.online and quant.method == "int8":
         _quantize_lm_head(model, quant, dtype, device)
     if quant is not None and quant.activations == "int8" and device.type == "cpu":
-        from qwen_ops.ops.kernels import cpu
+        from qwen_ops.ops import host
 
-        if cpu.why_unavailable() is None and not cpu.int8_dot_products():
+        if host.why_unavailable() is None and not host.int8_dot_products():
             logger.warning("quantization with int8 activations (%s): this CPU (or build) has no AVX512-VNNI, so "
                            "the products run a portable loop, correct but tens of times slower than the "
                            "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)

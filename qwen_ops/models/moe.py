@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
+from qwen_ops.ops import host
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.layers import QwenMLP, uses_cpu_kernels
 
@@ -84,12 +85,10 @@ class MoeExperts(nn.Module):
         """fp32 on the CPU fast path (models/layers.py): every expert's matrices packed, for
         ``torch.ops.qwen.moe_packed``; otherwise (bf16 too) ``fused_moe`` on the stacked weights."""
         if self.gate_up_proj.dtype == torch.float32 and uses_cpu_kernels(self.gate_up_proj):
-            from qwen_ops.ops.kernels import cpu
-
             with torch.no_grad():
-                self.register_buffer("w13_packed", torch.stack([cpu.pack_panels(w.detach().contiguous())
+                self.register_buffer("w13_packed", torch.stack([host.pack_panels(w.detach().contiguous())
                                                                 for w in self.gate_up_proj]), persistent=False)
-                self.register_buffer("w2_packed", torch.stack([cpu.pack_panels(w.detach().contiguous())
+                self.register_buffer("w2_packed", torch.stack([host.pack_panels(w.detach().contiguous())
                                                                for w in self.down_proj]), persistent=False)
             self._forward_method = self.forward_cpu
         else:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
+from qwen_ops.models.hybrid import HybridDecoderLayer
 from qwen_ops.models.layers import OffsetRMSNorm
 from qwen_ops.ops.metadata import AttentionMetadata
 
@@ -33,8 +34,6 @@ class MTPHead(nn.Module):
 
     def __init__(self, config: QwenConfig) -> None:
         super().__init__()
-        from qwen_ops.models.hybrid import HybridDecoderLayer
-
         if config.mtp_layers != 1:
             raise ValueError(f"the checkpoint has {config.mtp_layers} MTP layers (num_nextn_predict_layers / "
                              "mtp_num_hidden_layers); speculative 'mtp' supports exactly 1")

@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
-from qwen_ops.ops.kernels.reference_quant import pack_int4
+from qwen_ops.ops import host
+from qwen_ops.ops.host import pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # The decoder layers' projections that may be quantized (dense, MoE shared experts, hybrid layers).
@@ -329,9 +330,7 @@ class QuantLinear(nn.Module):
     def reference(self):
         """The reference of the op this layer's forward calls, taking the same arguments (the oracle that
         tests and benchmarks swap in for ``_op``)."""
-        from qwen_ops.ops.kernels import reference_quant as RQ
-
-        return RQ.linear_a8_panels_reference if self.panels else RQ.REFERENCES[self.kernel]
+        return host.quant_reference(self.kernel, self.panels)
 
     def use_references(self) -> None:
         """Runs this layer's products on their ops' references (``reference``): the oracle twin that tests
@@ -355,11 +354,10 @@ class QuantLinear(nn.Module):
         if g % 128 and g % (8 if self.scheme == "int4" else 4):
             return False
         from qwen_ops.ops.backend import resolve_backend
-        from qwen_ops.ops.kernels import cpu
 
-        if resolve_backend(self.qweight.device, "kv_write") != "cpu" or cpu.why_unavailable() is not None:
+        if resolve_backend(self.qweight.device, "kv_write") != "cpu" or host.why_unavailable() is not None:
             return False
-        return cpu.int8_dot_products()
+        return host.int8_dot_products()
 
     def use_panels(self, parts: tuple["QuantLinear", ...] = ()) -> bool:
         """Repacks the weights into ``linear_a8_panels``' layout where ``panels_fit`` (once: a layer already
@@ -391,9 +389,7 @@ class QuantLinear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.panels and prefix + "qweight" in destination:     # the checkpoint's layout, not the panels
-            from qwen_ops.ops.kernels.reference_quant import unpack_a8_panels
-
-            q, s, z = unpack_a8_panels(self.qweight, self.scales, self.zeros, self.out_features)
+            q, s, z = host.unpack_a8_panels(self.qweight, self.scales, self.zeros, self.out_features)
             destination[prefix + "qweight"], destination[prefix + "scales"] = q, s
             if z is not None:
                 destination[prefix + "zeros"] = z
@@ -700,19 +696,17 @@ def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[
     """``linear_int8_a8`` / ``linear_int4_a8`` operands (int8 ``[N, K]`` / uint8 ``[N, K / 2]``, ``scales``
     and int4's ``zeros`` ``[N, G]``) in ``linear_a8_panels``' layout (schema: 64 output features a panel,
     the features in the vector lanes; padding features zero). Converts ``chunk`` features at a time,
-    so the copies in flight stay small next to the layer. ``arena``: a ``cpu.HugePageArena`` to take the
-    weight's panels from (else a mapping of their own, ``cpu.huge_page_empty``)."""
+    so the copies in flight stay small next to the layer. ``arena``: a ``host.HugePageArena`` to take the
+    weight's panels from (else a mapping of their own, ``host.huge_page_empty``)."""
     n = qweight.shape[0]
     panels = -(-n // PANEL)
     groups = scales.shape[1]
     int4 = zeros is not None
     k = qweight.shape[1] * (2 if int4 else 1)
-    from qwen_ops.ops.kernels import cpu
-
     shape = (panels, k // (8 if int4 else 4), PANEL, 4)
     w = arena.take(shape, torch.uint8) if arena is not None else None
     if w is None:
-        w = cpu.huge_page_empty(shape, torch.uint8)
+        w = host.huge_page_empty(shape, torch.uint8)
     s = torch.zeros((panels, groups, PANEL), dtype=torch.float32)
     z = torch.zeros((panels, groups, PANEL), dtype=torch.uint8) if int4 else None
     for start in range(0, n, chunk):
@@ -742,7 +736,7 @@ def pack_a8_panels(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[
 
 
 def attach_panel_arena(model: nn.Module) -> None:
-    """Before a model's layers first choose their products: one ``cpu.HugePageArena`` for the panels of
+    """Before a model's layers first choose their products: one ``host.HugePageArena`` for the panels of
     every QuantLinear that will take them (``panels_fit``), handed to those layers (``panel_arena``, used
     and dropped by ``use_panels``); the layers repack in the order a step runs them, so their panels lie
     in that order. Nothing when a layer is already on panels (a refresh) or none fits."""
@@ -752,9 +746,7 @@ def attach_panel_arena(model: nn.Module) -> None:
     fits = [m for m in layers if m.panels_fit()]
     if not fits:
         return
-    from qwen_ops.ops.kernels import cpu
-
-    arena = cpu.HugePageArena(sum(a8_panel_bytes(m) + 64 for m in fits))
+    arena = host.HugePageArena(sum(a8_panel_bytes(m) + 64 for m in fits))
     for m in fits:
         m.__dict__["panel_arena"] = arena
 

@@ -25,6 +25,8 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
+from qwen_ops.ops.kernels import triton_interpret
+
 BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
 _KERNEL_MODULES = {
     "reference": "qwen_ops.ops.kernels.reference",
@@ -103,10 +105,6 @@ def value_checks_enabled(backend: str) -> bool:
 def debug_checks_enabled() -> bool:
     """``QWEN_OPS_DEBUG=1`` makes every backend check index values (this syncs the device)."""
     return os.environ.get("QWEN_OPS_DEBUG", "0") not in ("", "0")
-
-
-def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def why_unavailable(name: str, device: torch.device) -> str | None:

@@ -1,5 +1,6 @@
 """The quantized KV cache's vocabulary: vLLM's ``kv_cache_dtype`` names, the fp8 formats, and the
-plain-torch quantize / dequantize that the reference kernels (and the tests' oracle) are written in.
+plain-torch quantize / dequantize that the reference kernels (and the tests' oracle) are written in
+(``kernels/kv_fp8.py``, named here).
 
 A cache in ``float8_e4m3fn`` / ``float8_e5m2`` holds ``fp8(clamp(x / scale, -max, max))``: the
 division in fp32, rounded to nearest even, saturated at the format's largest finite value (as
@@ -14,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from qwen_ops.ops.kernels.kv_fp8 import FP8_DTYPES, dequantize, fp8_max, is_fp8, quantize  # noqa: F401
 
 # vLLM's spellings ("fp8" is e4m3, as in vLLM's CUDA and CPU backends).
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -24,10 +25,6 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 # batch's amax divided by these, so a later batch a little larger than the first still fits.
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: Union[str, torch.dtype, None], model_dtype: torch.dtype) -> torch.dtype:
@@ -42,24 +39,3 @@ def resolve_kv_cache_dtype(kv_cache_dtype: Union[str, torch.dtype, None], model_
         return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
     raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected one of {sorted(KV_CACHE_DTYPES)} "
                      f"(vLLM's names), torch.float8_e4m3fn, torch.float8_e5m2 or the model's dtype {model_dtype}")
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
-def _scale_value(scale: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    return scale.reshape(()).to(torch.float32)
-
-
-def quantize(x: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``fp8(clamp(float(x) / scale))`` in ``dtype`` (float8_e4m3fn or float8_e5m2)."""
-    m = fp8_max(dtype)
-    return (x.float() / _scale_value(scale, x.device)).clamp(-m, m).to(dtype)
-
-
-def dequantize(q: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """``float(q) * scale`` in fp32."""
-    return q.float() * _scale_value(scale, q.device)

@@ -230,7 +230,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 # A layer chooses these once, when its weights are packed (qwen_ops/models/layers.py: on the CPU,
 # fp32 or bf16, the cpu backend selected and its C kernels built); nothing is chosen per call.
 # On CPU tensors they run the C++ dispatcher kernels of kernels/qwen_cpu_ops.cpp (built and
-# registered by kernels/cpu.py op_library, on first use), or, without a C++ compiler, the ctypes
+# registered by cpu_fast_ops, on first use), or, without a C++ compiler, the ctypes
 # kernels below; on any other device the plain-torch references (kernels/reference_fused.py),
 # which are also the test oracle.
 
@@ -304,7 +304,7 @@ _REFERENCES = {
     "silu_mul": R.silu_mul_reference, "attention_block": R.attention_block_reference,
     "moe_packed": R.moe_packed_reference,
 }
-# Their CPU kernels are registered on first use (kernels/cpu.py op_library: the C++ kernels, built
+# Their CPU kernels are registered on first use (cpu_fast_ops: the C++ kernels, built
 # then; or the ctypes ones); on other devices the references run.
 _FAST_LIB = torch.library.Library(NAMESPACE, "IMPL")
 for _name, _reference in _REFERENCES.items():
@@ -313,11 +313,24 @@ for _name, _reference in _REFERENCES.items():
 
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_fast_ops() -> str:
+    """Registers the CPU kernels of the fast ops, once: the C++ dispatcher kernels (``"c++"``: the
+    library ``kernels/cpu.py`` builds, loaded here) or, where they do not build, the ctypes ones
+    (``"ctypes"``). Needs the C library (``kernels.cpu.why_unavailable()`` None)."""
+    path = _cpu().build_op_library()
+    if path is None:
+        register_ctypes_fast_ops()
+        return "ctypes"
+    torch.ops.load_library(str(path))
+    return "c++"
+
+
 def _first_cpu_call(name: str):
-    """The CPU kernel registered at import: it registers the real ones (op_library, once; they
+    """The CPU kernel registered at import: it registers the real ones (cpu_fast_ops, once; they
     replace this one in the dispatcher) and calls the op again."""
     def kernel(*args):
-        if _cpu().op_library() not in ("c++", "ctypes"):
+        if cpu_fast_ops() not in ("c++", "ctypes"):
             raise AssertionError(f"qwen::{name}: no CPU kernel was registered")
         return getattr(torch.ops.qwen, name).default(*args)
     return kernel
@@ -329,8 +342,8 @@ for _name in _REFERENCES:
 
 @functools.lru_cache(maxsize=1)
 def register_ctypes_fast_ops() -> torch.library.Library:
-    """Registers the ctypes CPU kernels of the fast ops (once, by kernels/cpu.py op_library, where
-    the C++ ones do not build); the returned library holds the registrations for the process."""
+    """Registers the ctypes CPU kernels of the fast ops (once, by cpu_fast_ops, where the C++ ones
+    do not build); the returned library holds the registrations for the process."""
     lib = torch.library.Library(NAMESPACE, "IMPL")
     for name, fn in {**_CTYPES_FAST_OPS, **_CTYPES_QUANT_OPS}.items():
         lib.impl(name, fn, "CPU")
@@ -509,7 +522,7 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
 
 
-# The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by op_library).
+# The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by cpu_fast_ops).
 _CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu,
                      "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu,
                      "linear_a8_panels": _linear_a8_panels_cpu,
@@ -518,12 +531,12 @@ _CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int
 
 def _first_quant_call(name: str):
     """The CPU kernel registered at import: where the C library builds, it registers the C++ kernels
-    (op_library, once: they replace this one) and calls the op again; elsewhere it runs the ctypes
+    (cpu_fast_ops, once: they replace this one) and calls the op again; elsewhere it runs the ctypes
     kernel, which runs the reference without the C library."""
     python_kernel = _CTYPES_QUANT_OPS[name]
 
     def kernel(*args):
-        if _cpu().why_unavailable() is None and _cpu().op_library() in ("c++", "ctypes"):
+        if _cpu().why_unavailable() is None and cpu_fast_ops() in ("c++", "ctypes"):
             return getattr(torch.ops.qwen, name).default(*args)
         return python_kernel(*args)
     return kernel

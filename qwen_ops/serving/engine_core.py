@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -341,61 +340,8 @@ class ThreadCore:
             self._on_exit(reason)
 
 
-# ----------------------------------------------------------------------------- the child process
-def _core_main(conn) -> None:
-    """The child: read its arguments, load the model, then serve the pipe until it closes or
-    says shutdown."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    from qwen_ops.serving.llm import LLM
-
-    try:
-        _, model, llm_kwargs, num_threads = conn.recv()
-        torch.set_num_threads(num_threads)
-        llm = LLM(model, **llm_kwargs)
-    except BaseException as e:              # noqa: BLE001 - reported to the parent, which raises it
-        try:
-            conn.send(("failed", e))
-        except Exception:                   # an exception that does not pickle
-            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
-        return
-    core = llm.core
-    try:
-        conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
-                             "max_model_len": int(llm.scheduler.config.max_model_len),
-                             "model_path": str(llm.model_path), "stats": core.stats()}))
-        while True:
-            if not core.has_work():
-                conn.poll(None)                             # idle: sleep until a message
-            out: list[RequestDelta] = []
-            handled = False
-            while conn.poll():
-                msg = conn.recv()
-                handled = True
-                if msg[0] == "add":
-                    err = core.add(*msg[1:])
-                    if err is not None:
-                        out.append(err)
-                elif msg[0] == "abort":
-                    core.abort(msg[1])
-                elif msg[0] == "shutdown":
-                    return
-            if core.has_work():
-                out.extend(core.step_deltas())
-            elif not handled:
-                continue
-            conn.send(("out", out, core.stats(), core.num_added))
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        return                                              # the parent is gone
-    finally:
-        core.close()
-        llm.shutdown()
-        conn.close()
-
-
 class ProcessCore:
-    """The core in a child process (``python -m qwen_ops.serving.engine_core``), fed over a pipe.
+    """The core in a child process (``python -m qwen_ops.serving.core_process``), fed over a pipe.
 
     The child is a fresh interpreter started with ``subprocess`` and one end of a socket pair,
     not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (so scripts
@@ -410,8 +356,6 @@ class ProcessCore:
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
         import torch
 
-        import qwen_ops
-
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         self._deliver = deliver
@@ -421,10 +365,10 @@ class ProcessCore:
         self._num_sent = 0                  # completions (n per add) sent; the child reports how many it took
         self._last_beat = time.monotonic()  # when the child's latest message came (heartbeat_age)
         env = dict(os.environ)
-        root = str(Path(qwen_ops.__file__).resolve().parent.parent)     # this qwen_ops, wherever it is
+        root = str(Path(__file__).resolve().parents[2])     # this qwen_ops, wherever it is
         env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "qwen_ops.serving.engine_core",
+            self.process = subprocess.Popen([sys.executable, "-m", "qwen_ops.serving.core_process",
                                              str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
         finally:
             theirs.close()
@@ -549,7 +493,3 @@ def _stop_child(conn, process: subprocess.Popen, lock: threading.Lock, timeout: 
         conn.close()
     except OSError:
         pass
-
-
-if __name__ == "__main__":           # the child: python -m qwen_ops.serving.engine_core FD
-    _core_main(Connection(int(sys.argv[1])))

@@ -316,7 +316,9 @@ class LLM:
             if spec.method == "draft_model":
                 self._attach_draft(spec, cfg, dtype, device, max_model_len)
             elif spec.method == "mtp":
-                self.engine.runner.attach_mtp()
+                from qwen_ops.engine.mtp import MTPRunner
+
+                self.engine.runner.attach_proposer(MTPRunner(self.engine.runner.model, self.engine.runner))
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -343,7 +345,9 @@ class LLM:
             raise ValueError(f"speculative_config.model = {spec.model!r} supports max_position_embeddings = "
                              f"{draft_cfg.max_position_embeddings}, expected at least max_model_len = {max_model_len}")
         draft = load_checkpoint(spec.model, dtype=dtype, device=device, max_positions=max_model_len, config=draft_cfg)
-        self.engine.runner.attach_draft(draft.model)
+        from qwen_ops.engine.draft import DraftRunner
+
+        self.engine.runner.attach_proposer(DraftRunner(draft.model, self.engine.runner))
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],

@@ -164,7 +164,7 @@ def library() -> ctypes.CDLL:
         start = time.perf_counter()
         _build(cc, path)
         logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
-    # RTLD_GLOBAL: the fast ops' C++ kernels (op_library) resolve qwen_* against this library.
+    # RTLD_GLOBAL: the fast ops' C++ kernels (build_op_library) resolve qwen_* against this library.
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -183,19 +183,17 @@ def _cxx_compiler() -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def op_library() -> str:
-    """Registers the fast ops' dispatcher kernels (qwen_cpu_ops.cpp, built on first use against
-    torch's headers, cached like the C library) and returns "c++"; or, without a C++ compiler or
-    torch headers, registers the ctypes kernels of this module (~20 us more per call) and returns
-    "ctypes". Either way the kernels run this file's C library's arithmetic."""
+def build_op_library() -> Optional[Path]:
+    """The shared library of the fast ops' dispatcher kernels (qwen_cpu_ops.cpp, built on first use
+    against torch's headers, cached like the C library), or None without a C++ compiler or torch
+    headers, or where it does not build (then this module's ctypes kernels run the same C library's
+    arithmetic, ~20 us more per call). It builds; loading it, which registers the kernels, is the
+    registry's (``qwen_ops.ops.registry.cpu_fast_ops``)."""
     lib = library()
-    from qwen_ops.ops import registry
-
     include = Path(torch.__file__).parent / "include"
     cxx = _cxx_compiler()
     if cxx is None or not (include / "torch" / "library.h").exists() or not CXX_SOURCE.is_file():
-        registry.register_ctypes_fast_ops()
-        return "ctypes"
+        return None
     torch_lib = Path(torch.__file__).parent / "lib"
     flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              f"-I{include}", f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
@@ -213,12 +211,10 @@ def op_library() -> str:
             os.unlink(tmp)
             logger.warning("qwen_ops: the C++ op kernels did not build (%s); using the ctypes kernels",
                            proc.stderr.strip()[-2000:])
-            registry.register_ctypes_fast_ops()
-            return "ctypes"
+            return None
         os.replace(tmp, path)
         logger.warning("qwen_ops: CPU fast path's op kernels compiled in %.1f s", time.perf_counter() - start)
-    torch.ops.load_library(str(path))
-    return "c++"
+    return path
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from qwen_ops.ops.kv_quant import dequantize, is_fp8, quantize
+from qwen_ops.ops.kernels.kv_fp8 import dequantize, is_fp8, quantize
 
 
 def kv_write_reference(key, value, key_cache, value_cache, slot_ids, positions, block_table, k_scale=None,

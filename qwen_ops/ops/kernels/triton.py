@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_ops.ops.backend import triton_interpret
+from qwen_ops.ops.kernels import triton_interpret
+from qwen_ops.ops.kernels.triton_common import Launch, _find_sequence
 
 # Flash-decoding: aim for this many programs in flight (about 4 per SM of an H100/H200, 132 SMs),
 # give every split at least MIN_KEY_TILES_PER_SPLIT key tiles and never more than MAX_SPLITS splits.
@@ -283,25 +284,6 @@ def _merge_kernel(
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, block_id, num_seqs, BLOCK_T: tl.constexpr):
-    """The last sequence s whose first token-block id ``query_start_loc[s] // BLOCK_T + s`` is <= block_id.
-
-    Programs are numbered across the whole batch (a sequence of q tokens owns q // BLOCK_T + 1
-    ids), so grids depend on shapes only; a binary search over the non-decreasing first ids.
-    """
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_seqs   # a tensor even when num_seqs is specialised to 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
-        if first <= block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
 def _slot_attention_prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_slots_ptr, query_start_loc_ptr,
     seq_lens_ptr, gate_ptr, k_scale_ptr, v_scale_ptr,
@@ -367,21 +349,6 @@ def _slot_attention_prefill_kernel(
 # --------------------------------------------------------------------------------------------
 # Configurations (static shapes only) and launch plans
 # --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: everything ``kernel[grid](*args, **constexprs, ...)`` needs."""
-    kernel: Any                              # a triton JITFunction
-    grid: tuple[int, ...]
-    args: tuple[Any, ...]                    # runtime arguments in kernel order
-    constexprs: tuple[tuple[str, Any], ...]  # (name, value) for every tl.constexpr parameter
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **dict(self.constexprs), num_warps=self.num_warps,
-                               num_stages=self.num_stages)
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -559,25 +526,9 @@ def slot_attention_triton(query, key_cache, value_cache, block_table, seq_slots,
 
 
 # --------------------------------------------------------------------------------------------
-# Slot-state ops of hybrid models: kernels in triton_gated_delta.py (imported on first call, since
-# that module imports Launch from this one)
+# The hybrid models' slot-state ops and the MoE op live in their own modules; this backend module
+# names them too (backend.kernels("triton") is where the registry looks).
 # --------------------------------------------------------------------------------------------
 
-def causal_conv1d_triton(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens) -> torch.Tensor:
-    """See ``qwen_ops.ops.kernels.triton_gated_delta.causal_conv1d_triton``."""
-    from qwen_ops.ops.kernels import triton_gated_delta
-    return triton_gated_delta.causal_conv1d_triton(x, weight, bias, conv_state, seq_slots, query_start_loc, seq_lens)
-
-
-def gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
-                            scale: float) -> torch.Tensor:
-    """See ``qwen_ops.ops.kernels.triton_gated_delta.gated_delta_rule_triton``."""
-    from qwen_ops.ops.kernels import triton_gated_delta
-    return triton_gated_delta.gated_delta_rule_triton(q, k, v, g, beta, state, seq_slots, query_start_loc, seq_lens,
-                                                 scale)
-
-
-def fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """See ``qwen_ops.ops.kernels.triton_moe.fused_moe_triton`` (imported on first call, as above)."""
-    from qwen_ops.ops.kernels import triton_moe
-    return triton_moe.fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids)
+from qwen_ops.ops.kernels.triton_gated_delta import causal_conv1d_triton, gated_delta_rule_triton  # noqa: E402,F401
+from qwen_ops.ops.kernels.triton_moe import fused_moe_triton  # noqa: E402,F401

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_ops.ops.backend import triton_interpret
-from qwen_ops.ops.kernels.triton import Launch, _find_sequence
+from qwen_ops.ops.kernels import triton_interpret
+from qwen_ops.ops.kernels.triton_common import Launch, _find_sequence
 
 L2NORM_EPS = 1e-6
 

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_ops.ops.backend import triton_interpret
-from qwen_ops.ops.kernels.triton import Launch
+from qwen_ops.ops.kernels import triton_interpret
+from qwen_ops.ops.kernels.triton_common import Launch
 
 
 @triton.jit

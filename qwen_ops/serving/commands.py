@@ -1,0 +1,147 @@
+"""The ``qwen-ops`` commands: ``generate`` streams a completion, ``bench`` measures serving,
+``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra). The parser and ``main``
+are in the top-level ``qwen_ops_cli`` (importable without torch, so ``--help`` is instant), with
+the usage examples and the error convention; ``main`` calls each command here as ``_<name>(args)``.
+This module never imports ``qwen_ops_cli`` (``qwen_ops/serving/cli.py`` is the ``python -m`` entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+
+def _llm(args: argparse.Namespace):
+    from qwen_ops.serving.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               preemption_mode=args.preemption_mode, swap_space=args.swap_space, quantization=args.quantization,
+               speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+               calculate_kv_scales=args.calculate_kv_scales)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from qwen_ops.engine.sampling import SamplingParams
+
+    llm = _llm(args)
+    if llm.tokenizer is None:
+        print("error: this checkpoint has no tokenizer.json, so text prompts cannot be encoded", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    updates = llm.stream([args.prompt], params)    # a bad prompt raises here, before any output
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    first: Optional[float] = None
+    shown = ""
+    n_tokens = 0
+    for update in updates:
+        first = first or time.perf_counter()
+        text = update.outputs[0].text
+        out.write(text[len(shown):])
+        out.flush()
+        shown = text
+        n_tokens = len(update.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    rate = n_tokens / elapsed if elapsed > 0 else float("inf")
+    print(f"\n\n[{n_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s; "
+          f"first token after {1000 * ((first or start) - start):.0f} ms]")
+    return 0
+
+
+def _progress(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests")
+    sys.stderr.flush()
+
+
+def _percentiles(values: Sequence[float]) -> str:
+    if not values:
+        return "n/a"
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return f"{1000 * qs[49]:.1f} / {1000 * qs[89]:.1f} / {1000 * qs[98]:.1f}"
+
+
+# The synthetic prompts are built in Python before the first step: bound how many.
+MAX_BENCH_REQUESTS = 100_000
+
+
+def _check_at_least_one(args: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value < 1:
+            raise ValueError(f"{flag} = {value}, expected >= 1")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from qwen_ops.engine.sampling import SamplingParams
+
+    _check_at_least_one(args, "--num-requests", "--prompt-len", "--output-len")
+    if args.num_requests > MAX_BENCH_REQUESTS:
+        raise ValueError(f"--num-requests = {args.num_requests}, expected at most {MAX_BENCH_REQUESTS}")
+    llm = _llm(args)
+    max_len = llm.scheduler.config.max_model_len
+    if args.prompt_len >= max_len:     # said before building prompts of that length (as prepare_requests says it)
+        raise ValueError(f"prompts[0] has {args.prompt_len} tokens; max_model_len = {max_len} leaves no room "
+                         "to generate")
+    rng = random.Random(args.seed)
+    vocab = llm.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    token_times: dict[str, list[float]] = {}
+    done = 0
+    # LLM.stream validates every prompt (e.g. one too long for --max-model-len) here and raises
+    # ValueError, which main() reports before any other output.
+    updates = llm.stream(prompts, params)
+    _progress(0, args.num_requests)
+    for update in updates:
+        now = time.perf_counter()
+        rid = update.request_id
+        if update.new_token_ids:
+            first_token.setdefault(rid, now - start)
+            token_times.setdefault(rid, []).extend([now] * len(update.new_token_ids))
+        if update.finished:
+            done += 1
+            _progress(done, args.num_requests)
+    elapsed = time.perf_counter() - start
+    sys.stderr.write("\n")
+    total_out = sum(len(t) for t in token_times.values())
+    if total_out == 0:
+        raise RuntimeError(f"no tokens were generated for {args.num_requests} requests, "
+                           "so there is no throughput to report")
+    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+    stats = llm.stats()
+    rows = [
+        ("requests", f"{args.num_requests} x ({args.prompt_len} prompt + {args.output_len} output tokens)"),
+        ("wall time", f"{elapsed:.2f} s"),
+        ("output throughput", f"{total_out / elapsed:.1f} tokens/s"),
+        ("total throughput", f"{(total_out + args.num_requests * args.prompt_len) / elapsed:.1f} tokens/s"),
+        ("TTFT p50/p90/p99", _percentiles(list(first_token.values())) + " ms"),
+        ("ITL p50/p90/p99", _percentiles(itl) + " ms"),
+        ("preemptions", str(stats["num_preemptions"])),
+        ("swaps out / in", f"{stats['num_swaps_out']} / {stats['num_swaps_in']}"),
+        ("recomputes: swap full", str(stats["num_swap_full_recomputes"])),
+        ("mean batch size", f"{stats['mean_batch_size']:.1f}"),
+        ("iterations", str(stats["num_iterations"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from qwen_ops.serving.openai.server import run_server
+    except ImportError as e:
+        raise RuntimeError(f"qwen-ops serve needs the serve extra (pip install 'qwen_ops[serve]'): {e}") from e
+    return run_server(args)

@@ -1,0 +1,68 @@
+"""The engine core's child process (``python -m qwen_ops.serving.core_process FD``, started by
+``engine_core.ProcessCore``): it builds an ``LLM`` from the arguments the parent sends, then serves
+the pipe with that LLM's ``EngineCore`` until it closes or says shutdown. Its own module, so that
+``engine_core`` (which ``llm`` imports) never imports ``llm``."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from qwen_ops.serving.outputs import RequestDelta
+
+
+def core_main(conn) -> None:
+    """The child: read its arguments, load the model, then serve the pipe until it closes or
+    says shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    from qwen_ops.serving.llm import LLM
+
+    try:
+        _, model, llm_kwargs, num_threads = conn.recv()
+        torch.set_num_threads(num_threads)
+        llm = LLM(model, **llm_kwargs)
+    except BaseException as e:              # noqa: BLE001 - reported to the parent, which raises it
+        try:
+            conn.send(("failed", e))
+        except Exception:                   # an exception that does not pickle
+            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    core = llm.core
+    try:
+        conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
+                             "max_model_len": int(llm.scheduler.config.max_model_len),
+                             "model_path": str(llm.model_path), "stats": core.stats()}))
+        while True:
+            if not core.has_work():
+                conn.poll(None)                             # idle: sleep until a message
+            out: list[RequestDelta] = []
+            handled = False
+            while conn.poll():
+                msg = conn.recv()
+                handled = True
+                if msg[0] == "add":
+                    err = core.add(*msg[1:])
+                    if err is not None:
+                        out.append(err)
+                elif msg[0] == "abort":
+                    core.abort(msg[1])
+                elif msg[0] == "shutdown":
+                    return
+            if core.has_work():
+                out.extend(core.step_deltas())
+            elif not handled:
+                continue
+            conn.send(("out", out, core.stats(), core.num_added))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return                                              # the parent is gone
+    finally:
+        core.close()
+        llm.shutdown()
+        conn.close()
+
+
+if __name__ == "__main__":           # the child: python -m qwen_ops.serving.core_process FD
+    core_main(Connection(int(sys.argv[1])))

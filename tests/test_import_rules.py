@@ -1,0 +1,147 @@
+"""The layer rules and no import circles (issue 43 item 3), read from the source with ``ast``.
+
+Every import statement counts, at module level or inside a function (a lazy import that only hides
+a circle is still one). Layers, imports flowing one way: serving -> engine -> models -> ops, and
+inside ops, the op layer (registry, backend, host) -> kernels. The model calls ops and the ops
+layer's public functions (``qwen_ops.ops.host`` for packing weights), never a kernel module; the
+engine never imports kernels; kernels know nothing of backend choice or registration.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "qwen_ops"
+EXTRA = {"qwen_ops_cli": ROOT / "qwen_ops_cli.py"}       # the torch-free command line, outside the package
+
+
+def _modules() -> dict[str, Path]:
+    mods = dict(EXTRA)
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _targets(mods: dict[str, Path], module: str, node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if mods[module].name == "__init__.py" else module.split(".")[:-1]
+            package = package[:len(package) - node.level + 1]
+            base = ".".join(package + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    out = []
+    for name in names:
+        if name.startswith("qwen_ops.torch_library"):     # the schema table, a leaf outside qwen_ops/
+            continue
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        if name:
+            out.append(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of this package it imports, anywhere in its source."""
+    mods = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module].update(t for t in _targets(mods, module, node) if t != module)
+        graph.setdefault(module, set())
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _layer(module: str) -> str:
+    if module.startswith("qwen_ops.ops.kernels"):
+        return "kernels"
+    for name in ("serving", "engine", "models", "ops"):
+        if module.startswith(f"qwen_ops.{name}"):
+            return name
+    return "top"
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def test_the_checker_sees_a_lazy_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_layers_import_one_way():
+    order = {"kernels": 0, "ops": 1, "models": 2, "engine": 3, "serving": 4}
+    bad = []
+    for module, targets in import_graph().items():
+        source = _layer(module)
+        if source == "top":
+            continue
+        for target in targets:
+            layer = _layer(target)
+            if layer == "top" and source in ("kernels", "ops", "models", "engine"):    # the top imports them
+                bad.append(f"{module} -> {target} (the package's top)")
+            elif layer != "top" and order[layer] > order[source]:
+                bad.append(f"{module} -> {target} (up, {source} -> {layer})")
+    assert bad == []
+
+
+def test_models_and_engine_never_import_kernels_and_kernels_never_import_the_op_layer():
+    bad = []
+    for module, targets in import_graph().items():
+        layer = _layer(module)
+        for target in targets:
+            if layer in ("models", "engine", "serving") and _layer(target) == "kernels":
+                bad.append(f"{module} -> {target}")
+            if layer == "kernels" and _layer(target) != "kernels":
+                bad.append(f"{module} -> {target}")
+    assert bad == []
