@@ -31,6 +31,10 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 GROUP = 32
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # AutoAWQ's GEMM interleave: nibble i of a word is column 8j + AWQ_ORDER[i]
+# The worst relative error of one online-quantized weight (the oracle's own figures, not the code's):
+# rounding to the int8 grid costs half a step of the row's max (max|w| / 254); e4m3 keeps 3 mantissa
+# bits, so at most 2^-4 of the value.
+RELATIVE_ERROR = {"int8": 0.5 / 127, "fp8": 2.0 ** -4}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -469,12 +473,12 @@ def test_online_quantization_is_within_its_bound(method, fp32_ckpt):
         layer = model.get_submodule(prefix)
         if method == "int8":
             d = RQ.dequantize_int8(layer.qweight, layer.scales)
-            bound = w.abs().amax(1, keepdim=True) * Q.relative_error_bound("int8") * (1 + 1e-6)
+            bound = w.abs().amax(1, keepdim=True) * RELATIVE_ERROR["int8"] * (1 + 1e-6)
         else:
             d = RQ.dequantize_fp8(layer.qweight, layer.scales, *layer.block)
             scale = float(layer.scales[0, 0])
             assert bool((layer.scales == scale).all())          # one scale for the tensor
-            bound = w.abs() * Q.relative_error_bound("fp8") + scale * 2.0 ** -10 + 1e-9
+            bound = w.abs() * RELATIVE_ERROR["fp8"] + scale * 2.0 ** -10 + 1e-9
         assert bool(((d - w).abs() <= bound).all()), f"{prefix}: {float((d - w).abs().max())}"
     # int8 quantizes the LM head too (llama.cpp's Q8_0 does); fp8 leaves it, as vLLM
     assert isinstance(model.lm_head, Q.QuantLinear) == (method == "int8")
@@ -492,7 +496,7 @@ def test_online_quantization_is_within_its_bound(method, fp32_ckpt):
 
 def test_online_quantization_keeps_peak_memory_to_one_tensor(fp32_ckpt):
     model = load_model(fp32_ckpt, quantization="int8")
-    assert Q.quantized_bytes(model) > 0
+    assert any(isinstance(m, Q.QuantLinear) for m in model.model.layers.modules())
     assert not any(isinstance(m, torch.nn.Linear) and m is not model.lm_head
                    for m in model.model.layers.modules())
 

@@ -328,7 +328,7 @@ def test_online_quantization_of_the_experts(method, original_format, tmp_path):
     model = load_model(src, quantization=method)
     hf = load_hf(src)
     kernel = {"int8": "int8", "w8a8": "int8_a8", "fp8": "fp8"}[method]
-    bound = Q.relative_error_bound("fp8" if method == "fp8" else "int8")
+    bound = 0.5 / 127 if method != "fp8" else 2.0 ** -4    # half an int8 step of the row max; e4m3's 3 mantissa bits
     dequant = {}
     for layer_idx in range(MOE["num_hidden_layers"]):
         name = f"model.layers.{layer_idx}.mlp.experts"

@@ -16,26 +16,21 @@ requests preempted by recompute (``evicted_requests``). ``TokenBudget`` is one i
 token limits, which the scheduler spends as it plans (overspending raises).
 
 Unlike the seed, a prefill may start mid-prompt (chunked prefill, recompute, a cached prefix),
-so ``position_offset`` / ``context_len`` are honoured for prefills too.
+so ``position_offset`` (the tokens already in the slot's cache) is honoured for prefills too.
 """
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True, order=True)
 class RequestId:
-    """A request identifier. ``RequestId.new()`` is random and unique (no process-wide counter);
-    the scheduler numbers requests in arrival order itself."""
+    """A request identifier: the engine core numbers requests in arrival order (its own counter,
+    no process-wide one)."""
 
     value: int
-
-    @staticmethod
-    def new() -> "RequestId":
-        return RequestId(uuid.uuid4().int >> 64)
 
     def __str__(self) -> str:
         return str(self.value)
@@ -66,17 +61,9 @@ class BatchedRequest:
         return 1 + len(self.draft_token_ids)
 
     @property
-    def context_len(self) -> int:
-        """Tokens in the slot's cache before this pass."""
-        return self.position_offset
-
-    @property
     def seq_len(self) -> int:
         """Tokens in the slot's cache after this pass."""
         return self.position_offset + len(self.token_ids)
-
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 @dataclass(frozen=True)

@@ -193,10 +193,6 @@ class SwappedSlot:
     nbytes: int                                          # host memory the copy takes
     token_ids: list[int] = field(default_factory=list)   # with prefix caching: what the KV is of
 
-    @property
-    def seq_len(self) -> int:
-        return self.num_tokens
-
 
 class KVCacheManager:
     """Slots and their KV blocks over one ``BlockPool`` (module docstring).

@@ -58,7 +58,6 @@ class QwenBatchedRequest:
     seq_len: int = 0                     # tokens in the slot's KV cache
     last_token: Optional[int] = None     # newest generated token (not yet in the cache)
     generated_tokens: list[int] = field(default_factory=list)
-    last_result: Optional[QwenForwardResult] = None
 
 
 @dataclass
@@ -569,7 +568,6 @@ class QwenEngine:
                 r.seq_len = len(p)
                 r.last_token = t
                 r.generated_tokens = [t]
-                r.last_result = QwenForwardResult(t, logits[row])
                 r.finished = self._finished(r, t)
             return QwenBatchPrefillResult(tokens, [len(p) for p in prompts])
 
@@ -595,7 +593,6 @@ class QwenEngine:
                     r.seq_len += 1
                     r.last_token = t
                     r.generated_tokens.append(t)
-                    r.last_result = QwenForwardResult(t, out.logits[row])
                     r.finished = self._finished(r, t)
             return QwenBatchDecodeResult([r.last_token for r in requests], [r.finished for r in requests])
 

@@ -766,19 +766,6 @@ def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
     return {"qweight": q.contiguous(), "scales": torch.full((w.shape[0], 1), scale, dtype=torch.float32)}
 
 
-def relative_error_bound(method: str) -> float:
-    """The worst relative error of one online-quantized weight against its scale's row maximum:
-    rounding to the int8 grid costs at most half a step (``max|w| / 254``); e4m3 keeps 3 mantissa
-    bits, so at most 2^-4 of the value (and of ``max|w|``)."""
-    return 0.5 / INT8_MAX if method == "int8" else 2.0 ** -4
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the quantized layers' buffers (qweight, scales, zeros; the quantized experts' too)."""
-    return sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, (QuantLinear, QuantMoeExperts))
-               for b in m.buffers(recurse=False) if b is not None and b.dtype != torch.int64)
-
-
 def describe(model: nn.Module) -> dict[str, str]:
     """``{layer name: kernel}`` of every quantized layer (the op chosen at construction: ``int8``,
     ``int4``, ``fp8``, or ``int8_a8`` / ``int4_a8`` with int8 activations)."""
