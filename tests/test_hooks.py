@@ -189,6 +189,32 @@ def test_global_module_hook_sees_every_module_transformers_calls(models):
     assert "model.layers.0.self_attn.v_proj" in seen["ours"]
 
 
+def test_a_copied_model_sees_hooks_on_its_own_modules_and_global_ones(models):
+    """``copy.deepcopy`` of a packed model (as an engine may take): hooks on the copy's modules, and
+    global hooks registered after the copy, run; hooks on the original's do not reach the copy."""
+    ours, _ = models
+    copied = copy.deepcopy(ours)
+    seen = []
+    on_original = ours.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append("original"))
+    try:
+        _ours_logits(copied)
+        assert seen == []
+        on_copy = copied.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append("copy"))
+        _ours_logits(copied)
+        on_copy.remove()
+        assert seen == ["copy"]
+        q_proj = copied.model.layers[1].self_attn.q_proj
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: seen.append("global") if m is q_proj else None)
+        try:
+            _ours_logits(copied)
+        finally:
+            handle.remove()
+        assert seen == ["copy", "global"]
+    finally:
+        on_original.remove()
+
+
 def test_fast_path_ops_run_without_hooks_and_not_with_one(models):
     """The choice is per call: with no hook the fused ops run; a hook on q_proj turns that layer's
     attention (only) to its plain forward."""

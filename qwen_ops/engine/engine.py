@@ -80,12 +80,93 @@ def _compile_backend(compile_backend: str, backend: Optional[str]) -> str:
     if backend is None:
         return compile_backend
     warnings.warn("backend= is deprecated; pass compile_backend= ('inductor' or 'tensorrt')", DeprecationWarning,
-                  stacklevel=3)
+                  stacklevel=4)     # QwenEngine(...) -> build_runner -> here
     return backend
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# Host memory the engine keeps per KV block and per slot beside the tensors (allocator lists,
+# slot records): a count of 10**12 blocks is refused, not built.
+HOST_BYTES_PER_BLOCK = 64
+HOST_BYTES_PER_SLOT = 1024
+
+
+def check_cache_memory(model: torch.nn.Module, num_blocks: int, block_size: int, max_slots: int,
+                       max_blocks_per_slot: int, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                       what: str) -> None:
+    """Refuse, before anything is allocated, a cache that does not fit the device's free memory:
+    its size is measured by building it on the meta device (no storage), so every model kind
+    (paged KV, per-slot linear-attention state) is counted by its own ``allocate_caches``."""
+    caches = model.allocate_caches(num_blocks, block_size, max_slots, dtype, torch.device("meta"), kv_dtype=kv_dtype)
+    device_bytes = sum(t.numel() * t.element_size() for pair in caches for t in pair)
+    device_bytes += 4 * max_slots * max_blocks_per_slot                    # the block table (int32)
+    host_bytes = HOST_BYTES_PER_BLOCK * num_blocks + HOST_BYTES_PER_SLOT * max_slots
+    fix = "lower num_kv_blocks, block_size, max_slots (max_num_seqs) or max_seq_len (max_model_len)"
+    if device.type == "cpu":
+        check_fits(device_bytes + host_bytes, device, f"the KV cache ({what})", fix)
+    else:
+        check_fits(device_bytes, device, f"the KV cache ({what})", fix)
+        check_fits(host_bytes, torch.device("cpu"), f"the KV block bookkeeping ({what})", fix)
+
+
+def build_runner(model: torch.nn.Module, config: Any, *, max_slots: int = 8, max_seq_len: int = 2048,
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None, compile: Optional[bool] = None,
+                 decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
+                 compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
+                 kv_cache_dtype: Union[str, torch.dtype] = "auto", calculate_kv_scales: bool = False) -> ModelRunner:
+    """The ``ModelRunner`` of ``model`` for an engine with these arguments (``QwenEngine``'s, which
+    it checks by name), its cache checked against the free memory first: what ``QwenEngine`` runs
+    its steps on, and what a tensor-parallel worker serves (it builds no engine)."""
+    for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
+                             ("block_size", block_size, 1)):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} = {value!r}, expected an int >= {low}")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_seq_len > limit:
+        raise ValueError(f"max_seq_len = {max_seq_len}, but the model supports "
+                         f"max_position_embeddings = {limit}")
+    rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "cos_sin", None)
+    if rope is not None and max_seq_len > rope.shape[0]:
+        raise ValueError(f"max_seq_len = {max_seq_len}, but the model's RoPE table holds {rope.shape[0]} positions "
+                         f"(it was loaded with max_positions = {rope.shape[0]}); expected at most that")
+    if not isinstance(calculate_kv_scales, bool):
+        raise ValueError(f"calculate_kv_scales = {calculate_kv_scales!r}, expected True or False")
+    param = next(model.parameters())
+    model = model.eval()
+    device, dtype = param.device, param.dtype
+    if device.type == "cpu":
+        configure_cpu_threads()          # once, here: see engine/threads.py
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    max_blocks_per_slot = -(-max_seq_len // block_size)
+    if num_kv_blocks is None:
+        num_kv_blocks = max_slots * max_blocks_per_slot
+    if not _is_int(num_kv_blocks) or num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks = {num_kv_blocks!r}, expected an int >= 1")
+    check_cache_memory(model, num_kv_blocks, block_size, max_slots, max_blocks_per_slot, dtype, kv_dtype, device,
+                       f"num_kv_blocks = {num_kv_blocks} of block_size = {block_size}, max_slots = {max_slots} "
+                       f"and max_seq_len = {max_seq_len}")
+    runner = ModelRunner(
+        model, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
+        max_blocks_per_slot=max_blocks_per_slot, dtype=dtype, device=device,
+        compile=(device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
+        cuda_graphs=(device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
+        compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu, kv_dtype=kv_dtype)
+    if calculate_kv_scales:
+        request_kv_scales(model)
+    return runner
+
+
+def request_kv_scales(model: torch.nn.Module) -> None:
+    """Have every attention layer set its fp8 KV scales from the next forward's keys and values
+    (vLLM's ``calculate_kv_scales``: amax / 200 and amax / 100, once; ``SlotAttention``)."""
+    from qwen_ops.models.layers import SlotAttention
+
+    for m in model.modules():
+        if isinstance(m, SlotAttention):
+            m.calculate_kv_scales = True
 
 
 class QwenEngine:
@@ -96,29 +177,19 @@ class QwenEngine:
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
                  enable_prefix_caching: bool = False, kv_cache_dtype: Union[str, torch.dtype] = "auto",
                  calculate_kv_scales: bool = False):
-        for name, value, low in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 1),
-                                 ("block_size", block_size, 1), ("chunk_size", chunk_size, 1)):
-            if not _is_int(value) or value < low:
-                raise ValueError(f"{name} = {value!r}, expected an int >= {low}")
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and max_seq_len > limit:
-            raise ValueError(f"max_seq_len = {max_seq_len}, but the model supports "
-                             f"max_position_embeddings = {limit}")
-        rope = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "cos_sin", None)
-        if rope is not None and max_seq_len > rope.shape[0]:
-            raise ValueError(f"max_seq_len = {max_seq_len}, but the model's RoPE table holds {rope.shape[0]} positions "
-                             f"(it was loaded with max_positions = {rope.shape[0]}); expected at most that")
-        if not isinstance(calculate_kv_scales, bool):
-            raise ValueError(f"calculate_kv_scales = {calculate_kv_scales!r}, expected True or False")
-        param = next(model.parameters())
-        self.model = model.eval()
+        if not _is_int(chunk_size) or chunk_size < 1:
+            raise ValueError(f"chunk_size = {chunk_size!r}, expected an int >= 1")
+        self.runner = build_runner(model, config, max_slots=max_slots, max_seq_len=max_seq_len, block_size=block_size,
+                                   num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
+                                   cuda_graphs=cuda_graphs, compile_backend=compile_backend, backend=backend,
+                                   native_cpu=native_cpu, kv_cache_dtype=kv_cache_dtype,
+                                   calculate_kv_scales=calculate_kv_scales)
+        self.model = self.runner.model
         self.config = config
-        self.device = param.device
-        if self.device.type == "cpu":
-            configure_cpu_threads()          # once, here: see engine/threads.py
-        self.dtype = param.dtype
+        self.device = self.runner.device
+        self.dtype = self.runner.dtype
         # The paged KV's dtype (vLLM's kv_cache_dtype): the model's, or fp8 (ops/kv_quant.py).
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = self.runner.kv_dtype
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = int(config.vocab_size)
@@ -127,22 +198,7 @@ class QwenEngine:
         self.chunk_size = chunk_size
         self.max_blocks_per_slot = -(-max_seq_len // block_size)
         self._auto_blocks = num_kv_blocks is None
-        if num_kv_blocks is None:
-            num_kv_blocks = max_slots * self.max_blocks_per_slot
-        if not _is_int(num_kv_blocks) or num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks = {num_kv_blocks!r}, expected an int >= 1")
-        self._check_memory(model, num_kv_blocks, block_size, max_slots, self.max_blocks_per_slot,
-                           f"num_kv_blocks = {num_kv_blocks} of block_size = {block_size}, max_slots = {max_slots} "
-                           f"and max_seq_len = {max_seq_len}")
-        self.runner = ModelRunner(
-            model, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
-            max_blocks_per_slot=self.max_blocks_per_slot, dtype=self.dtype, device=self.device,
-            compile=(self.device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
-            cuda_graphs=(self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
-            compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu,
-            kv_dtype=self.kv_cache_dtype)
-        if calculate_kv_scales:
-            self.calculate_kv_scales()
+        num_kv_blocks = self.runner.num_blocks
         self.tp = None                    # this rank's TPGroup under tensor parallelism (from_pretrained)
         prefix_caching = bool(enable_prefix_caching)
         self.prefix_caching_disabled_reason: Optional[str] = None
@@ -165,11 +221,7 @@ class QwenEngine:
         """Have every attention layer set its fp8 KV scales from the next forward's keys and values
         (vLLM's ``calculate_kv_scales``: amax / 200 and amax / 100, once; ``SlotAttention``). Call it
         before the first request; blocks written before it keep the scales they were written with."""
-        from qwen_ops.models.layers import SlotAttention
-
-        for m in self.model.modules():
-            if isinstance(m, SlotAttention):
-                m.calculate_kv_scales = True
+        request_kv_scales(self.model)
 
     @property
     def prefix_caching(self) -> bool:
@@ -187,28 +239,6 @@ class QwenEngine:
     def allocator(self) -> BlockPool:
         """The KV block pool (``kv.pool``)."""
         return self.kv.pool
-
-    # Host memory the engine keeps per KV block and per slot beside the tensors (allocator lists,
-    # slot records): a count of 10**12 blocks is refused, not built.
-    _HOST_BYTES_PER_BLOCK = 64
-    _HOST_BYTES_PER_SLOT = 1024
-
-    def _check_memory(self, model: torch.nn.Module, num_blocks: int, block_size: int, max_slots: int,
-                      max_blocks_per_slot: int, what: str) -> None:
-        """Refuse, before anything is allocated, a cache that does not fit the device's free memory:
-        its size is measured by building it on the meta device (no storage), so every model kind
-        (paged KV, per-slot linear-attention state) is counted by its own ``allocate_caches``."""
-        caches = model.allocate_caches(num_blocks, block_size, max_slots, self.dtype, torch.device("meta"),
-                                       kv_dtype=self.kv_cache_dtype)
-        device_bytes = sum(t.numel() * t.element_size() for pair in caches for t in pair)
-        device_bytes += 4 * max_slots * max_blocks_per_slot                    # the block table (int32)
-        host_bytes = self._HOST_BYTES_PER_BLOCK * num_blocks + self._HOST_BYTES_PER_SLOT * max_slots
-        fix = "lower num_kv_blocks, block_size, max_slots (max_num_seqs) or max_seq_len (max_model_len)"
-        if self.device.type == "cpu":
-            check_fits(device_bytes + host_bytes, self.device, f"the KV cache ({what})", fix)
-        else:
-            check_fits(device_bytes, self.device, f"the KV cache ({what})", fix)
-            check_fits(host_bytes, torch.device("cpu"), f"the KV block bookkeeping ({what})", fix)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -310,7 +340,8 @@ class QwenEngine:
             if n > self.kv.num_slots:
                 extra = n - self.kv.num_slots
                 blocks = self.kv.num_total_blocks + (extra * self.max_blocks_per_slot if self._auto_blocks else 0)
-                self._check_memory(self.model, blocks, self.block_size, n, self.max_blocks_per_slot,
+                check_cache_memory(self.model, blocks, self.block_size, n, self.max_blocks_per_slot, self.dtype,
+                                   self.kv_cache_dtype, self.device,
                                    f"allocate_batch_slots(n = {n}) with max_seq_len = {self.max_seq_len}")
                 self.runner.call("grow", n, blocks)
                 self.kv.grow(n, blocks)
@@ -599,5 +630,6 @@ class QwenEngine:
 
 def _tp_worker_runner(model: torch.nn.Module, config: Any, engine_kwargs: dict) -> ModelRunner:
     """A tensor-parallel worker's runner over its loaded slice (``engine/distributed.py`` calls it by
-    name): the runner of an engine built as rank 0's, so that both choose the same step."""
-    return QwenEngine(model, config, **engine_kwargs).runner
+    name): built from rank 0's engine arguments as rank 0's is, so that both choose the same step."""
+    engine_only = {"chunk_size", "tokenizer", "eos_token_ids", "enable_prefix_caching"}
+    return build_runner(model, config, **{k: v for k, v in engine_kwargs.items() if k not in engine_only})

@@ -29,8 +29,8 @@ from torch import nn
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.layers import (RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, forward_hooks, pack_linears,
-                                    uses_cpu_kernels)
+from qwen_ops.models.layers import (RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, forward_hooks, hooked,
+                                    pack_linears, uses_cpu_kernels)
 from qwen_ops.models.moe import make_mlp
 from qwen_ops.models.quant import QuantLinear, attach_panel_arena
 from qwen_ops.ops.backend import use_backend
@@ -100,7 +100,7 @@ class QwenModel(nn.Module):
         positions32 = positions.to(torch.int32)
         h = self.embed_tokens(input_ids)
         cos = sin = None
-        if self._reads_rope or any(self._rope_hooks):
+        if self._reads_rope or hooked(self._rope_hooks):
             cos, sin = self.rotary_emb(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -154,7 +154,7 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(x)
 
     def _lm_head_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if any(self._lm_head_hooks):     # the packed product stands in for lm_head: call it as a module
+        if hooked(self._lm_head_hooks):     # the packed product stands in for lm_head: call it as a module
             return self.lm_head(x)
         return self._lm_head_finish(LINEAR_PACKED(x, self.lm_head_packed, None, self._vocab_rows))
 

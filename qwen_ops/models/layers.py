@@ -57,17 +57,23 @@ def uses_cpu_kernels(weight: torch.Tensor) -> bool:
 
 
 def forward_hooks(*modules: Optional[nn.Module]) -> tuple[dict, ...]:
-    """The forward hook and pre-hook dicts of ``modules`` (None skipped) and torch's global ones
-    (``register_module_forward_hook``): ``any(forward_hooks(...))`` is True while a hook waits on one
-    of them. A fast forward that stands in for modules it does not call (the packed q|k|v product for
-    q_proj, k_proj and v_proj) runs only while it is False; otherwise the layer runs its plain
-    forward, which calls them as modules, so that every hook runs (one ``any`` over a few dicts per
-    call, well under a microsecond). Dicts, not modules: the check reads no attribute per call."""
-    dicts = [_torch_module._global_forward_pre_hooks, _torch_module._global_forward_hooks]
+    """The forward hook and pre-hook dicts of ``modules`` (None skipped), for :func:`hooked`. Dicts,
+    not modules: the check reads no module attribute per call; a deep copy of the owner copies them
+    with the modules' own."""
+    dicts = []
     for m in modules:
         if m is not None:
             dicts += [m._forward_pre_hooks, m._forward_hooks]
     return tuple(dicts)
+
+
+def hooked(dicts: tuple[dict, ...]) -> bool:
+    """Whether a hook waits on the modules of ``dicts`` (:func:`forward_hooks`), or on every module
+    (torch's global ones, ``register_module_forward_hook``, read here at each call). A fast forward
+    that stands in for modules it does not call (the packed q|k|v product for q_proj, k_proj and
+    v_proj) runs only while this is False; otherwise the layer runs its plain forward, which calls
+    them as modules, so that every hook runs (well under a microsecond a call)."""
+    return any(dicts) or bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
 def forward_choices(model: nn.Module) -> dict[str, str]:
@@ -300,7 +306,7 @@ class QwenMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if any(self._skipped_hooks):       # a hook on gate_proj, up_proj or down_proj: call them
+        if hooked(self._skipped_hooks):       # a hook on gate_proj, up_proj or down_proj: call them
             return self.forward_native(x)
         return self._silu_mul_down(self._gate_up_product(x))
 
@@ -426,7 +432,7 @@ class SlotAttention(nn.Module):
         """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
         (``cos``/``sin`` unused: it reads the table by position); the o product. With a hook on a
         module that this stands in for, the plain forward, on the rows of the same table."""
-        if any(self._skipped_hooks):
+        if hooked(self._skipped_hooks):
             cos, sin = rope_rows(self.rope_cos_sin, positions32, x.dtype)
             return self.forward_native(x, cos, sin, positions32, attn, kv_cache)
         q_norm, k_norm, rope = self._block_weights
