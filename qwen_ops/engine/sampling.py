@@ -324,7 +324,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
-    probs, cand = _filter(logits, params)
+    probs, cand = _filter(logits, params, full=False)
     # Exponential race: argmax of p / Exp(1) noise is a draw from p; seeded rows draw from their own
     # generator. Where the filters bound every row (top-k, top-p), the race runs over the candidates
     # they kept (most likely first), and a row draws as many noise values as it keeps tokens: its draws
@@ -385,10 +385,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 TOP_P_FIRST_WIDTH = 64
 
 
-def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]
-            ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams], full: bool = True
+            ) -> tuple[Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
     """``filtered_probs`` and, where every row keeps a bounded set (top-k or top-p), the candidates:
     ``(indices [N, W], probabilities [N, W])``, most likely first, zero past a row's kept tokens.
+    ``full=False``: where there are candidates, the vocabulary-wide probabilities are not masked
+    (``sample`` races over the candidates alone; three full-vocabulary passes fewer).
 
     No full-vocabulary sort: top-k's k-th value comes from a topk, and top-p's cut from a topk that
     widens (64, 512, ...) until its mass reaches every row's p: the token crossing p lies in it."""
@@ -430,6 +432,8 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]
             width = min(vocab, width * 8)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs   # mass strictly above each token
     keep_sorted = ~(before > p_t[:, None])                # the top token is always kept
+    if not full and bool(bounded.all()):
+        return probs, (order, sorted_probs.masked_fill(~keep_sorted, 0.0))
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, keep_sorted)
     probs = probs.masked_fill(~keep, 0.0)
     if bool(bounded.all()):
