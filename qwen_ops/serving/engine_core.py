@@ -181,10 +181,7 @@ class EngineCore:
             if not plan.has_work():
                 return []
             out = self.engine.runner.call("step", plan)
-            return self.outputs.process(sched.update(plan, out), self._finish_on_stop_string)
-
-    def _finish_on_stop_string(self, req, stop: str) -> None:
-        self.scheduler.finish(req, "stop", stop)
+            return self.outputs.process(sched.update(plan, out), sched.finish_on_stop_string)
 
     def step_deltas(self) -> list[RequestDelta]:
         """One iteration as deltas. A failure fails the requests of this iteration (error deltas)

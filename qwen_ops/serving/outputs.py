@@ -315,14 +315,15 @@ class OutputProcessor:
         self.completions[request.request_id] = (state, comp)
 
     def process(self, gained: Sequence[tuple[Any, int, Optional[tuple]]],
-                finish: Callable[[Any, str], None]) -> list[RequestState]:
+                finish: Callable[[Any, str, int], None]) -> list[RequestState]:
         """Fold each request's new tokens (with their logprobs) into its text, in order; a stop
-        string finishes it (``finish(request, stop)``), and the tokens after it in the same step
-        (speculative decoding emits several) are dropped. Returns the states touched, in
-        first-touched order."""
+        string ends it: ``finish(request, stop, kept)`` (the scheduler's ``finish_on_stop_string``,
+        the one writer of a request's tokens and finish state) keeps its first ``kept`` output
+        tokens, and the tokens after it in the same step (speculative decoding emits several) are
+        not read. Returns the states touched, in first-touched order."""
         touched: dict[str, RequestState] = {}
         completions = self.completions
-        stopped: dict[Any, int] = {}           # requests ended by a stop string here: tokens kept
+        stopped: set = set()                   # requests ended by a stop string in this step
         for req, token, lp in gained:
             if req in stopped:
                 continue
@@ -332,15 +333,10 @@ class OutputProcessor:
             state, comp = entry
             stop = comp.state.add_token(token, lp)
             if stop is not None:
-                stopped[req] = comp.state.num_tokens
-                if req.finished:      # also ended by a stop token or length in this step: the string wins
-                    req.finish_reason, req.stop_reason = "stop", stop
-                else:
-                    finish(req, stop)
+                stopped.add(req)
+                finish(req, stop, comp.state.num_tokens)
             state.touch(comp)
             touched[state.request_id] = state
-        for req, kept in stopped.items():
-            del req.output_token_ids[kept:]    # what the text holds: nothing past the stop string
         for state in touched.values():
             if state.finished:
                 self.forget(state)

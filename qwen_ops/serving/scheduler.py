@@ -214,6 +214,16 @@ class Scheduler:
         req.finish_reason, req.stop_reason = reason, stop_reason
         del self.requests[req.request_id]     # a long-running server must not keep every request
 
+    def finish_on_stop_string(self, req: Request, stop: str, kept: int) -> None:
+        """A stop string ended ``req`` after its first ``kept`` output tokens (the output processor
+        found it in the text): its tokens are cut there, nothing past the string, and it finishes
+        with ``"stop"``. If a stop token or its length also ended it in this step, the string wins."""
+        del req.output_token_ids[kept:]
+        if req.finished:
+            req.finish_reason, req.stop_reason = "stop", stop
+        else:
+            self.finish(req, "stop", stop)
+
     # ------------------------------------------------------------------ preemption
     def _preempt(self, victim: Request, plan: IterationPlan) -> None:
         self.running.remove(victim)
