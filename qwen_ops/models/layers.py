@@ -67,13 +67,18 @@ def forward_hooks(*modules: Optional[nn.Module]) -> tuple[dict, ...]:
     return tuple(dicts)
 
 
+# Whether a hook waits on the modules of ``dicts`` (forward_hooks) or on every module (torch's global
+# ones, register_module_forward_hook, read at each call): ``any(dicts) or GLOBAL_HOOKS()``, written out
+# where a fast forward checks it (no Python call a layer). A fast forward that stands in for modules it
+# does not call (the packed q|k|v product for q_proj, k_proj and v_proj) runs only while it is False;
+# otherwise the layer runs its plain forward, which calls them as modules, so that every hook runs.
+_GLOBAL_FORWARD_HOOKS = _torch_module._global_forward_hooks        # torch mutates these, never rebinds them
+_GLOBAL_FORWARD_PRE_HOOKS = _torch_module._global_forward_pre_hooks
+
+
 def hooked(dicts: tuple[dict, ...]) -> bool:
-    """Whether a hook waits on the modules of ``dicts`` (:func:`forward_hooks`), or on every module
-    (torch's global ones, ``register_module_forward_hook``, read here at each call). A fast forward
-    that stands in for modules it does not call (the packed q|k|v product for q_proj, k_proj and
-    v_proj) runs only while this is False; otherwise the layer runs its plain forward, which calls
-    them as modules, so that every hook runs (well under a microsecond a call)."""
-    return any(dicts) or bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+    """``any(dicts)`` or a global forward (pre-)hook: the check above, as a function."""
+    return bool(any(dicts) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS)
 
 
 def forward_choices(model: nn.Module) -> dict[str, str]:
@@ -306,7 +311,7 @@ class QwenMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        if hooked(self._skipped_hooks):       # a hook on gate_proj, up_proj or down_proj: call them
+        if any(self._skipped_hooks) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS:   # a hook: call them
             return self.forward_native(x)
         return self._silu_mul_down(self._gate_up_product(x))
 
@@ -432,7 +437,7 @@ class SlotAttention(nn.Module):
         """Three op calls: the q|k|v product; q/k norm + RoPE + kv write + attention in one op
         (``cos``/``sin`` unused: it reads the table by position); the o product. With a hook on a
         module that this stands in for, the plain forward, on the rows of the same table."""
-        if hooked(self._skipped_hooks):
+        if any(self._skipped_hooks) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS:
             cos, sin = rope_rows(self.rope_cos_sin, positions32, x.dtype)
             return self.forward_native(x, cos, sin, positions32, attn, kv_cache)
         q_norm, k_norm, rope = self._block_weights
