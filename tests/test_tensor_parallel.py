@@ -1,5 +1,5 @@
 """Tensor parallelism on 2 CPU processes with gloo: the same greedy tokens and logits as one
-process (dense and hybrid models), through the engine API and LLM.generate (preemption by recompute and by swap, prefix
+process (dense and hybrid models; the dense models' greedy tokens as transformers'), through the engine API and LLM.generate (preemption by recompute and by swap, prefix
 caching on), a compiled step without graph breaks, the torchrun launch (one node and two
 "nodes" on loopback), a killed worker, bad configurations, and no process left behind."""
 
@@ -24,6 +24,7 @@ from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.models.layers import forward_choices
 
 from checkpoints import make_qwen3_5_checkpoint, make_qwen3_checkpoint
+from oracles import TransformersGreedy
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism needs 2 CPUs here")
 
@@ -64,6 +65,7 @@ def test_llm_generate_equals_one_process(qwen3, mode):
     kw = dict(max_model_len=64, block_size=4, max_num_seqs=4, num_kv_blocks=20, preemption_mode=mode,
               max_num_batched_tokens=16, check_invariants=True)
     want = _tokens(LLM(qwen3, **kw).generate(PROMPTS, GREEDY))
+    assert want == [TransformersGreedy(qwen3)(p, GREEDY.max_tokens) for p in PROMPTS]    # the outside oracle
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
     want_sampled = _tokens(LLM(qwen3, **kw).generate(PROMPTS[:2], sampled))
     llm = LLM(qwen3, tensor_parallel_size=2, **kw)
@@ -98,11 +100,14 @@ def test_engine_api_logits(qwen2_tied):
         rel = (a.logits - b.logits).abs().max() / a.logits.abs().max()
         assert rel < 1e-5, rel
         ta, tb = a.next_token, b.next_token
+        chain = [tb]
         for _ in range(10):
             ra, rb = one.decode_step(ta, slot_id=1), two.decode_step(tb, slot_id=1)
             assert ra.next_token == rb.next_token
             assert (ra.logits - rb.logits).abs().max() / ra.logits.abs().max() < 1e-5
             ta, tb = ra.next_token, rb.next_token
+            chain.append(tb)
+        assert chain == TransformersGreedy(qwen2_tied)(prompt, 11)      # the outside oracle
         procs = list(two._tp_workers.procs)
     finally:
         two.shutdown()
