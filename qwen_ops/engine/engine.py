@@ -21,6 +21,7 @@ that a block does not capture, so for them prefix caching stays off (a warning s
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import weakref
@@ -196,7 +197,7 @@ class QwenEngine:
         self.max_seq_len = max_seq_len
         self.block_size = block_size
         self.chunk_size = chunk_size
-        self.max_blocks_per_slot = -(-max_seq_len // block_size)
+        self.max_blocks_per_slot = self.runner.block_table.shape[1]
         self._auto_blocks = num_kv_blocks is None
         num_kv_blocks = self.runner.num_blocks
         self.tp = None                    # this rank's TPGroup under tensor parallelism (from_pretrained)
@@ -631,5 +632,5 @@ class QwenEngine:
 def _tp_worker_runner(model: torch.nn.Module, config: Any, engine_kwargs: dict) -> ModelRunner:
     """A tensor-parallel worker's runner over its loaded slice (``engine/distributed.py`` calls it by
     name): built from rank 0's engine arguments as rank 0's is, so that both choose the same step."""
-    engine_only = {"chunk_size", "tokenizer", "eos_token_ids", "enable_prefix_caching"}
-    return build_runner(model, config, **{k: v for k, v in engine_kwargs.items() if k not in engine_only})
+    takes = inspect.signature(build_runner).parameters      # the engine's other arguments are rank 0's alone
+    return build_runner(model, config, **{k: v for k, v in engine_kwargs.items() if k in takes})

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qwen_ops.ops import host as cpu_kernels
+from qwen_ops.ops import host
 
 
 # Seeds are int64, as vLLM's and OpenAI's: [SEED_MIN, SEED_END). Each maps to its own noise stream
@@ -318,8 +318,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
     logits = logits.float()
     if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
-            and not torch.compiler.is_compiling() and cpu_kernels.why_unavailable() is None):
-        greedy_tokens = cpu_kernels.argmax_rows(logits)
+            and not torch.compiler.is_compiling() and host.why_unavailable() is None):
+        greedy_tokens = host.argmax_rows(logits)
     else:
         greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):

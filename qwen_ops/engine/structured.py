@@ -138,11 +138,11 @@ class GrammarBackend:
         """Mask ``logits`` rows ``rows`` (in place) with ``mask``'s rows, one call for the batch: the
         package's C kernel on the CPU (``ops.host.apply_token_bitmask``, 8x xgrammar's CPU
         kernel at 32 x 8192: benchmarks/README.md), xgrammar's elsewhere."""
-        from qwen_ops.ops import host as cpu_kernels
+        from qwen_ops.ops import host
 
         if logits.device.type == "cpu" and logits.dtype.is_floating_point and logits.dtype.itemsize == 4 and \
-                logits.stride(1) == 1 and cpu_kernels.why_unavailable() is None:
-            cpu_kernels.apply_token_bitmask(logits, mask, rows)
+                logits.stride(1) == 1 and host.why_unavailable() is None:
+            host.apply_token_bitmask(logits, mask, rows)
             return
         xgr = _xgrammar()
         if len(rows) == logits.shape[0]:

@@ -89,7 +89,7 @@ class QwenModel(nn.Module):
     def choose_rope(self) -> None:
         """Whether a step needs cos / sin tables: not when every attention layer reads the table
         itself (its CPU fast path), unless a hook waits on ``rotary_emb``."""
-        self._reads_rope = not all(layer.self_attn.reads_rope_table() for layer in self.layers)
+        self._needs_cos_sin = not all(layer.self_attn.reads_rope_table() for layer in self.layers)
         self._rope_hooks = forward_hooks(self.rotary_emb)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -100,7 +100,7 @@ class QwenModel(nn.Module):
         positions32 = positions.to(torch.int32)
         h = self.embed_tokens(input_ids)
         cos = sin = None
-        if self._reads_rope or hooked(self._rope_hooks):
+        if self._needs_cos_sin or hooked(self._rope_hooks):
             cos, sin = self.rotary_emb(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -68,8 +68,9 @@ def forward_hooks(*modules: Optional[nn.Module]) -> tuple[dict, ...]:
 
 
 # Whether a hook waits on the modules of ``dicts`` (forward_hooks) or on every module (torch's global
-# ones, register_module_forward_hook, read at each call): ``any(dicts) or GLOBAL_HOOKS()``, written out
-# where a fast forward checks it (no Python call a layer). A fast forward that stands in for modules it
+# ones, register_module_forward_hook, read at each call): ``any(dicts) or _GLOBAL_FORWARD_HOOKS or
+# _GLOBAL_FORWARD_PRE_HOOKS``, written out where a layer's fast forward checks it (no Python call a
+# layer; ``hooked`` is the same for the model's once-a-step checks). A fast forward that stands in for modules it
 # does not call (the packed q|k|v product for q_proj, k_proj and v_proj) runs only while it is False;
 # otherwise the layer runs its plain forward, which calls them as modules, so that every hook runs.
 _GLOBAL_FORWARD_HOOKS = _torch_module._global_forward_hooks        # torch mutates these, never rebinds them

@@ -12,15 +12,14 @@ from __future__ import annotations
 from qwen_ops.ops.kernels.cpu import (HugePageArena, apply_token_bitmask, argmax_rows, bf16_products,  # noqa: F401
                                       huge_page_empty, int8_dot_products, int8_products, pack_panels,
                                       why_unavailable)
+from qwen_ops.ops.kernels import reference_quant as _RQ
 from qwen_ops.ops.kernels.reference_quant import pack_int4, unpack_a8_panels  # noqa: F401
 from qwen_ops.ops.registry import cpu_fast_ops as fast_ops  # noqa: F401
 
 
 def quant_reference(kernel: str, panels: bool):
     """The reference of a quantized product (``linear_<kernel>``, or ``linear_a8_panels`` on panels)."""
-    from qwen_ops.ops.kernels import reference_quant as RQ
-
-    return RQ.linear_a8_panels_reference if panels else RQ.REFERENCES[kernel]
+    return _RQ.linear_a8_panels_reference if panels else _RQ.REFERENCES[kernel]
 
 
 __all__ = ["HugePageArena", "apply_token_bitmask", "argmax_rows", "bf16_products", "fast_ops", "huge_page_empty",

@@ -37,7 +37,7 @@ The launch plans (``kv_write_launches``, ``slot_attention_launches``) are shared
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import triton
