@@ -105,6 +105,60 @@ def test_engine_repetition_penalty_equals_transformers_generate(tiny):
     assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in got]   # it did something
 
 
+def test_slot_api_repetition_penalty_equals_transformers_generate(tiny):
+    """The seed's slot API builds its steps from the same ``Request`` as the scheduler, so the
+    penalties read the slot's prompt and the tokens it was fed: single-slot and batch API alike."""
+    from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+
+    path, hf = tiny
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9], [30, 31]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        want.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False, repetition_penalty=1.8, pad_token_id=0)[0, len(p):].tolist())
+    engine = QwenEngine.from_pretrained(path, max_slots=3, max_seq_len=64, block_size=4, chunk_size=3)
+    reqs = [QwenBatchedRequest(i, p, i, sp) for i, p in enumerate(prompts)]
+    engine.batch_prefill(reqs)
+    while not all(r.finished for r in reqs):
+        engine.batch_decode_step(reqs)
+    assert [r.generated_tokens for r in reqs] == want
+    assert [r.finish_reason for r in reqs] == ["length"] * 3
+    assert [r.seq_len for r in reqs] == [len(p) + 11 for p in prompts]   # the last token is not fed
+    tokens = [engine.prefill(prompts[1], slot_id=1, sampling=sp).next_token]
+    while len(tokens) < 12:
+        tokens.append(engine.decode_step(tokens[-1], slot_id=1, sampling=sp).next_token)
+    assert tokens == want[1]
+
+
+def test_slot_api_min_tokens_and_stop_tokens_as_transformers(tiny):
+    """``min_tokens`` keeps a stop token out until then; the batch API finishes on it after."""
+    from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
+
+    path, hf = tiny
+    prompt = [12, 13, 14, 15]
+    ids = torch.tensor([prompt])
+    plain = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = QwenEngine.from_pretrained(path, max_slots=2, max_seq_len=64, block_size=4)
+    reasons = []
+    for stop in dict.fromkeys(plain):          # tokens greedy decoding reaches at once
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=5,
+                           do_sample=False, eos_token_id=stop, pad_token_id=0)[0, len(prompt):].tolist()
+        want = want[:want.index(stop) + 1] if stop in want else want
+        req = QwenBatchedRequest(0, prompt, 1, SamplingParams(temperature=0, max_tokens=24, min_tokens=5,
+                                                              stop_token_ids=[stop], ignore_eos=True))
+        engine.batch_prefill([req])
+        while not req.finished:
+            engine.batch_decode_step([req])
+        assert req.generated_tokens == want
+        assert stop not in want[:5]
+        reasons.append(req.finish_reason)
+        assert req.finish_reason == ("stop" if want[-1] == stop else "length")
+    assert "stop" in reasons, reasons          # the case is exercised
+
+
 def test_engine_frequency_and_presence_penalties_equal_the_formula(tiny):
     path, hf = tiny
     prompts = [[5, 6, 7, 8, 5, 6, 7], [40, 41, 42]]

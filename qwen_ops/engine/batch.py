@@ -65,6 +65,13 @@ class BatchedRequest:
         """Tokens in the slot's cache after this pass."""
         return self.position_offset + len(self.token_ids)
 
+    def rows(self, token_ids: Sequence[int], position_offset: int, is_prefill: bool = True) -> "BatchedRequest":
+        """Other rows of the same request, slot and blocks, with nothing sampled: a proposer's feed
+        of its own cache, the hybrid rollback's re-run of the kept tokens. Tasks are made from a
+        ``Request`` (``Request.task``) or from another task here, nowhere else."""
+        return BatchedRequest(self.kv_cache_slot, list(token_ids), position_offset, self.request_id, is_prefill,
+                              self.block_table)
+
 
 @dataclass(frozen=True)
 class BlockCopy:

@@ -86,7 +86,7 @@ class DraftRunner(RunnerProposer):
             lag = self.pending.pop(t.kv_cache_slot, None)
             if lag is not None and lag[0] == t.request_id and lag[1] == start - 1:
                 ctx, start = [lag[2]] + ctx, start - 1
-            feed.append(BatchedRequest(t.kv_cache_slot, ctx, start, t.request_id, True, t.block_table))
+            feed.append(t.rows(ctx, start))
         logits = self.runner.execute(feed)
         spec = [i for i, t in enumerate(tasks) if t.draft_token_ids]
         if not spec:
@@ -99,8 +99,8 @@ class DraftRunner(RunnerProposer):
             probs[i].append(q)
         for j in range(1, max(len(tasks[i].draft_token_ids) for i in spec)):
             live = [i for i in spec if len(tasks[i].draft_token_ids) > j]
-            step = [BatchedRequest(tasks[i].kv_cache_slot, [drafts[i][-1]], tasks[i].seq_len - len(tasks[i].draft_token_ids)
-                                   - 1 + j, tasks[i].request_id, False, tasks[i].block_table) for i in live]
+            step = [tasks[i].rows([drafts[i][-1]], tasks[i].seq_len - len(tasks[i].draft_token_ids) - 1 + j, False)
+                    for i in live]
             logits = self.runner.execute(step)
             tokens, qs = pick_drafts(logits, [tasks[i] for i in live])
             for i, tok, q in zip(live, tokens, qs):

@@ -34,9 +34,10 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
-from qwen_ops.engine.block_manager import BlockPool, KVCacheManager, SwappedSlot  # noqa: F401 (re-exported)
+from qwen_ops.engine.block_manager import BlockPool, KVCacheManager
+from qwen_ops.engine.request import Request, RequestStatus
 from qwen_ops.engine.runner import ModelRunner, RunnerOutput
-from qwen_ops.engine.sampling import GREEDY, SamplingParams, SeededNoise, finish_reason
+from qwen_ops.engine.sampling import GREEDY, SamplingParams
 from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
@@ -51,14 +52,37 @@ class QwenForwardResult:
 
 @dataclass
 class QwenBatchedRequest:
+    """One request of the batch API. ``batch_prefill`` binds it to the sequence it starts in its
+    slot (a ``Request``, the record the scheduler keeps too); what it reads back (``seq_len``,
+    ``generated_tokens``, ``finished``, ``finish_reason``) is that record's, not a copy.
+    ``last_token`` is the token the next ``batch_decode_step`` feeds: the newest sampled one,
+    unless you set another."""
+
     request_id: Any
     prompt_tokens: list[int]
     slot_id: Optional[int] = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    finished: bool = False
-    seq_len: int = 0                     # tokens in the slot's KV cache
-    last_token: Optional[int] = None     # newest generated token (not yet in the cache)
-    generated_tokens: list[int] = field(default_factory=list)
+    last_token: Optional[int] = None
+    _sequence: Optional[Request] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the slot's KV cache (the KV-cache manager's count)."""
+        seq = self._sequence
+        return 0 if seq is None or seq.kv is None else seq.num_computed
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return [] if self._sequence is None else list(self._sequence.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self._sequence is not None and self._sequence.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop" (a stop token), "length" (``max_new_tokens`` or ``max_seq_len``), or None."""
+        return None if self._sequence is None else self._sequence.finish_reason
 
 
 @dataclass
@@ -214,8 +238,9 @@ class QwenEngine:
                 f"{block_size}").encode()
         self.kv = KVCacheManager(num_kv_blocks, block_size, max_slots, prefix_caching, salt,
                                  host_bytes=self.runner.host_copy_nbytes)
-        # The slot API's own sampling state: each slot's seeded noise (the scheduler's requests keep theirs).
-        self._generators: list[Optional[SeededNoise]] = [None] * max_slots
+        # The sequence each slot holds (its tokens, sampling and seeded noise), as the scheduler's
+        # requests are: ``Request`` builds its steps' rows and runs the finish check.
+        self._seqs: list[Optional[Request]] = [None] * max_slots
         self._lock = threading.RLock()
 
     def calculate_kv_scales(self) -> None:
@@ -346,7 +371,7 @@ class QwenEngine:
                                    f"allocate_batch_slots(n = {n}) with max_seq_len = {self.max_seq_len}")
                 self.runner.call("grow", n, blocks)
                 self.kv.grow(n, blocks)
-                self._generators.extend([None] * extra)
+                self._seqs.extend([None] * extra)
             return list(range(n))
 
     def allocate_slot(self, request_id: Any) -> int:
@@ -358,7 +383,7 @@ class QwenEngine:
         """Release the slot, its sequence and its KV blocks."""
         with self._lock:
             self.kv.free_slot(self._check_slot(slot_id))
-            self._generators[slot_id] = None
+            self._seqs[slot_id] = None
 
     # ----------------------------------------------------------------- validation
     def _check_slot(self, slot_id: Any, name: str = "slot_id") -> int:
@@ -420,14 +445,19 @@ class QwenEngine:
             return self.kv.reserve(slot_id, n_tokens)
 
     def _restart(self, slot_id: int, n_tokens: int, sampling: SamplingParams,
-                 tokens: Optional[Sequence[int]] = None) -> int:
+                 tokens: Optional[Sequence[int]] = None, prompt: bool = True) -> Request:
         """Start a fresh sequence in the slot (blocks must have been checked), mapping the cached
-        prefix of ``tokens`` when given; returns the tokens mapped."""
+        prefix of ``tokens`` when given. Its prompt is ``tokens`` (or, ``prompt=False``, only the
+        mapped prefix: the rest is fed by ``execute``); ``num_computed`` says how much is mapped."""
         mapped = self.kv.begin(slot_id, tokens)
-        self._generators[slot_id] = sampling.make_generator(self.device)
         ok = self.kv.reserve(slot_id, n_tokens)
         assert ok, "blocks were checked before the restart"
-        return mapped
+        tokens = list(tokens or ())
+        seq = Request(None, 0, tokens if prompt else tokens[:mapped], sampling, self.stop_ids(sampling),
+                      generator=sampling.make_generator(self.device), status=RequestStatus.RUNNING, slot=slot_id,
+                      kv=self.kv.slots[slot_id])
+        self._seqs[slot_id] = seq
+        return seq
 
     def begin_sequence(self, slot_id: int, sampling: Optional[SamplingParams] = None,
                        tokens: Optional[Sequence[int]] = None) -> int:
@@ -436,7 +466,8 @@ class QwenEngine:
         With prefix caching and the sequence's ``tokens``, the longest cached prefix of full blocks
         is mapped in; returns how many tokens that covers (0 otherwise): compute from there."""
         with self._lock:
-            return self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling), tokens)
+            return self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling), tokens,
+                                 prompt=False).num_computed
 
     def refresh_weights(self) -> None:
         """Call after changing the model's weights: the layers repack the copies their CPU fast
@@ -448,17 +479,14 @@ class QwenEngine:
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
         """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
-        kv = self.kv
-        tasks = [BatchedRequest(t.kv_cache_slot, t.token_ids, t.position_offset, t.request_id, t.is_prefill,
-                                tuple(kv.slots[t.kv_cache_slot].block_ids), t.sampling, t.generator)
-                 for t in tasks]
         out = self.runner.call("step", IterationPlan(tasks))
         for t in tasks:
-            kv.commit(t.kv_cache_slot, t.token_ids)
+            self.kv.commit(t.kv_cache_slot, t.token_ids)
         return out
 
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.
+        Nothing is sampled; the chunks' tokens join their slots' sequences.
 
         Returns fp32 logits [len(chunks), vocab] of each chunk's last token.
         """
@@ -470,7 +498,7 @@ class QwenEngine:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} appears twice; "
                                      "one chunk per slot and pass")
                 seen.add(c.kv_cache_slot)
-                if not s.active:
+                if not s.active or self._seqs[c.kv_cache_slot] is None:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} holds no sequence "
                                      "(prefill or begin_sequence first)")
                 if c.position_offset != s.num_tokens:
@@ -478,57 +506,62 @@ class QwenEngine:
                                      f"holds {s.num_tokens} tokens")
                 if not c.token_ids:
                     raise ValueError(f"chunks[{i}] has no tokens")
+                for j, t in enumerate(c.token_ids):
+                    self._check_token(t, f"chunks[{i}].token_ids[{j}]")
                 need = self.kv.blocks_for(c.position_offset + len(c.token_ids))
                 if need > len(s.block_ids):
                     raise ValueError(f"chunks[{i}] needs {need} blocks in slot {c.kv_cache_slot}, which has "
                                      f"{len(s.block_ids)}; reserve() them first")
-            return self._run([BatchedRequest(c.kv_cache_slot, c.token_ids, c.position_offset, c.request_id,
-                                             c.is_prefill) for c in chunks]).logits
+            tasks = []
+            for c in chunks:
+                seq = self._seqs[c.kv_cache_slot]
+                seq.feed(c.position_offset, c.token_ids)
+                tasks.append(seq.task(len(c.token_ids), c.is_prefill, sample=False))
+            return self._run(tasks).logits
 
-    def _generator(self, slot_id: int, sampling: SamplingParams) -> Optional[SeededNoise]:
-        """The slot's seeded noise for ``sampling`` (made on first use by a seeded sampled step)."""
-        if sampling.greedy:
-            return None
-        if self._generators[slot_id] is None and sampling.seed is not None:
-            self._generators[slot_id] = sampling.make_generator(self.device)
-        return self._generators[slot_id]
+    def _prefill_rounds(self, seqs: Sequence[Request]) -> tuple[torch.Tensor, list[int], list[Optional[str]]]:
+        """Chunked prefill of fresh sequences, one forward per round of ``chunk_size`` tokens each,
+        from what its slot already holds (a cached prefix, or nothing); the round that reaches a
+        prompt's end samples its first token.
 
-    def _prefill_rounds(self, prompts: Sequence[tuple[int, list[int], SamplingParams]]
-                        ) -> tuple[torch.Tensor, list[int]]:
-        """Chunked prefill of fresh slots, one forward per round of ``chunk_size`` tokens per prompt,
-        each from what its slot already holds (a cached prefix, or nothing); the round that reaches
-        a prompt's end samples its first token.
-
-        Returns fp32 logits [len(prompts), vocab] of each prompt's last token, and those tokens.
+        Returns fp32 logits [len(seqs), vocab] of each prompt's last token, those tokens, and why
+        each sequence finished with it (None: it goes on).
         """
-        last: list = [None] * len(prompts)
-        tokens: list = [None] * len(prompts)
-        starts = [self.kv.slots[slot].num_tokens for slot, _, _ in prompts]
+        n = len(seqs)
+        last: list = [None] * n
+        tokens: list = [None] * n
+        reasons: list = [None] * n
         while True:
-            live = [(i, slot, toks, sp) for i, (slot, toks, sp) in enumerate(prompts) if starts[i] < len(toks)]
+            live = [i for i, q in enumerate(seqs) if q.num_computed < len(q.prompt_token_ids)]
             if not live:
                 break
-            tasks = []
-            for i, slot, toks, sp in live:
-                end = min(len(toks), starts[i] + self.chunk_size)
-                ends = end == len(toks)
-                tasks.append(BatchedRequest(slot, toks[starts[i]:end], starts[i], sampling=sp if ends else None,
-                                            generator=self._generator(slot, sp) if ends else None))
-            out = self._run(tasks)
-            for row, (i, _, toks, _) in enumerate(live):
-                starts[i] = min(len(toks), starts[i] + self.chunk_size)
-                if starts[i] == len(toks):
-                    last[i], tokens[i] = out.logits[row], out.sampled[row]
-        return torch.stack(last), tokens
+            out = self._run([seqs[i].task(min(self.chunk_size, len(seqs[i].prompt_token_ids) - seqs[i].num_computed),
+                                          is_prefill=True) for i in live])
+            for row, i in enumerate(live):
+                token = out.sampled[row]
+                if token is not None:
+                    last[i], tokens[i] = out.logits[row], token
+                    reasons[i] = self._append(seqs[i], token)
+        return torch.stack(last), tokens, reasons
 
-    def _decode(self, slot_ids: Sequence[int], tokens: Sequence[int],
-                params: Sequence[SamplingParams]) -> RunnerOutput:
-        self._check_blocks({s: self.kv.slots[s].num_tokens + 1 for s in slot_ids})
-        for s in slot_ids:
-            self.kv.reserve(s, self.kv.slots[s].num_tokens + 1)
-        return self._run([BatchedRequest(s, [t], self.kv.slots[s].num_tokens, is_prefill=False, sampling=p,
-                                         generator=self._generator(s, p))
-                          for s, t, p in zip(slot_ids, tokens, params)])
+    def _decode(self, seqs: Sequence[Request], tokens: Sequence[int]) -> tuple[RunnerOutput, list[Optional[str]]]:
+        """Feed each sequence its token (in place of the sampled one, if another) and sample the next."""
+        self._check_blocks({q.slot: q.num_computed + 1 for q in seqs})
+        tasks = []
+        for q, t in zip(seqs, tokens):
+            self.kv.reserve(q.slot, q.num_computed + 1)
+            q.feed(q.num_computed, [t])
+            tasks.append(q.task(1, is_prefill=False))
+        out = self._run(tasks)
+        return out, [self._append(q, t) for q, t in zip(seqs, out.sampled)]
+
+    def _append(self, seq: Request, token: int) -> Optional[str]:
+        """The sampled token joins the sequence; the one finish check says whether it ends there."""
+        reason = seq.append_token(token, self.max_seq_len)
+        if reason is not None:
+            seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
+            seq.stop_reason = token if reason == "stop" else None
+        return reason
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
@@ -544,8 +577,8 @@ class QwenEngine:
             sampling = self._check_sampling(sampling)
             tokens = self.check_prompt(tokens)
             self._check_blocks({slot_id: len(tokens)}, restart=True)
-            self._restart(slot_id, len(tokens), sampling, tokens)
-            logits, sampled = self._prefill_rounds([(slot_id, tokens, sampling)])
+            seq = self._restart(slot_id, len(tokens), sampling, tokens)
+            logits, sampled, _ = self._prefill_rounds([seq])
             return QwenForwardResult(sampled[0], logits[0])
 
     def decode_step(self, token: int, slot_id: int = 0,
@@ -556,12 +589,22 @@ class QwenEngine:
             sampling = self._check_sampling(sampling)
             self._check_token(token, "token")
             self._check_can_extend(slot_id, "slot_id")
-            out = self._decode([slot_id], [token], [sampling])
+            seq = self._seqs[slot_id]
+            self._set_sampling(seq, sampling)
+            out, _ = self._decode([seq], [token])
             return QwenForwardResult(out.sampled[0], out.logits[0])
+
+    def _set_sampling(self, seq: Request, sampling: SamplingParams) -> None:
+        """A step's own sampling parameters (the slot API takes them per call); a seeded one
+        draws from the sequence's one generator, made on its first seeded step."""
+        if sampling is not seq.sampling:
+            seq.sampling, seq.stop_ids = sampling, self.stop_ids(sampling)
+        if seq.generator is None:
+            seq.generator = sampling.make_generator(self.device)
 
     def _check_can_extend(self, slot_id: int, name: str) -> None:
         s = self.kv.slots[slot_id]
-        if not s.active:
+        if not s.active or self._seqs[slot_id] is None:
             raise ValueError(f"{name} = {slot_id} holds no sequence; call prefill first")
         if s.num_tokens >= self.max_seq_len:
             raise ValueError(f"{name} = {slot_id} is full: {s.num_tokens} tokens = max_seq_len")
@@ -581,9 +624,6 @@ class QwenEngine:
             seen[r.slot_id] = i
         return requests
 
-    def _finished(self, r: QwenBatchedRequest, token: int) -> bool:
-        return finish_reason(token, len(r.generated_tokens), r.sampling, self.stop_ids(r.sampling)) is not None
-
     def batch_prefill(self, requests: Sequence[QwenBatchedRequest]) -> QwenBatchPrefillResult:
         """Prefill every request into its slot in one forward pass (per chunk round)."""
         with self._lock:
@@ -593,14 +633,10 @@ class QwenEngine:
             self._check_blocks({r.slot_id: len(p) for r, p in zip(requests, prompts)}, restart=True)
             if not requests:
                 return QwenBatchPrefillResult([], [])
-            for r, p in zip(requests, prompts):
-                self._restart(r.slot_id, len(p), r.sampling, p)
-            logits, tokens = self._prefill_rounds([(r.slot_id, p, r.sampling) for r, p in zip(requests, prompts)])
-            for row, (r, p, t) in enumerate(zip(requests, prompts, tokens)):
-                r.seq_len = len(p)
-                r.last_token = t
-                r.generated_tokens = [t]
-                r.finished = self._finished(r, t)
+            seqs = [self._restart(r.slot_id, len(p), r.sampling, p) for r, p in zip(requests, prompts)]
+            _, tokens, _ = self._prefill_rounds(seqs)
+            for r, q, t in zip(requests, seqs, tokens):
+                r._sequence, r.last_token = q, t
             return QwenBatchPrefillResult(tokens, [len(p) for p in prompts])
 
     def batch_decode_step(self, requests: Sequence[QwenBatchedRequest]) -> QwenBatchDecodeResult:
@@ -615,17 +651,15 @@ class QwenEngine:
                 if r.last_token is None:
                     raise ValueError(f"requests[{i}] has no last_token; run batch_prefill first")
                 self._check_token(r.last_token, f"requests[{i}].last_token")
-                held = self.kv.slots[r.slot_id].num_tokens
-                if held != r.seq_len:
-                    raise ValueError(f"requests[{i}].seq_len = {r.seq_len}, but slot {r.slot_id} holds "
-                                     f"{held} tokens; was the slot reused?")
+                if r._sequence is None or self._seqs[r.slot_id] is not r._sequence:
+                    raise ValueError(f"requests[{i}] (request_id = {r.request_id!r}) no longer holds slot {r.slot_id}: "
+                                     "it was prefilled again or freed since its batch_prefill; was the slot reused?")
             if live:
-                out = self._decode([r.slot_id for r in live], [r.last_token for r in live], [r.sampling for r in live])
-                for row, (r, t) in enumerate(zip(live, out.sampled)):
-                    r.seq_len += 1
+                for r in live:
+                    self._set_sampling(r._sequence, r.sampling)
+                out, _ = self._decode([r._sequence for r in live], [r.last_token for r in live])
+                for r, t in zip(live, out.sampled):
                     r.last_token = t
-                    r.generated_tokens.append(t)
-                    r.finished = self._finished(r, t)
             return QwenBatchDecodeResult([r.last_token for r in requests], [r.finished for r in requests])
 
 

@@ -67,8 +67,7 @@ class MTPRunner(RunnerProposer):
             rid, first, after, rows = got
             if rid != t.request_id or first + rows.shape[0] != t.position_offset:
                 continue                 # stale (the slot changed hands or the request restarted)
-            feed.append(BatchedRequest(t.kv_cache_slot, list(after) + [t.token_ids[0]], first, t.request_id, True,
-                                       t.block_table))
+            feed.append(t.rows(list(after) + [t.token_ids[0]], first))
             hidden.append(rows)
             fed.append(i)
         out = list(tasks)
@@ -95,8 +94,7 @@ class MTPRunner(RunnerProposer):
             live = [i for i in live if len(tasks[i].draft_token_ids) > j]
             if not live:
                 break
-            step = [BatchedRequest(tasks[i].kv_cache_slot, [drafts[i][-1]], tasks[i].position_offset - 1 + j,
-                                   tasks[i].request_id, False, tasks[i].block_table) for i in live]
+            step = [tasks[i].rows([drafts[i][-1]], tasks[i].position_offset - 1 + j, False) for i in live]
             logits, outs = self._pass(step, [last[i] for i in live])
             picked, qs = pick_drafts(logits, [tasks[i] for i in live])
             for n, (i, tok, q) in enumerate(zip(live, picked, qs)):

@@ -336,8 +336,7 @@ class ModelRunner:
                 a[t.kv_cache_slot] = sa
                 b[t.kv_cache_slot] = sb
             keep = len(t.token_ids) - len(t.draft_token_ids) + len(e) - 1
-            redo.append(BatchedRequest(t.kv_cache_slot, list(t.token_ids[:keep]), t.position_offset, t.request_id,
-                                       True, t.block_table))
+            redo.append(t.rows(t.token_ids[:keep], t.position_offset))
         if redo:
             self.execute(redo)
 

@@ -8,8 +8,8 @@ on xgrammar (vLLM's default grammar engine; the ``structured`` extra).
 - ``GrammarBackend`` (one per engine, and one in the server for its 400s): the tokenizer's
   xgrammar vocabulary, and compiled grammars cached by ``(kind, canonical spec, whitespace)``
   (``cache_key``): a schema compiles once per process, whatever request brings it.
-- Per request, a ``GrammarMatcher`` lives on the scheduler's ``Request`` (it advances with the
-  request's accepted tokens, so preemption by recompute or swap leaves it right). Each step the
+- Per request, a ``GrammarMatcher`` lives on its ``Request`` (``engine/request.py``; it advances with
+  the request's accepted tokens, so preemption by recompute or swap leaves it right). Each step the
   runner fills one token bitmask row per constrained sequence, for the whole batch, and masks the
   logits in one call (``GrammarBackend.apply``), after the penalties and before temperature; a
   fill slower than ``runner.GRAMMAR_OVERLAP_MIN_S`` moves to a worker thread beside the next

@@ -218,7 +218,7 @@ class CompletionState:
 @dataclass(eq=False)
 class _Completion:
     """One of a prompt's ``n`` completions: its scheduler request and its output state."""
-    request: Any                     # serving.scheduler.Request
+    request: Any                     # engine.request.Request
     state: CompletionState
     done: bool = False               # counted out of its group's ``num_unfinished``
     sent_tokens: int = 0             # what earlier ``delta()``s carried: tokens, visible characters, logprobs

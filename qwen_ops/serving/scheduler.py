@@ -38,74 +38,19 @@ head once, for at most that many iterations of its own, whatever it lost to pree
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 
-from qwen_ops.engine.batch import BatchedRequest, IterationPlan, RequestId, TokenBudget
-from qwen_ops.engine.block_manager import KVCacheManager, SlotKV, SwappedSlot
+from qwen_ops.engine.batch import IterationPlan, RequestId, TokenBudget
+from qwen_ops.engine.block_manager import KVCacheManager
+from qwen_ops.engine.request import Request, RequestStatus
 from qwen_ops.engine.runner import RunnerOutput
-from qwen_ops.engine.sampling import SamplingParams, SeededNoise, finish_reason
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-@dataclass(eq=False)          # identity comparison: requests are looked up in queues often
-class Request:
-    request_id: RequestId
-    arrival: int                                # arrival order (FCFS key)
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    generator: Optional[SeededNoise] = None
-    output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    slot: Optional[int] = None
-    kv: Optional[SlotKV] = None               # its slot's blocks, from the KVCacheManager (running)
-    swapped: Optional[SwappedSlot] = None     # its host copy (swapped)
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int] = None
-    arrival_time: float = field(default_factory=time.perf_counter)
-    token_times: list[float] = field(default_factory=list)
-    grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose KV is held: in its slot's blocks, or in its host copy (the manager's count)."""
-        if self.kv is not None:
-            return self.kv.num_tokens
-        return self.swapped.num_tokens if self.swapped is not None else 0
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens ``start .. stop - 1`` of prompt + output, without joining the two (a decode's is O(1))."""
-        n = len(self.prompt_token_ids)
-        if stop <= n:
-            return self.prompt_token_ids[start:stop]
-        if start >= n:
-            return self.output_token_ids[start - n:stop - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
-
-    @property
-    def finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+from qwen_ops.engine.sampling import SamplingParams
 
 
 class SchedulerStuckError(RuntimeError):
@@ -272,10 +217,10 @@ class Scheduler:
     def _add_step(self, req: Request, is_decode: bool, n: int, budget: TokenBudget, plan: IterationPlan) -> None:
         if is_decode:
             budget.allocate_decode()
-            plan.decode_tasks.append(self._task(req, 1, is_prefill=False))
+            plan.decode_tasks.append(req.task(1, is_prefill=False))
         else:
             budget.allocate_prefill(n)
-            plan.prefill_tasks.append(self._task(req, n, is_prefill=True))
+            plan.prefill_tasks.append(req.task(n, is_prefill=True))
 
     def _drafts(self, req: Request, budget: TokenBudget) -> list[int]:
         """The proposer's drafts for the request's decode, cut to what the step may emit: the
@@ -310,7 +255,7 @@ class Scheduler:
             drafts = self._drafts(req, budget)
             if drafts and self.kv.reserve(req.slot, req.num_computed + 1 + len(drafts)):
                 budget.allocate_decode(len(drafts))
-                plan.decode_tasks[j] = self._task(req, 1, is_prefill=False, drafts=drafts)
+                plan.decode_tasks[j] = req.task(1, is_prefill=False, drafts=drafts)
 
     def _schedule_swapped(self, budget: TokenBudget, plan: IterationPlan) -> None:
         """Bring swapped requests back, first come first served, each with room for its next step."""
@@ -398,22 +343,6 @@ class Scheduler:
         self.num_scheduled_seqs += plan.total_requests()
         return plan
 
-    @staticmethod
-    def _task(req: Request, n: int, is_prefill: bool, drafts: Sequence[int] = ()) -> BatchedRequest:
-        """The request's next ``n`` tokens (then its ``drafts``), with its block ids; when they
-        reach the end of its tokens, with what the runner needs to sample the next one."""
-        start = req.num_computed
-        tokens = req.token_slice(start, start + n)
-        if start + n < req.num_tokens:
-            return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids))
-        banned = req.stop_ids if req.stop_ids and len(req.output_token_ids) < req.sampling.min_tokens else ()
-        if drafts:
-            tokens = list(tokens) + list(drafts)
-        history = (req.prompt_token_ids, req.output_token_ids) if req.sampling.processes_logits else None
-        return BatchedRequest(req.slot, tokens, start, req.request_id, is_prefill, tuple(req.kv.block_ids),
-                              req.sampling, req.generator, tuple(banned), tuple(drafts), history=history,
-                              grammar=req.grammar)
-
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:
         cfg = self.config
         if plan.total_tokens() > cfg.max_num_batched_tokens:
@@ -481,18 +410,10 @@ class Scheduler:
                 self.num_accepted_tokens += kept
             req = requests[task.request_id]
             for token in emitted:
-                req.output_token_ids.append(token)
-                req.token_times.append(now)
                 gained.append((req, token, lp))
                 if task.draft_token_ids:
                     self.num_spec_emitted_tokens += 1
-                reason = finish_reason(token, len(req.output_token_ids), req.sampling, req.stop_ids, req.num_tokens,
-                                       max_len)
-                if req.grammar is not None:
-                    # The mask allowed only this grammar's tokens; a completed grammar ends the request.
-                    req.grammar.accept_token(token)
-                    if reason is None and req.grammar.is_terminated():
-                        reason = "stop"
+                reason = req.append_token(token, max_len, now)
                 if reason is not None:
                     self.finish(req, reason, token if reason == "stop" else None)
                     break

@@ -1,0 +1,119 @@
+"""A sequence being generated: the one record of its tokens, sampling and seeded noise, the one
+builder of its step's rows, and the one check that finishes it.
+
+Both drivers of the runner use it: the scheduler keeps one ``Request`` per request it serves
+(``serving/scheduler.py``), the seed's slot API one per slot that holds a sequence
+(``engine/engine.py``). A request's tokens are ``prompt + output``; ``num_computed`` of them are
+in its slot's cache (the ``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes
+the ``BatchedRequest`` of its next ``n`` tokens; ``finish_check`` says whether a sampled token
+ends it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from qwen_ops.engine.batch import BatchedRequest, RequestId
+from qwen_ops.engine.block_manager import SlotKV, SwappedSlot
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise, finish_reason
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)          # identity comparison: requests are looked up in queues often
+class Request:
+    request_id: Optional[RequestId]
+    arrival: int                                # arrival order (FCFS key)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    generator: Optional[SeededNoise] = None     # its seeded noise: made once, owned here only
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: Optional[int] = None
+    kv: Optional[SlotKV] = None               # its slot's blocks, from the KVCacheManager (running)
+    swapped: Optional[SwappedSlot] = None     # its host copy (swapped)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is held: in its slot's blocks, or in its host copy (the manager's count)."""
+        if self.kv is not None:
+            return self.kv.num_tokens
+        return self.swapped.num_tokens if self.swapped is not None else 0
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of prompt + output, without joining the two (a decode's is O(1))."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def task(self, n: int, is_prefill: bool, drafts: Sequence[int] = (), sample: bool = True) -> BatchedRequest:
+        """The rows of its next ``n`` tokens (then its ``drafts``), with its slot's block ids; when
+        they reach the end of its tokens (and ``sample``), with what the runner needs to sample the
+        next one (the one place a step's rows are made from a sequence)."""
+        start = self.num_computed
+        tokens = self.token_slice(start, start + n)
+        if start + n < self.num_tokens or not sample:
+            return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids))
+        sampling = self.sampling
+        banned = self.stop_ids if self.stop_ids and len(self.output_token_ids) < sampling.min_tokens else ()
+        if drafts:
+            tokens = list(tokens) + list(drafts)
+        history = (self.prompt_token_ids, self.output_token_ids) if sampling.processes_logits else None
+        return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
+                              sampling, self.generator, tuple(banned), tuple(drafts), history=history,
+                              grammar=self.grammar)
+
+    def append_token(self, token: int, max_len: Optional[int], now: Optional[float] = None) -> Optional[str]:
+        """Add a sampled token and run the one finish check: "stop" (a stop token, or a completed
+        grammar), "length" (``max_new_tokens``, or ``max_len`` tokens in all), or None."""
+        self.output_token_ids.append(token)
+        if now is not None:
+            self.token_times.append(now)
+        reason = finish_reason(token, len(self.output_token_ids), self.sampling, self.stop_ids, self.num_tokens,
+                               max_len)
+        if self.grammar is not None:
+            # The mask allowed only this grammar's tokens; a completed grammar ends the request.
+            self.grammar.accept_token(token)
+            if reason is None and self.grammar.is_terminated():
+                reason = "stop"
+        return reason
+
+    def feed(self, position: int, tokens: Sequence[int]) -> None:
+        """Record that ``tokens`` were written to its cache from ``position`` on, in place of what it
+        held there (the slot API's raw ``execute``, and a token fed back other than the sampled one):
+        before its first sampled token they extend the prompt, after it the output."""
+        n = len(self.prompt_token_ids)
+        if position < n or (position == n and not self.output_token_ids):
+            del self.output_token_ids[:]
+            self.prompt_token_ids[position:] = list(tokens)
+        else:
+            self.output_token_ids[position - n:] = list(tokens)
