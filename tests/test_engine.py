@@ -211,6 +211,7 @@ BAD_CALLS = [
     (r"requests\[1\].prompt_tokens", lambda e: e.batch_prefill([QwenBatchedRequest(1, [1], 1),
                                                                  QwenBatchedRequest(2, [], 2)])),
     (r"requests\[0\].slot_id", lambda e: e.batch_decode_step([QwenBatchedRequest(1, [1], 2, last_token=2)])),
+    ("prompt_logprobs", lambda e: e.prefill([1], slot_id=1, sampling=SamplingParams(prompt_logprobs=1))),
 ]
 
 

@@ -238,7 +238,6 @@ COMPLETION_ERRORS = [
     ({"prompt": [1, 99999]}, "prompt"),
     ({"n": 0}, "n"),
     ({"logprobs": 50}, "logprobs"),
-    ({"logprobs": 1, "echo": True}, "echo"),
     ({"stop": [""]}, "stop"),
     ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"),

@@ -54,10 +54,17 @@ class BatchedRequest:
     draft_probs: Any = None                  # [k, vocab] the draft model's q of each draft (sampled rows)
     history: Any = None                      # (prompt ids, output ids): penalties and bad words read them
     grammar: Any = None                      # the request's xgrammar GrammarMatcher (structured outputs)
+    # Prompt logprobs: the prompt tokens that follow this chunk's first rows (row i predicts
+    # prompt_logprob_ids[i]), and how many top tokens to report with each (None: not asked).
+    prompt_logprob_ids: Sequence[int] = ()
+    prompt_logprobs: Optional[int] = None
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows of logits this task needs: its last token's, and one per draft."""
+        """Rows of logits this task needs: its last token's, and one per draft; every row of a
+        chunk that scores its prompt tokens."""
+        if self.prompt_logprob_ids:
+            return len(self.token_ids)
         return 1 + len(self.draft_token_ids)
 
     @property
@@ -112,8 +119,8 @@ class IterationPlan:
 
     def without_sampling(self) -> "IterationPlan":
         """The plan as a rank that does not sample gets it (no generators: they do not travel)."""
-        strip = [replace(t, sampling=None, generator=None, banned_token_ids=(), history=None, grammar=None)
-                 for t in self.tasks()]
+        strip = [replace(t, sampling=None, generator=None, banned_token_ids=(), history=None, grammar=None,
+                         prompt_logprobs=None) for t in self.tasks()]
         n = len(self.prefill_tasks)
         return IterationPlan(strip[:n], strip[n:], list(self.evicted_requests), list(self.swap_out_requests),
                              list(self.swap_in_requests), list(self.freed_swaps))

@@ -416,6 +416,9 @@ class QwenEngine:
         if sampling.n != 1:
             raise ValueError(f"{name}.n = {sampling.n}: a slot holds one sequence, expected n = 1 "
                              "(LLM.generate runs n completions per prompt)")
+        if sampling.prompt_logprobs is not None:
+            raise ValueError(f"{name}.prompt_logprobs = {sampling.prompt_logprobs}: the slot API returns no prompt "
+                             "logprobs, expected None (LLM.generate returns them)")
         sampling.check_vocab(self.vocab_size)
         return sampling
 

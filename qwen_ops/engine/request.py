@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from qwen_ops.engine.batch import BatchedRequest, RequestId
 from qwen_ops.engine.block_manager import SlotKV, SwappedSlot
-from qwen_ops.engine.sampling import SamplingParams, SeededNoise, finish_reason
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +47,8 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
+    # sampling.prompt_logprobs: (logprob, rank, top ids, top logprobs) of prompt tokens 1, 2, ...
+    prompt_logprobs: list[tuple] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,25 +83,48 @@ class Request:
         next one (the one place a step's rows are made from a sequence)."""
         start = self.num_computed
         tokens = self.token_slice(start, start + n)
-        if start + n < self.num_tokens or not sample:
-            return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids))
         sampling = self.sampling
+        scored, k = (), None
+        if sampling.prompt_logprobs is not None and self.scoring_prompt:
+            # Row i predicts prompt token start + 1 + i: the rows of this chunk that have one.
+            scored, k = tuple(self.prompt_token_ids[start + 1:start + n + 1]), sampling.prompt_logprobs
+        if start + n < self.num_tokens or not sample:
+            return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
+                                  prompt_logprob_ids=scored, prompt_logprobs=k)
         banned = self.stop_ids if self.stop_ids and len(self.output_token_ids) < sampling.min_tokens else ()
         if drafts:
             tokens = list(tokens) + list(drafts)
         history = (self.prompt_token_ids, self.output_token_ids) if sampling.processes_logits else None
         return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
                               sampling, self.generator, tuple(banned), tuple(drafts), history=history,
-                              grammar=self.grammar)
+                              grammar=self.grammar, prompt_logprob_ids=scored, prompt_logprobs=k)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt logprobs are asked for and some are still missing (a recompute after
+        they were all taken scores nothing again)."""
+        return self.sampling.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def add_prompt_logprobs(self, start: int, entries: Sequence[tuple]) -> None:
+        """Entries for prompt tokens ``start + 1, start + 2, ...`` (one chunk's rows); those held already are kept."""
+        have = len(self.prompt_logprobs)
+        if start <= have:
+            self.prompt_logprobs.extend(entries[have - start:])
 
     def append_token(self, token: int, max_len: Optional[int], now: Optional[float] = None) -> Optional[str]:
         """Add a sampled token and run the one finish check: "stop" (a stop token, or a completed
         grammar), "length" (``max_new_tokens``, or ``max_len`` tokens in all), or None."""
-        self.output_token_ids.append(token)
+        out = self.output_token_ids
+        out.append(token)
         if now is not None:
             self.token_times.append(now)
-        reason = finish_reason(token, len(self.output_token_ids), self.sampling, self.stop_ids, self.num_tokens,
-                               max_len)
+        reason = None
+        if token in self.stop_ids:
+            reason = "stop"
+        elif len(out) >= self.sampling.max_new_tokens or (
+                max_len is not None and len(self.prompt_token_ids) + len(out) >= max_len):
+            reason = "length"
         if self.grammar is not None:
             # The mask allowed only this grammar's tokens; a completed grammar ends the request.
             self.grammar.accept_token(token)

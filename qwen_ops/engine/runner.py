@@ -107,12 +107,14 @@ class RunnerOutput:
     ``sampled`` token of each task that samples (else None), and its ``(logprob, rank, top ids,
     top logprobs)`` when its request asked for logprobs. ``emitted``: for a task with drafts,
     the 1 to k + 1 tokens its verification emitted (the accepted drafts, then the target's
-    token), else None; ``sampled`` holds the first of them."""
+    token), else None; ``sampled`` holds the first of them. ``prompt_logprobs``: for a task that
+    scores its prompt tokens, ``(logprob, rank, top ids, top logprobs)`` of each, else None."""
 
     logits: torch.Tensor
     sampled: list[Optional[int]]
     logprobs: list[Optional[tuple]]
     emitted: Optional[list[Optional[list[int]]]] = None
+    prompt_logprobs: Optional[list[Optional[list[tuple]]]] = None
 
 
 class CudaGraphAPI:
@@ -261,10 +263,17 @@ class ModelRunner:
         hidden = self.model.hidden_out if getattr(self.model, "keep_hidden", False) else None
         grammar_mask = (constrained, mask_job.result()) if mask_job is not None else None
         if not speculating:
+            prompt_lps = None
+            # Prefill chunks that score their prompt tokens (every row's logits came back)
+            if plan.prefill_tasks and any(t.prompt_logprob_ids for t in plan.prefill_tasks):
+                ends = list(itertools.accumulate(t.num_logit_rows for t in tasks))
+                prompt_lps = self.prompt_logprobs(tasks, logits, ends)
+                if logits.shape[0] != len(tasks):
+                    logits = logits[torch.tensor(ends, device=logits.device) - 1]
             sampled, logprobs = self.sample_rows(tasks, logits, grammar_mask)
             if self.draft is not None and hidden is not None:
                 self.draft.kept(tasks, [None] * len(tasks), hidden)
-            return RunnerOutput(logits, sampled, logprobs)
+            return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps)
         last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
         sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
                                              logits[last], grammar_mask)
@@ -277,6 +286,31 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.kept(tasks, emitted, hidden)
         return RunnerOutput(logits, sampled, logprobs, emitted)
+
+    @staticmethod
+    def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, ends: Sequence[int]
+                        ) -> list[Optional[list[tuple]]]:
+        """Each scoring task's prompt-token logprobs from its rows of ``logits`` (raw log-softmax,
+        as vLLM's), one batched log-softmax for all of them."""
+        out: list[Optional[list[tuple]]] = [None] * len(tasks)
+        rows, ids, owners = [], [], []
+        for i, (t, end) in enumerate(zip(tasks, ends)):
+            if t.prompt_logprobs is not None and t.prompt_logprob_ids:
+                first = end - t.num_logit_rows
+                rows.extend(range(first, first + len(t.prompt_logprob_ids)))
+                ids.extend(t.prompt_logprob_ids)
+                owners.append((i, len(t.prompt_logprob_ids)))
+        if not rows:
+            return out
+        k = max(tasks[i].prompt_logprobs for i, _ in owners)
+        index = torch.tensor(rows, device=logits.device)
+        lp, rank, top_ids, top_lps = token_logprobs(logits[index], torch.tensor(ids, device=logits.device), k)
+        at = 0
+        for i, m in owners:
+            n_top = tasks[i].prompt_logprobs
+            out[i] = [(lp[j], rank[j], top_ids[j][:n_top], top_lps[j][:n_top]) for j in range(at, at + m)]
+            at += m
+        return out
 
     def _fill_bitmask(self, matchers, vocab_size: int) -> torch.Tensor:
         """``structured.fill_bitmask``, timed (``grammar_fill_s``: the last fill's seconds)."""
@@ -771,7 +805,7 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks))
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
-        if any(c.draft_token_ids for c in chunks):
+        if any(c.draft_token_ids or c.prompt_logprob_ids for c in chunks):
             rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])
                     for j in range(c.num_logit_rows)]
             logits_indices = torch.tensor(rows, dtype=torch.long).to(dev)

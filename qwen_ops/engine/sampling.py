@@ -56,6 +56,9 @@ class SamplingParams:
     - ``logprobs``: per generated token, the sampled token's log-probability and the ``logprobs``
       most likely ones (0: only the sampled token's), from the model's logits of that step
       (before temperature, top-k and top-p, as vLLM's default ``raw_logprobs``).
+    - ``prompt_logprobs``: per prompt token after the first, its log-probability given the tokens
+      before it and the ``prompt_logprobs`` most likely ones (vLLM's ``RequestOutput.prompt_logprobs``,
+      ``None`` for the first token), from the prefill's own forward passes.
     - ``skip_special_tokens``: leave special tokens (EOS) out of the text, as vLLM does.
     - ``min_tokens``: stop tokens (``stop_token_ids`` and EOS) cannot be sampled, and stop strings
       do not match, before this many tokens are generated.
@@ -84,6 +87,7 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = field(default=())
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -105,7 +109,7 @@ class SamplingParams:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  min_p: float = 0.0, logit_bias: Optional[dict] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
-                 structured_outputs=None):
+                 structured_outputs=None, prompt_logprobs: Optional[int] = None):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
@@ -149,6 +153,9 @@ class SamplingParams:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs = {logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
+        if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
+                                            or not 0 <= prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs = {prompt_logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= n:
             raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {n}]")
         def number(name: str, value, low: float, high: float, low_open: bool = False) -> float:
@@ -209,7 +216,7 @@ class SamplingParams:
                             ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
                             ("frequency_penalty", frequency_penalty), ("min_p", min_p), ("logit_bias", bias),
                             ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ()),
-                            ("structured_outputs", structured_outputs)):
+                            ("structured_outputs", structured_outputs), ("prompt_logprobs", prompt_logprobs)):
             object.__setattr__(self, name, value)
 
     @property
@@ -221,13 +228,16 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def for_completion(self, index: int) -> "SamplingParams":
-        """The parameters of completion ``index`` of ``n``: ``n = 1``, and seed ``seed + index``."""
+        """The parameters of completion ``index`` of ``n``: ``n = 1``, and seed ``seed + index``;
+        only completion 0 computes ``prompt_logprobs``."""
         if self.n == 1 and index == 0:
             return self
         child = copy.copy(self)
         object.__setattr__(child, "n", 1)
         if self.seed is not None:
             object.__setattr__(child, "seed", (self.seed + index - SEED_MIN) % (SEED_END - SEED_MIN) + SEED_MIN)
+        if index:
+            object.__setattr__(child, "prompt_logprobs", None)      # completion 0 scores the shared prompt
         return child
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -517,15 +527,3 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
     else:
         top_ids, top_lps = [[] for _ in range(lp.shape[0])], [[] for _ in range(lp.shape[0])]
     return chosen.tolist(), ranks.tolist(), top_ids, top_lps
-
-
-def finish_reason(token: int, num_output_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                  num_tokens: int = 0, max_len: Optional[int] = None) -> Optional[str]:
-    """Why a sequence ends after sampling ``token`` as its ``num_output_tokens``-th: "stop" (a stop
-    token), "length" (``max_new_tokens``, or ``num_tokens`` reached ``max_len``), or None (the one
-    finish check of the package; stop strings are the output processor's)."""
-    if token in stop_ids:
-        return "stop"
-    if num_output_tokens >= sampling.max_new_tokens or (max_len is not None and num_tokens >= max_len):
-        return "length"
-    return None

@@ -65,6 +65,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     error: Optional[str] = None
     metrics: Optional[RequestMetrics] = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # its own entry and the top ones (vLLM's shape).
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
 
 class CompletionDelta(NamedTuple):
@@ -87,6 +90,19 @@ class RequestDelta(NamedTuple):
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     error: Optional[str] = None
+    prompt_logprobs: Optional[list] = None     # once, in the first delta after the prompt is scored
+
+
+def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]],
+                  text: Callable[[int], Optional[str]]) -> dict[int, Logprob]:
+    """vLLM's logprobs entry of one position: ``token`` (sampled, or the prompt's own) first, then
+    the top ones, each with its rank and text."""
+    lp, rank, top_ids, top_lps = logprob
+    entry = {token: Logprob(lp, rank, text(token))}
+    for i, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
+        if tid not in entry:
+            entry[tid] = Logprob(tlp, i + 1, text(tid))
+    return entry
 
 
 class RequestAccumulator:
@@ -98,7 +114,7 @@ class RequestAccumulator:
     A caller can tell an unchanged completion by identity (``is``)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "_token_ids", "_logprobs",
-                 "_dirty", "finished", "times")
+                 "_dirty", "finished", "times", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams):
         n = params.n
@@ -113,6 +129,7 @@ class RequestAccumulator:
         self._dirty: dict[int, None] = {}
         self.finished = False
         self.times: tuple = (0.0, None, None)
+        self.prompt_logprobs: Optional[list] = None
 
     def apply(self, delta: RequestDelta) -> list[int]:
         """Fold in one delta; returns its new token ids over its completions in index order."""
@@ -132,6 +149,8 @@ class RequestAccumulator:
             self._dirty[i] = None
         self.finished = delta.finished
         self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         return new
 
     def output(self, new_token_ids: list[int]) -> RequestOutput:
@@ -142,7 +161,8 @@ class RequestAccumulator:
                 out.logprobs = list(self._logprobs[i])
         self._dirty.clear()
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.outputs),
-                             self.finished, new_token_ids, metrics=RequestMetrics(*self.times))
+                             self.finished, new_token_ids, metrics=RequestMetrics(*self.times),
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionState:
@@ -174,13 +194,8 @@ class CompletionState:
         logprobs were asked for). Returns the stop string it completed, if any."""
         self.num_tokens += 1
         if self.logprobs is not None and logprob is not None:
-            lp, rank, top_ids, top_lps = logprob
-            entry = {token: Logprob(lp, rank, self._token_text(token))}
-            for i, (tid, tlp) in enumerate(zip(top_ids, top_lps)):
-                if tid not in entry:
-                    entry[tid] = Logprob(tlp, i + 1, self._token_text(tid))
-            self.logprobs.append(entry)
-            self.cumulative_logprob += lp
+            self.logprobs.append(logprob_entry(token, logprob, self._token_text))
+            self.cumulative_logprob += logprob[0]
         if self._stream is None or self.stop_string is not None:
             return None
         piece = self._stream.step(self.tokenizer.backend, token)
@@ -246,6 +261,7 @@ class RequestState:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     accumulator: Optional["RequestAccumulator"] = None    # LLM's fold of this state's deltas
+    sent_prompt_logprobs: bool = False
 
     def add(self, comp: _Completion) -> None:
         self.completions.append(comp)
@@ -288,8 +304,16 @@ class RequestState:
                                          req.finish_reason, req.stop_reason, st.cumulative_logprob, lps))
             c.sent_tokens, c.sent_chars = len(ids), max(c.sent_chars, visible)
             c.sent_logprobs += len(lps) if lps is not None else 0
+        prompt_lps = None
+        if self.params.prompt_logprobs is not None and not self.sent_prompt_logprobs and self.completions:
+            first = self.completions[0]
+            scored = first.request.prompt_logprobs
+            if len(scored) >= len(self.prompt_token_ids) - 1:
+                ids, text = self.prompt_token_ids, first.state._token_text
+                prompt_lps = [None] + [logprob_entry(t, e, text) for t, e in zip(ids[1:], scored)]
+                self.sent_prompt_logprobs = True
         return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
-                            self.last_token_time)
+                            self.last_token_time, prompt_logprobs=prompt_lps)
 
     def output(self) -> tuple[RequestOutput, list[int]]:
         """Fold what changed into this state's accumulator: the cumulative output, and the tokens

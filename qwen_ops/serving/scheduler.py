@@ -313,8 +313,9 @@ class Scheduler:
             slot = kv.allocate_slot(req.request_id)
             req.slot, req.kv = slot, kv.slots[slot]
             # With prefix caching the slot starts with the cached full blocks of the request's
-            # tokens: they count as computed, and the budget buys only the rest.
-            kv.begin(slot, req.all_token_ids())
+            # tokens: they count as computed, and the budget buys only the rest. A request that
+            # scores its prompt computes all of it (vLLM's choice too: the logits are needed).
+            kv.begin(slot, None if req.scoring_prompt else req.all_token_ids())
             chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
             if not kv.reserve(slot, req.num_computed + chunk):
                 self._free_slot(req)
@@ -384,7 +385,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update(self, plan: IterationPlan, out: RunnerOutput) -> list[tuple[Request, int, Optional[tuple]]]:
         """Count the KV each task wrote, append the sampled tokens, finish requests on a stop token
-        or length (``finish_reason``: the one finish check). Returns ``(request, token, logprobs
+        or length (``Request.append_token``: the one finish check). Returns ``(request, token, logprobs
         entry)`` for every token gained, in task order.
 
         A task with drafts keeps the KV of its last token and its accepted drafts only (the
@@ -392,9 +393,11 @@ class Scheduler:
         emitted token up to the first that finishes the request."""
         now = time.perf_counter()
         kv, requests, max_len = self.kv, self.requests, self.config.max_model_len
-        emitted_all = out.emitted
+        emitted_all, prompt_lps = out.emitted, out.prompt_logprobs
         gained = []
         for i, (task, token, lp) in enumerate(zip(plan.tasks(), out.sampled, out.logprobs)):
+            if prompt_lps is not None and prompt_lps[i] is not None:
+                requests[task.request_id].add_prompt_logprobs(task.position_offset, prompt_lps[i])
             emitted = emitted_all[i] if emitted_all is not None else None
             if emitted is None:
                 kv.commit(task.kv_cache_slot, task.token_ids)

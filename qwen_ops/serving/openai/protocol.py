@@ -72,6 +72,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
     model: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
@@ -394,6 +395,8 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional
         kw["n"] = req.n
     if logprobs is not None:
         kw["logprobs"] = logprobs
+    if req.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = req.prompt_logprobs
     if req.min_tokens:
         kw["min_tokens"] = req.min_tokens
     if req.include_stop_str_in_output:
@@ -519,6 +522,34 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict], k: in
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def echo_logprobs(prompt_token_ids: Sequence[int], entries: Sequence[Optional[dict]], k: int,
+                  decode) -> tuple[dict, int]:
+    """The legacy ``logprobs`` object of an echoed prompt (``echo`` with ``logprobs``): the first
+    token has no logprob (``None``, as OpenAI and vLLM), every later one its own and the top ``k``.
+    Returns it and the text offset after the prompt, where the completion's tokens continue."""
+    first = decode([prompt_token_ids[0]]) if prompt_token_ids else ""
+    rest, offset = completion_logprobs(prompt_token_ids[1:], entries[1:], k, len(first), decode)
+    head = [first] if prompt_token_ids else []
+    return {"tokens": head + rest["tokens"], "token_logprobs": [None] * len(head) + rest["token_logprobs"],
+            "top_logprobs": [None] * len(head) + rest["top_logprobs"],
+            "text_offset": [0] * len(head) + rest["text_offset"]}, offset
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    """Two legacy ``logprobs`` objects one after the other (the echoed prompt, then the completion)."""
+    return {key: a[key] + b[key] for key in a}
+
+
+def vllm_prompt_logprobs(entries: Optional[Sequence[Optional[dict]]]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` field: ``None`` for the first token, then per prompt token
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` (its own and the top ones)."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict], k: int, decode) -> list[dict]:

@@ -310,10 +310,11 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
 
 class _Prepared:
     """One request, parsed and tokenized (off the event loop for a big body)."""
-    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools")
+    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools", "score", "echo_only")
 
     def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
         self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
+        self.score = self.echo_only = False      # completions: echo with logprobs; max_tokens = 0 (echo only)
         self.reasoning = None          # a chat request's reasoning parser (reasoning.py), or None
         self.tools = ("none", None)    # a chat request's tool mode and forced function (tools.py)
 
@@ -540,11 +541,15 @@ class _Serving:
         req = P.parse_request(P.CompletionRequest, body)
         self.check_model(req.model)
         P.check_unsupported(req)
-        P.check_positive("max_tokens", req.max_tokens)
+        echo_only = req.max_tokens == 0         # score the prompt, generate nothing (vLLM: with echo)
+        if echo_only and not req.echo:
+            raise P.bad_request("max_tokens = 0 returns only the prompt, so it needs echo = true; "
+                                "expected max_tokens >= 1 or echo = true", "max_tokens")
+        if not echo_only:
+            P.check_positive("max_tokens", req.max_tokens)
         P.check_logprobs("logprobs", req.logprobs)
-        if req.echo and req.logprobs is not None:
-            raise P.bad_request("echo = true with logprobs is not supported (no prompt logprobs); "
-                                "leave out one of them", "echo")
+        P.check_logprobs("prompt_logprobs", req.prompt_logprobs)
+        score = req.echo and req.logprobs is not None    # the echoed prompt's tokens get logprobs too
         raw = P.completion_prompts(req.prompt)
         P.check_choices(len(raw), req.n)
         P.stop_strings(req.stop)
@@ -554,12 +559,16 @@ class _Serving:
             ids = self.encode(p, "prompt") if isinstance(p, str) else p
             self.check_ids(ids, where, "prompt")
             prompts.append(ids)
-        max_tokens = self.max_tokens_for(prompts, req.max_tokens, "max_tokens", "prompt")
-        params = P.check_params(P.sampling_params(self.constrained(req, P.sampling_kwargs(
-            req, max_tokens=max_tokens, logprobs=req.logprobs)), max_tokens_field="max_tokens"),
-            self.vocab_size, self.tokenizer)
+        max_tokens = self.max_tokens_for(prompts, 1 if echo_only else req.max_tokens, "max_tokens", "prompt")
+        kwargs = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs))
+        if score:
+            kwargs["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
+        params = P.check_params(P.sampling_params(kwargs, max_tokens_field="max_tokens"), self.vocab_size,
+                                self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
-        return _Prepared(req, prompts, params, echoes, req.logprobs)
+        prep = _Prepared(req, prompts, params, echoes, req.logprobs)
+        prep.score, prep.echo_only = score, echo_only
+        return prep
 
     async def completions(self, request: Request, body: bytes):
         deadline = self.deadline()
@@ -571,16 +580,33 @@ class _Serving:
         gen = _Generation(self, prompts, params, rid)
         await self.start(gen, "prompt", req.stream, deadline)
 
+        score, echo_only, show_prompt = prep.score, prep.echo_only, req.prompt_logprobs is not None
+
+        def logprobs_of(i: int, out, c, new_ids, entries, offset: int, first: bool):
+            """The legacy logprobs of a choice's new tokens (after its echoed prompt's, in its first part)."""
+            head = lp = None
+            if first and score and out.prompt_logprobs is not None:
+                head, offset = P.echo_logprobs(prompts[i], out.prompt_logprobs, k, self.decode)
+            if k is not None and c.logprobs is not None and not echo_only:
+                lp, offset = P.completion_logprobs(new_ids, entries, k, offset, self.decode)
+            if head is not None:
+                lp = head if lp is None else P.join_logprobs(head, lp)
+            return lp, offset
+
+        def choice_text(i: int, c) -> str:
+            return echoes[i] if echo_only else echoes[i] + c.text
+
         def full(outputs):
             choices, generated = [], 0
             for i, out in enumerate(outputs):
                 for c in out.outputs:
-                    generated += len(c.token_ids)
-                    lp = None
-                    if k is not None and c.logprobs is not None:
-                        lp, _ = P.completion_logprobs(c.token_ids, c.logprobs, k, 0, self.decode)
-                    choices.append({"index": i * params.n + c.index, "text": echoes[i] + c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    generated += 0 if echo_only else len(c.token_ids)
+                    lp, _ = logprobs_of(i, out, c, c.token_ids, c.logprobs, len(echoes[i]), True)
+                    choice = {"index": i * params.n + c.index, "text": choice_text(i, c), "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if show_prompt:
+                        choice["prompt_logprobs"] = P.vllm_prompt_logprobs(out.prompt_logprobs)
+                    choices.append(choice)
             return {**meta, "choices": choices, "usage": P.usage(sum(map(len, prompts)), generated)}
 
         head = _ChunkHead(meta)
@@ -594,25 +620,31 @@ class _Serving:
                         cur = cursors.setdefault((i, c.index), _Cursor())
                         if cur.done or c is cur.seen:     # unchanged since the last batch: nothing to send
                             continue
+                        if not cur.started and (score or show_prompt) and out.prompt_logprobs is None:
+                            continue                      # its first part waits for the prompt's logprobs
                         cur.seen = c
                         text = c.text[cur.chars:]
                         new_ids = c.token_ids[cur.tokens:]
                         if not (text or new_ids or c.finish_reason or not cur.started):
                             continue
+                        if echo_only:
+                            text, new_ids = "", []
                         prefix = "" if cur.started else echoes[i]
-                        lp = None
-                        if k is not None and c.logprobs is not None:
-                            lp, cur.offset = P.completion_logprobs(new_ids, c.logprobs[cur.tokens:], k,
-                                                                   cur.offset + len(prefix), self.decode)
+                        lp, cur.offset = logprobs_of(i, out, c, new_ids, (c.logprobs or [])[cur.tokens:],
+                                                     cur.offset + len(prefix), not cur.started)
+                        extra = ""
+                        if show_prompt and not cur.started:
+                            extra = f',"prompt_logprobs":{_dumps(P.vllm_prompt_logprobs(out.prompt_logprobs))}'
                         cur.chars, cur.tokens, cur.started = len(c.text), len(c.token_ids), True
                         cur.done = c.finish_reason is not None
                         events.append(head.event(i * params.n + c.index, (
                             f'"text":{_json_str(prefix + text)},"logprobs":{_opt(lp)},'
-                            f'"finish_reason":{_opt(c.finish_reason)},"stop_reason":{_opt(c.stop_reason)}')))
+                            f'"finish_reason":{_opt(c.finish_reason)},"stop_reason":{_opt(c.stop_reason)}{extra}')))
                 if events:
                     yield "".join(events)
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield _sse({**meta, "choices": [], "usage": P.usage(sum(map(len, prompts)), sum(g.generated))})
+                yield _sse({**meta, "choices": [], "usage": P.usage(sum(map(len, prompts)),
+                                                                    0 if echo_only else sum(g.generated))})
 
         return await self.respond(request, gen, req.stream, full, chunks, deadline)
 
@@ -628,6 +660,7 @@ class _Serving:
         if req.top_logprobs is not None and not req.logprobs:
             raise P.bad_request("top_logprobs needs logprobs = true", "top_logprobs")
         P.check_logprobs("top_logprobs", req.top_logprobs)
+        P.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         P.stop_strings(req.stop)
         tools, mode, named = P.chat_tools(req.tools, req.tool_choice)
         text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
@@ -683,7 +716,10 @@ class _Serving:
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
             generated = sum(len(c.token_ids) for c in out.outputs)
-            return {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
+            resp = {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
+            if req.prompt_logprobs is not None:      # vLLM's extra field, beside the choices
+                resp["prompt_logprobs"] = P.vllm_prompt_logprobs(out.prompt_logprobs)
+            return resp
 
         chunk_meta = {**meta, "object": "chat.completion.chunk"}
 
