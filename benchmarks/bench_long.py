@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     def run_qwen(ps, new):
         sp = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = llm.generate(ps, sp)
+        outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
         def run_variant(ps, new, _llm=vllm_q):
             sp = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
             t0 = time.perf_counter()
-            outs = _llm.generate(ps, sp)
+            outs = _llm.generate(ps, sp, use_tqdm=False)
             return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
         engines[f"qwen_ops[{vname}]"] = run_variant

@@ -44,7 +44,7 @@ def unrelated_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
 def run_batch(llm: LLM, prompts, new_tokens: int) -> tuple[float, list[float], list[list[int]], int]:
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     ttfts = [o.metrics.time_to_first_token for o in outs]
     return dt, ttfts, [o.outputs[0].token_ids for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)

@@ -149,18 +149,18 @@ def measure(variant: str, base: Path, threads: int, reps: int, steps: int) -> di
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for n in (1, 8):
         ps = prompts(n, 32, vocab, seed=n)
-        llm.generate(ps, sp)                                   # warm-up
+        llm.generate(ps, sp, use_tqdm=False)                                   # warm-up
         walls = []
         for _ in range(reps):
             t = time.perf_counter()
-            outs = llm.generate(ps, sp)
+            outs = llm.generate(ps, sp, use_tqdm=False)
             walls.append(time.perf_counter() - t)
         row[f"e2e_{n}_tok_s"] = 16 * n / statistics.median(walls)
         if n == 8:
             tokens = [o.outputs[0].token_ids for o in outs]
     if variant not in ("float32", "bfloat16"):           # quantized
         reference_twin(llm)
-        twin = [o.outputs[0].token_ids for o in llm.generate(prompts(8, 32, vocab, seed=8), sp)]
+        twin = [o.outputs[0].token_ids for o in llm.generate(prompts(8, 32, vocab, seed=8), sp, use_tqdm=False)]
         same = sum(a == b for t, u in zip(twin, tokens) for a, b in zip(t, u))
         row["tokens_same"] = f"{same}/{sum(len(t) for t in tokens)}"
         # fp32 activations: the kernel and the reference differ in the order of fp32 sums only, so on

@@ -164,7 +164,7 @@ def generate_side_by_side(path: Path, dtype: torch.dtype, batches: dict, new_tok
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
     def run_ours(ps):
-        return [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+        return [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
 
     def run_hf(ps):
         ids = torch.tensor(ps)
@@ -294,7 +294,7 @@ def threads_side_by_side(path: Path, dtype: torch.dtype, batches: dict, new_toke
                 for t in threads:
                     torch.set_num_threads(t)
                     t0 = time.perf_counter()
-                    llm.generate(ps, sp)
+                    llm.generate(ps, sp, use_tqdm=False)
                     if rep:                          # the first round warms up each setting
                         times[t].append(time.perf_counter() - t0)
             result[label] = {f"{t}_threads_tok_s": len(ps) * new_tokens / statistics.median(v)

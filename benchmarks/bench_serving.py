@@ -239,7 +239,7 @@ def run_offline(llm, prompts: list[list[int]], output_len: int, paced: list[list
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start, cpu = time.perf_counter(), time.thread_time()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     duration, cpu = time.perf_counter() - start, time.thread_time() - cpu
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     firsts = _paced_first_tokens(llm, paced, params, request_rate, seed)
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
         measure(args, base_url, model, prompts(0)[:2], 4, args.seed)
         if llm is not None and args.offline:
             from qwen_ops import SamplingParams
-            llm.generate(prompts(1)[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            llm.generate(prompts(1)[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         ratios, ttft_gaps = [], []
         for rep in range(args.repeats):
             cpu_before = _thread_cpu(server_thread), engine_cpu()

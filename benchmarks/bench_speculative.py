@@ -98,7 +98,7 @@ def _run(llm: LLM, prompts: list[str], sp: SamplingParams, batch: int) -> list[l
     """The prompts in batches of ``batch`` (1: one request at a time)."""
     tokens = []
     for i in range(0, len(prompts), batch):
-        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + batch], sp)]
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + batch], sp, use_tqdm=False)]
     return tokens
 
 

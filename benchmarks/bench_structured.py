@@ -40,7 +40,7 @@ def run(llm: LLM, n: int, new_tokens: int, constrained: bool) -> dict:
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=new_tokens, ignore_eos=not constrained,
                              structured_outputs={"json": SCHEMA} if constrained else None) for s in range(n)]
     t0 = time.perf_counter()
-    outs = llm.generate(["A person as JSON: "] * n, params)
+    outs = llm.generate(["A person as JSON: "] * n, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     ttft = statistics.median(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
     return {"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "ttft": ttft,

@@ -31,11 +31,11 @@ def run(path: Path, tp: int, prompts, new_tokens: int, reps: int) -> dict:
     llm = LLM(path, tensor_parallel_size=tp, max_num_seqs=len(prompts), max_model_len=256)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))   # warm up
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)   # warm up
         times, tokens = [], None
         for _ in range(reps):
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp)
+            outs = llm.generate(prompts, sp, use_tqdm=False)
             times.append(time.perf_counter() - t0)
             tokens = [o.outputs[0].token_ids for o in outs]
         return {"tok_s": len(prompts) * new_tokens / statistics.median(times), "weights": weight_bytes(llm.engine.model),

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             ours_t, vllm_t = [], []
             for rep in range(args.reps + 1):          # round 0 warms both up
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp)
+                outs = llm.generate(prompts, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
                 got = theirs(prompts)
                 if rep:

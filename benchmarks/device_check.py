@@ -345,9 +345,9 @@ def model_timings(device: torch.device, smoke: bool, reps: int, copy_bw: float) 
     n_req = 16 if smoke else 256
     llm = LLM(tmp, dtype="bfloat16", device=device, max_num_seqs=64, max_model_len=1024)
     prompts = [[(i * 13 + j) % (vocab - 2) + 2 for j in range(128)] for i in range(n_req)]
-    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True), use_tqdm=False)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     say(f"\nEnd to end: {n_req} requests x (128 prompt + 128 output tokens): {elapsed:.2f} s, "
@@ -388,9 +388,9 @@ def tensor_parallel_check(device: torch.device, smoke: bool, model_dir: Optional
     for tp in (1, 2):
         llm = LLM(tmp, tensor_parallel_size=tp, device=str(device), max_model_len=256, max_num_seqs=8)
         try:
-            llm.generate(prompts[:1], sp)
+            llm.generate(prompts[:1], sp, use_tqdm=False)
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp)
+            outs = llm.generate(prompts, sp, use_tqdm=False)
             dt = time.perf_counter() - t0
         finally:
             llm.shutdown()

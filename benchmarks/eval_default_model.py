@@ -186,7 +186,7 @@ def evaluate_completions(model_path: Path, prompts: list[FunctionPrompt], new_to
 
     llm = LLM(str(model_path))
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
-    outs = llm.generate([p.prompt for p in prompts], params)
+    outs = llm.generate([p.prompt for p in prompts], params, use_tqdm=False)
     parsed, ended, ratios, samples = 0, 0, [], []
     for prompt, out in zip(prompts, outs):
         completion = out.outputs[0]

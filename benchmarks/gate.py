@@ -225,7 +225,7 @@ def generate_vs_transformers(path: Path, n_requests: int, prompt_len: int, new_t
         return out[:, ids.shape[1]:].tolist()
 
     def run_ours(ids):
-        return [o.outputs[0].token_ids for o in llm.generate(ids.tolist(), sp)]
+        return [o.outputs[0].token_ids for o in llm.generate(ids.tolist(), sp, use_tqdm=False)]
 
     result = {}
     for label, ids in (("batch", prompts), ("single", prompts[:1])):

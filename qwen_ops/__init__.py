@@ -10,6 +10,7 @@ from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.engine.engine import (QwenBatchDecodeResult, QwenBatchedRequest, QwenBatchPrefillResult, QwenEngine,
                                     QwenForwardResult)
 from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.structured import GuidedDecodingParams, StructuredOutputsParams
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.defaults import default_model_path
 from qwen_ops.models.dense import QwenForCausalLM
@@ -27,5 +28,5 @@ __all__ = [
     "QwenEngine", "QwenBatchedRequest", "QwenForwardResult", "QwenBatchPrefillResult", "QwenBatchDecodeResult",
     "SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
-    "QwenTokenizer", "load_tokenizer",
+    "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
 ]

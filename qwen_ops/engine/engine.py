@@ -280,11 +280,11 @@ class QwenEngine:
         ``quantization``: ``"int8"`` / ``"fp8"`` online quantization (``models/quant.py``); checkpoints
         quantized in a supported format load quantized either way."""
         from qwen_ops.engine import distributed as D
-        from qwen_ops.models.defaults import default_model_path
+        from qwen_ops.models.defaults import resolve_model_path
         from qwen_ops.models.loader import load_checkpoint, resolve_dtype
         from qwen_ops.models.parallel import check_tp_config
 
-        path = default_model_path() if path is None else path
+        path = resolve_model_path(path)       # None: the embedded model; a model id: the HF cache
         config = QwenConfig.from_pretrained(path)
         if tensor_parallel_size == 1:
             # The RoPE table needs only max_seq_len rows (the default 2048, as __init__'s).

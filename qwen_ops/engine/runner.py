@@ -209,6 +209,7 @@ class ModelRunner:
         self.grammar_fill_s = 0.0    # the last fill's seconds
         self.workers = None          # in-process TP: the other ranks (call() sends them each call)
         self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
+        self.sample_generator: Optional[torch.Generator] = None   # unseeded requests' noise (LLM(seed=)); else torch's
 
     # ------------------------------------------------------------------ one step
     def call(self, method: str, *args: Any) -> Any:
@@ -402,7 +403,7 @@ class ModelRunner:
                 if processed is picked:
                     processed = picked.clone()
                 GrammarBackend.apply(processed, grammar_mask[1][keep], [where[grammar_mask[0][k]] for k in keep])
-        tokens_t = sample(processed, params, [tasks[i].generator for i in rows])
+        tokens_t = sample(processed, params, [tasks[i].generator for i in rows], self.sample_generator)
         if self.share_tokens is not None:
             self.share_tokens(tokens_t)
         tokens = tokens_t.tolist()

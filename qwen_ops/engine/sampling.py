@@ -73,7 +73,8 @@ class SamplingParams:
     output, or once if it occurs there); then temperature, ``min_p`` (in [0, 1]: tokens below
     ``min_p`` times the top token's probability masked), top-k and top-p.
 
-    ``structured_outputs`` (vLLM's ``StructuredOutputsParams``, or a dict of its fields): the
+    ``structured_outputs`` (vLLM's ``StructuredOutputsParams``, or a dict of its fields; also
+    accepted under vLLM's older name ``guided_decoding``, with ``GuidedDecodingParams``): the
     output follows a JSON schema, a regex, a choice or a grammar (``engine/structured.py``).
     """
 
@@ -109,7 +110,7 @@ class SamplingParams:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  min_p: float = 0.0, logit_bias: Optional[dict] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
-                 structured_outputs=None, prompt_logprobs: Optional[int] = None):
+                 structured_outputs=None, prompt_logprobs: Optional[int] = None, guided_decoding=None):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
@@ -199,6 +200,11 @@ class SamplingParams:
             for i, w in enumerate(words):
                 if not isinstance(w, str) or not w.strip():
                     raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
+        if guided_decoding is not None:          # vLLM's older name of structured_outputs
+            if structured_outputs is not None:
+                raise ValueError("guided_decoding and structured_outputs are both set; they are one parameter "
+                                 "(guided_decoding is vLLM's older name), expected one of them")
+            structured_outputs = guided_decoding
         if structured_outputs is not None:
             from qwen_ops.engine.structured import StructuredOutputsParams
 

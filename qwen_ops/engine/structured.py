@@ -83,6 +83,10 @@ class StructuredOutputsParams:
         return self.kind, spec, self.any_whitespace
 
 
+# vLLM's older name for the same parameters (``SamplingParams(guided_decoding=GuidedDecodingParams(...))``).
+GuidedDecodingParams = StructuredOutputsParams
+
+
 class GrammarBackend:
     """A tokenizer's xgrammar vocabulary and a cache of compiled grammars (module docstring)."""
 

@@ -8,3 +8,37 @@ from pathlib import Path
 def default_model_path() -> Path:
     """The small Qwen3 checkpoint shipped in ``qwen_ops/default_model`` (Hugging Face layout)."""
     return Path(__file__).resolve().parent.parent / "default_model"
+
+
+# What a model id's snapshot needs: configs, weights, tokenizer, chat template.
+SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
+def resolve_model_path(model) -> Path:
+    """A checkpoint directory from vLLM's ``model`` argument: None is the embedded model; an
+    existing path is itself; otherwise a Hugging Face model id (``"Qwen/Qwen3-0.6B"``), looked
+    up in the local Hugging Face cache first (all that ``HF_HUB_OFFLINE=1`` allows), downloaded
+    with ``huggingface_hub`` if not there. A ValueError names the id when neither works."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    text = str(model)
+    if path.exists() or text.count("/") != 1 or text.startswith((".", "/", "~")) or text.endswith("/"):
+        return path                     # a path (the loader says what is wrong with it), not an id
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise ValueError(f"model = {text!r} is not a directory, and huggingface_hub (to look it up as a "
+                         "Hugging Face model id) is not installed") from None
+    try:
+        return Path(snapshot_download(text, allow_patterns=SNAPSHOT_PATTERNS, local_files_only=True))
+    except Exception:                   # noqa: BLE001 - not cached (or not fully): try the hub
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"model = {text!r} is not a directory and not in the Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE is set, so it is not downloaded")
+    try:
+        return Path(snapshot_download(text, allow_patterns=SNAPSHOT_PATTERNS))
+    except Exception as e:              # noqa: BLE001 - every failure is the same answer to the caller
+        raise ValueError(f"model = {text!r} is not a directory, not in the Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}), and could not be downloaded: {type(e).__name__}: {e}") from None

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -45,6 +46,40 @@ CUDA_GRAPH_RESERVE_BYTES = 1 << 30   # kept free on a GPU for activations and CU
 MAX_DEFAULT_SWAP_SPACE_BYTES = 4 << 30   # vLLM's default swap_space (4 GiB)
 PROMPTS_EXPECTED = ("a str, a list of token ids, a 1-D integer tensor, a dict {'prompt': str} or "
                     "{'prompt_token_ids': [...]} (vLLM's TextPrompt / TokensPrompt), or a list of those")
+
+
+class _ProgressBar:
+    """``LLM.generate``'s progress bar (vLLM's): prompts done, and input / output tokens per second
+    of the prompts done so far."""
+
+    def __init__(self, use_tqdm, states) -> None:
+        if callable(use_tqdm) and not isinstance(use_tqdm, bool):
+            factory = use_tqdm
+        else:
+            from tqdm.auto import tqdm as factory
+        self.states = states
+        self.done = [False] * len(states)
+        self.tokens_in = self.tokens_out = 0
+        self.start = time.perf_counter()
+        self.bar = factory(total=len(states), desc="Processed prompts", dynamic_ncols=True,
+                           postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+
+    def update(self) -> None:
+        new = 0
+        for i, st in enumerate(self.states):
+            if not self.done[i] and st.finished:
+                self.done[i] = True
+                new += 1
+                self.tokens_in += len(st.prompt_token_ids)
+                self.tokens_out += sum(len(c.request.output_token_ids) for c in st.completions)
+        if new:
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            self.bar.postfix = (f"est. speed input: {self.tokens_in / elapsed:.2f} toks/s, "
+                                f"output: {self.tokens_out / elapsed:.2f} toks/s")
+            self.bar.update(new)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def default_swap_space_bytes() -> int:
@@ -100,13 +135,46 @@ def normalize_prompts(prompts) -> list:
     return list(prompts)
 
 
-def _default_kv_budget(device: torch.device) -> int:
-    """Bytes for the KV cache: 1 GiB on the CPU; on a GPU, 90% of what is free after the weights,
-    less a reserve for activations and graph capture, taken before the cache is sized."""
+def _default_kv_budget(device: torch.device, utilization: Optional[float] = None) -> int:
+    """Bytes for the KV cache: 1 GiB on the CPU (times ``utilization``); on a GPU, 90% of what is
+    free after the weights, or with ``utilization`` that share of the whole device less what is in
+    use, less a reserve for activations and graph capture, taken before the cache is sized."""
     if device.type != "cuda":
-        return DEFAULT_KV_CACHE_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
+        return int(DEFAULT_KV_CACHE_BYTES * (1.0 if utilization is None else utilization))
+    free, total = torch.cuda.mem_get_info(device)
+    if utilization is None:
+        return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
+    return max(0, int(utilization * total - (total - free) - CUDA_GRAPH_RESERVE_BYTES))
+
+
+# generation_config.json keys that vLLM takes as sampling defaults, and their SamplingParams names.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_params(model_path: Path, generation_config: Union[str, Path] = "auto") -> SamplingParams:
+    """vLLM's ``get_default_sampling_params``: ``"vllm"``: ``SamplingParams()``; ``"auto"``: the
+    checkpoint's ``generation_config.json`` sampling fields over those; a directory: its file."""
+    import json
+
+    if generation_config == "vllm":
+        return SamplingParams()
+    folder = Path(model_path) if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not folder.is_dir():
+        raise ValueError(f"generation_config = {str(generation_config)!r}, expected 'auto', 'vllm' or a directory "
+                         "holding generation_config.json")
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return SamplingParams()
+    try:
+        cfg = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    kwargs = {name: cfg[key] for key, name in GENERATION_CONFIG_KEYS.items() if cfg.get(key) is not None}
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def _encode(tokenizer: Optional[QwenTokenizer], prompt: Prompt, index: int) -> list[int]:
@@ -189,7 +257,9 @@ class LLM:
                  backend: Optional[str] = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, tp_port: Optional[int] = None,
                  quantization: Optional[str] = None, speculative_config: Optional[dict] = None,
-                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, seed: Optional[int] = None,
+                 enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
+                 generation_config: str = "auto"):
         """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
@@ -220,19 +290,47 @@ class LLM:
         "prompt_lookup_min": 1, "prompt_lookup_max": 3}`` drafts up to k tokens per decode by
         prompt lookup and verifies them in the decode's forward pass; the output is the model's own
         (greedy token for token, sampled in distribution; ``engine/speculative.py``).
-        ``stats()["spec_*"]`` counts drafts and acceptance."""
-        from qwen_ops.models.defaults import default_model_path
+        ``stats()["spec_*"]`` counts drafts and acceptance.
+
+        vLLM's other offline arguments: ``seed`` seeds the noise of requests that bring no seed of
+        their own (one generator of this ``LLM``, so a run repeats; default None: torch's global
+        generator); ``enforce_eager=True`` means no compile and no CUDA graphs;
+        ``gpu_memory_utilization`` (in (0, 1]) is the share of the device's memory that weights and
+        KV cache may take (the KV cache gets what the weights leave of it), and on the CPU the share
+        of the default KV budget (``DEFAULT_KV_CACHE_BYTES``, 1 GiB; ``kv_cache_bytes`` sets it
+        outright, as vLLM-CPU's ``VLLM_CPU_KVCACHE_SPACE`` does); ``generation_config`` (``"auto"``,
+        ``"vllm"`` or a directory): where ``get_default_sampling_params()`` takes its defaults, the
+        sampling parameters of every call that passes none."""
+        from qwen_ops.models.defaults import resolve_model_path
         from qwen_ops.models.loader import load_checkpoint
 
         # Every argument by name, before the (slow) load.
         if model is not None and not isinstance(model, (str, Path)):
-            raise ValueError(f"model = {model!r}, expected a checkpoint directory (str or Path) or None")
+            raise ValueError(f"model = {model!r}, expected a checkpoint directory or a Hugging Face model id "
+                             "(str or Path), or None")
         _check_int("max_num_seqs", max_num_seqs, 1)
         _check_int("max_model_len", max_model_len, 2, optional=True)
         _check_int("block_size", block_size, 1)
         _check_int("num_kv_blocks", num_kv_blocks, 1, optional=True)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, optional=True)
         _check_int("kv_cache_bytes", kv_cache_bytes, 1, optional=True)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed = {seed!r}, expected an int or None")
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager = {enforce_eager!r}, expected True or False")
+        if enforce_eager:
+            for name, flag in (("compile", compile), ("cuda_graphs", cuda_graphs)):
+                if flag:
+                    raise ValueError(f"{name} = True with enforce_eager = True; enforce_eager means no compile and "
+                                     f"no CUDA graphs, expected one of them")
+            compile = cuda_graphs = False
+        if gpu_memory_utilization is not None and (
+                isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
+                or not 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r}, expected a number in (0, 1] "
+                             "or None")
+        if not isinstance(generation_config, (str, Path)) or not generation_config:
+            raise ValueError(f"generation_config = {generation_config!r}, expected 'auto', 'vllm' or a directory")
         if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected one of {sorted(KV_CACHE_DTYPES)} "
                              "(vLLM's names)")
@@ -265,7 +363,7 @@ class LLM:
             raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
                              f"{tensor_parallel_size}: speculative decoding runs on one rank only; expected "
                              "tensor_parallel_size = 1 or no speculative_config")
-        path = default_model_path() if model is None else model
+        path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
         if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
@@ -290,7 +388,8 @@ class LLM:
         per_seq_blocks = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             block_bytes = 2 * attention_layers * block_size * kv_heads * cfg.head_dim * elem
-            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(device)
+            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(device,
+                                                                                           gpu_memory_utilization)
             num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
         if num_kv_blocks < per_seq_blocks:
             raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
@@ -319,6 +418,8 @@ class LLM:
                 from qwen_ops.engine.mtp import MTPRunner
 
                 self.engine.runner.attach_proposer(MTPRunner(self.engine.runner.model, self.engine.runner))
+        if seed is not None:
+            self.engine.runner.sample_generator = torch.Generator(device=device).manual_seed(seed)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -326,8 +427,15 @@ class LLM:
             swap_space_bytes=default_swap_space_bytes() if swap_space is None else int(swap_space * (1 << 30)),
             check_invariants=check_invariants), spec)
         self.scheduler = self.core.scheduler
-        self.model_path = Path(default_model_path() if model is None else model)
+        self.model_path = Path(path)
         self._chat_template = None      # LLM.chat's, compiled on first use
+        self._default_sampling = default_sampling_params(self.model_path, generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``
+        the checkpoint's ``generation_config.json`` (``temperature``, ``top_p``, ``top_k``,
+        ``min_p``, ``repetition_penalty``, ``max_new_tokens``) over vLLM's defaults."""
+        return self._default_sampling
 
     def _attach_draft(self, spec: SpeculativeConfig, cfg: QwenConfig, dtype, device, max_model_len: int) -> None:
         """Load the draft model of ``"method": "draft_model"`` beside the target (``engine/draft.py``)."""
@@ -353,6 +461,8 @@ class LLM:
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None]
                  ) -> list[tuple[Prompt, list[int], SamplingParams]]:
+        if sampling_params is None:
+            sampling_params = self._default_sampling
         return prepare_requests(prompts, sampling_params, tokenizer=self.tokenizer,
                                 vocab_size=self.engine.vocab_size, max_model_len=self.scheduler.config.max_model_len)
 
@@ -375,15 +485,24 @@ class LLM:
             return [st.output()[0] for st in self.core.step()]
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> list[RequestOutput]:
-        """Generate for every prompt; returns outputs in prompt order."""
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns outputs in prompt order. ``sampling_params`` None:
+        ``get_default_sampling_params()``. ``use_tqdm`` (vLLM's): a progress bar on stderr of the
+        prompts done and the tokens/s in and out (a callable: the ``tqdm``-like class to use)."""
         core = self.core
         states = core.add_requests(self._prepare(prompts, sampling_params))
+        bar = _ProgressBar(use_tqdm, states) if use_tqdm else None
         try:
-            while not all(st.finished for st in states):
+            while True:
+                if bar is not None:
+                    bar.update()
+                if all(st.finished for st in states):
+                    break
                 core.step()
         finally:
+            if bar is not None:
+                bar.close()
             core.abort_unfinished(states)
         with core.lock:
             return [st.output()[0] for st in states]
@@ -429,7 +548,8 @@ class LLM:
         return self.tokenizer
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
+             use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
         """Generate replies to conversations (vLLM's ``LLM.chat``): ``messages`` is one conversation
         (a list of ``{"role", "content"}`` dicts) or a list of them. Each is rendered by the
         checkpoint's chat template (ChatML if it has none), the same ``ChatTemplate`` as
@@ -457,7 +577,7 @@ class LLM:
             except ChatTemplateError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:
         """Abort a request by the id ``add_request`` returned (all its completions)."""
