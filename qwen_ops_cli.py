@@ -97,6 +97,11 @@ def _add_serve_parser(sub) -> None:
                    help="share KV blocks of common prompt prefixes (default: on; off for hybrid models)")
     s.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
                    help="split chat replies into reasoning_content and content (qwen3: <think>...</think>)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let tool_choice 'auto' (the default with tools) parse tool calls from replies; needs "
+                        "--tool-call-parser (vLLM's flags; without them such a request is a 400)")
+    s.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                   help="the format of tool calls in replies: hermes (<tool_call>{...}</tool_call>, Qwen's)")
     s.add_argument("--compile", action="store_true", default=None,
                    help="compile the decode step (default: on for CUDA, off on the CPU)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -128,6 +133,7 @@ _DEBUG_HELP = "on an error, raise it with its traceback instead of printing one 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-ops", description="Slot-indexed Qwen inference on torch.ops.qwen.*")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"qwen-ops {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion of a prompt",
                        description="Stream a completion of PROMPT, then print tokens/s.")
@@ -152,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func="bench")
     _add_serve_parser(sub)
     return parser
+
+
+def _version() -> str:
+    # The installed distribution's version, read without importing torch (or the package).
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qwen_ops")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _debug_env() -> bool:

@@ -528,6 +528,7 @@ def test_serve_flags_and_defaults():
     (["serve", "--engine-heartbeat-timeout", "0"], "--engine-heartbeat-timeout = 0.0, expected a number of seconds > 0"),
     (["serve", "--request-timeout", "-1"], "--request-timeout = -1.0, expected a number of seconds > 0"),
     (["serve", "--timeout-keep-alive", "inf"], "--timeout-keep-alive = inf, expected a number of seconds > 0"),
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's"),
 ])
 def test_serve_rejects_bad_flags_before_loading(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("QWEN_OPS_DEBUG", raising=False)
@@ -551,6 +552,10 @@ def test_qwen_ops_serve_end_to_end(tmp_path):
             m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "".join(seen)
+        # One start-up line says what is served (vLLM prints its config too).
+        (summary,) = [line for line in seen if line.startswith("qwen-ops serve: ")]
+        assert f"as {SERVED_NAME} | float32" in summary and "max_model_len 128" in summary, summary
+        assert re.search(r"KV cache \d+ blocks = \d+ tokens \| 1 thread \| http://127\.0\.0\.1:\d+$", summary.strip())
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=30) as c:
             assert [m.id for m in c.models.list().data] == [SERVED_NAME]
             out = c.completions.create(model=SERVED_NAME, prompt="def f(x):", max_tokens=3)
@@ -595,7 +600,10 @@ def test_tokenize_detokenize_and_version(server, client):
                                "chat_template_kwargs")):
         resp = httpx.post(f"{base}{path}", json=body, headers=headers)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.text)
-    assert httpx.post(f"{base}/tokenize", json={"prompt": "a"}).status_code == 401        # behind the key
+    # Outside the key, as vLLM's; the /v1 routes stay behind it.
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "a"}).status_code == 200
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).status_code == 200
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "a"}).status_code == 401
 
 
 def test_vllm_metric_names(server, client):
@@ -647,3 +655,29 @@ def test_reasoning_parser_splits_and_streams(engine):
             assert (reasoning, content) == (full.reasoning_content, full.content)
     with pytest.raises(ValueError, match=r"reasoning_parser = 'deepseek', expected one of \['qwen3'\]"):
         build_app(engine, served_model_name="x", reasoning_parser="deepseek")
+
+
+def test_developer_role_is_system_and_surrogates_are_400s(server, client):
+    """OpenAI's ``developer`` role renders as ``system`` (the same prompt, so the same greedy reply);
+    a lone UTF-16 surrogate is a 400 naming the field on /tokenize as on /v1."""
+    def reply(role):
+        r = client.chat.completions.create(model=SERVED_NAME, max_tokens=6, temperature=0, messages=[
+            {"role": role, "content": "You write Python."}, {"role": "user", "content": "def f(x):"}])
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    assert reply("developer") == reply("system")
+    bad = '{"prompt": "a\\ud800b"}'
+    r = httpx.post(f"{server.url}/tokenize", content=bad, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(f"{server.url}/v1/completions", content='{"model": "%s", "prompt": "a\\ud800b"}' % SERVED_NAME,
+                   headers={"content-type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    import qwen_ops
+
+    assert capsys.readouterr().out.strip() == f"qwen-ops {qwen_ops.__version__}"

@@ -130,7 +130,7 @@ openai = pytest.importorskip("openai")
 def client():
     engine = make_engine()
     try:
-        with running_server(engine) as srv:
+        with running_server(engine, enable_auto_tool_choice=True, tool_call_parser="hermes") as srv:
             with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
                 yield c
     finally:
@@ -260,7 +260,7 @@ class _CallingEngine(PassThroughEngine):
 def test_auto_tool_calls_parse_and_stream():
     engine = make_engine()
     try:
-        with running_server(_CallingEngine(engine)) as srv:
+        with running_server(_CallingEngine(engine), enable_auto_tool_choice=True, tool_call_parser="hermes") as srv:
             with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
                 r = ask(c, tools=[WEATHER], temperature=0, max_tokens=40).choices[0]
                 assert r.finish_reason == "tool_calls" and r.message.content == "Let me check."
@@ -372,3 +372,27 @@ def test_bitmask_filled_beside_the_forward_pass_gives_the_same_tokens(llm):
 
         runner.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S
     assert beside == inline and runner._grammar_pool is not None
+
+
+def test_auto_tool_choice_needs_the_servers_flags():
+    """vLLM's rule: tool_choice "auto" (also implied by tools alone) needs --enable-auto-tool-choice
+    and --tool-call-parser; forced calls do not. The flags without a parser are refused at start."""
+    engine = make_engine()
+    try:
+        with running_server(engine) as srv:
+            with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120) as c:
+                for kw in (dict(tools=[WEATHER]), dict(tools=[WEATHER], tool_choice="auto")):
+                    with pytest.raises(openai.BadRequestError) as e:
+                        ask(c, max_tokens=4, **kw)
+                    assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in str(e.value)
+                named = {"type": "function", "function": {"name": "get_weather"}}
+                call = ask(c, tools=[WEATHER], tool_choice=named, max_tokens=60, temperature=0).choices[0]
+                assert call.message.tool_calls[0].function.name == "get_weather"
+        from qwen_ops.serving.openai import build_app
+
+        with pytest.raises(ValueError, match="needs tool_call_parser"):
+            build_app(engine, served_model_name="x", enable_auto_tool_choice=True)
+        with pytest.raises(ValueError, match="tool_call_parser = 'mistral'"):
+            build_app(engine, served_model_name="x", tool_call_parser="mistral")
+    finally:
+        engine.shutdown()

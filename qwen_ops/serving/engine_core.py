@@ -36,6 +36,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
@@ -221,6 +223,10 @@ class EngineCore:
                 "num_swap_full_recomputes": s.num_swap_full_recomputes,
                 "num_swap_in_recomputes": s.num_swap_in_recomputes,
                 "kv_cache_dtype": str(self.engine.kv_cache_dtype).removeprefix("torch."),
+                "dtype": str(self.engine.dtype).removeprefix("torch."),
+                "block_size": kv.block_size,
+                "max_model_len": s.config.max_model_len,
+                "num_threads": torch.get_num_threads(),
                 **self._spec_stats(),
                 **kv.stats(),
             }

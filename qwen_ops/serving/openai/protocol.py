@@ -33,7 +33,7 @@ MAX_CHOICES = 1024             # completions in one request: prompts x n
 # Stop strings (searched for in every completion's new text at every token) are bounded by the
 # engine's MAX_STOP_STRINGS and MAX_STOP_STRING_CHARS (64 and 1024; OpenAI allows 4, vLLM any),
 # checked here first so the 400 names the request field.
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # developer: OpenAI's newer name of system
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
@@ -266,6 +266,8 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role = {_show(role)}, expected one of {', '.join(CHAT_ROLES)}",
                               f"{where}.role")
+        if role == "developer":
+            role = "system"                  # the templates know system; OpenAI's o-series renamed it
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""                     # an assistant turn that only called tools

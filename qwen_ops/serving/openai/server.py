@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -322,9 +323,11 @@ class _Prepared:
 class _Serving:
     def __init__(self, engine, served_names: list[str], max_waiting: Optional[int], *,
                  heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None):
+                 request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None,
+                 auto_tool_choice: bool = False):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self.auto_tool_choice = auto_tool_choice
         self._grammars = None          # structured outputs: an xgrammar backend for the 400s (engine/structured.py)
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
@@ -394,6 +397,11 @@ class _Serving:
         if bound is not None and len(text) > bound:
             raise P.bad_request(f"{param} has {len(text)} characters; this model's maximum context length is "
                                 f"{self.max_model_len} tokens, which no text over {bound} characters fits", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:      # a lone UTF-16 surrogate ("\ud800") is no text to tokenize
+            raise P.bad_request(f"{param} holds an unpaired UTF-16 surrogate at character {e.start}; expected "
+                                "valid Unicode text", param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def constrained(self, req, kwargs: dict) -> dict:
@@ -663,6 +671,10 @@ class _Serving:
         P.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         P.stop_strings(req.stop)
         tools, mode, named = P.chat_tools(req.tools, req.tool_choice)
+        if mode == "auto" and not self.auto_tool_choice:        # vLLM's rule (tools alone mean "auto")
+            raise P.bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+                                'be set; expected tool_choice "none", "required" or a named function, or a server '
+                                "started with them", "tool_choice")
         text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
         ids = self.encode(text, "messages", add_special_tokens=False)
         self.check_ids(ids, "messages (rendered)", "messages")
@@ -862,7 +874,8 @@ def _check_seconds(name: str, value) -> None:
 def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None,
               heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
-              request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
+              request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
 
     ``served_model_name``: the name (or names; the first is reported) requests must use.
@@ -876,6 +889,9 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     after this many seconds is aborted and answered 504 (in-band once a stream has started).
     ``reasoning_parser``: ``"qwen3"`` splits chat replies into ``reasoning_content`` and
     ``content`` (``reasoning.py``), streamed too; None leaves the text whole.
+    ``enable_auto_tool_choice`` with ``tool_call_parser="hermes"`` (vLLM's flags): ``tool_choice``
+    ``"auto"`` (the default when a request has tools) parses the reply's tool calls; without them
+    such a request is a 400, as vLLM's. Forced (``"required"``, named) calls work either way.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -892,8 +908,13 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
         raise ValueError(f"max_waiting = {max_waiting!r}, expected an int >= 0 or None")
 
     make_parser(reasoning_parser, "")                  # a bad name fails here, not per request
+    if tool_call_parser not in (None, "hermes"):
+        raise ValueError(f"tool_call_parser = {tool_call_parser!r}, expected 'hermes' (Qwen's format) or None")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser hermes), as vLLM's")
     serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
-                       request_timeout=request_timeout, reasoning_parser=reasoning_parser)
+                       request_timeout=request_timeout, reasoning_parser=reasoning_parser,
+                       auto_tool_choice=bool(enable_auto_tool_choice))
     expected_key = api_key.encode() if api_key is not None else None
 
     async def check_api_key(request: Request) -> None:
@@ -947,11 +968,12 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     async def chat_completions(request: Request):
         return await serving.chat(request, await request.body())
 
-    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    # Outside the key, as vLLM's (its bench client aligns prompts with them).
+    @app.post("/tokenize")
     async def tokenize(request: Request):
         return serving.tokenize(await request.body())
 
-    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/detokenize")
     async def detokenize(request: Request):
         return serving.detokenize(await request.body())
 
@@ -1130,6 +1152,8 @@ def run_server(args) -> int:
                         ("--timeout-keep-alive", args.timeout_keep_alive)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{flag} = {value}, expected a number of seconds > 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's")
     api_key = _api_key(args.api_key)
     names = args.served_model_name or [default_served_model_name(args.model)]
     sock = bind_socket(args.host, args.port)        # before the model load: a port in use fails at once
@@ -1146,8 +1170,11 @@ def run_server(args) -> int:
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser)
             port = sock.getsockname()[1]
+            print(startup_line(engine, names, args.host, port), file=sys.stderr, flush=True)
             server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
                                                     timeout_keep_alive=args.timeout_keep_alive))
             server.run(sockets=[sock])
@@ -1156,6 +1183,15 @@ def run_server(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
+    """One line saying what is served: model, dtype, context length, KV capacity, threads, address."""
+    st = engine.stats()
+    tokens = st["total_blocks"] * st["block_size"]
+    return (f"qwen-ops serve: {engine.model_path} as {', '.join(names)} | {st['dtype']}, KV {st['kv_cache_dtype']} | "
+            f"max_model_len {st['max_model_len']} | KV cache {st['total_blocks']} blocks = {tokens} tokens | "
+            f"{st['num_threads']} thread{'s' if st['num_threads'] != 1 else ''} | http://{host}:{port}")
 
 
 def _api_key(flag: Optional[str]) -> Optional[str]:
