@@ -291,6 +291,8 @@ def test_sampled_speculation_draws_from_the_target_distribution(tmp_path, method
     ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative_config.method = 'eagle', expected one of"),
     ({"method": "ngram"}, r"speculative_config.num_speculative_tokens is missing"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"speculative_config.num_speculative_tokens = 0, expected"),
+    ({"method": "ngram", "num_speculative_tokens": 10 ** 9},
+     r"speculative_config.num_speculative_tokens = 1000000000, expected at most 64"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"speculative_config.model = 'x' is not"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_max = 2 < prompt_lookup_min = 4"),

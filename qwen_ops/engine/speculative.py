@@ -43,6 +43,9 @@ from qwen_ops.engine.sampling import race_pick
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The speculative_config keys each method takes (vLLM's names).
 _COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+# Drafts per decode: the verify buffers hold 1 + k rows per sequence, sized from k at start. vLLM
+# setups use 1-10; past this many, acceptance makes the extra rows pure cost.
+MAX_SPECULATIVE_TOKENS = 64
 _METHOD_KEYS = {"ngram": _COMMON_KEYS | {"prompt_lookup_min", "prompt_lookup_max"},
                 "draft_model": _COMMON_KEYS | {"model"}, "mtp": _COMMON_KEYS}
 
@@ -97,6 +100,9 @@ class SpeculativeConfig:
             _check_int("speculative_config.disable_by_batch_size", out.disable_by_batch_size, 1)
         for name in ("num_speculative_tokens", "prompt_lookup_min"):
             _check_int(f"speculative_config.{name}", getattr(out, name), 1)
+        if out.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:      # bounded before any buffer is sized
+            raise ValueError(f"speculative_config.num_speculative_tokens = {out.num_speculative_tokens}, expected "
+                             f"at most {MAX_SPECULATIVE_TOKENS} (MAX_SPECULATIVE_TOKENS)")
         if out.prompt_lookup_max is not None:
             _check_int("speculative_config.prompt_lookup_max", out.prompt_lookup_max, 1)
             if out.prompt_lookup_max < out.prompt_lookup_min:
