@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from qwen_ops import LLM, SamplingParams
 from qwen_ops.serving.async_llm import QueueFullError
@@ -681,3 +682,29 @@ def test_version_flag(capsys):
     import qwen_ops
 
     assert capsys.readouterr().out.strip() == f"qwen-ops {qwen_ops.__version__}"
+
+
+def test_vllm_request_metrics(server, client):
+    """vLLM's per-request histograms and engine gauges: counts and sums move by exactly what one
+    request of known size adds (a fresh prompt, so no prefix-cache hit shortens its prefill)."""
+    prompt = torch.randint(10, 8000, (37,), generator=torch.Generator().manual_seed(4407)).tolist()
+    before = scrape(server.url)
+    client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = scrape(server.url)
+
+    def delta(name):
+        return after[f"vllm:{name}"] - before.get(f"vllm:{name}", 0.0)
+
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"{name}_count") == 1, name
+        assert after[f"vllm:{name}_count"] == after[f"qwen_ops:{name}_count"], name
+    assert delta("request_prompt_tokens_sum") == 37 and delta("request_generation_tokens_sum") == 5
+    assert 0 <= delta("request_prefill_time_seconds_sum") <= delta("e2e_request_latency_seconds_sum")
+    # The engine computed the 37 prompt tokens and 4 decodes (the 5th token is sampled, never fed).
+    assert delta("iteration_tokens_total_sum") == 37 + 4
+    assert delta("iteration_tokens_total_count") >= 5
+    (info,) = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert "block_size=16" in info and "enable_prefix_caching=true" in info and after[info] == 1.0
+    assert f"num_gpu_blocks={int(after['vllm:kv_cache_blocks_total'])}" in info

@@ -45,6 +45,7 @@ class Request:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: Optional[float] = None    # when it was first admitted (vLLM's queue time ends there)
     token_times: list[float] = field(default_factory=list)
     grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
     # sampling.prompt_logprobs: (logprob, rank, top ids, top logprobs) of prompt tokens 1, 2, ...

@@ -23,6 +23,7 @@ SIGINT (the parent decides when to stop), and a child that dies fails every open
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import os
@@ -48,6 +49,8 @@ from qwen_ops.serving.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[Sequence[RequestDelta]], None]
+# vLLM's buckets of iteration_tokens_total (tokens per engine step); the last bucket is +Inf.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Seconds the parent waits for the child to load its model, and for it to exit on shutdown.
 DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
@@ -81,6 +84,9 @@ class EngineCore:
         self.owned: set[str] = set()     # ids added by messages (add) and not yet finished or aborted
         self.num_added = 0               # completions added by messages: what a parent's waiting count holds
         self._grammars = None            # structured outputs' GrammarBackend (grammar_backend)
+        # Tokens per iteration (vLLM's iteration_tokens_total histogram): counts per bucket, and the sum.
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     # ------------------------------------------------------------------ requests
     def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None
@@ -182,6 +188,9 @@ class EngineCore:
             plan = sched.schedule()
             if not plan.has_work():
                 return []
+            n = sched.last_iteration_tokens
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, n)] += 1
+            self.iteration_tokens_sum += n
             out = self.engine.runner.call("step", plan)
             return self.outputs.process(sched.update(plan, out), sched.finish_on_stop_string)
 
@@ -227,6 +236,8 @@ class EngineCore:
                 "block_size": kv.block_size,
                 "max_model_len": s.config.max_model_len,
                 "num_threads": torch.get_num_threads(),
+                "iteration_tokens_buckets": list(self.iteration_tokens),
+                "iteration_tokens_sum": self.iteration_tokens_sum,
                 **self._spec_stats(),
                 **kv.stats(),
             }

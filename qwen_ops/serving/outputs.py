@@ -47,10 +47,30 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None     # when its first completion was admitted
 
     @property
     def time_to_first_token(self) -> Optional[float]:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Arrival to admission (vLLM's ``request_queue_time_seconds``)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> Optional[float]:
+        """Admission to the first token (vLLM's ``request_prefill_time_seconds``)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> Optional[float]:
+        """The first token to the last (vLLM's ``request_decode_time_seconds``)."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
 
 @dataclass
@@ -91,6 +111,7 @@ class RequestDelta(NamedTuple):
     last_token_time: Optional[float] = None
     error: Optional[str] = None
     prompt_logprobs: Optional[list] = None     # once, in the first delta after the prompt is scored
+    first_scheduled_time: Optional[float] = None
 
 
 def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]],
@@ -128,7 +149,7 @@ class RequestAccumulator:
         self._logprobs: list[Optional[list]] = [[] if want_lps else None for _ in range(n)]
         self._dirty: dict[int, None] = {}
         self.finished = False
-        self.times: tuple = (0.0, None, None)
+        self.times: tuple = (0.0, None, None, None)
         self.prompt_logprobs: Optional[list] = None
 
     def apply(self, delta: RequestDelta) -> list[int]:
@@ -148,7 +169,7 @@ class RequestAccumulator:
                                                c.cumulative_logprob, old.logprobs)
             self._dirty[i] = None
         self.finished = delta.finished
-        self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time)
+        self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time, delta.first_scheduled_time)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         return new
@@ -260,6 +281,7 @@ class RequestState:
     arrival_time: float = float("inf")
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
     accumulator: Optional["RequestAccumulator"] = None    # LLM's fold of this state's deltas
     sent_prompt_logprobs: bool = False
 
@@ -275,6 +297,8 @@ class RequestState:
     def touch(self, comp: _Completion) -> None:
         """``comp`` gained a token (and may have finished) in this iteration."""
         self.dirty[comp.state.index] = None
+        if self.first_scheduled_time is None:   # it was admitted no later than its first token
+            self.first_scheduled_time = comp.request.scheduled_time
         times = comp.request.token_times
         if times:
             if self.first_token_time is None:   # iterations run in time order: the first seen is the earliest
@@ -313,7 +337,8 @@ class RequestState:
                 prompt_lps = [None] + [logprob_entry(t, e, text) for t, e in zip(ids[1:], scored)]
                 self.sent_prompt_logprobs = True
         return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
-                            self.last_token_time, prompt_logprobs=prompt_lps)
+                            self.last_token_time, prompt_logprobs=prompt_lps,
+                            first_scheduled_time=self.first_scheduled_time)
 
     def output(self) -> tuple[RequestOutput, list[int]]:
         """Fold what changed into this state's accumulator: the cumulative output, and the tokens

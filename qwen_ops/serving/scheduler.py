@@ -105,6 +105,7 @@ class Scheduler:
         self.num_draft_tokens = 0                 # drafts verified
         self.num_accepted_tokens = 0              # drafts kept
         self.num_spec_emitted_tokens = 0          # tokens those decodes added (kept drafts + the target's)
+        self.last_iteration_tokens = 0            # tokens the last schedule() planned
 
     @property
     def swap_bytes_used(self) -> int:
@@ -328,6 +329,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.perf_counter()
             self.running.append(req)
             admitted.append(req)
             self._add_step(req, False, chunk, budget, plan)
@@ -342,6 +345,7 @@ class Scheduler:
                 f"KV blocks free, token budget {cfg.max_num_batched_tokens}")
         self.num_iterations += plan.has_work()
         self.num_scheduled_seqs += plan.total_requests()
+        self.last_iteration_tokens = budget.prefill_tokens + budget.decode_tokens
         return plan
 
     def _check_invariants(self, plan: IterationPlan, budget: TokenBudget, admitted: list[Request]) -> None:

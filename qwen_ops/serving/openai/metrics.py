@@ -15,7 +15,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "qwen_ops:"
@@ -26,6 +26,12 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+# Request token counts: vLLM's 1-2-5 series up to the longest request.
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
+
+
+def token_buckets(max_model_len: Optional[int]) -> tuple:
+    return tuple(b for b in TOKEN_BUCKETS if max_model_len is None or b <= max_model_len) or (1,)
 
 
 class _EngineCollector(Collector):
@@ -64,6 +70,23 @@ class _EngineCollector(Collector):
         if PREFIX == VLLM_PREFIX:
             yield gauge("gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (vLLM's older name).",
                         used / total if total else 0.0)
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (labels; value 1).",
+                                 labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
+        if s is not None:
+            info.add_metric([self._model, str(get("block_size")), str(total), str(s.get("kv_cache_dtype", "")),
+                             str(bool(s.get("prefix_caching"))).lower()], 1.0)
+        yield info
+        hist = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens per engine iteration.", labels=labels)
+        counts = s.get("iteration_tokens_buckets") if s is not None else None
+        if counts:
+            from qwen_ops.serving.engine_core import ITERATION_TOKEN_BUCKETS
+
+            cumulative, running = [], 0
+            for bound, c in zip([*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"], counts):
+                running += c
+                cumulative.append((bound, running))
+            hist.add_metric([self._model], cumulative, s.get("iteration_tokens_sum", 0))
+        yield hist
         for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions since start."),
                                ("prefix_cache_queries", "prefix_cache_queries",
                                 "Prompt tokens looked up in the prefix cache."),
@@ -109,7 +132,8 @@ class _Fanout:
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool] = lambda: True):
+    def __init__(self, stats: Callable[[], dict], model_name: str, is_up: Callable[[], bool] = lambda: True,
+                 max_model_len: Optional[int] = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
@@ -132,6 +156,20 @@ class ServerMetrics:
                                             labels, buckets=ITL_BUCKETS, registry=reg)).labels(model_name)
         self.e2e = each(lambda p: Histogram(p + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
                                             labels, buckets=E2E_BUCKETS, registry=reg)).labels(model_name)
+
+        def seconds(name: str, doc: str) -> _Fanout:
+            return each(lambda p: Histogram(p + name, doc, labels, buckets=E2E_BUCKETS, registry=reg)).labels(model_name)
+
+        def tokens(name: str, doc: str) -> _Fanout:
+            return each(lambda p: Histogram(p + name, doc, labels, buckets=token_buckets(max_model_len),
+                                            registry=reg)).labels(model_name)
+
+        # The engine's own times of each request (its arrival, admission, first and last token).
+        self.queue_time = seconds("request_queue_time_seconds", "Arrival to admission into the running batch.")
+        self.prefill_time = seconds("request_prefill_time_seconds", "Admission to the first generated token.")
+        self.decode_time = seconds("request_decode_time_seconds", "The first generated token to the last.")
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request.")
+        self.request_generation_tokens = tokens("request_generation_tokens", "Generated tokens per request.")
 
     def finished(self, reason: Optional[str]) -> None:
         self._success.labels(self.model_name, reason or "abort").inc()
@@ -164,14 +202,23 @@ class RequestTiming:
             self._m.itl.observe(now - self._last)
         self._last = now
 
-    def finish(self, finish_reasons: Sequence[Optional[str]], num_generated: int) -> None:
-        """Once per stream: at its last update, or when it is abandoned (reasons None = abort)."""
+    def finish(self, finish_reasons: Sequence[Optional[str]], num_generated: int, times=None) -> None:
+        """Once per stream: at its last update, or when it is abandoned (reasons None = abort).
+        ``times``: the engine's ``RequestMetrics`` of the request, when it finished there."""
         if self._done:
             return
         self._done = True
+        m = self._m
         if self._last is None:
-            self._m.prompt_tokens.inc(self._prompt_tokens)
-        self._m.generation_tokens.inc(num_generated)
-        self._m.e2e.observe(time.perf_counter() - self.start)
+            m.prompt_tokens.inc(self._prompt_tokens)
+        m.generation_tokens.inc(num_generated)
+        m.e2e.observe(time.perf_counter() - self.start)
+        m.request_prompt_tokens.observe(self._prompt_tokens)
+        m.request_generation_tokens.observe(num_generated)
+        if times is not None:
+            for hist, value in ((m.queue_time, times.queue_time), (m.prefill_time, times.prefill_time),
+                                (m.decode_time, times.decode_time)):
+                if value is not None:
+                    hist.observe(max(0.0, value))
         for reason in finish_reasons:
             self._m.finished(reason)

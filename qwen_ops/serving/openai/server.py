@@ -134,7 +134,7 @@ class _Generation:
         self.latest[i] = self.last[i] = out
         if out.finished:
             self.finished[i] = True
-            self._timings[i].finish([c.finish_reason for c in out.outputs], generated)
+            self._timings[i].finish([c.finish_reason for c in out.outputs], generated, out.metrics)
 
     async def _pump(self, i: int) -> None:
         opened = self._opened[i]
@@ -339,7 +339,8 @@ class _Serving:
         self.request_timeout = request_timeout
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.chat_template = ChatTemplate.for_checkpoint(engine.model_path)
-        self.metrics = ServerMetrics(engine.stats, served_names[0], is_up=self.engine_up)
+        self.metrics = ServerMetrics(engine.stats, served_names[0], is_up=self.engine_up,
+                                     max_model_len=getattr(engine, "max_model_len", None))
         self.created = int(time.time())
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
                                                                    thread_name_prefix="qwen-ops-prepare")
