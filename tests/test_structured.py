@@ -11,6 +11,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qwen_ops import LLM, SamplingParams
 from qwen_ops.engine.structured import StructuredOutputsParams
@@ -221,12 +223,17 @@ def test_forced_tool_calls_always_parse(client):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
         assert r.choices[0].finish_reason == "tool_calls"
         req = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=seed, tool_choice="required", max_tokens=200)
-        calls = req.choices[0].message.tool_calls
-        if req.choices[0].finish_reason == "length":
-            continue                                        # cut before the array closed
-        assert calls, req
+        calls = req.choices[0].message.tool_calls or []
+        # A cut array still returns the calls it completed; a closed one has at least one.
+        assert calls or req.choices[0].finish_reason == "length", req
         for c in calls:
             jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+        # parallel_tool_calls = false: the grammar closes the array after one call, so it always ends.
+        one = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=seed, tool_choice="required",
+                  max_tokens=120, parallel_tool_calls=False).choices[0]
+        (call,) = one.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert one.finish_reason == "tool_calls", one
     named = {"type": "function", "function": {"name": "get_time"}}
     full = ask(client, tools=[WEATHER, TIME], temperature=1.0, seed=9, tool_choice=named).choices[0].message.tool_calls
     got = {}
@@ -396,3 +403,21 @@ def test_auto_tool_choice_needs_the_servers_flags():
             build_app(engine, served_model_name="x", tool_call_parser="mistral")
     finally:
         engine.shutdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["name", "parameters", "x"]),
+                                st.one_of(st.text(max_size=5), st.integers(), st.lists(st.integers(), max_size=3)),
+                                max_size=3), max_size=4), st.data())
+def test_a_cut_array_gives_its_complete_items(items, data):
+    """Oracle: ``json`` itself on each item; the cut keeps exactly the items that end before it."""
+    from qwen_ops.serving.openai.tools import _complete_items
+
+    text = json.dumps(items)
+    cut = data.draw(st.integers(0, len(text)))
+    ends, at = [], 1
+    for item in items:
+        at = text.index(json.dumps(item), at) + len(json.dumps(item))
+        ends.append(at)
+    want = [item for item, end in zip(items, ends) if end <= cut]
+    assert _complete_items(text[:cut]) == want

@@ -134,6 +134,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None      # OpenAI's default: true (False: at most one call)
     chat_template_kwargs: Optional[dict] = None
     response_format: Optional[dict] = None
     add_generation_prompt: bool = True
@@ -339,15 +340,19 @@ def chat_tools(tools: Any, tool_choice: Any) -> tuple[Optional[list], str, Optio
                       f"{{\"type\": \"function\", \"function\": {{\"name\": one of {sorted(names)}}}}}", "tool_choice")
 
 
-def tool_call_schema(mode: str, tools: list, named: Optional[dict]) -> dict:
+def tool_call_schema(mode: str, tools: list, named: Optional[dict], parallel: bool = True) -> dict:
     """The JSON schema a forced tool choice constrains the output to (vLLM's approach): a named
-    function's arguments, or for "required" an array of at least one ``{"name", "parameters"}``."""
+    function's arguments, or for "required" an array of at least one ``{"name", "parameters"}``
+    (exactly one without ``parallel``: the grammar then closes the array after it)."""
     if mode == "named":
         return named.get("parameters", {"type": "object"})
     items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
                                                "parameters": t["function"].get("parameters", {"type": "object"})},
               "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def check_unsupported(req: _SamplingFields) -> None:

@@ -687,7 +687,8 @@ class _Serving:
                 raise P.bad_request(f"tool_choice = {mode!r} and a structured output both constrain the reply; "
                                     "give one", "tool_choice")
             kwargs["structured_outputs"] = self.compile_spec(
-                "tool_choice", StructuredOutputsParams(json=P.tool_call_schema(mode, tools, named)))
+                "tool_choice", StructuredOutputsParams(json=P.tool_call_schema(
+                    mode, tools, named, parallel=req.parallel_tool_calls is not False)))
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
         prep = _Prepared(req, [ids], params, None, k, field)
@@ -721,6 +722,7 @@ class _Serving:
                 if mode != "none":
                     if mode == "auto":
                         content, calls = T.parse_hermes(c.text)
+                        calls = T.first_call_only(calls, req.parallel_tool_calls)
                     else:
                         content, calls = None, T.forced_calls(mode, c.text, named)
                     if calls:
@@ -759,6 +761,7 @@ class _Serving:
                         final = c.finish_reason is not None
                         if mode == "auto":
                             content, calls = T.stream_split(c.text, final)
+                            calls = T.first_call_only(calls, req.parallel_tool_calls)
                         else:
                             content, calls = "", (T.forced_calls(mode, c.text, named) if final else [])
                         if len(content) > cur.content_chars:

@@ -3,7 +3,7 @@
 
 ``tool_choice="auto"``: the reply is parsed; text before the first block is the ``content``, each
 block whose JSON has a string ``name`` is a call (a block that does not parse is left in the text,
-as vLLM does). ``"required"`` and a named function are forced with a structured output (the
+as vLLM does); ``parallel_tool_calls = false`` keeps the first call only. ``"required"`` and a named function are forced with a structured output (the
 arguments' schema, or an array of ``{"name", "parameters"}``: ``protocol.tool_call_schema``), so
 those replies are JSON and always parse (``forced_calls``).
 
@@ -62,14 +62,40 @@ def stream_split(text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
 
 
 def forced_calls(mode: str, text: str, named: Optional[dict]) -> list[tuple[str, str]]:
-    """The calls of a reply forced to JSON by ``tool_choice`` "required" or a named function."""
+    """The calls of a reply forced to JSON by ``tool_choice`` "required" or a named function. An
+    array cut by ``max_tokens`` still gives the calls it completed (a named call's arguments cut
+    short give none)."""
     try:
         value = json.loads(text)
     except ValueError:
-        return []                        # cut by max_tokens before the JSON closed
+        if mode == "named":
+            return []                    # cut by max_tokens before the JSON closed
+        value = _complete_items(text)
     if mode == "named":
         return [(named["name"], json.dumps(value, ensure_ascii=False))]
     return [c for c in (_call(v) for v in value) if c is not None] if isinstance(value, list) else []
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON array that are complete, however the text after them was cut."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[")
+    if at < 0:
+        return items
+    at += 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+
+
+def first_call_only(calls: list, parallel: Optional[bool]) -> list:
+    """``parallel_tool_calls = false``: at most one call (OpenAI's meaning)."""
+    return calls[:1] if parallel is False else calls
 
 
 def openai_calls(calls: list[tuple[str, str]], with_index: bool = False, start: int = 0) -> list[dict]:
