@@ -97,6 +97,10 @@ def _add_serve_parser(sub) -> None:
                    help="share KV blocks of common prompt prefixes (default: on; off for hybrid models)")
     s.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
                    help="split chat replies into reasoning_content and content (qwen3: <think>...</think>)")
+    s.add_argument("--max-grammar-compile-seconds", type=float, default=5.0, metavar="SECONDS",
+                   help="a structured output (response_format, structured_outputs, forced tool_choice) whose grammar "
+                        "compiles for longer fails its own request with a 400; grammars compile beside the engine "
+                        "loop, so other requests keep running meanwhile (default: 5)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let tool_choice 'auto' (the default with tools) parse tool calls from replies; needs "
                         "--tool-call-parser (vLLM's flags; without them such a request is a 400)")

@@ -421,3 +421,78 @@ def test_a_cut_array_gives_its_complete_items(items, data):
         ends.append(at)
     want = [item for item, end in zip(items, ends) if end <= cut]
     assert _complete_items(text[:cut]) == want
+
+
+def test_grammars_compile_beside_the_engine_and_are_bounded(monkeypatch):
+    """Issue 44 item 4. A grammar that compiles for long stalls no one: while it compiles (here
+    held by an event, so the order is certain), a plain request runs to the end and /health
+    answers; one compile per spec (the server compiles nothing); past max_grammar_compile_seconds
+    the request fails alone with a 400 naming its field, and once the compile lands the cache serves
+    the next request with that spec at once."""
+    import threading
+
+    import httpx
+
+    from qwen_ops.engine import structured
+    from qwen_ops.serving.async_llm import AsyncLLM
+
+    gate, calls = threading.Event(), []
+    real = structured.GrammarBackend.compile
+
+    def slow(self, params):
+        if params.kind == "regex" and params.regex.startswith("slow"):
+            calls.append(params.regex)
+            assert gate.wait(60), "the test never opened the gate"
+        return real(self, params)
+
+    monkeypatch.setattr(structured.GrammarBackend, "compile", slow)
+    llm = LLM(None, max_num_seqs=4, max_model_len=256, max_grammar_compile_seconds=0.5)
+    engine = AsyncLLM(llm)
+    try:
+        with running_server(engine) as srv, \
+                openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            held = {}
+
+            def constrained(key, pattern):
+                try:
+                    held[key] = c.completions.create(model="qwen-ops-default", prompt="x = ", max_tokens=4,
+                                                     temperature=0, extra_body={"structured_outputs": {"regex": pattern}})
+                except openai.BadRequestError as e:
+                    held[key] = e
+
+            first = threading.Thread(target=constrained, args=("slow", "slow[0-9]{3}"))
+            first.start()
+            assert wait_until(lambda: calls)                          # its grammar is compiling, held
+            plain = c.completions.create(model="qwen-ops-default", prompt="def f(x):", max_tokens=3, temperature=0)
+            assert len(plain.choices[0].text) > 0 and httpx.get(srv.url + "/health").status_code == 200
+            assert not gate.is_set() and "slow" not in held           # ...and it still is: no one waited for it
+            first.join(30)
+            err = held["slow"]                                        # past 0.5 s: its own 400, naming its field
+            assert isinstance(err, openai.BadRequestError) and err.body["param"] == "structured_outputs"
+            assert "took longer than 0.5 s to compile" in str(err)
+            gate.set()                                                # the compile lands in the cache
+            assert wait_until(lambda: llm.core.grammar_backend().compiles >= 1)
+            again = c.completions.create(model="qwen-ops-default", prompt="x = ", max_tokens=4, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": "slow[0-9]{3}"}})
+            assert re.fullmatch(r"slow[0-9]{0,3}", again.choices[0].text), again.choices[0].text
+            assert calls == ["slow[0-9]{3}"]                          # compiled once, for both requests
+            with pytest.raises(openai.BadRequestError) as e:          # a bad spec is still a 400 naming the field
+                c.chat.completions.create(model="qwen-ops-default", messages=[{"role": "user", "content": "hi"}],
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "x", "schema": {"type": "nonsense"}}}, max_tokens=4)
+            assert e.value.body["param"] == "response_format", e.value.body
+            assert llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0
+    finally:
+        gate.set()
+        engine.shutdown()
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

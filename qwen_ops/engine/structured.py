@@ -21,11 +21,16 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256          # compiled grammars kept per backend (LRU)
+MAX_CHOICES = 4096        # structured_outputs.choice items: a 10**5-item list took 68 s to compile
+# Grammar compiles at once per backend, beside the engine loop (xgrammar drops the GIL): two, so that
+# one slow compile does not make every other structured request wait behind it.
+COMPILE_THREADS = 2
 
 
 def _xgrammar():
@@ -60,6 +65,9 @@ class StructuredOutputsParams:
                     not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice = {self.choice!r}, expected a non-empty list of "
                                  "non-empty str")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice has {len(self.choice)} items, expected at most "
+                                 f"{MAX_CHOICES} (MAX_CHOICES)")
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool) or not isinstance(self.any_whitespace, bool):
             raise ValueError("structured_outputs.json_object and .any_whitespace must be True or False")
@@ -102,6 +110,8 @@ class GrammarBackend:
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0                           # cache misses (benchmarks, tests)
+        self._pool = None                           # compile_async's worker thread, made on first use
+        self._inflight: dict[tuple, Future] = {}    # compiles running: one per spec, however many ask
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of ``params`` (cached); a bad schema, regex or grammar is a
@@ -136,6 +146,40 @@ class GrammarBackend:
 
     def matcher(self, params: StructuredOutputsParams):
         return _xgrammar().GrammarMatcher(self.compile(params))
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future:
+        """A future of ``compile(params)`` on this backend's worker thread (done at once on a cache
+        hit; one compile per spec however many requests wait for it). Nothing waits for it here:
+        the engine loop keeps running while it compiles (xgrammar releases the GIL)."""
+        key = params.cache_key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(hit)
+                return done
+            job = self._inflight.get(key)
+            if job is not None:
+                return job
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="qwen-ops-grammar-compile")
+            job = self._inflight[key] = self._pool.submit(self.compile, params)
+        job.add_done_callback(lambda _, key=key: self._forget(key))      # outside the lock: it may run here
+        return job
+
+    def _forget(self, key: tuple) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    @staticmethod
+    def matcher_of(compiled):
+        """A fresh matcher (one request's grammar state) of a compiled grammar."""
+        return _xgrammar().GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def apply(logits, mask, rows: Sequence[int]) -> None:

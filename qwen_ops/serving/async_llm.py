@@ -163,7 +163,7 @@ class AsyncLLM:
                         raise item
                     if item.error is not None:
                         finished = True
-                        raise RuntimeError(item.error)
+                        raise (ValueError if item.bad_request else RuntimeError)(item.error)
                     new.extend(acc.apply(item))
                     if stream.queue.empty():
                         break

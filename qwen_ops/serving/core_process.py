@@ -36,8 +36,8 @@ def core_main(conn) -> None:
                              "max_model_len": int(llm.scheduler.config.max_model_len),
                              "model_path": str(llm.model_path), "stats": core.stats()}))
         while True:
-            if not core.has_work():
-                conn.poll(None)                             # idle: sleep until a message
+            if not core.runnable():
+                conn.poll(core.idle_timeout())              # idle: sleep until a message (or a grammar)
             out: list[RequestDelta] = []
             handled = False
             while conn.poll():
@@ -51,7 +51,7 @@ def core_main(conn) -> None:
                     core.abort(msg[1])
                 elif msg[0] == "shutdown":
                     return
-            if core.has_work():
+            if core.runnable():
                 out.extend(core.step_deltas())
             elif not handled:
                 continue

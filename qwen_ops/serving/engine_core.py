@@ -43,12 +43,15 @@ from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
+from qwen_ops.engine.structured import GrammarBackend
 from qwen_ops.serving.outputs import OutputProcessor, RequestDelta, RequestState
 from qwen_ops.serving.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[Sequence[RequestDelta]], None]
+# How often an idle engine loop looks at the grammars compiling beside it (seconds).
+GRAMMAR_POLL_S = 0.005
 # vLLM's buckets of iteration_tokens_total (tokens per engine step); the last bucket is +Inf.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Seconds the parent waits for the child to load its model, and for it to exit on shutdown.
@@ -84,16 +87,31 @@ class EngineCore:
         self.owned: set[str] = set()     # ids added by messages (add) and not yet finished or aborted
         self.num_added = 0               # completions added by messages: what a parent's waiting count holds
         self._grammars = None            # structured outputs' GrammarBackend (grammar_backend)
+        # Requests whose grammar compiles on the backend's thread (``add``): (state, its scheduler
+        # requests, the compile's future, deadline); they wait held while every other request runs.
+        self._compiling: list[tuple] = []
+        self._failed: list[RequestDelta] = []       # their error deltas, for the next step_deltas
+        self.max_grammar_compile_s: Optional[float] = None   # past it a compile fails its request
         # Tokens per iteration (vLLM's iteration_tokens_total histogram): counts per bucket, and the sum.
         self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
 
     # ------------------------------------------------------------------ requests
-    def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None
-                     ) -> list[RequestState]:
+    def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None,
+                     compile_async: bool = False) -> list[RequestState]:
         """Queue every prepared ``(prompt, ids, params)`` (``n`` scheduler requests each), or none: a
         failure part-way aborts the ones already queued. ``request_ids``: the callers' ids
-        (default: counters)."""
+        (default: counters).
+
+        Structured outputs' grammars are compiled outside the core's lock: here, in the caller's
+        thread, before anything is queued (``LLM``: a bad spec raises ValueError), or with
+        ``compile_async`` on the grammar backend's thread while the request waits held (the
+        engine loop's ``add``: every other request keeps running; a failure or a compile past
+        ``max_grammar_compile_s`` fails this request alone, ``_release_grammars``)."""
+        if not compile_async:
+            for _, _, sp in prepared:
+                if sp.structured_outputs is not None:
+                    self.grammar_backend().compile(sp.structured_outputs)      # cached: the matchers below hit
         states: list[RequestState] = []
         with self.lock:
             try:
@@ -107,25 +125,76 @@ class EngineCore:
                     state = RequestState(sid, prompt, ids, sp)
                     self.outputs.states[sid] = state
                     states.append(state)
+                    job = None
+                    if sp.structured_outputs is not None:
+                        job = self.grammar_backend().compile_async(sp.structured_outputs)
+                        if job.done() and job.exception() is not None:
+                            raise ValueError(str(job.exception()))
+                    held = job is not None and not job.done()
+                    reqs = []
                     for i in range(sp.n):
                         child = sp.for_completion(i)
-                        grammar = (self.grammar_backend().matcher(child.structured_outputs)
-                                   if child.structured_outputs is not None else None)
+                        grammar = GrammarBackend.matcher_of(job.result()) if job is not None and not held else None
                         rid = RequestId(self._next_id)
                         self._next_id += 1
-                        self.outputs.add(state, self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child),
-                                                                           grammar), child)
+                        req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child), grammar, held)
+                        self.outputs.add(state, req, child)
+                        reqs.append(req)
+                    if held:
+                        limit = self.max_grammar_compile_s
+                        self._compiling.append((state, reqs, job, None if limit is None else time.monotonic() + limit))
             except BaseException:
                 for st in states:
                     self._abort_state(st)
                 raise
         return states
 
+    def _release_grammars(self) -> None:
+        """Queue the held requests whose grammar has compiled; fail those whose compile failed or
+        ran past ``max_grammar_compile_s`` (the compile finishes on its thread and is cached)."""
+        now, waiting = time.monotonic(), []
+        for entry in self._compiling:
+            state, reqs, job, deadline = entry
+            if state.aborted or state.finished:
+                continue
+            if job.done():
+                error = job.exception()
+                if error is None:
+                    for req in reqs:
+                        if not req.finished:
+                            req.grammar = GrammarBackend.matcher_of(job.result())
+                            self.scheduler.release(req)
+                    continue
+                message = str(error)
+            elif deadline is not None and now > deadline:
+                kind = state.params.structured_outputs.kind
+                message = (f"structured_outputs.{kind} took longer than {self.max_grammar_compile_s:g} s to compile "
+                           "(max_grammar_compile_seconds); expected a smaller schema, regex, choice or grammar")
+            else:
+                waiting.append(entry)
+                continue
+            self._abort_state(state)
+            self.owned.discard(state.request_id)
+            self._failed.append(RequestDelta(state.request_id, True, [], error=message, bad_request=True))
+        self._compiling = waiting
+
+    def runnable(self) -> bool:
+        """Whether a step would do anything now: requests to schedule, or held ones to release or fail."""
+        with self.lock:
+            s = self.scheduler
+            if s.waiting or s.running or s.swapped or self._failed:
+                return True
+            now = time.monotonic()
+            return any(job.done() or (deadline is not None and now > deadline) or state.aborted
+                       for state, _, job, deadline in self._compiling)
+
+    def idle_timeout(self) -> Optional[float]:
+        """How long an idle loop may sleep: forever (None), or a few ms while grammars compile."""
+        return GRAMMAR_POLL_S if self._compiling else None
+
     def grammar_backend(self):
         """The engine's xgrammar backend (``engine/structured.py``), built on first use."""
         if self._grammars is None:
-            from qwen_ops.engine.structured import GrammarBackend
-
             if self.engine.tokenizer is None:
                 raise ValueError("structured_outputs needs the checkpoint's tokenizer.json, which it does not have")
             self._grammars = GrammarBackend(self.engine.tokenizer, self.engine.vocab_size, self.engine.eos_token_ids)
@@ -136,7 +205,9 @@ class EngineCore:
         with self.lock:
             self.num_added += params.n
             try:
-                self.add_requests([(None, ids, params)], [request_id])
+                self.add_requests([(None, ids, params)], [request_id], compile_async=True)
+            except ValueError as e:         # a bad grammar the backend knew at once
+                return RequestDelta(request_id, True, [], error=str(e), bad_request=True)
             except Exception as e:          # e.g. an id clash with an offline request on the same core
                 return RequestDelta(request_id, True, [], error=f"{type(e).__name__}: {e}")
             self.owned.add(request_id)
@@ -184,6 +255,8 @@ class EngineCore:
 
         Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
         with self.lock:
+            if self._compiling:
+                self._release_grammars()
             sched = self.scheduler
             plan = sched.schedule()
             if not plan.has_work():
@@ -208,6 +281,9 @@ class EngineCore:
                 message = f"generation failed: {type(e).__name__}: {e}"
                 return [RequestDelta(rid, True, [], error=message) for rid in running]
             deltas = [st.delta() for st in states]
+            if self._failed:
+                deltas += self._failed
+                self._failed = []
             for d in deltas:
                 if d.finished:
                     self.owned.discard(d.request_id)
@@ -225,7 +301,7 @@ class EngineCore:
                 "num_iterations": s.num_iterations,
                 "mean_batch_size": s.num_scheduled_seqs / s.num_iterations if s.num_iterations else 0.0,
                 "num_running": len(s.running),
-                "num_waiting": len(s.waiting),
+                "num_waiting": len(s.waiting) + len(s.held),     # held: waiting for their grammar
                 "num_swapped": len(s.swapped),
                 "swap_space_bytes": s.config.swap_space_bytes,
                 "swap_bytes_used": s.swap_bytes_used,
@@ -261,6 +337,8 @@ class EngineCore:
         """Abort everything admitted by messages (its slots, blocks and swap copies are freed)."""
         for rid in list(self.owned):
             self.abort(rid)
+        if self._grammars is not None:
+            self._grammars.close()
 
 
 class ThreadCore:
@@ -298,7 +376,8 @@ class ThreadCore:
 
     def num_waiting(self) -> int:
         """Completions queued in the scheduler or still in the inbox (read without waiting for a step)."""
-        return len(self.core.scheduler.waiting) + max(0, self._inbox_completions)
+        s = self.core.scheduler
+        return len(s.waiting) + len(s.held) + max(0, self._inbox_completions)
 
     def _busy(self) -> bool:
         return bool(self._inbox) or self.core.has_work()
@@ -335,9 +414,9 @@ class ThreadCore:
                             errors.append(err)
                 if errors:
                     self._deliver(errors)
-                if not core.has_work():
+                if not core.runnable():
                     self._last_beat = time.monotonic()
-                    self._wake.wait()
+                    self._wake.wait(core.idle_timeout())
                     self._wake.clear()
                     continue
                 self._deliver(core.step_deltas())

@@ -259,7 +259,7 @@ class LLM:
                  quantization: Optional[str] = None, speculative_config: Optional[dict] = None,
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, seed: Optional[int] = None,
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None):
         """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
@@ -300,7 +300,11 @@ class LLM:
         of the default KV budget (``DEFAULT_KV_CACHE_BYTES``, 1 GiB; ``kv_cache_bytes`` sets it
         outright, as vLLM-CPU's ``VLLM_CPU_KVCACHE_SPACE`` does); ``generation_config`` (``"auto"``,
         ``"vllm"`` or a directory): where ``get_default_sampling_params()`` takes its defaults, the
-        sampling parameters of every call that passes none."""
+        sampling parameters of every call that passes none.
+
+        ``max_grammar_compile_seconds``: a structured output whose grammar takes longer to compile
+        fails its own request (``AsyncLLM`` and the server, where grammars compile beside the engine
+        loop; ``generate`` compiles in the caller's thread and waits). None: no bound."""
         from qwen_ops.models.defaults import resolve_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -329,6 +333,11 @@ class LLM:
                 or not 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r}, expected a number in (0, 1] "
                              "or None")
+        if max_grammar_compile_seconds is not None and (
+                isinstance(max_grammar_compile_seconds, bool) or not isinstance(max_grammar_compile_seconds, (int, float))
+                or not 0 < max_grammar_compile_seconds < float("inf")):
+            raise ValueError(f"max_grammar_compile_seconds = {max_grammar_compile_seconds!r}, expected a number of "
+                             "seconds > 0 or None")
         if not isinstance(generation_config, (str, Path)) or not generation_config:
             raise ValueError(f"generation_config = {generation_config!r}, expected 'auto', 'vllm' or a directory")
         if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -426,6 +435,7 @@ class LLM:
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             swap_space_bytes=default_swap_space_bytes() if swap_space is None else int(swap_space * (1 << 30)),
             check_invariants=check_invariants), spec)
+        self.core.max_grammar_compile_s = max_grammar_compile_seconds
         self.scheduler = self.core.scheduler
         self.model_path = Path(path)
         self._chat_template = None      # LLM.chat's, compiled on first use

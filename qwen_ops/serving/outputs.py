@@ -112,6 +112,7 @@ class RequestDelta(NamedTuple):
     error: Optional[str] = None
     prompt_logprobs: Optional[list] = None     # once, in the first delta after the prompt is scored
     first_scheduled_time: Optional[float] = None
+    bad_request: bool = False                  # the error is the request's own (a grammar that fails to compile)
 
 
 def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]],

@@ -89,6 +89,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order
         self.swapped: deque[Request] = deque()
+        # Requests waiting for something outside the scheduler (their grammar's compile): not queued
+        # until ``release``, so they block no one (vLLM's WAITING_FOR_FSM).
+        self.held: list[Request] = []
         self.requests: dict[RequestId, Request] = {}   # unfinished requests only (finished ones are dropped)
         self._arrivals = itertools.count()
         self.num_preemptions = 0
@@ -114,15 +117,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
-                    stop_ids: frozenset[int], grammar=None) -> Request:
+                    stop_ids: frozenset[int], grammar=None, held: bool = False) -> Request:
+        """Queue a request (``held``: keep it aside until ``release``; it keeps its arrival order)."""
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
                       generator=sampling.make_generator(self.device), grammar=grammar)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        (self.held if held else self.waiting).append(req)
         return req
 
+    def release(self, req: Request) -> None:
+        """A held request joins the waiting queue, in arrival order."""
+        self.held.remove(req)
+        _insert_by_arrival(self.waiting, req)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.held)
 
     def _drop_host_copy(self, req: Request) -> None:
         if req.swapped is not None:
@@ -143,7 +152,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return
-        for queue in (self.waiting, self.swapped):
+        for queue in (self.waiting, self.swapped, self.held):
             if req in queue:
                 queue.remove(req)
         if req in self.running:
@@ -338,7 +347,7 @@ class Scheduler:
         plan.freed_swaps = kv.take_freed_swaps()
         if cfg.check_invariants:
             self._check_invariants(plan, budget, admitted)
-        if not plan.has_work() and self.has_unfinished():
+        if not plan.has_work() and (self.waiting or self.running or self.swapped):
             raise SchedulerStuckError(
                 f"no request can run: {len(self.running)} running, {len(self.swapped)} swapped, "
                 f"{len(self.waiting)} waiting, {kv.num_free_blocks} of {kv.num_total_blocks} "

@@ -311,11 +311,13 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
 
 class _Prepared:
     """One request, parsed and tokenized (off the event loop for a big body)."""
-    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools", "score", "echo_only")
+    __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools", "score", "echo_only",
+                 "so_field")
 
     def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
         self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
         self.score = self.echo_only = False      # completions: echo with logprobs; max_tokens = 0 (echo only)
+        self.so_field: Optional[str] = None      # the field that set a structured output (its 400s name it)
         self.reasoning = None          # a chat request's reasoning parser (reasoning.py), or None
         self.tools = ("none", None)    # a chat request's tool mode and forced function (tools.py)
 
@@ -328,7 +330,6 @@ class _Serving:
         self.engine = engine
         self.reasoning_parser = reasoning_parser
         self.auto_tool_choice = auto_tool_choice
-        self._grammars = None          # structured outputs: an xgrammar backend for the 400s (engine/structured.py)
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.vocab_size)
@@ -405,31 +406,26 @@ class _Serving:
                                 "valid Unicode text", param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def constrained(self, req, kwargs: dict) -> dict:
-        """``kwargs`` with the request's structured output, compiled here first (cached) so that a bad
-        schema, regex or grammar is a 400 naming its field before anything reaches the engine."""
+    def constrained(self, req, kwargs: dict) -> tuple[dict, Optional[str]]:
+        """``kwargs`` with the request's structured output, and the request field that set it. Not
+        compiled here: the engine compiles it once, beside its loop, and a spec that fails comes
+        back before the response starts, a 400 naming the field (``start``)."""
         found = P.structured_outputs(req)
         if found is None:
-            return kwargs
+            return kwargs, None
         field, so = found
-        return {**kwargs, "structured_outputs": self.compile_spec(field, so)}
+        return {**kwargs, "structured_outputs": self.check_spec(field, so)}, field
 
-    def compile_spec(self, field: str, so):
-        """``so`` compiled with this server's grammar backend (cached), or a 400 naming ``field``."""
-        if self._grammars is None:
-            from qwen_ops.engine.structured import GrammarBackend
+    def check_spec(self, field: str, so):
+        """What can be known of ``so`` without compiling it: that this model can constrain output."""
+        from qwen_ops.engine.structured import _xgrammar
 
-            if self.tokenizer is None:
-                raise P.bad_request("structured outputs need a tokenizer, and this model has none", field)
-            try:
-                # Validation only: the engine's own backend knows the stop tokens.
-                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, (0,))
-            except ValueError as e:                       # xgrammar is not installed
-                raise P.bad_request(str(e), field) from None
+        if self.tokenizer is None:
+            raise P.bad_request("structured outputs need a tokenizer, and this model has none", field)
         try:
-            self._grammars.compile(so)
-        except ValueError as e:
-            raise P.bad_request(str(e).replace("structured_outputs", field, 1), field) from None
+            _xgrammar()
+        except ValueError as e:                       # xgrammar is not installed
+            raise P.bad_request(str(e), field) from None
         return so
 
     def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: Optional[dict],
@@ -487,11 +483,15 @@ class _Serving:
                                 f"in the completion). Please reduce the {param} or {field}.", field)
         return requested
 
-    async def start(self, gen: _Generation, param: str, stream: bool, deadline: Optional[float]) -> None:
+    async def start(self, gen: _Generation, param: str, stream: bool, deadline: Optional[float],
+                    so_field: Optional[str] = None) -> None:
+        """Submit ``gen``; a non-streamed request, and any with a structured output (its grammar
+        compiles in the engine: a bad one is a 400 before the response starts), wait here for
+        their first output."""
         from qwen_ops.serving.async_llm import QueueFullError
 
         try:
-            await _by(deadline, gen.start(self.max_waiting, wait_first=not stream))
+            await _by(deadline, gen.start(self.max_waiting, wait_first=not stream or so_field is not None))
         except BaseException as e:
             gen.close()
             if isinstance(e, QueueFullError):
@@ -503,6 +503,8 @@ class _Serving:
                 raise self.timeout_error() from None
             if isinstance(e, ValueError):
                 message = str(e)
+                if so_field is not None and message.startswith("structured_outputs"):
+                    raise P.bad_request(message.replace("structured_outputs", so_field, 1), so_field) from None
                 head = message.split(" ", 1)[0].split("[", 1)[0]
                 raise P.bad_request(message, param if head in ("prompts", "prompt") else head) from None
             raise
@@ -569,14 +571,14 @@ class _Serving:
             self.check_ids(ids, where, "prompt")
             prompts.append(ids)
         max_tokens = self.max_tokens_for(prompts, 1 if echo_only else req.max_tokens, "max_tokens", "prompt")
-        kwargs = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs))
+        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs))
         if score:
             kwargs["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field="max_tokens"), self.vocab_size,
                                 self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
         prep = _Prepared(req, prompts, params, echoes, req.logprobs)
-        prep.score, prep.echo_only = score, echo_only
+        prep.score, prep.echo_only, prep.so_field = score, echo_only, so_field
         return prep
 
     async def completions(self, request: Request, body: bytes):
@@ -587,7 +589,7 @@ class _Serving:
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, prompts, params, rid)
-        await self.start(gen, "prompt", req.stream, deadline)
+        await self.start(gen, "prompt", req.stream, deadline, prep.so_field)
 
         score, echo_only, show_prompt = prep.score, prep.echo_only, req.prompt_logprobs is not None
 
@@ -681,17 +683,18 @@ class _Serving:
         self.check_ids(ids, "messages (rendered)", "messages")
         max_tokens = self.max_tokens_for([ids], requested, field, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        kwargs = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k))
+        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k))
         if mode in ("required", "named"):          # forced: the reply is the call's JSON (tools.py)
             if "structured_outputs" in kwargs:
                 raise P.bad_request(f"tool_choice = {mode!r} and a structured output both constrain the reply; "
                                     "give one", "tool_choice")
-            kwargs["structured_outputs"] = self.compile_spec(
-                "tool_choice", StructuredOutputsParams(json=P.tool_call_schema(
-                    mode, tools, named, parallel=req.parallel_tool_calls is not False)))
+            so_field = "tool_choice"
+            kwargs["structured_outputs"] = self.check_spec(so_field, StructuredOutputsParams(json=P.tool_call_schema(
+                mode, tools, named, parallel=req.parallel_tool_calls is not False)))
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
         prep = _Prepared(req, [ids], params, None, k, field)
+        prep.so_field = so_field
         prep.reasoning = make_parser(self.reasoning_parser, text) if mode == "none" else None
         prep.tools = (mode, named)
         return prep
@@ -706,7 +709,7 @@ class _Serving:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
         gen = _Generation(self, [ids], params, rid)
-        await self.start(gen, "messages", req.stream, deadline)
+        await self.start(gen, "messages", req.stream, deadline, prep.so_field)
 
         def full(outputs):
             (out,) = outputs
@@ -1156,6 +1159,9 @@ def run_server(args) -> int:
                         ("--timeout-keep-alive", args.timeout_keep_alive)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{flag} = {value}, expected a number of seconds > 0")
+    if not 0 < args.max_grammar_compile_seconds < float("inf"):
+        raise ValueError(f"--max-grammar-compile-seconds = {args.max_grammar_compile_seconds}, expected a number of "
+                         "seconds > 0")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's")
     api_key = _api_key(args.api_key)
@@ -1170,7 +1176,8 @@ def run_server(args) -> int:
                                           tensor_parallel_size=args.tensor_parallel_size,
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           kv_cache_dtype=args.kv_cache_dtype,
-                                          calculate_kv_scales=args.calculate_kv_scales)
+                                          calculate_kv_scales=args.calculate_kv_scales,
+                                          max_grammar_compile_seconds=args.max_grammar_compile_seconds)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
