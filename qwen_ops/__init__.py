@@ -19,6 +19,7 @@ from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 from qwen_ops.ops import kv_write, slot_attention
 from qwen_ops.ops.backend import get_backend, resolve_backend, set_backend, use_backend
 from qwen_ops.ops.metadata import AttentionMetadata
+from qwen_ops.serving.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from qwen_ops.serving.llm import LLM, CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
@@ -29,4 +30,5 @@ __all__ = [
     "SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
     "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]

@@ -310,6 +310,30 @@ class KVCacheManager:
             pool.register(s.block_ids[j], key, parent, block_tokens)   # no-op if another block holds it
             s.block_keys.append(key)
 
+    def fork(self, src: int, dst: int) -> Optional[tuple[int, int]]:
+        """``dst`` holds a copy of ``src``'s sequence (beam search): ``src``'s full blocks shared, one
+        more reference each (a slot writes only past its full blocks, so neither ever writes them),
+        its partial last block copied into a new block of ``dst``'s own. Returns ``(src block, dst
+        block)`` for the runner to copy, or None when ``src`` ends on a block boundary."""
+        s, d = self.slots[src], self.slots[dst]
+        full = s.num_tokens // self.block_size
+        partial = s.num_tokens % self.block_size != 0
+        if partial and self.pool.num_free < 1:
+            raise RuntimeError(f"out of KV blocks: a fork needs 1, {self.pool.num_free} are free of "
+                               f"{self.pool.num_total} (num_kv_blocks)")
+        self._release(dst)
+        for b in s.block_ids[:full]:
+            self.pool.acquire(b)
+        d.block_ids = list(s.block_ids[:full])
+        copy = None
+        if partial:
+            (new,) = self.pool.allocate(1)
+            d.block_ids.append(new)
+            copy = (s.block_ids[full], new)
+        d.num_tokens, d.active = s.num_tokens, True
+        d.token_ids, d.block_keys = list(s.token_ids), list(s.block_keys[:full])
+        return copy
+
     def kept_blocks(self, slot: int, restart: bool) -> int:
         """Blocks of the slot that serve its next tokens; on a ``restart`` only those no other
         sequence shares come back to it."""

@@ -472,6 +472,27 @@ class QwenEngine:
             return self._restart(self._check_slot(slot_id), 0, self._check_sampling(sampling), tokens,
                                  prompt=False).num_computed
 
+    def fork_slot(self, src_slot: int, dst_slot: int) -> None:
+        """``dst_slot`` continues as a copy of ``src_slot``'s sequence (beam search's beams): the full
+        KV blocks are shared by reference count, never copied; only a partial last block is
+        (``KVCacheManager.fork``). Attention-only models (a linear layer's state is per slot)."""
+        with self._lock:
+            self._check_slot(src_slot, "src_slot")
+            self._check_slot(dst_slot, "dst_slot")
+            if src_slot == dst_slot:
+                raise ValueError(f"dst_slot = {dst_slot} is src_slot; expected another slot")
+            self._check_can_extend(src_slot, "src_slot")
+            if "linear" in self.runner.layer_kinds:
+                raise ValueError("fork_slot needs an attention-only model; this one has linear-attention layers, "
+                                 "whose per-slot state a fork does not copy")
+            copy = self.kv.fork(src_slot, dst_slot)
+            if copy is not None:
+                self.runner.call("copy_blocks", [copy])
+            seq = self._seqs[src_slot]
+            self._seqs[dst_slot] = Request(None, 0, list(seq.prompt_token_ids), seq.sampling, seq.stop_ids,
+                                           output_token_ids=list(seq.output_token_ids),
+                                           status=RequestStatus.RUNNING, slot=dst_slot, kv=self.kv.slots[dst_slot])
+
     def refresh_weights(self) -> None:
         """Call after changing the model's weights: the layers repack the copies their CPU fast
         path reads (``process_weights_after_loading``); nothing notices a change without it."""

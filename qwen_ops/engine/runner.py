@@ -304,8 +304,11 @@ class ModelRunner:
         if not rows:
             return out
         k = max(tasks[i].prompt_logprobs for i, _ in owners)
-        index = torch.tensor(rows, device=logits.device)
-        lp, rank, top_ids, top_lps = token_logprobs(logits[index], torch.tensor(ids, device=logits.device), k)
+        if rows[-1] - rows[0] + 1 == len(rows):          # one run of rows (one scoring chunk): a view, no copy
+            picked = logits[rows[0]:rows[-1] + 1]
+        else:
+            picked = logits[torch.tensor(rows, device=logits.device)]
+        lp, rank, top_ids, top_lps = token_logprobs(picked, torch.tensor(ids, device=logits.device), k)
         at = 0
         for i, m in owners:
             n_top = tasks[i].prompt_logprobs
@@ -739,6 +742,18 @@ class ModelRunner:
         if self.draft is not None:
             saved.append((self.draft.runner.copy_out(slot, blocks), self.draft.pending.pop(slot, None)))
         return saved
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy KV block ``src`` into ``dst`` in every attention layer, for each ``(src, dst)``
+        (a forked slot's own copy of a partial block: ``KVCacheManager.fork``)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for kind, (a, b) in zip(self.layer_kinds, self.kv_caches):
+            if kind == "attention":
+                a[dst] = a[src]
+                b[dst] = b[src]
 
     def host_copy_nbytes(self, num_blocks: int) -> int:
         """Bytes that ``copy_out`` of a slot holding ``num_blocks`` blocks puts in host memory."""

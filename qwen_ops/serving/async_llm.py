@@ -83,6 +83,7 @@ class AsyncLLM:
             self.vocab_size = int(llm.engine.vocab_size)
             self.max_model_len = int(llm.scheduler.config.max_model_len)
             self.model_path: Optional[Path] = getattr(llm, "model_path", None)
+            self.eos_token_ids = tuple(llm.engine.eos_token_ids)
         else:
             model, llm_kwargs = _process
             self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited)
@@ -91,6 +92,7 @@ class AsyncLLM:
             self.max_model_len = info["max_model_len"]
             self.model_path = Path(info["model_path"])
             self.tokenizer = load_tokenizer(self.model_path)
+            self.eos_token_ids = tuple(info["eos_token_ids"])
 
     @classmethod
     def from_pretrained(cls, model=None, *, max_waiting_requests: Optional[int] = None,

@@ -34,7 +34,8 @@ def core_main(conn) -> None:
     try:
         conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
-                             "model_path": str(llm.model_path), "stats": core.stats()}))
+                             "model_path": str(llm.model_path), "stats": core.stats(),
+                             "eos_token_ids": list(llm.engine.eos_token_ids)}))
         while True:
             if not core.runnable():
                 conn.poll(core.idle_timeout())              # idle: sleep until a message (or a grammar)

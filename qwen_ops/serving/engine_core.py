@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import os
 import socket
@@ -91,6 +92,8 @@ class EngineCore:
         # requests, the compile's future, deadline); they wait held while every other request runs.
         self._compiling: list[tuple] = []
         self._failed: list[RequestDelta] = []       # their error deltas, for the next step_deltas
+        self._backend_lock = threading.Lock()       # the backend is built once, by whichever thread asks first
+        self._backend_job: Optional[Future] = None  # its building, off the engine loop (_grammar_job)
         self.max_grammar_compile_s: Optional[float] = None   # past it a compile fails its request
         # Tokens per iteration (vLLM's iteration_tokens_total histogram): counts per bucket, and the sum.
         self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
@@ -127,7 +130,7 @@ class EngineCore:
                     states.append(state)
                     job = None
                     if sp.structured_outputs is not None:
-                        job = self.grammar_backend().compile_async(sp.structured_outputs)
+                        job = self._grammar_job(sp.structured_outputs)
                         if job.done() and job.exception() is not None:
                             raise ValueError(str(job.exception()))
                     held = job is not None and not job.done()
@@ -192,8 +195,37 @@ class EngineCore:
         """How long an idle loop may sleep: forever (None), or a few ms while grammars compile."""
         return GRAMMAR_POLL_S if self._compiling else None
 
+    def _grammar_job(self, so) -> Future:
+        """A future of ``so``'s compiled grammar, compiled on the backend's threads; the backend
+        itself (xgrammar's import and the tokenizer's vocabulary: about a second) is built on a
+        thread of its own the first time, so that nothing of it runs on the engine loop."""
+        backend = self._grammars
+        if backend is not None:
+            return backend.compile_async(so)
+        if self._backend_job is None:
+            setup = ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-grammar-setup")
+            self._backend_job = setup.submit(self.grammar_backend)
+            setup.shutdown(wait=False)
+        out: Future = Future()
+
+        def chain(built: Future) -> None:
+            try:
+                inner = built.result().compile_async(so)
+            except BaseException as e:     # noqa: BLE001 - handed to the request that waits
+                out.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
+                                    else out.set_result(f.result()))
+
+        self._backend_job.add_done_callback(chain)
+        return out
+
     def grammar_backend(self):
-        """The engine's xgrammar backend (``engine/structured.py``), built on first use."""
+        """The engine's xgrammar backend (``engine/structured.py``), built on first use (any thread)."""
+        with self._backend_lock:
+            return self._build_grammar_backend()
+
+    def _build_grammar_backend(self):
         if self._grammars is None:
             if self.engine.tokenizer is None:
                 raise ValueError("structured_outputs needs the checkpoint's tokenizer.json, which it does not have")

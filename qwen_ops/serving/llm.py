@@ -553,6 +553,13 @@ class LLM:
         finally:
             core.abort_unfinished(states)
 
+    def beam_search(self, prompts, params) -> list:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` best continuations of each prompt
+        (``BeamSearchParams``; ``serving/beam_search.py``), as ``BeamSearchOutput``s in prompt order."""
+        from qwen_ops.serving.beam_search import beam_search
+
+        return beam_search(self, prompts, params)
+
     def get_tokenizer(self) -> Optional[QwenTokenizer]:
         """The checkpoint's tokenizer (None when it has no tokenizer.json), as vLLM's ``LLM.get_tokenizer``."""
         return self.tokenizer

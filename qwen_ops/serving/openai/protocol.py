@@ -85,6 +85,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
     # vLLM extras.
+    use_beam_search: bool = False          # n is the beam width; the n best sequences come back
+    length_penalty: float = 1.0
     top_k: Optional[int] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False

@@ -417,15 +417,15 @@ class _Serving:
         return {**kwargs, "structured_outputs": self.check_spec(field, so)}, field
 
     def check_spec(self, field: str, so):
-        """What can be known of ``so`` without compiling it: that this model can constrain output."""
-        from qwen_ops.engine.structured import _xgrammar
+        """What can be known of ``so`` without compiling it (or importing xgrammar here: 0.6 s on
+        the event loop): that this model can constrain output."""
+        import importlib.util
 
         if self.tokenizer is None:
             raise P.bad_request("structured outputs need a tokenizer, and this model has none", field)
-        try:
-            _xgrammar()
-        except ValueError as e:                       # xgrammar is not installed
-            raise P.bad_request(str(e), field) from None
+        if importlib.util.find_spec("xgrammar") is None:
+            raise P.bad_request("structured outputs need the xgrammar package (pip install 'qwen_ops[structured]')",
+                                field)
         return so
 
     def render_chat(self, messages, add_generation_prompt: bool, template_kwargs: Optional[dict],
@@ -560,6 +560,9 @@ class _Serving:
             P.check_positive("max_tokens", req.max_tokens)
         P.check_logprobs("logprobs", req.logprobs)
         P.check_logprobs("prompt_logprobs", req.prompt_logprobs)
+        if req.use_beam_search and req.stream:
+            raise P.bad_request("use_beam_search returns the n best sequences once, at the end; expected "
+                                "stream = false", "use_beam_search")
         score = req.echo and req.logprobs is not None    # the echoed prompt's tokens get logprobs too
         raw = P.completion_prompts(req.prompt)
         P.check_choices(len(raw), req.n)
@@ -588,6 +591,13 @@ class _Serving:
         req, prompts, params, echoes, k = prep.req, prep.prompts, prep.params, prep.echoes, prep.k
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
+        if req.use_beam_search:
+            outs = await _by(deadline, self.beam_search(prompts, req, params, rid))
+            choices = [{"index": i * req.n + j, "text": echoes[i] + s.text, "logprobs": None,
+                        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                       for i, o in enumerate(outs) for j, s in enumerate(o.sequences)]
+            generated = sum(len(s.tokens) - len(p) for p, o in zip(prompts, outs) for s in o.sequences)
+            return JSONResponse({**meta, "choices": choices, "usage": P.usage(sum(map(len, prompts)), generated)})
         gen = _Generation(self, prompts, params, rid)
         await self.start(gen, "prompt", req.stream, deadline, prep.so_field)
 
@@ -658,6 +668,21 @@ class _Serving:
                                                                     0 if echo_only else sum(g.generated))})
 
         return await self.respond(request, gen, req.stream, full, chunks, deadline)
+
+    async def beam_search(self, prompts: list[list[int]], req, params, rid: str) -> list:
+        """vLLM's ``use_beam_search``: the ``n`` best sequences of each prompt (``beam_search_async``)."""
+        from qwen_ops.serving.beam_search import BeamSearchParams, beam_search_async
+
+        try:
+            bp = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                  temperature=params.temperature, length_penalty=req.length_penalty,
+                                  include_stop_str_in_output=params.include_stop_str_in_output)
+        except ValueError as e:
+            field = "n" if str(e).startswith("beam_width") else str(e).split(" ", 1)[0]
+            raise P.bad_request(str(e).replace("beam_width", "n (the beam width)", 1), field) from None
+        eos = frozenset(getattr(self.engine, "eos_token_ids", ()))
+        return await asyncio.gather(*(beam_search_async(self.engine, p, bp, eos, f"{rid}-{i}")
+                                      for i, p in enumerate(prompts)))
 
     # -- /v1/chat/completions
     def _prepare_chat(self, body: bytes) -> _Prepared:

@@ -1,0 +1,271 @@
+"""Beam search, vLLM's way: ``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens))``.
+
+Each step extends every live beam of every prompt by its ``2 * beam_width`` most likely next tokens
+(the model's raw log-probabilities, in fp32), and keeps the ``beam_width`` best of a prompt's
+candidates by cumulative log-probability, length-normalized by ``length_penalty``; a beam that
+ends in EOS (unless ``ignore_eos``) is complete and stops. The result is every prompt's
+``beam_width`` best sequences, finished or not.
+
+Beams live in the engine's slots (``QwenEngine``'s slot API, the core's lock held for the search):
+a step is one decode forward of one row per live beam; a beam kept with several children forks
+its slot for each (``fork_slot``: its full KV blocks shared by reference count, only a partial last
+block copied), a beam with none frees its slot. Models with linear-attention layers (their state
+is per slot, and cannot be shared) run each step as one-token requests through the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from qwen_ops.engine.sampling import MAX_LOGPROBS, SamplingParams
+from qwen_ops.serving.outputs import Logprob
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's: ``beam_width`` beams, ``max_tokens`` new tokens at most; ``length_penalty``: a
+    sequence's score is ``cum_logprob / len(tokens) ** length_penalty`` (its tokens count the
+    prompt, and not a final EOS, as vLLM's, unless ``ignore_eos``, where EOS ends nothing);
+    ``temperature``: the sampling temperature of the steps, which does not change the scores
+    (raw log-probabilities, vLLM's default)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2), ("max_tokens", 1, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+                raise ValueError(f"{name} = {v!r}, expected an int >= {low}" + (f" and <= {high}" if high else ""))
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
+                raise ValueError(f"{name} = {v!r}, expected a finite number")
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature!r}, expected >= 0")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` (the prompt's, then the generated ones), the logprobs entry of each
+    generated token, their sum, and (when returned) its text and why it ended."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def score(seq: BeamSearchSequence, eos_ids: frozenset[int], length_penalty: float) -> float:
+    n = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos_ids else 0)
+    return seq.cum_logprob / (max(n, 1) ** length_penalty)
+
+
+def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """``LLM.beam_search`` (module docstring): every prompt's search advances in the same steps."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
+    prepared = llm._prepare(prompts, SamplingParams(max_tokens=1))        # validation and token ids
+    eos_ids = frozenset(llm.engine.eos_token_ids)
+    # A final EOS is not counted in the length (vLLM's rule); under ignore_eos it ends nothing, so it counts.
+    ending = frozenset() if params.ignore_eos else eos_ids
+    key = (lambda s: score(s, ending, params.length_penalty))
+    ids = [p[1] for p in prepared]
+    if "linear" in llm.engine.runner.layer_kinds:
+        searches = _search_by_requests(llm, ids, params, key, ending)
+    else:
+        with llm.core.lock:                    # the engine's slots are this search's until it ends
+            free = sum(1 for s in llm.engine.kv.slots if not s.active and s.owner is None)
+            group = max(1, free // params.beam_width)
+            if free < params.beam_width:
+                raise RuntimeError(f"beam search needs beam_width = {params.beam_width} free slots, "
+                                   f"{free} are free (max_num_seqs)")
+            searches = []
+            for start in range(0, len(ids), group):
+                searches += _search_by_slots(llm.engine, ids[start:start + group], params, key, ending)
+    tokenizer = llm.tokenizer
+    results = []
+    for prompt, (beams, completed) in zip(ids, searches):
+        for seq in beams:
+            seq.finish_reason = seq.finish_reason or "length"
+        best = sorted(completed + beams, key=key, reverse=True)[:params.beam_width]
+        for seq in best:
+            out = seq.tokens[len(prompt):]
+            if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+                out = out[:-1]
+            seq.text = tokenizer.decode(out) if tokenizer is not None else None
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def _expand(beam: BeamSearchSequence, logits, k: int) -> list[BeamSearchSequence]:
+    """The ``k`` most likely extensions of ``beam`` under ``logits`` [vocab] (raw log-probabilities)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(k)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids, values))}
+    return [BeamSearchSequence(beam.tokens + [t], beam.logprobs + [entry], beam.cum_logprob + v)
+            for t, v in zip(ids, values)]
+
+
+def _select(candidates, width, key, ending, completed) -> list:
+    """The ``width`` best candidates; those ending in EOS are complete (``completed``), the rest live on."""
+    live = []
+    for seq in sorted(candidates, key=lambda c: key(c[0]), reverse=True)[:width]:
+        if seq[0].tokens[-1] in ending:
+            seq[0].finish_reason, seq[0].stop_reason = "stop", seq[0].tokens[-1]
+            completed.append(seq[0])
+        else:
+            live.append(seq)
+    return live
+
+
+def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams, key, ending) -> list:
+    """Beams as engine slots: a step feeds each live beam its newest token, all in one forward of
+    one row per beam (a decode); a beam with several children forks its slot (``fork_slot``:
+    full blocks shared, a partial last block copied), a beam with none frees it."""
+    from qwen_ops.engine.batch import BatchedRequest
+    from qwen_ops.engine.sampling import GREEDY
+
+    width, k = params.beam_width, 2 * params.beam_width
+    max_len = engine.max_seq_len
+    slots, searches, beams = [], [], []
+    try:
+        for i, prompt in enumerate(prompts):
+            slot = engine.allocate_slot(("beam_search", i))
+            slots.append(slot)
+            engine.begin_sequence(slot, GREEDY, tokens=prompt)       # a cached prefix of the prompt is mapped
+            engine.reserve(slot, len(prompt))
+            beams.append((i, BeamSearchSequence(list(prompt)), slot))
+            searches.append(([], []))
+        logits = engine.execute([BatchedRequest(slot, prompt[m:], m) for (_, _, slot), prompt, m in
+                                 zip(beams, prompts, [engine.slot_seq_len(s) for s in slots])])
+        for step in range(params.max_tokens):
+            candidates: list[list] = [[] for _ in prompts]
+            for row, (i, beam, slot) in enumerate(beams):
+                for child in _expand(beam, logits[row], k):
+                    candidates[i].append((child, slot))
+            chosen = []
+            for i, (_, completed) in enumerate(searches):
+                chosen += [(i, seq, parent) for seq, parent in _select(candidates[i], width, key, ending, completed)]
+            # Every parent's slot goes to its first child; more children fork it; a parent left without any is freed.
+            taken, nxt = set(), []
+            for i, seq, parent in chosen:
+                if parent not in taken:
+                    taken.add(parent)
+                    nxt.append((i, seq, parent))
+            for i, seq, parent in chosen:
+                if any(c is seq for _, c, _ in nxt):
+                    continue
+                slot = engine.allocate_slot(("beam_search", i))
+                slots.append(slot)
+                engine.fork_slot(parent, slot)
+                nxt.append((i, seq, slot))
+            for slot in {s for _, _, s in beams} - {s for _, _, s in nxt}:
+                engine.free_slot(slot)
+                slots.remove(slot)
+            beams = [b for b in nxt if len(b[1].tokens) < max_len]
+            for i, seq, _ in nxt:
+                if len(seq.tokens) >= max_len:
+                    searches[i][0].append(seq)           # the slot is full: this beam ends here
+            if not beams or step == params.max_tokens - 1:
+                break
+            chunks = []
+            for _, seq, slot in beams:
+                n = engine.slot_seq_len(slot)
+                engine.reserve(slot, n + 1)
+                chunks.append(BatchedRequest(slot, [seq.tokens[-1]], n, is_prefill=False))
+            logits = engine.execute(chunks)
+        for i, seq, _ in beams:
+            searches[i][0].append(seq)
+    finally:
+        for slot in slots:
+            engine.free_slot(slot)
+    return searches
+
+
+def _search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams, key, ending) -> list:
+    """Beams as one-token requests through the scheduler (models with linear-attention layers,
+    whose per-slot state a fork cannot share): prefix caching is off for them, so each step
+    prefills each beam again."""
+    width = params.beam_width
+    max_len = llm.scheduler.config.max_model_len
+    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+    searches = [([BeamSearchSequence(list(p))], []) for p in prompts]
+    for _ in range(params.max_tokens):
+        live = [(i, beam) for i, (beams, _) in enumerate(searches) for beam in beams if len(beam.tokens) < max_len]
+        if not live:
+            break
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], [step_params] * len(live),
+                            use_tqdm=False)
+        candidates: list[list] = [[] for _ in searches]
+        for (i, beam), out in zip(live, outs):
+            entry = out.outputs[0].logprobs[0]
+            for token, lp in entry.items():
+                candidates[i].append((BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
+                                                         beam.cum_logprob + lp.logprob), None))
+        for i, (beams, completed) in enumerate(searches):
+            beams[:] = [seq for seq, _ in _select(candidates[i], width, key, ending, completed)]
+    return searches
+
+
+async def beam_search_async(engine, prompt: list[int], params: BeamSearchParams, eos_ids: frozenset[int],
+                            request_id: str) -> BeamSearchOutput:
+    """Beam search through an ``AsyncLLM`` (the server's ``use_beam_search``, as vLLM's serves it):
+    each step the live beams go in as one-token requests at once, and share the steps of every
+    other request; prefix caching keeps their common full blocks one set of blocks."""
+    import asyncio
+
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
+    width = params.beam_width
+    ending = frozenset() if params.ignore_eos else eos_ids
+    key = (lambda s: score(s, ending, params.length_penalty))
+    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+    beams, completed = [BeamSearchSequence(list(prompt))], []
+    max_len = engine.max_model_len
+
+    async def one(beam: BeamSearchSequence, j: int):
+        last = None
+        async for out in engine.generate({"prompt_token_ids": beam.tokens}, step_params, request_id=f"{request_id}-{j}"):
+            last = out
+        return last
+
+    for step in range(params.max_tokens):
+        live = [b for b in beams if len(b.tokens) < max_len]
+        if not live:
+            break
+        outs = await asyncio.gather(*(one(b, step * width + j) for j, b in enumerate(live)))
+        candidates = []
+        for beam, out in zip(live, outs):
+            entry = out.outputs[0].logprobs[0]
+            for token, lp in entry.items():
+                candidates.append((BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
+                                                      beam.cum_logprob + lp.logprob), None))
+        beams = [seq for seq, _ in _select(candidates, width, key, ending, completed)]
+    for seq in beams:
+        seq.finish_reason = seq.finish_reason or "length"
+    best = sorted(completed + beams, key=key, reverse=True)[:width]
+    tokenizer = engine.tokenizer
+    for seq in best:
+        out = seq.tokens[len(prompt):]
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            out = out[:-1]
+        seq.text = tokenizer.decode(out) if tokenizer is not None else None
+    return BeamSearchOutput(best)
