@@ -182,5 +182,21 @@ def test_served_use_beam_search_equals_transformers():
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
             bad = httpx.post(srv.base_url + "/completions", json={**body, "n": 11}, timeout=30)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "n", bad.text
+            # Chat: the rendered prompt (the server's own /tokenize), searched the same way.
+            messages = [{"role": "user", "content": "Write a function."}]
+            chat_ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+            r = httpx.post(srv.base_url + "/chat/completions", timeout=120, json={
+                "model": SERVED_NAME, "messages": messages, "max_tokens": 8, "n": 2, "use_beam_search": True,
+                "ignore_eos": True, "length_penalty": 0.0})
+            assert r.status_code == 200, r.text
+            ids = torch.tensor([chat_ids])
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, num_return_sequences=2,
+                            max_new_tokens=8, do_sample=False, length_penalty=0.0, early_stopping=False, pad_token_id=0)
+            assert [c["message"]["content"] for c in r.json()["choices"]] == \
+                [engine.tokenizer.decode(s[len(chat_ids):].tolist()) for s in g]
+            bad = httpx.post(srv.base_url + "/chat/completions", timeout=30, json={
+                "model": SERVED_NAME, "messages": messages, "n": 2, "use_beam_search": True,
+                "response_format": {"type": "json_object"}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
     finally:
         engine.shutdown()

@@ -699,6 +699,9 @@ class _Serving:
         P.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         P.stop_strings(req.stop)
         tools, mode, named = P.chat_tools(req.tools, req.tool_choice)
+        if req.use_beam_search and (req.stream or mode != "none" or P.structured_outputs(req) is not None):
+            raise P.bad_request("use_beam_search returns the n best replies once, at the end, unconstrained; expected "
+                                "stream = false, no tools and no structured output", "use_beam_search")
         if mode == "auto" and not self.auto_tool_choice:        # vLLM's rule (tools alone mean "auto")
             raise P.bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
                                 'be set; expected tool_choice "none", "required" or a named function, or a server '
@@ -733,6 +736,13 @@ class _Serving:
         mode, named = prep.tools
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
+        if req.use_beam_search:
+            (out,) = await _by(deadline, self.beam_search([ids], req, params, rid))
+            choices = [{"index": j, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
+                        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                       for j, s in enumerate(out.sequences)]
+            generated = sum(len(s.tokens) - len(ids) for s in out.sequences)
+            return JSONResponse({**meta, "choices": choices, "usage": P.usage(len(ids), generated)})
         gen = _Generation(self, [ids], params, rid)
         await self.start(gen, "messages", req.stream, deadline, prep.so_field)
 
