@@ -68,6 +68,17 @@ def test_prompt_logprobs_match_transformers_chunked_cached_and_n(tiny):
     assert plain[0].outputs[0].token_ids == outs[0].outputs[0].token_ids      # scoring changes no token
 
 
+def test_long_prompt_scored_in_row_chunks_matches_transformers(tiny):
+    """300 rows: token_logprobs scores them LOGPROB_ROWS at a time; every row is still its own."""
+    from qwen_ops.engine.sampling import LOGPROB_ROWS
+
+    path, hf = tiny
+    prompt = torch.randint(2, 128, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert len(prompt) > 2 * LOGPROB_ROWS
+    out = LLM(path).generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    check_entries(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 2)
+
+
 def test_prompt_logprobs_zero_gives_the_prompt_token_only(tiny):
     path, hf = tiny
     out = LLM(path).generate([[7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
