@@ -68,13 +68,14 @@ def test_prompt_logprobs_match_transformers_chunked_cached_and_n(tiny):
     assert plain[0].outputs[0].token_ids == outs[0].outputs[0].token_ids      # scoring changes no token
 
 
-def test_long_prompt_scored_in_row_chunks_matches_transformers(tiny):
-    """300 rows: token_logprobs scores them LOGPROB_ROWS at a time; every row is still its own."""
-    from qwen_ops.engine.sampling import LOGPROB_ROWS
+def test_long_prompt_scored_in_row_chunks_matches_transformers(tiny, monkeypatch):
+    """300 rows: token_logprobs scores them a cache-sized chunk at a time; every row is still its own."""
+    from qwen_ops.engine.sampling import LOGPROB_CHUNK_BYTES
 
     path, hf = tiny
     prompt = torch.randint(2, 128, (300,), generator=torch.Generator().manual_seed(5)).tolist()
-    assert len(prompt) > 2 * LOGPROB_ROWS
+    monkeypatch.setattr("qwen_ops.engine.sampling.LOGPROB_CHUNK_BYTES", 4 * 128 * 64)      # 64 rows of 128
+    assert len(prompt) > 4 * 64 and LOGPROB_CHUNK_BYTES > 4 * 128 * 64
     out = LLM(path).generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
     check_entries(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 2)
 

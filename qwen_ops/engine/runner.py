@@ -271,6 +271,7 @@ class ModelRunner:
                 prompt_lps = self.prompt_logprobs(tasks, logits, ends)
                 if logits.shape[0] != len(tasks):
                     logits = logits[torch.tensor(ends, device=logits.device) - 1]
+                logits = logits.float()
             sampled, logprobs = self.sample_rows(tasks, logits, grammar_mask)
             if self.draft is not None and hidden is not None:
                 self.draft.kept(tasks, [None] * len(tasks), hidden)
@@ -821,7 +822,8 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks))
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
-        if any(c.draft_token_ids or c.prompt_logprob_ids for c in chunks):
+        scoring = any(c.prompt_logprob_ids for c in chunks)
+        if scoring or any(c.draft_token_ids for c in chunks):
             rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])
                     for j in range(c.num_logit_rows)]
             logits_indices = torch.tensor(rows, dtype=torch.long).to(dev)
@@ -830,4 +832,6 @@ class ModelRunner:
         # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
         with trusted_metadata(), bound_backends(self.op_backends):
             logits = self._run_uncompiled(input_ids, pos, attn, logits_indices)
-        return logits.float()
+        # A scored prompt's rows stay in the model's dtype: step() widens the rows it samples from,
+        # and prompt_logprobs a chunk at a time (all of them at once: 1.2 GB at 2,000 x 151,936).
+        return logits if scoring else logits.float()
