@@ -134,3 +134,40 @@ def test_model_id_from_the_hugging_face_cache(ckpt, tmp_path, monkeypatch, oracl
     with pytest.raises(ValueError, match=r"model = 'tiny-org/missing' is not a directory and not in the Hugging "
                                          r"Face cache .*HF_HUB_OFFLINE"):
         LLM("tiny-org/missing")
+
+
+def test_server_fills_unset_fields_from_generation_config(tmp_path):
+    """vLLM's server: a request's unset sampling fields take the checkpoint's generation_config
+    (here greedy, 5 tokens); set fields win. Oracle: transformers' greedy tokens of the prompt the
+    server renders (its own /tokenize). The engine runs in its own process, as qwen-ops serve's."""
+    import httpx
+    import torch
+    import transformers
+
+    from qwen_ops.models.defaults import default_model_path
+    from qwen_ops.serving.async_llm import AsyncLLM
+    from server_fixture import running_server
+
+    path = tmp_path / "model"
+    shutil.copytree(default_model_path(), path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5,
+                                                             "eos_token_id": [2, 0]}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = AsyncLLM.from_pretrained(str(path), max_num_seqs=4, max_model_len=256)
+    try:
+        with running_server(engine, served_model_name="m") as srv:
+            messages = [{"role": "user", "content": "Write a loop."}]
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+            r = httpx.post(srv.base_url + "/chat/completions", json={"model": "m", "messages": messages}, timeout=60)
+            assert r.status_code == 200, r.text
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            got = r.json()
+            assert got["usage"]["completion_tokens"] == len(want) <= 5
+            assert got["choices"][0]["message"]["content"] == engine.tokenizer.decode(want)
+            longer = httpx.post(srv.base_url + "/chat/completions", timeout=60, json={
+                "model": "m", "messages": messages, "max_tokens": 9, "temperature": 0, "ignore_eos": True})
+            assert longer.json()["usage"]["completion_tokens"] == 9                  # set fields win
+    finally:
+        engine.shutdown()

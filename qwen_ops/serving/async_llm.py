@@ -84,6 +84,7 @@ class AsyncLLM:
             self.max_model_len = int(llm.scheduler.config.max_model_len)
             self.model_path: Optional[Path] = getattr(llm, "model_path", None)
             self.eos_token_ids = tuple(llm.engine.eos_token_ids)
+            self.sampling_overrides = dict(llm.sampling_overrides)     # generation_config's defaults
         else:
             model, llm_kwargs = _process
             self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited)
@@ -93,6 +94,7 @@ class AsyncLLM:
             self.model_path = Path(info["model_path"])
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = tuple(info["eos_token_ids"])
+            self.sampling_overrides = dict(info["sampling_overrides"])
 
     @classmethod
     def from_pretrained(cls, model=None, *, max_waiting_requests: Optional[int] = None,

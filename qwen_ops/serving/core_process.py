@@ -35,7 +35,8 @@ def core_main(conn) -> None:
         conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
                              "model_path": str(llm.model_path), "stats": core.stats(),
-                             "eos_token_ids": list(llm.engine.eos_token_ids)}))
+                             "eos_token_ids": list(llm.engine.eos_token_ids),
+                             "sampling_overrides": llm.sampling_overrides}))
         while True:
             if not core.runnable():
                 conn.poll(core.idle_timeout())              # idle: sleep until a message (or a grammar)

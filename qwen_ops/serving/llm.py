@@ -155,26 +155,33 @@ GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k
 def default_sampling_params(model_path: Path, generation_config: Union[str, Path] = "auto") -> SamplingParams:
     """vLLM's ``get_default_sampling_params``: ``"vllm"``: ``SamplingParams()``; ``"auto"``: the
     checkpoint's ``generation_config.json`` sampling fields over those; a directory: its file."""
+    return SamplingParams(**sampling_overrides(model_path, generation_config))
+
+
+def sampling_overrides(model_path: Path, generation_config: Union[str, Path] = "auto") -> dict:
+    """The ``SamplingParams`` fields ``generation_config`` sets (vLLM's ``get_diff_sampling_param``):
+    the defaults of ``LLM`` calls without parameters and of server requests' unset fields."""
     import json
 
     if generation_config == "vllm":
-        return SamplingParams()
+        return {}
     folder = Path(model_path) if generation_config == "auto" else Path(generation_config)
     if generation_config != "auto" and not folder.is_dir():
         raise ValueError(f"generation_config = {str(generation_config)!r}, expected 'auto', 'vllm' or a directory "
                          "holding generation_config.json")
     file = folder / "generation_config.json"
     if not file.is_file():
-        return SamplingParams()
+        return {}
     try:
         cfg = json.loads(file.read_text())
     except ValueError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     kwargs = {name: cfg[key] for key, name in GENERATION_CONFIG_KEYS.items() if cfg.get(key) is not None}
     try:
-        return SamplingParams(**kwargs)
+        SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from None
+    return kwargs
 
 
 def _encode(tokenizer: Optional[QwenTokenizer], prompt: Prompt, index: int) -> list[int]:
@@ -439,7 +446,8 @@ class LLM:
         self.scheduler = self.core.scheduler
         self.model_path = Path(path)
         self._chat_template = None      # LLM.chat's, compiled on first use
-        self._default_sampling = default_sampling_params(self.model_path, generation_config)
+        self.sampling_overrides = sampling_overrides(self.model_path, generation_config)
+        self._default_sampling = SamplingParams(**self.sampling_overrides)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``

@@ -386,10 +386,17 @@ def check_logprobs(name: str, value: Optional[int]) -> None:
         raise bad_request(f"{name} = {value}, expected an integer in [0, {MAX_TOP_LOGPROBS}]", name)
 
 
-def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
-    """The ``qwen_ops.SamplingParams`` keyword arguments of a request (unset fields left out)."""
+def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: Optional[int],
+                    defaults: Optional[dict] = None) -> dict[str, Any]:
+    """The ``qwen_ops.SamplingParams`` keyword arguments of a request: its fields, else the model's
+    ``generation_config`` ``defaults`` (temperature, top_p, top_k, min_p, repetition_penalty, as
+    vLLM's server), else left out."""
+    defaults = defaults or {}
     kw: dict[str, Any] = {"max_tokens": max_tokens}
-    kw["temperature"] = 1.0 if req.temperature is None else req.temperature
+    kw["temperature"] = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(req, name) is None and name in defaults:
+            kw[name] = defaults[name]
     for name in ("top_p", "top_k", "seed"):
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)

@@ -330,6 +330,8 @@ class _Serving:
         self.engine = engine
         self.reasoning_parser = reasoning_parser
         self.auto_tool_choice = auto_tool_choice
+        # The checkpoint's generation_config sampling defaults, for the fields a request leaves unset.
+        self.sampling_defaults = dict(getattr(engine, "sampling_overrides", {}) or {})
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.vocab_size)
@@ -475,8 +477,9 @@ class _Serving:
         if longest >= self.max_model_len:
             raise P.bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
                                 f"prompt has {longest}; no room is left to generate", param)
-        if requested is None:
-            return self.max_model_len - longest
+        if requested is None:            # generation_config's max_new_tokens, if it fits (vLLM's default)
+            room = self.max_model_len - longest
+            return min(room, self.sampling_defaults.get("max_tokens", room))
         if longest + requested > self.max_model_len:
             raise P.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {longest + requested} tokens ({longest} in the {param}, {requested} "
@@ -574,7 +577,8 @@ class _Serving:
             self.check_ids(ids, where, "prompt")
             prompts.append(ids)
         max_tokens = self.max_tokens_for(prompts, 1 if echo_only else req.max_tokens, "max_tokens", "prompt")
-        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs))
+        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                                                   defaults=self.sampling_defaults))
         if score:
             kwargs["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field="max_tokens"), self.vocab_size,
@@ -711,7 +715,8 @@ class _Serving:
         self.check_ids(ids, "messages (rendered)", "messages")
         max_tokens = self.max_tokens_for([ids], requested, field, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k))
+        kwargs, so_field = self.constrained(req, P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=k,
+                                                                   defaults=self.sampling_defaults))
         if mode in ("required", "named"):          # forced: the reply is the call's JSON (tools.py)
             if "structured_outputs" in kwargs:
                 raise P.bad_request(f"tool_choice = {mode!r} and a structured output both constrain the reply; "
