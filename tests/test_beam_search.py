@@ -200,3 +200,14 @@ def test_served_use_beam_search_equals_transformers():
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
     finally:
         engine.shutdown()
+
+
+def test_a_prompt_never_holds_more_than_beam_width_slots(tiny):
+    """Slots are freed before forks: with exactly beam_width free slots the search still runs
+    (a fork before the frees would need up to 2 * width - 1)."""
+    llm = LLM(tiny[0], block_size=4, max_num_seqs=4)
+    (out,) = llm.beam_search([{"prompt_token_ids": PROMPTS[2]}],
+                             BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
+    assert len(out.sequences) == 4
+    assert all(not s.active and s.owner is None for s in llm.engine.kv.slots)
+    llm.engine.check_block_accounting()

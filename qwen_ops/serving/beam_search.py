@@ -164,22 +164,25 @@ def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams,
             chosen = []
             for i, (_, completed) in enumerate(searches):
                 chosen += [(i, seq, parent) for seq, parent in _select(candidates[i], width, key, ending, completed)]
-            # Every parent's slot goes to its first child; more children fork it; a parent left without any is freed.
+            # A parent left without children frees its slot first; then every parent's slot goes to
+            # its first child and each further child forks it (so a prompt never holds more than
+            # beam_width slots).
             taken, nxt = set(), []
             for i, seq, parent in chosen:
                 if parent not in taken:
                     taken.add(parent)
                     nxt.append((i, seq, parent))
+            for slot in {s for _, _, s in beams} - taken:
+                engine.free_slot(slot)
+                slots.remove(slot)
+            firsts = {id(seq) for _, seq, _ in nxt}
             for i, seq, parent in chosen:
-                if any(c is seq for _, c, _ in nxt):
+                if id(seq) in firsts:
                     continue
                 slot = engine.allocate_slot(("beam_search", i))
                 slots.append(slot)
                 engine.fork_slot(parent, slot)
                 nxt.append((i, seq, slot))
-            for slot in {s for _, _, s in beams} - {s for _, _, s in nxt}:
-                engine.free_slot(slot)
-                slots.remove(slot)
             beams = [b for b in nxt if len(b[1].tokens) < max_len]
             for i, seq, _ in nxt:
                 if len(seq.tokens) >= max_len:
