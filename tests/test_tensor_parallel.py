@@ -1,5 +1,5 @@
 """Tensor parallelism on 2 CPU processes with gloo: the same greedy tokens and logits as one
-process (dense and hybrid models; the dense models' greedy tokens as transformers'), through the engine API and LLM.generate (preemption by recompute and by swap, prefix
+process (dense, hybrid and MoE models; their greedy tokens also as transformers'), through the engine API and LLM.generate (preemption by recompute and by swap, prefix
 caching on), a compiled step without graph breaks, the torchrun launch (one node and two
 "nodes" on loopback), a killed worker, bad configurations, and no process left behind."""
 
@@ -137,6 +137,7 @@ def test_hybrid_model_equals_one_process(qwen3_5):
         for (ta, la), (tb, lb) in zip(want, got):
             assert ta == tb
             assert (la - lb).abs().max() / la.abs().max() < 1e-5
+        assert [t for t, _ in got] == TransformersGreedy(qwen3_5)(prompt, 11)        # the outside oracle
         procs = list(two._tp_workers.procs)
     finally:
         two.shutdown()
@@ -145,6 +146,7 @@ def test_hybrid_model_equals_one_process(qwen3_5):
     kw = dict(max_model_len=64, block_size=4, max_num_seqs=4, num_kv_blocks=20, max_num_batched_tokens=16,
               check_invariants=True)
     want = _tokens(LLM(qwen3_5, **kw).generate(PROMPTS, GREEDY))
+    assert want == [TransformersGreedy(qwen3_5)(p, GREEDY.max_tokens) for p in PROMPTS]    # the outside oracle
     llm = LLM(qwen3_5, tensor_parallel_size=2, **kw)
     try:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == want
@@ -174,9 +176,11 @@ def test_moe_model_equals_one_process(model_type, original_format, tmp_path):
         if full.shared_expert is not None:
             assert half.shared_expert.down_proj.in_features * 2 == full.shared_expert.down_proj.in_features
         prompt = list(range(3, 25))
-        for (ta, la), (tb, lb) in zip(_run_engine(one, prompt, 8), _run_engine(two, prompt, 8)):
+        got = _run_engine(two, prompt, 8)
+        for (ta, la), (tb, lb) in zip(_run_engine(one, prompt, 8), got):
             assert ta == tb
             assert (la - lb).abs().max() / la.abs().max() < 1e-5
+        assert [t for t, _ in got] == TransformersGreedy(path)(prompt, 9)            # the outside oracle
     finally:
         two.shutdown()
     if model_type == "qwen3_5_moe_text":
