@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Optional, Sequence
