@@ -151,7 +151,7 @@ def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams,
             slot = engine.allocate_slot(("beam_search", i))
             slots.append(slot)
             engine.begin_sequence(slot, GREEDY, tokens=prompt)       # a cached prefix of the prompt is mapped
-            engine.reserve(slot, len(prompt))
+            _reserve(engine, slot, len(prompt))
             beams.append((i, BeamSearchSequence(list(prompt)), slot))
             searches.append(([], []))
         logits = engine.execute([BatchedRequest(slot, prompt[m:], m) for (_, _, slot), prompt, m in
@@ -192,7 +192,7 @@ def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams,
             chunks = []
             for _, seq, slot in beams:
                 n = engine.slot_seq_len(slot)
-                engine.reserve(slot, n + 1)
+                _reserve(engine, slot, n + 1)
                 chunks.append(BatchedRequest(slot, [seq.tokens[-1]], n, is_prefill=False))
             logits = engine.execute(chunks)
         for i, seq, _ in beams:
@@ -201,6 +201,13 @@ def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams,
         for slot in slots:
             engine.free_slot(slot)
     return searches
+
+
+def _reserve(engine, slot: int, n_tokens: int) -> None:
+    if not engine.reserve(slot, n_tokens):
+        raise RuntimeError(f"out of KV blocks for beam search: a beam needs room for {n_tokens} tokens, "
+                           f"{engine.num_free_blocks} blocks are free of {engine.num_total_blocks}; "
+                           "lower beam_width or the prompts in one call, or raise the KV cache")
 
 
 def _search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams, key, ending) -> list:
