@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_ops import LLM, BeamSearchParams
+from qwen_ops import LLM, BeamSearchParams, SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
 
@@ -211,3 +211,14 @@ def test_a_prompt_never_holds_more_than_beam_width_slots(tiny):
     assert len(out.sequences) == 4
     assert all(not s.active and s.owner is None for s in llm.engine.kv.slots)
     llm.engine.check_block_accounting()
+
+
+def test_out_of_blocks_is_a_clear_error_and_frees_the_slots(tiny):
+    llm = LLM(tiny[0], block_size=4, max_model_len=64, num_kv_blocks=16, max_num_seqs=8)
+    prompt = list(range(10, 50))                           # 10 of the 16 blocks
+    with pytest.raises(RuntimeError, match="out of KV blocks for beam search"):
+        llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    assert all(not s.active and s.owner is None for s in llm.engine.kv.slots)
+    llm.engine.check_block_accounting()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # it still serves
+    assert len(out[0].outputs[0].token_ids) == 4
