@@ -80,6 +80,20 @@ def test_long_prompt_scored_in_row_chunks_matches_transformers(tiny, monkeypatch
     check_entries(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 2)
 
 
+def test_prompt_logprobs_beside_speculative_decodes(tiny):
+    """A scored prompt chunked over steps whose other rows are decodes verifying n-gram drafts:
+    its entries still come (the verify step scores them too), and its tokens stay transformers'."""
+    path, hf = tiny
+    llm = LLM(path, max_num_batched_tokens=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    loop = [7, 8, 9, 10] * 3                                  # repeats: n-gram lookup finds drafts
+    scored = list(range(20, 50))                              # 30 tokens: 4+ steps at 8 a step
+    outs = llm.generate([loop, scored], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                         SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)],
+                        use_tqdm=False)
+    assert llm.stats()["spec_num_drafts"] > 0
+    check_entries(outs[1].prompt_logprobs, scored, hf_prompt_logprobs(hf, scored), 1)
+
+
 def test_prompt_logprobs_zero_gives_the_prompt_token_only(tiny):
     path, hf = tiny
     out = LLM(path).generate([[7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]

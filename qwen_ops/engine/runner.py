@@ -263,12 +263,14 @@ class ModelRunner:
         # hybrid rollback would replace it)
         hidden = self.model.hidden_out if getattr(self.model, "keep_hidden", False) else None
         grammar_mask = (constrained, mask_job.result()) if mask_job is not None else None
+        prompt_lps = None
+        # Prefill chunks that score their prompt tokens: every row's logits came back, in the model's dtype.
+        scoring = bool(plan.prefill_tasks) and any(t.prompt_logprob_ids for t in plan.prefill_tasks)
+        if scoring:
+            ends = list(itertools.accumulate(t.num_logit_rows for t in tasks))
+            prompt_lps = self.prompt_logprobs(tasks, logits, ends)
         if not speculating:
-            prompt_lps = None
-            # Prefill chunks that score their prompt tokens (every row's logits came back)
-            if plan.prefill_tasks and any(t.prompt_logprob_ids for t in plan.prefill_tasks):
-                ends = list(itertools.accumulate(t.num_logit_rows for t in tasks))
-                prompt_lps = self.prompt_logprobs(tasks, logits, ends)
+            if scoring:
                 if logits.shape[0] != len(tasks):
                     logits = logits[torch.tensor(ends, device=logits.device) - 1]
                 logits = logits.float()
@@ -276,6 +278,8 @@ class ModelRunner:
             if self.draft is not None and hidden is not None:
                 self.draft.kept(tasks, [None] * len(tasks), hidden)
             return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps)
+        if scoring:
+            logits = logits.float()
         last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
         sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
                                              logits[last], grammar_mask)
@@ -287,7 +291,7 @@ class ModelRunner:
             self._rollback_linear_state(tasks, emitted, saved)
         if self.draft is not None:
             self.draft.kept(tasks, emitted, hidden)
-        return RunnerOutput(logits, sampled, logprobs, emitted)
+        return RunnerOutput(logits, sampled, logprobs, emitted, prompt_logprobs=prompt_lps)
 
     @staticmethod
     def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, ends: Sequence[int]
