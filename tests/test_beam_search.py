@@ -222,3 +222,22 @@ def test_out_of_blocks_is_a_clear_error_and_frees_the_slots(tiny):
     llm.engine.check_block_accounting()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # it still serves
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_hybrid_model_beam_search_equals_transformers(tmp_path):
+    """A model with linear-attention layers (its per-slot state cannot be forked) searches through
+    one-token requests: the same sequences as transformers' beam search."""
+    from checkpoints import make_qwen3_5_checkpoint
+
+    path = make_qwen3_5_checkpoint(tmp_path / "hybrid")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    llm = LLM(path, block_size=4)
+    assert "linear" in llm.engine.runner.layer_kinds
+    prompt = [5, 6, 7, 8, 9]
+    (out,) = llm.beam_search([{"prompt_token_ids": prompt}],
+                             BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True, length_penalty=0.0))
+    ids = torch.tensor([prompt])
+    g = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, num_return_sequences=2, max_new_tokens=6,
+                    do_sample=False, length_penalty=0.0, early_stopping=False, pad_token_id=0)
+    assert [s.tokens[len(prompt):] for s in out.sequences] == [s[len(prompt):].tolist() for s in g]

@@ -543,18 +543,17 @@ class QwenEngine:
                 tasks.append(seq.task(len(c.token_ids), c.is_prefill, sample=False))
             return self._run(tasks).logits
 
-    def _prefill_rounds(self, seqs: Sequence[Request]) -> tuple[torch.Tensor, list[int], list[Optional[str]]]:
+    def _prefill_rounds(self, seqs: Sequence[Request]) -> tuple[torch.Tensor, list[int]]:
         """Chunked prefill of fresh sequences, one forward per round of ``chunk_size`` tokens each,
         from what its slot already holds (a cached prefix, or nothing); the round that reaches a
         prompt's end samples its first token.
 
-        Returns fp32 logits [len(seqs), vocab] of each prompt's last token, those tokens, and why
-        each sequence finished with it (None: it goes on).
+        Returns fp32 logits [len(seqs), vocab] of each prompt's last token, and those tokens (each
+        appended to its sequence through the finish check).
         """
         n = len(seqs)
         last: list = [None] * n
         tokens: list = [None] * n
-        reasons: list = [None] * n
         while True:
             live = [i for i, q in enumerate(seqs) if q.num_computed < len(q.prompt_token_ids)]
             if not live:
@@ -565,10 +564,10 @@ class QwenEngine:
                 token = out.sampled[row]
                 if token is not None:
                     last[i], tokens[i] = out.logits[row], token
-                    reasons[i] = self._append(seqs[i], token)
-        return torch.stack(last), tokens, reasons
+                    self._append(seqs[i], token)
+        return torch.stack(last), tokens
 
-    def _decode(self, seqs: Sequence[Request], tokens: Sequence[int]) -> tuple[RunnerOutput, list[Optional[str]]]:
+    def _decode(self, seqs: Sequence[Request], tokens: Sequence[int]) -> RunnerOutput:
         """Feed each sequence its token (in place of the sampled one, if another) and sample the next."""
         self._check_blocks({q.slot: q.num_computed + 1 for q in seqs})
         tasks = []
@@ -577,15 +576,16 @@ class QwenEngine:
             q.feed(q.num_computed, [t])
             tasks.append(q.task(1, is_prefill=False))
         out = self._run(tasks)
-        return out, [self._append(q, t) for q, t in zip(seqs, out.sampled)]
+        for q, t in zip(seqs, out.sampled):
+            self._append(q, t)
+        return out
 
-    def _append(self, seq: Request, token: int) -> Optional[str]:
+    def _append(self, seq: Request, token: int) -> None:
         """The sampled token joins the sequence; the one finish check says whether it ends there."""
         reason = seq.append_token(token, self.max_seq_len)
         if reason is not None:
             seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
             seq.stop_reason = token if reason == "stop" else None
-        return reason
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
@@ -602,7 +602,7 @@ class QwenEngine:
             tokens = self.check_prompt(tokens)
             self._check_blocks({slot_id: len(tokens)}, restart=True)
             seq = self._restart(slot_id, len(tokens), sampling, tokens)
-            logits, sampled, _ = self._prefill_rounds([seq])
+            logits, sampled = self._prefill_rounds([seq])
             return QwenForwardResult(sampled[0], logits[0])
 
     def decode_step(self, token: int, slot_id: int = 0,
@@ -615,7 +615,7 @@ class QwenEngine:
             self._check_can_extend(slot_id, "slot_id")
             seq = self._seqs[slot_id]
             self._set_sampling(seq, sampling)
-            out, _ = self._decode([seq], [token])
+            out = self._decode([seq], [token])
             return QwenForwardResult(out.sampled[0], out.logits[0])
 
     def _set_sampling(self, seq: Request, sampling: SamplingParams) -> None:
@@ -658,7 +658,7 @@ class QwenEngine:
             if not requests:
                 return QwenBatchPrefillResult([], [])
             seqs = [self._restart(r.slot_id, len(p), r.sampling, p) for r, p in zip(requests, prompts)]
-            _, tokens, _ = self._prefill_rounds(seqs)
+            _, tokens = self._prefill_rounds(seqs)
             for r, q, t in zip(requests, seqs, tokens):
                 r._sequence, r.last_token = q, t
             return QwenBatchPrefillResult(tokens, [len(p) for p in prompts])
@@ -681,7 +681,7 @@ class QwenEngine:
             if live:
                 for r in live:
                     self._set_sampling(r._sequence, r.sampling)
-                out, _ = self._decode([r._sequence for r in live], [r.last_token for r in live])
+                out = self._decode([r._sequence for r in live], [r.last_token for r in live])
                 for r, t in zip(live, out.sampled):
                     r.last_token = t
             return QwenBatchDecodeResult([r.last_token for r in requests], [r.finished for r in requests])

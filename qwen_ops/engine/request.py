@@ -5,8 +5,8 @@ Both drivers of the runner use it: the scheduler keeps one ``Request`` per reque
 (``serving/scheduler.py``), the seed's slot API one per slot that holds a sequence
 (``engine/engine.py``). A request's tokens are ``prompt + output``; ``num_computed`` of them are
 in its slot's cache (the ``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes
-the ``BatchedRequest`` of its next ``n`` tokens; ``finish_check`` says whether a sampled token
-ends it.
+the ``BatchedRequest`` of its next ``n`` tokens; ``append_token`` adds a sampled token and says
+whether it ends the sequence.
 """
 
 from __future__ import annotations

@@ -82,10 +82,7 @@ def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSe
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
     prepared = llm._prepare(prompts, SamplingParams(max_tokens=1))        # validation and token ids
-    eos_ids = frozenset(llm.engine.eos_token_ids)
-    # A final EOS is not counted in the length (vLLM's rule); under ignore_eos it ends nothing, so it counts.
-    ending = frozenset() if params.ignore_eos else eos_ids
-    key = (lambda s: score(s, ending, params.length_penalty))
+    ending, key = _ranking(params, frozenset(llm.engine.eos_token_ids))
     ids = [p[1] for p in prepared]
     if "linear" in llm.engine.runner.layer_kinds:
         searches = _search_by_requests(llm, ids, params, key, ending)
@@ -99,29 +96,47 @@ def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSe
             searches = []
             for start in range(0, len(ids), group):
                 searches += _search_by_slots(llm.engine, ids[start:start + group], params, key, ending)
-    tokenizer = llm.tokenizer
-    results = []
-    for prompt, (beams, completed) in zip(ids, searches):
-        for seq in beams:
-            seq.finish_reason = seq.finish_reason or "length"
-        best = sorted(completed + beams, key=key, reverse=True)[:params.beam_width]
-        for seq in best:
-            out = seq.tokens[len(prompt):]
-            if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-                out = out[:-1]
-            seq.text = tokenizer.decode(out) if tokenizer is not None else None
-        results.append(BeamSearchOutput(best))
-    return results
+    return [_finish(prompt, beams, completed, params, key, llm.tokenizer)
+            for prompt, (beams, completed) in zip(ids, searches)]
 
 
-def _expand(beam: BeamSearchSequence, logits, k: int) -> list[BeamSearchSequence]:
-    """The ``k`` most likely extensions of ``beam`` under ``logits`` [vocab] (raw log-probabilities)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top = lp.topk(k)
-    ids, values = top.indices.tolist(), top.values.tolist()
-    entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids, values))}
-    return [BeamSearchSequence(beam.tokens + [t], beam.logprobs + [entry], beam.cum_logprob + v)
-            for t, v in zip(ids, values)]
+def _ranking(params: BeamSearchParams, eos_ids: frozenset[int]):
+    """``(ending, key)``: the tokens that complete a beam, and the sort key of sequences. A final
+    EOS is not counted in the length (vLLM's rule); under ignore_eos it ends nothing, so it counts."""
+    ending = frozenset() if params.ignore_eos else eos_ids
+    return ending, (lambda s: score(s, ending, params.length_penalty))
+
+
+def _step_params(params: BeamSearchParams) -> SamplingParams:
+    """A step of the request paths: one token, with the ``2 * beam_width`` most likely as logprobs."""
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                          ignore_eos=True)
+
+
+def _extend(beam: BeamSearchSequence, entry: dict[int, Logprob]) -> list[BeamSearchSequence]:
+    """``beam`` extended by each token of ``entry`` (the step's logprobs of its next token)."""
+    return [BeamSearchSequence(beam.tokens + [t], beam.logprobs + [entry], beam.cum_logprob + lp.logprob)
+            for t, lp in entry.items()]
+
+
+def _top_entries(logits, k: int) -> list[dict[int, Logprob]]:
+    """Per row of ``logits`` [rows, vocab], its ``k`` most likely tokens and their raw log-probabilities."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k)
+    return [{t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids, values))}
+            for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+
+
+def _finish(prompt: list[int], beams, completed, params: BeamSearchParams, key, tokenizer) -> BeamSearchOutput:
+    """A prompt's ``beam_width`` best sequences, finished or not, with their text."""
+    for seq in beams:
+        seq.finish_reason = seq.finish_reason or "length"
+    best = sorted(completed + beams, key=key, reverse=True)[:params.beam_width]
+    for seq in best:
+        out = seq.tokens[len(prompt):]
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            out = out[:-1]
+        seq.text = tokenizer.decode(out) if tokenizer is not None else None
+    return BeamSearchOutput(best)
 
 
 def _select(candidates, width, key, ending, completed) -> list:
@@ -158,9 +173,8 @@ def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams,
                                  zip(beams, prompts, [engine.slot_seq_len(s) for s in slots])])
         for step in range(params.max_tokens):
             candidates: list[list] = [[] for _ in prompts]
-            for row, (i, beam, slot) in enumerate(beams):
-                for child in _expand(beam, logits[row], k):
-                    candidates[i].append((child, slot))
+            for (i, beam, slot), entry in zip(beams, _top_entries(logits, k)):
+                candidates[i] += [(child, slot) for child in _extend(beam, entry)]
             chosen = []
             for i, (_, completed) in enumerate(searches):
                 chosen += [(i, seq, parent) for seq, parent in _select(candidates[i], width, key, ending, completed)]
@@ -216,7 +230,7 @@ def _search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams,
     prefills each beam again."""
     width = params.beam_width
     max_len = llm.scheduler.config.max_model_len
-    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+    step_params = _step_params(params)
     searches = [([BeamSearchSequence(list(p))], []) for p in prompts]
     for _ in range(params.max_tokens):
         live = [(i, beam) for i, (beams, _) in enumerate(searches) for beam in beams if len(beam.tokens) < max_len]
@@ -226,10 +240,7 @@ def _search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams,
                             use_tqdm=False)
         candidates: list[list] = [[] for _ in searches]
         for (i, beam), out in zip(live, outs):
-            entry = out.outputs[0].logprobs[0]
-            for token, lp in entry.items():
-                candidates[i].append((BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
-                                                         beam.cum_logprob + lp.logprob), None))
+            candidates[i] += [(child, None) for child in _extend(beam, out.outputs[0].logprobs[0])]
         for i, (beams, completed) in enumerate(searches):
             beams[:] = [seq for seq, _ in _select(candidates[i], width, key, ending, completed)]
     return searches
@@ -245,15 +256,15 @@ async def beam_search_async(engine, prompt: list[int], params: BeamSearchParams,
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
     width = params.beam_width
-    ending = frozenset() if params.ignore_eos else eos_ids
-    key = (lambda s: score(s, ending, params.length_penalty))
-    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+    ending, key = _ranking(params, eos_ids)
+    step_params = _step_params(params)
     beams, completed = [BeamSearchSequence(list(prompt))], []
     max_len = engine.max_model_len
 
     async def one(beam: BeamSearchSequence, j: int):
         last = None
-        async for out in engine.generate({"prompt_token_ids": beam.tokens}, step_params, request_id=f"{request_id}-{j}"):
+        async for out in engine.generate({"prompt_token_ids": beam.tokens}, step_params,
+                                         request_id=f"{request_id}-{j}"):
             last = out
         return last
 
@@ -262,20 +273,7 @@ async def beam_search_async(engine, prompt: list[int], params: BeamSearchParams,
         if not live:
             break
         outs = await asyncio.gather(*(one(b, step * width + j) for j, b in enumerate(live)))
-        candidates = []
-        for beam, out in zip(live, outs):
-            entry = out.outputs[0].logprobs[0]
-            for token, lp in entry.items():
-                candidates.append((BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
-                                                      beam.cum_logprob + lp.logprob), None))
+        candidates = [(child, None) for beam, out in zip(live, outs)
+                      for child in _extend(beam, out.outputs[0].logprobs[0])]
         beams = [seq for seq, _ in _select(candidates, width, key, ending, completed)]
-    for seq in beams:
-        seq.finish_reason = seq.finish_reason or "length"
-    best = sorted(completed + beams, key=key, reverse=True)[:width]
-    tokenizer = engine.tokenizer
-    for seq in best:
-        out = seq.tokens[len(prompt):]
-        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-            out = out[:-1]
-        seq.text = tokenizer.decode(out) if tokenizer is not None else None
-    return BeamSearchOutput(best)
+    return _finish(prompt, beams, completed, params, key, engine.tokenizer)

@@ -59,12 +59,14 @@ class _ProgressBar:
             from tqdm.auto import tqdm as factory
         self.states = states
         self.done = [False] * len(states)
+        self.num_done = 0
         self.tokens_in = self.tokens_out = 0
         self.start = time.perf_counter()
         self.bar = factory(total=len(states), desc="Processed prompts", dynamic_ncols=True,
                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
 
-    def update(self) -> None:
+    def update(self) -> bool:
+        """Count the prompts finished since the last call; True when every one has."""
         new = 0
         for i, st in enumerate(self.states):
             if not self.done[i] and st.finished:
@@ -77,6 +79,8 @@ class _ProgressBar:
             self.bar.postfix = (f"est. speed input: {self.tokens_in / elapsed:.2f} toks/s, "
                                 f"output: {self.tokens_out / elapsed:.2f} toks/s")
             self.bar.update(new)
+            self.num_done += new
+        return self.num_done == len(self.states)
 
     def close(self) -> None:
         self.bar.close()
@@ -512,11 +516,8 @@ class LLM:
         states = core.add_requests(self._prepare(prompts, sampling_params))
         bar = _ProgressBar(use_tqdm, states) if use_tqdm else None
         try:
-            while True:
-                if bar is not None:
-                    bar.update()
-                if all(st.finished for st in states):
-                    break
+            # One pass over the states per step: the bar's count, or the plain check.
+            while not (bar.update() if bar is not None else all(st.finished for st in states)):
                 core.step()
         finally:
             if bar is not None:
