@@ -10,6 +10,7 @@ steps for the whole batch at once.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -143,3 +144,18 @@ def hf_greedy(hf_model, prompt: Sequence[int], new_tokens: int) -> list[int]:
     tokens = out[0, len(prompt):].tolist()
     assert len(tokens) == new_tokens, f"transformers stopped after {len(tokens)} of {new_tokens} tokens"
     return tokens
+
+
+@contextlib.contextmanager
+def registered_kernels(lib):
+    """The CPU kernels of ``lib`` (a ``kernels.cpu.library`` build of a test's own: portable loops, a
+    forced product path) registered for the block's lifetime; on leaving, the dispatcher's earlier
+    kernels come back. The package's own registration is made first, so that it is what comes back."""
+    from qwen_ops.ops import registry
+
+    registry.cpu_fast_ops()
+    handle = lib.qwen_register_cpu_kernels()
+    try:
+        yield
+    finally:
+        lib.qwen_unregister_cpu_kernels(handle)

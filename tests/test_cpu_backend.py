@@ -37,7 +37,7 @@ def test_builds_once_into_the_cache_dir_and_reuses_it(fresh_library, monkeypatch
     caplog.clear()
     built = list(fresh_library.glob("qwen_cpu_*.so"))
     assert len(built) == 1 and hasattr(lib, "qwen_slot_attention")
-    monkeypatch.setattr(cpu, "_build", lambda cc, out: pytest.fail("rebuilt although the cache holds the library"))
+    monkeypatch.setattr(cpu, "_build", lambda cc, cxx, out: pytest.fail("rebuilt although the cache holds the library"))
     cpu.library.__wrapped__()
     assert not caplog.records                       # a cached library loads silently
     assert list(fresh_library.glob("qwen_cpu_*.so")) == built
@@ -52,6 +52,15 @@ def test_without_a_compiler_the_backend_is_unavailable_and_auto_keeps_the_refere
                         lambda name, device: "no C compiler found" if name == "cpu" else None)
     with B.use_backend("auto"):
         assert B.resolve_backend(torch.device("cpu"), "slot_attention", "decode") == "reference"
+
+
+def test_without_a_cxx_compiler_the_backend_is_unavailable(fresh_library, monkeypatch):
+    """One build: the C kernels and the fast ops' C++ kernels together, so no C++ compiler (or no
+    torch headers) means no CPU library at all, said plainly."""
+    monkeypatch.setattr(cpu, "_cxx_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
+        cpu.library.__wrapped__()
+    assert not fresh_library.exists() or not any(fresh_library.iterdir())
 
 
 def test_compile_errors_are_reported(fresh_library, monkeypatch, tmp_path):

@@ -98,23 +98,24 @@ def test_fast_path_matches_the_op_path(model_type, tmp_path):
 
 
 def test_portable_build_matches(tmp_path, monkeypatch):
-    """The C file's AVX-512 paths off: the portable loops (through the ctypes kernels, which read the
-    rebuilt library; the C++ kernels are linked to the one loaded first) against the references."""
-    if cpu._compiler() is None:
-        pytest.skip("no C compiler here")
-    from qwen_ops.ops import registry
+    """The C file's AVX-512 paths off: the portable loops (a build of their own, its kernels
+    registered for this test's lifetime) against the references."""
+    if cpu.why_unavailable() is not None:
+        pytest.skip(cpu.why_unavailable())
     from qwen_ops.ops.kernels import reference_fused as R
+    from qwen_tiny import registered_kernels
 
     monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
     portable = cpu.library.__wrapped__()
     monkeypatch.setattr(cpu, "library", lambda: portable)
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(5, 40, generator=gen).to(dtype), torch.randn(57, 40, generator=gen).to(dtype)
-        packed = cpu.pack_panels(w)
-        torch.testing.assert_close(registry._CTYPES_FAST_OPS["linear_packed"](x, packed, None, 57).float(),
-                                   R.linear_packed_reference(x, packed, None, 57).float(), rtol=2e-2, atol=2e-2)
+    with registered_kernels(portable):
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(5, 40, generator=gen).to(dtype), torch.randn(57, 40, generator=gen).to(dtype)
+            packed = cpu.pack_panels(w)
+            torch.testing.assert_close(torch.ops.qwen.linear_packed(x, packed, None, 57).float(),
+                                       R.linear_packed_reference(x, packed, None, 57).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_the_choice_follows_the_backend_setting_read_once(tmp_path):

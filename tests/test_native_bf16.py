@@ -161,10 +161,12 @@ def test_native_bf16_matches_transformers(model_type, tmp_path):
 
 def test_portable_build_matches(tmp_path, monkeypatch):
     """The C file's AVX-512 paths off (the scalar bf16 products), on shapes off the vector widths
-    and an odd inner dim (a bf16 pair without a partner): the ctypes kernels, which read the
-    rebuilt library (the C++ kernels stay linked to the one loaded first), registered for this test."""
-    if cpu._compiler() is None:
-        pytest.skip("no C compiler here")
+    and an odd inner dim (a bf16 pair without a partner): a build of its own, its kernels registered
+    for this test's lifetime."""
+    if cpu.why_unavailable() is not None:
+        pytest.skip(cpu.why_unavailable())
+    from qwen_tiny import registered_kernels
+
     path = _save(tmp_path, "qwen3", hidden_size=40, intermediate_size=57, head_dim=16)
     model = _load(path, torch.bfloat16)
     table = shuffled_block_table(3, 5)
@@ -176,15 +178,8 @@ def test_portable_build_matches(tmp_path, monkeypatch):
     portable = cpu.library.__wrapped__()
     monkeypatch.setattr(cpu, "library", lambda: portable)
     assert cpu.bf16_products() == "widening"
-    from qwen_ops.ops import registry
-
-    lib = torch.library.Library("qwen", "IMPL")       # the ctypes kernels, for this test's lifetime
-    for name, fn in registry._CTYPES_FAST_OPS.items():
-        lib.impl(name, fn, "CPU")
-    try:
+    with registered_kernels(portable):
         got, got_caches = _run_steps(_packed(model), model.config, STEPS, table, torch.bfloat16)
-    finally:
-        lib._destroy()
     _assert_steps_within_bound(got, got_caches, op_path, op_caches, exact, exact_caches)
 
 

@@ -2,8 +2,7 @@
 silu_mul, attention_block, moe_packed) against their plain-torch references
 (qwen_ops/ops/kernels/reference_fused.py), on fresh random inputs, with every output poisoned
 (NaN) before the kernel writes it (QWEN_OPS_POISON_OUTPUTS for the C++ kernels); opcheck on each;
-the panel layout against a torch packing; errors that name the argument; and the ctypes fallback
-kernels against the same references.
+the panel layout against a torch packing; errors that name the argument.
 """
 
 from __future__ import annotations
@@ -234,23 +233,6 @@ def test_fake_kernels_trace_without_data():
         with mode:
             out = getattr(torch.ops.qwen, name)(*fake)
         assert out is not None, name
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ctypes_fallback_kernels_match(dtype):
-    """The kernels registered where the C++ ones do not build (same C arithmetic, through ctypes)."""
-    k = registry._CTYPES_FAST_OPS
-    args = _linear_case(5, (70, 7), dtype, True)
-    _close(k["linear_packed"](*args), R.linear_packed_reference(*args), dtype)
-    x, w = _randn(7, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
-    _close(k["rms_norm"](x, w, 1e-6), R.rms_norm_reference(x, w, 1e-6), dtype)
-    got, want = k["add_rms_norm"](x, x, w, 1e-6), R.add_rms_norm_reference(x, x, w, 1e-6)
-    _close(got[0], want[0], dtype)
-    gate_up = _randn(5, 40, dtype=dtype)
-    _close(k["silu_mul"](gate_up), R.silu_mul_reference(gate_up), dtype)
-    case = _attention_case(dtype)
-    got_args, want_args = _clone_caches(case), _clone_caches(case)
-    _close(k["attention_block"](*got_args), R.attention_block_reference(*want_args), dtype)
 
 
 def test_compiled_graph_keeps_the_ops_whole():

@@ -229,10 +229,9 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 # --------------------------------------------------------------------------------------------
 # A layer chooses these once, when its weights are packed (qwen_ops/models/layers.py: on the CPU,
 # fp32 or bf16, the cpu backend selected and its C kernels built); nothing is chosen per call.
-# On CPU tensors they run the C++ dispatcher kernels of kernels/qwen_cpu_ops.cpp (built and
-# registered by cpu_fast_ops, on first use), or, without a C++ compiler, the ctypes
-# kernels below; on any other device the plain-torch references (kernels/reference_fused.py),
-# which are also the test oracle.
+# On CPU tensors they run the C++ dispatcher kernels of kernels/qwen_cpu_ops.cpp (built with the
+# C library and registered by cpu_fast_ops, on first use); on any other device the plain-torch
+# references (kernels/reference_fused.py), which are also the test oracle.
 
 from qwen_ops.ops.kernels import reference_fused as R  # noqa: E402
 
@@ -242,112 +241,39 @@ def _cpu():
     return cpu
 
 
-def _linear_packed_cpu(x, packed, bias, out_features):
-    V.check_linear_packed(x, packed, bias, out_features)
-    return _cpu().linear_packed_cpu(x, packed, bias, out_features)
-
-
-def _rms_norm_cpu(x, weight, eps):
-    V.check_rms_norm(x, weight)
-    return _cpu().rms_norm_cpu(x, weight, eps)
-
-
-def _add_rms_norm_cpu(x, residual, weight, eps):
-    V.check_rms_norm(x, weight, residual)
-    return _cpu().add_rms_norm_cpu(x, residual, weight, eps)
-
-
-def _qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions):
-    V.check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
-    if value_checks_enabled("cpu"):
-        V.check_qk_norm_rope_values(cos_sin, positions)
-    return _cpu().qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions)
-
-
-def _silu_mul_cpu(gate_up):
-    V.check_silu_mul(gate_up)
-    return _cpu().silu_mul_cpu(gate_up)
-
-
-def _moe_packed_cpu(hidden_states, w13, w2, topk_weights, topk_ids):
-    V.check_moe_packed(hidden_states, w13, w2, topk_weights, topk_ids)
-    if value_checks_enabled("cpu"):
-        V.check_fused_moe_values(topk_ids, w13.shape[0])
-    return _cpu().moe_packed_cpu(hidden_states, w13, w2, topk_weights, topk_ids)
-
-
-def _attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                         block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
-                         k_scale=None, v_scale=None):
-    _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                          block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
-                          k_scale, v_scale)
-    if value_checks_enabled("cpu"):
-        V.check_qk_norm_rope_values(cos_sin, positions)
-        V.check_kv_write_values(key_cache, slot_ids, positions, block_table)
-        q = qkv.new_empty((qkv.shape[0], num_heads, key_cache.shape[3]))
-        V.check_slot_attention_values(q, key_cache, block_table, seq_slots, query_start_loc, seq_lens, max_query_len)
-    return _cpu().attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache,
-                                      slot_ids, block_table, seq_slots, query_start_loc, seq_lens, scale,
-                                      max_query_len, num_heads, k_scale, v_scale)
-
-
-# The ctypes kernels: the fallback where the C++ ones (kernels/qwen_cpu_ops.cpp) do not build.
-_CTYPES_FAST_OPS = {
-    "linear_packed": _linear_packed_cpu, "rms_norm": _rms_norm_cpu, "add_rms_norm": _add_rms_norm_cpu,
-    "qk_norm_rope": _qk_norm_rope_cpu, "silu_mul": _silu_mul_cpu, "attention_block": _attention_block_cpu,
-    "moe_packed": _moe_packed_cpu,
-}
 _REFERENCES = {
     "linear_packed": R.linear_packed_reference, "rms_norm": R.rms_norm_reference,
     "add_rms_norm": R.add_rms_norm_reference, "qk_norm_rope": R.qk_norm_rope_reference,
     "silu_mul": R.silu_mul_reference, "attention_block": R.attention_block_reference,
     "moe_packed": R.moe_packed_reference,
 }
-# Their CPU kernels are registered on first use (cpu_fast_ops: the C++ kernels, built
-# then; or the ctypes ones); on other devices the references run.
+# Their CPU kernels are registered on first use (cpu_fast_ops: the C++ kernels, built then); on
+# other devices the references run.
 _FAST_LIB = torch.library.Library(NAMESPACE, "IMPL")
 for _name, _reference in _REFERENCES.items():
     _FAST_LIB.impl(_name, _reference, "CUDA")
 
 
-
-
 @functools.lru_cache(maxsize=1)
-def cpu_fast_ops() -> str:
-    """Registers the CPU kernels of the fast ops, once: the C++ dispatcher kernels (``"c++"``: the
-    library ``kernels/cpu.py`` builds, loaded here) or, where they do not build, the ctypes ones
-    (``"ctypes"``). Needs the C library (``kernels.cpu.why_unavailable()`` None)."""
-    path = _cpu().build_op_library()
-    if path is None:
-        register_ctypes_fast_ops()
-        return "ctypes"
-    torch.ops.load_library(str(path))
-    return "c++"
+def cpu_fast_ops() -> int:
+    """Registers the CPU kernels of the fast ops and the quantized products, once: the C++
+    dispatcher kernels of the library ``kernels/cpu.py`` builds. Returns the registration's handle
+    (this cache holds it: the kernels stay for the process). Raises the build's error where it does
+    not build (``kernels.cpu.why_unavailable()`` says why beforehand)."""
+    return _cpu().library().qwen_register_cpu_kernels()
 
 
 def _first_cpu_call(name: str):
     """The CPU kernel registered at import: it registers the real ones (cpu_fast_ops, once; they
     replace this one in the dispatcher) and calls the op again."""
     def kernel(*args):
-        if cpu_fast_ops() not in ("c++", "ctypes"):
-            raise AssertionError(f"qwen::{name}: no CPU kernel was registered")
+        cpu_fast_ops()
         return getattr(torch.ops.qwen, name).default(*args)
     return kernel
 
 
 for _name in _REFERENCES:
     _FAST_LIB.impl(_name, _first_cpu_call(_name), "CPU")
-
-
-@functools.lru_cache(maxsize=1)
-def register_ctypes_fast_ops() -> torch.library.Library:
-    """Registers the ctypes CPU kernels of the fast ops (once, by cpu_fast_ops, where the C++ ones
-    do not build); the returned library holds the registrations for the process."""
-    lib = torch.library.Library(NAMESPACE, "IMPL")
-    for name, fn in {**_CTYPES_FAST_OPS, **_CTYPES_QUANT_OPS}.items():
-        lib.impl(name, fn, "CPU")
-    return lib
 
 
 @torch.library.register_fake(f"{NAMESPACE}::linear_packed", lib=_LIB)
@@ -401,65 +327,10 @@ def _attention_block_fake(qkv, q_weight, k_weight, eps, cos_sin, positions, key_
 # --------------------------------------------------------------------------------------------
 # The model's QuantLinear layers (qwen_ops/models/quant.py) call these. On CPU tensors they run the
 # C kernels of kernels/qwen_cpu.c (qwen_linear_quant) behind the C++ dispatcher kernels of
-# kernels/qwen_cpu_ops.cpp (or through ctypes where those do not build; the reference where the C
-# library does not build either); on CUDA the Triton kernels of kernels/triton_quant.py (the references
+# kernels/qwen_cpu_ops.cpp (the reference where that library does not build); on CUDA the Triton kernels of kernels/triton_quant.py (the references
 # with QWEN_OPS_BACKEND=reference or without triton). The references are also the oracle.
 
 from qwen_ops.ops.kernels import reference_quant as RQ  # noqa: E402
-
-
-def _linear_int8_cpu(x, qweight, scales, bias):
-    V.check_linear_int8(x, qweight, scales, bias)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_int8_reference(x, qweight, scales, bias)
-    return _cpu().linear_quant_cpu(0, x, qweight, scales, None, bias, qweight.shape[0], qweight.shape[1],
-                                   qweight.shape[1] // scales.shape[1], 1)
-
-
-def _linear_int4_cpu(x, qweight, scales, zeros, bias):
-    V.check_linear_int4(x, qweight, scales, zeros, bias)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_int4_reference(x, qweight, scales, zeros, bias)
-    k = 2 * qweight.shape[1]
-    return _cpu().linear_quant_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1], 1)
-
-
-def _linear_int8_a8_cpu(x, qweight, scales, bias):
-    V.check_linear_int8(x, qweight, scales, bias)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_int8_a8_reference(x, qweight, scales, bias)
-    return _cpu().linear_quant_a8_cpu(0, x, qweight, scales, None, bias, qweight.shape[0], qweight.shape[1],
-                                      qweight.shape[1] // scales.shape[1])
-
-
-def _linear_int4_a8_cpu(x, qweight, scales, zeros, bias):
-    V.check_linear_int4(x, qweight, scales, zeros, bias)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_int4_a8_reference(x, qweight, scales, zeros, bias)
-    k = 2 * qweight.shape[1]
-    return _cpu().linear_quant_a8_cpu(1, x, qweight, scales, zeros, bias, qweight.shape[0], k, k // scales.shape[1])
-
-
-def _linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features):
-    V.check_linear_a8_panels(x, weight, scales, zeros, bias, out_features)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_a8_panels_reference(x, weight, scales, zeros, bias, out_features)
-    return _cpu().linear_a8_panels_cpu(x, weight, scales, zeros, bias, out_features)
-
-
-def _silu_mul_linear_a8_panels_cpu(gate_up, weight, scales, zeros, bias, out_features):
-    V.check_silu_mul_linear_a8_panels(gate_up, weight, scales, zeros, bias, out_features)
-    if _cpu().why_unavailable() is not None:
-        return RQ.silu_mul_linear_a8_panels_reference(gate_up, weight, scales, zeros, bias, out_features)
-    return _cpu().linear_a8_panels_cpu(_cpu().silu_mul_cpu(gate_up), weight, scales, zeros, bias, out_features)
-
-
-def _linear_fp8_cpu(x, weight, scale_inv, bias, block_n, block_k):
-    V.check_linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
-    if _cpu().why_unavailable() is not None:
-        return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
-    return _cpu().linear_quant_cpu(2, x, weight, scale_inv, None, bias, weight.shape[0], weight.shape[1], block_k,
-                                   block_n)
 
 
 def _quant_triton(x) -> bool:
@@ -522,23 +393,26 @@ def _linear_fp8_other(x, weight, scale_inv, bias, block_n, block_k):
     return RQ.linear_fp8_reference(x, weight, scale_inv, bias, block_n, block_k)
 
 
-# The ctypes kernels (the fallback of the C++ ones in kernels/qwen_cpu_ops.cpp, registered by cpu_fast_ops).
-_CTYPES_QUANT_OPS = {"linear_int8": _linear_int8_cpu, "linear_int4": _linear_int4_cpu, "linear_fp8": _linear_fp8_cpu,
-                     "linear_int8_a8": _linear_int8_a8_cpu, "linear_int4_a8": _linear_int4_a8_cpu,
-                     "linear_a8_panels": _linear_a8_panels_cpu,
-                     "silu_mul_linear_a8_panels": _silu_mul_linear_a8_panels_cpu}
+_QUANT_REFERENCES = {"linear_int8": RQ.linear_int8_reference, "linear_int4": RQ.linear_int4_reference,
+                     "linear_fp8": RQ.linear_fp8_reference, "linear_int8_a8": RQ.linear_int8_a8_reference,
+                     "linear_int4_a8": RQ.linear_int4_a8_reference,
+                     "linear_a8_panels": RQ.linear_a8_panels_reference,
+                     "silu_mul_linear_a8_panels": RQ.silu_mul_linear_a8_panels_reference}
+_QUANT_CHECKS = {"linear_int8": V.check_linear_int8, "linear_int4": V.check_linear_int4,
+                 "linear_fp8": V.check_linear_fp8, "linear_int8_a8": V.check_linear_int8,
+                 "linear_int4_a8": V.check_linear_int4, "linear_a8_panels": V.check_linear_a8_panels,
+                 "silu_mul_linear_a8_panels": V.check_silu_mul_linear_a8_panels}
 
 
 def _first_quant_call(name: str):
     """The CPU kernel registered at import: where the C library builds, it registers the C++ kernels
-    (cpu_fast_ops, once: they replace this one) and calls the op again; elsewhere it runs the ctypes
-    kernel, which runs the reference without the C library."""
-    python_kernel = _CTYPES_QUANT_OPS[name]
-
+    (cpu_fast_ops, once: they replace this one) and calls the op again; elsewhere the reference runs."""
     def kernel(*args):
-        if _cpu().why_unavailable() is None and cpu_fast_ops() in ("c++", "ctypes"):
+        if _cpu().why_unavailable() is None:
+            cpu_fast_ops()
             return getattr(torch.ops.qwen, name).default(*args)
-        return python_kernel(*args)
+        _QUANT_CHECKS[name](*args)
+        return _QUANT_REFERENCES[name](*args)
     return kernel
 
 

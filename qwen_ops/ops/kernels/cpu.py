@@ -3,15 +3,19 @@ fast path's ops that the model's layers choose when their weights are packed (li
 rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed; ``qwen_ops/models/layers.py``), and
 the greedy argmax that sampling uses.
 
-``qwen_cpu.c`` (next to this file) is compiled on first use with the system C compiler
-(``$CC``, else ``cc``/``gcc``/``clang``) into a shared library kept in a per-user cache
-(``$QWEN_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by
-the source, the compiler, the flags and the CPU's feature flags (it is built with
-``-march=native``, and with OpenMP where the compiler has it, so that the packed products split
-across torch's intra-op threads). It is called through ctypes: no torch headers, so the build
-takes a few seconds, needs nothing but a C compiler, and ``pip install`` stays pure Python.
+``qwen_cpu.c`` (next to this file, the arithmetic) is compiled on first use with the system C
+compiler (``$CC``, else ``cc``/``gcc``/``clang``) and linked with ``qwen_cpu_ops.cpp`` (the fast
+ops' dispatcher kernels; ``$CXX``, else ``c++``/``g++``/``clang++``, against torch's headers) into
+one shared library, the only CPU build, kept in a per-user cache (``$QWEN_OPS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by the sources, the compilers, the
+flags, torch's version and the CPU's feature flags (the C part is built with ``-march=native``, and
+with OpenMP where the compiler has it, so that the packed products split across torch's intra-op
+threads). This module calls the C functions through ctypes (kv_write, slot_attention, the host
+helpers); the fast ops' C++ kernels are registered by ``registry.cpu_fast_ops``. It is the build
+PyTorch's own ``torch.utils.cpp_extension.load`` would make, without its ninja dependency, and
+``pip install`` stays pure Python.
 
-Without a C compiler the backend is unavailable and ``auto`` keeps the reference on the CPU.
+Without a C or C++ compiler (or torch's headers) the backend is unavailable and ``auto`` keeps the reference on the CPU.
 Sequences with many query rows (prefill, chunked prefill) take slot_attention's flash path
 (``qwen_cpu_flash.c``: pages read in place, causal blocks skipped, AMX tiles for bf16); fp16
 long prefills run on the reference.
@@ -44,9 +48,11 @@ from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qwen_cpu.c")
-# qwen_cpu.c and the files it includes: all of them key the cached build
-SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"))
-FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
+CXX_SOURCE = Path(__file__).with_name("qwen_cpu_ops.cpp")
+# qwen_cpu.c, the files it includes and the C++ kernels: all of them key the cached build
+SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"), CXX_SOURCE)
+C_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC")
+CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -57,6 +63,8 @@ _ATTENTION_ARGS = ([_p] * 9 + [_i64] * 5 + [_i32, _f32] + [_i64] * 4 + [_i64] * 
 _PACK_PANELS_ARGS = [_p, _i64, _i64, _p]
 # name -> (argtypes, restype) of every function the library exports
 _SIGNATURES = {
+    "qwen_register_cpu_kernels": ([], ctypes.c_void_p),
+    "qwen_unregister_cpu_kernels": ([_p], None),
     "qwen_kv_write": (_KV_WRITE_ARGS, None),
     "qwen_kv_write_fp8": (_KV_WRITE_FP8_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
@@ -114,8 +122,18 @@ def _extra_flags() -> list[str]:
     return os.environ.get("QWEN_OPS_CPU_CFLAGS", "").split()
 
 
-def _build(cc: str, out: Path) -> None:
-    """Compile to a temporary name, then rename: concurrent builders never load a half-written file.
+def _torch_flags() -> list[str]:
+    """Compile and link flags of the C++ part against this torch (its headers and libraries)."""
+    root = Path(torch.__file__).parent
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{root / 'include'}",
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def _build(cc: str, cxx: str, out: Path) -> None:
+    """The one build of the CPU kernels: ``qwen_cpu.c`` (the arithmetic) compiled with the C compiler,
+    linked with ``qwen_cpu_ops.cpp`` (the fast ops' dispatcher kernels, against torch's headers) into
+    one shared library. Compiled to a temporary name, then renamed: concurrent builders never load a
+    half-written file.
 
     With OpenMP where the compiler has it (the products then split across torch's intra-op
     threads; GCC's libgomp.so.1 is the one torch itself loaded, so both share one thread pool),
@@ -124,15 +142,23 @@ def _build(cc: str, out: Path) -> None:
     errors = []
     # some compilers (or CPUs) reject -march=native; some compilers have no OpenMP runtime
     for arch, openmp in ((["-march=native"], ["-fopenmp"]), (["-march=native"], []), ([], ["-fopenmp"]), ([], [])):
+        fd, obj = tempfile.mkstemp(suffix=".o", dir=out.parent)
+        os.close(fd)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *FLAGS, *arch, *openmp, *_extra_flags(), str(SOURCE), "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode == 0:
+        steps = ([cc, "-c", *C_FLAGS, *arch, *openmp, *_extra_flags(), str(SOURCE), "-o", obj],
+                 [cxx, *CXX_FLAGS, str(CXX_SOURCE), obj, "-o", tmp, *openmp, *_torch_flags(), "-lm"])
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                errors.append(f"{' '.join(cmd)}:\n{proc.stderr.strip()[-4000:]}")
+                break
+        else:
+            os.unlink(obj)
             os.replace(tmp, out)
             return
+        os.unlink(obj)
         os.unlink(tmp)
-        errors.append(f"{' '.join(cmd)}:\n{proc.stderr.strip()}")
     raise RuntimeError("compiling the qwen_ops CPU kernels failed:\n" + "\n".join(errors))
 
 
@@ -147,34 +173,6 @@ def _check_product_settings() -> None:
             raise ValueError(f"{name} = {value!r}, expected one of {', '.join(allowed)} (or unset: the CPU's own choice)")
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL:
-    """The compiled kernels (built on first call, then cached on disk and in this process)."""
-    _check_product_settings()
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, " ".join(FLAGS + tuple(_extra_flags())), _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"qwen_cpu_{key}.so"
-    if not path.exists():
-        # Say so: the first use on a machine waits a few seconds here, which should not look like a hang.
-        logger.warning("qwen_ops: compiling the CPU kernels with %s (first use on this machine, a few seconds) "
-                       "into %s", cc, path)
-        start = time.perf_counter()
-        _build(cc, path)
-        logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
-    # RTLD_GLOBAL: the fast ops' C++ kernels (build_op_library) resolve qwen_* against this library.
-    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
-
-
-CXX_SOURCE = Path(__file__).with_name("qwen_cpu_ops.cpp")
-
-
 def _cxx_compiler() -> Optional[str]:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
@@ -183,38 +181,34 @@ def _cxx_compiler() -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def build_op_library() -> Optional[Path]:
-    """The shared library of the fast ops' dispatcher kernels (qwen_cpu_ops.cpp, built on first use
-    against torch's headers, cached like the C library), or None without a C++ compiler or torch
-    headers, or where it does not build (then this module's ctypes kernels run the same C library's
-    arithmetic, ~20 us more per call). It builds; loading it, which registers the kernels, is the
-    registry's (``qwen_ops.ops.registry.cpu_fast_ops``)."""
-    lib = library()
-    include = Path(torch.__file__).parent / "include"
-    cxx = _cxx_compiler()
-    if cxx is None or not (include / "torch" / "library.h").exists() or not CXX_SOURCE.is_file():
-        return None
-    torch_lib = Path(torch.__file__).parent / "lib"
-    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"-I{include}", f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
-    key = hashlib.sha256("\0".join([CXX_SOURCE.read_text(), cxx, " ".join(flags), torch.__version__, lib._name]
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call, then cached on disk and in this process): the C
+    functions, called through ctypes by this module, and the fast ops' C++ kernels, which
+    ``qwen_register_cpu_kernels`` registers (registry.py calls it, once)."""
+    _check_product_settings()
+    cc, cxx = _compiler(), _cxx_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install c++/g++/clang++)")
+    if not (Path(torch.__file__).parent / "include" / "torch" / "library.h").is_file():
+        raise RuntimeError(f"torch {torch.__version__} has no C++ headers here (torch/include/torch/library.h)")
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, cxx, " ".join(C_FLAGS + CXX_FLAGS),
+                                    " ".join(_extra_flags()), _cpu_flags(), platform.machine(), torch.__version__]
                                     ).encode()).hexdigest()[:16]
-    path = cache_dir() / f"qwen_cpu_ops_{key}.so"
+    path = cache_dir() / f"qwen_cpu_{key}.so"
     if not path.exists():
-        logger.warning("qwen_ops: compiling the CPU fast path's op kernels with %s (first use, ~10 s) into %s", cxx, path)
+        # Say so: the first use on a machine waits a few seconds here, which should not look like a hang.
+        logger.warning("qwen_ops: compiling the CPU kernels with %s and %s (first use on this machine, about "
+                       "15 s) into %s", cc, cxx, path)
         start = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        proc = subprocess.run([cxx, str(CXX_SOURCE), "-o", tmp, *flags], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("qwen_ops: the C++ op kernels did not build (%s); using the ctypes kernels",
-                           proc.stderr.strip()[-2000:])
-            return None
-        os.replace(tmp, path)
-        logger.warning("qwen_ops: CPU fast path's op kernels compiled in %.1f s", time.perf_counter() - start)
-    return path
+        _build(cc, cxx, path)
+        logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
@@ -303,9 +297,9 @@ from qwen_ops.ops.kernels.reference_moe import fused_moe_cpu  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU fast path's ops (torch.ops.qwen.linear_packed, rms_norm, add_rms_norm, qk_norm_rope,
-# silu_mul, moe_packed; registry.py). The layers choose them once, when their weights are packed
-# (qwen_ops/models/layers.py); registry.py has validated the arguments.
+# Host helpers of the C library that are not ops: sampling's argmax, a grammar's bitmask, weight
+# packing, what this CPU's products run on, huge-page memory. (The fast ops' kernels are the C++
+# dispatcher kernels of qwen_cpu_ops.cpp, in the same library; registry.py registers them.)
 # --------------------------------------------------------------------------------------------
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -433,150 +427,4 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     fn = library().qwen_linear_packed_bf16 if packed.dtype == torch.bfloat16 else library().qwen_linear_packed
     fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), None if bias is None else bias.data_ptr(), out_features, k,
        out.data_ptr(), out_features, torch.get_num_threads())
-    return out
-
-
-def _status(status: int, op: str) -> None:
-    if status != 0:
-        raise MemoryError(f"qwen_ops cpu {op} could not allocate its scratch memory")
-
-
-def linear_packed_cpu(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                      out_features: int) -> torch.Tensor:
-    rows, k = x.shape
-    out = x.new_empty((rows, out_features))
-    if library().qwen_linear(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), bias if bias is None else bias.data_ptr(),
-                             out_features, k, out.data_ptr(), out_features, x.dtype == torch.bfloat16 and 2,
-                             torch.get_num_threads()):
-        _status(-1, "linear_packed")
-    return out
-
-
-def linear_quant_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                     zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
-                     in_features: int, group: int, block_n: int) -> torch.Tensor:
-    """qwen_linear_quant (kind 0 int8, 1 int4, 2 fp8) on validated tensors: x as fp32 rows, the
-    product in fp32, rounded once to x's dtype."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-    if library().qwen_linear_quant(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(), scales.data_ptr(),
-                                   None if zeros is None else zeros.data_ptr(), group, block_n,
-                                   None if bias is None else bias.data_ptr(), out_features, in_features,
-                                   out.data_ptr(), out_features, torch.get_num_threads()):
-        _status(-1, "linear quant")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def linear_quant_a8_cpu(kind: int, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                        zeros: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
-                        in_features: int, group: int, portable: bool = False) -> torch.Tensor:
-    """qwen_linear_quant_a8 (kind 0 int8, 1 int4) on validated tensors: x quantized to int8 per row
-    and block, integer products; ``portable`` runs the scalar loop (the tests' check that every path
-    computes the same bits)."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-    if library().qwen_linear_quant_a8(kind, xf.data_ptr(), xf.stride(0), x.shape[0], weight.data_ptr(),
-                                      scales.data_ptr(), None if zeros is None else zeros.data_ptr(), group,
-                                      None if bias is None else bias.data_ptr(), out_features, in_features,
-                                      out.data_ptr(), out_features, torch.get_num_threads(), int(portable)):
-        _status(-1, "linear quant a8")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def linear_a8_panels_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                         bias: Optional[torch.Tensor], out_features: int, portable: bool = False) -> torch.Tensor:
-    """qwen_linear_a8_panels on validated tensors (``linear_a8_panels``: int8 when ``zeros`` is None, else
-    int4); ``portable`` runs the scalar loop (the tests' check that every path computes the same bits)."""
-    kind = 0 if zeros is None else 1
-    k = weight.shape[1] * (4 if kind == 0 else 8)
-    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()      # fp32 and bf16 rows as they are
-    bf16 = xf.dtype == torch.bfloat16
-    out = torch.empty((x.shape[0], out_features), dtype=xf.dtype)
-    if library().qwen_linear_a8_panels(kind, xf.data_ptr(), xf.stride(0), int(bf16), x.shape[0], weight.data_ptr(),
-                                       scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
-                                       k // scales.shape[1], None if bias is None else bias.data_ptr(), out_features,
-                                       k, out.data_ptr(), out_features, int(bf16), torch.get_num_threads(),
-                                       int(portable)):
-        _status(-1, "linear_a8_panels")
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-def _norm(x, residual, weight, eps):
-    """x, residual: contiguous (checked by the op), so rows of dim = x.shape[-1] follow each other."""
-    dim = x.shape[-1]
-    rows = x.numel() // dim
-    out = torch.empty_like(x)
-    total = None if residual is None else torch.empty_like(x)
-    if library().qwen_rms_norm(x.data_ptr(), dim, None if residual is None else residual.data_ptr(), dim,
-                               None if total is None else total.data_ptr(), dim, weight.data_ptr(), out.data_ptr(),
-                               dim, rows, dim, eps, x.dtype == torch.bfloat16 and 2):
-        _status(-1, "rms_norm")
-    return out, total
-
-
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm(x, None, weight, eps)[0]
-
-
-def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _norm(x, residual, weight, eps)
-
-
-def qk_norm_rope_cpu(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
-                     k_weight: Optional[torch.Tensor], eps: float, cos_sin: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    T, nq, D = q.shape
-    nk = k.shape[1]
-    qo, ko = torch.empty((T, nq, D), dtype=q.dtype), torch.empty((T, nk, D), dtype=k.dtype)
-    positions = _i32_vector(positions)
-    qs, ks = q.stride(), k.stride()
-    _status(library().qwen_qk_norm_rope(
-        q.data_ptr(), qs[0], qs[1], nq, k.data_ptr(), ks[0], ks[1], nk,
-        None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-        float(eps), cos_sin.data_ptr(), cos_sin.stride(0), positions.data_ptr(), qo.data_ptr(), ko.data_ptr(),
-        T, D, _DTYPE_CODES[q.dtype]), "qk_norm_rope")
-    return qo, ko
-
-
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, two_i = gate_up.shape
-    inter = two_i // 2
-    out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    s0 = gate_up.stride(0)
-    _status(library().qwen_silu_mul(gate_up.data_ptr(), s0, gate_up.data_ptr() + inter * gate_up.element_size(), s0,
-                                    out.data_ptr(), rows, inter, _DTYPE_CODES[gate_up.dtype]), "silu_mul")
-    return out
-
-
-def attention_block_cpu(qkv, q_weight, k_weight, eps, cos_sin, positions, key_cache, value_cache, slot_ids,
-                        block_table, seq_slots, query_start_loc, seq_lens, scale, max_query_len, num_heads,
-                        k_scale=None, v_scale=None):
-    """The ctypes fallback of attention_block: its three parts as this module's kernels."""
-    T = qkv.shape[0]
-    nk, D = key_cache.shape[2], key_cache.shape[3]
-    q, k, v = qkv.view(T, -1, D).split([num_heads, nk, nk], 1)
-    q, k = qk_norm_rope_cpu(q, k, q_weight, k_weight, eps, cos_sin, positions)
-    kv_write_cpu(k, v, key_cache, value_cache, slot_ids, positions, block_table, k_scale, v_scale)
-    return slot_attention_cpu(q, key_cache, value_cache, block_table, seq_slots, query_start_loc, seq_lens, scale,
-                              max_query_len, None, k_scale, v_scale).view(T, num_heads * D)
-
-
-def moe_packed_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 only: ``w13 [E, ceil(2I / 32), H, 32]`` and ``w2 [E, ceil(H / 32), I, 32]`` stacked
-    ``pack_panels`` of each expert's matrices."""
-    x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
-    T, H = x.shape
-    E, inter = w13.shape[0], w2.shape[2]
-    out = torch.empty((T, H), dtype=torch.float32)
-    ids = topk_ids.contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
-    a13 = torch.arange(E, dtype=torch.int64) * (w13.stride(0) * 4) + w13.data_ptr()
-    a2 = torch.arange(E, dtype=torch.int64) * (w2.stride(0) * 4) + w2.data_ptr()
-    status = library().qwen_moe_packed(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1], E,
-                                       a13.data_ptr(), a2.data_ptr(), inter, out.data_ptr(), torch.get_num_threads())
-    if status == -3:
-        raise IndexError(f"topk_ids span [{int(ids.min())}, {int(ids.max())}], expected expert ids in [0, {E})")
-    _status(status, "moe_packed")
     return out

@@ -1,13 +1,12 @@
-// The CPU fast path's ops as dispatcher kernels: TORCH_LIBRARY_IMPL(qwen, CPU) for linear_packed,
+// The CPU fast path's ops as dispatcher kernels (the qwen namespace's CPU key) for linear_packed,
 // rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block, moe_packed and the quantized
 // products linear_int8 / linear_int4 / linear_fp8 (schemas in
 // torch_library/qwen.schema, defined by Python; references in kernels/reference_fused.py).
 //
 // Why C++: these ops run ~50 times in a CPU decode step of the embedded model, and a Python kernel
 // behind torch.ops (dispatcher -> Python -> ctypes) costs ~20 us a call against ~3 us here. The
-// arithmetic is qwen_cpu.c's (linked at load time: kernels/cpu.py loads that library with
-// RTLD_GLOBAL first, then this one). Built on first use by kernels/cpu.py with the system C++
-// compiler against torch's headers; without one, kernels/cpu.py registers the ctypes kernels.
+// arithmetic is qwen_cpu.c's. Built on first use by kernels/cpu.py: qwen_cpu.c compiled with the system C compiler, linked with
+// this file (the system C++ compiler, torch's headers) into one library, the only CPU build.
 // The checks mirror qwen_ops/ops/validation.py (which the fake kernels run): every error names the
 // argument, the value and what was expected, before anything is written.
 #include <ATen/core/Tensor.h>
@@ -587,19 +586,27 @@ at::Tensor silu_mul_linear_a8_panels(const at::Tensor &gate_up, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qwen, CPU, m) {
-  m.impl("linear_a8_panels", &linear_a8_panels);
-  m.impl("silu_mul_linear_a8_panels", &silu_mul_linear_a8_panels);
-  m.impl("linear_int8", &linear_int8);
-  m.impl("linear_int4", &linear_int4);
-  m.impl("linear_int8_a8", &linear_int8_a8);
-  m.impl("linear_int4_a8", &linear_int4_a8);
-  m.impl("linear_fp8", &linear_fp8);
-  m.impl("linear_packed", &linear_packed);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("qk_norm_rope", &qk_norm_rope);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("attention_block", &attention_block);
-  m.impl("moe_packed", &moe_packed);
+// Registration is explicit, not a side effect of loading: qwen_ops.ops.registry calls
+// qwen_register_cpu_kernels once (through ctypes) and keeps the handle for the process; the tests
+// register a build of their own (portable loops, a forced product path) for their lifetime and
+// unregister it, which brings back the kernels registered before.
+extern "C" void *qwen_register_cpu_kernels() {
+  auto *m = new torch::Library(torch::Library::IMPL, "qwen", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  m->impl("linear_a8_panels", &linear_a8_panels);
+  m->impl("silu_mul_linear_a8_panels", &silu_mul_linear_a8_panels);
+  m->impl("linear_int8", &linear_int8);
+  m->impl("linear_int4", &linear_int4);
+  m->impl("linear_int8_a8", &linear_int8_a8);
+  m->impl("linear_int4_a8", &linear_int4_a8);
+  m->impl("linear_fp8", &linear_fp8);
+  m->impl("linear_packed", &linear_packed);
+  m->impl("rms_norm", &rms_norm);
+  m->impl("add_rms_norm", &add_rms_norm);
+  m->impl("qk_norm_rope", &qk_norm_rope);
+  m->impl("silu_mul", &silu_mul);
+  m->impl("attention_block", &attention_block);
+  m->impl("moe_packed", &moe_packed);
+  return m;
 }
+
+extern "C" void qwen_unregister_cpu_kernels(void *handle) { delete static_cast<torch::Library *>(handle); }
