@@ -45,7 +45,7 @@ from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qwen_cpu.c")
 # qwen_cpu.c and the files it includes: all of them key the cached build
-SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"))
+SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"), SOURCE.with_name("qwen_cpu_lora.c"))
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
