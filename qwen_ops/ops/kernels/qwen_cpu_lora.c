@@ -9,7 +9,7 @@
  * multiplied into every row of it. Work items are (output-column block, row block), numbered column block
  * first, so a thread's consecutive items reuse one weight tile from its cache. Every element's sum is the
  * same chain of operations whatever the block it sits in and whatever the thread count: 1 and N threads give
- * the same bits. Dtype codes as qwen_cpu.c: 0 = float32, 1 = float16, 2 = bfloat16.
+ * the same bits. Expand's sums are short (R terms): with AVX-512 four columns share one lane reduction. Dtype codes as qwen_cpu.c: 0 = float32, 1 = float16, 2 = bfloat16.
  */
 
 #ifndef LORA_MR
@@ -70,6 +70,52 @@ static inline __attribute__((always_inline)) void lora_dots_avx512(const float *
         for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, xr[m] + k), acc[m]);
     }
     for (int m = 0; m < MR; ++m) res[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* res[m][c] = xr[m][0:n] . w_c[0:n] for the 4 weight rows w_c = w + c * wbytes bytes and m < MR: four columns
+ * at once, so expand's short rank-R sums share one lane reduction (sum4_avx512) instead of one each. */
+static inline __attribute__((always_inline)) void lora_dots4_avx512(const float *const *xr, const void *w,
+                                                                    int64_t wbytes, int64_t n, float (*res)[4],
+                                                                    const int dtype, const int MR) {
+    __m512 acc[LORA_MR][4];
+    for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 xv[LORA_MR];
+        for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(xr[m] + k);
+        for (int c = 0; c < 4; ++c) {
+            const __m512 wv = lora_w16((const char *)w + c * wbytes, k, dtype);
+            for (int m = 0; m < MR; ++m) acc[m][c] = _mm512_fmadd_ps(wv, xv[m], acc[m][c]);
+        }
+    }
+    if (k < n) {
+        const __mmask16 mask = (__mmask16)((1u << (n - k)) - 1u);
+        __m512 xv[LORA_MR];
+        for (int m = 0; m < MR; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, xr[m] + k);
+        for (int c = 0; c < 4; ++c) {
+            float tail[16] = {0};
+            load_row((const char *)w + c * wbytes, k, dtype, n - k, tail);
+            const __m512 wv = _mm512_loadu_ps(tail);
+            for (int m = 0; m < MR; ++m) acc[m][c] = _mm512_fmadd_ps(wv, xv[m], acc[m][c]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) _mm_storeu_ps(res[m], sum4_avx512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+#define LORA_DOTS4_MR(D)                                                         \
+    switch (mr) {                                                                \
+        case 4: lora_dots4_avx512(xr, w, wbytes, n, res, D, 4); return;          \
+        case 3: lora_dots4_avx512(xr, w, wbytes, n, res, D, 3); return;          \
+        case 2: lora_dots4_avx512(xr, w, wbytes, n, res, D, 2); return;          \
+        default: lora_dots4_avx512(xr, w, wbytes, n, res, D, 1); return;         \
+    }
+
+static void lora_dots4(const float *const *xr, int mr, const void *w, int64_t wbytes, int dtype, int64_t n,
+                       float (*res)[4]) {
+    if (dtype == 0) { LORA_DOTS4_MR(0) }
+    if (dtype == 2) { LORA_DOTS4_MR(2) }
+    LORA_DOTS4_MR(1)
 }
 
 #define LORA_DOTS_MR(D)                                                          \
@@ -196,9 +242,19 @@ int qwen_lora_expand(void *y, int64_t ys, int64_t T, int64_t N, const float *buf
         const float *xr[LORA_MR];
         for (int m = 0; m < mr; ++m) xr[m] = buffer + (blk->t0 + m) * bs + cb[2] * R;
         float delta[LORA_MR][LORA_EXPAND_COLS], row[LORA_EXPAND_COLS];
-        for (int64_t n = 0; n < width; ++n) {
+        const char *wb = (const char *)b + ((int64_t)blk->slot * N + n0) * R * elem;   /* B[slot, n0] */
+        int64_t n = 0;
+#if QWEN_AVX512
+        for (; n + 4 <= width; n += 4) {   /* column blocks start at multiples of 4 in their slice */
+            float res[LORA_MR][4];
+            lora_dots4(xr, mr, wb + n * R * elem, R * elem, dtype, R, res);
+            for (int m = 0; m < mr; ++m)
+                for (int c = 0; c < 4; ++c) delta[m][n + c] = res[m][c];
+        }
+#endif
+        for (; n < width; ++n) {
             float res[LORA_MR];
-            lora_dots(xr, mr, (const char *)b + ((int64_t)blk->slot * N + n0 + n) * R * elem, dtype, R, res);
+            lora_dots(xr, mr, wb + n * R * elem, dtype, R, res);
             for (int m = 0; m < mr; ++m) delta[m][n] = res[m];
         }
         for (int m = 0; m < mr; ++m) {   /* y + delta in fp32, rounded once */
