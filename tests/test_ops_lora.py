@@ -20,7 +20,9 @@ RANKS = [1, 8, 16, 64]
 SLICES = [(24,), (40, 12), (40, 16, 24)]       # S = 1, 2 (gate | up), 3 (q | k | v), unequal sizes
 NUM_TOKENS = [1, 5, 37, 300]
 DTYPES = [torch.float32, torch.bfloat16]
-TRITON_CASES = [(1, 8, (24,)), (5, 1, (40, 12)), (20, 16, (40, 16, 24)), (33, 8, (20, 12))]
+# (T, R, slices, first 16 rows of one slot): 16-row tiles of one slot take tl.dot, mixed ones the gathered path
+TRITON_CASES = [(1, 8, (24,), False), (5, 1, (40, 12), False), (20, 16, (40, 16, 24), True),
+                (33, 8, (20, 12), True), (24, 8, (40, 12), False)]
 IN_FEATURES = 72                                # 4 vectors of 16 and a tail
 MAX_LORAS = 4
 
@@ -165,8 +167,8 @@ def test_cpu_kernels_run_the_c_arithmetic(cpu_kernels):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,rank,slices", TRITON_CASES)
-def test_triton_kernels_match_the_reference(num_tokens, rank, slices, dtype, device, poisoned_empty):
+@pytest.mark.parametrize("num_tokens,rank,slices,one_slot_tile", TRITON_CASES)
+def test_triton_kernels_match_the_reference(num_tokens, rank, slices, one_slot_tile, dtype, device, poisoned_empty):
     pytest.importorskip("triton")
     from qwen_ops.ops.backend import why_unavailable
     from qwen_ops.ops.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
@@ -175,8 +177,10 @@ def test_triton_kernels_match_the_reference(num_tokens, rank, slices, dtype, dev
     if reason is not None:
         pytest.skip(reason)
     x, lora_a, lora_b, scalings, y, idx = (t.to(device) for t in _case(num_tokens, rank, slices, dtype, seed=2))
-    if num_tokens >= 20:                         # a run of one slot over a whole 16-row tile: the tl.dot path
+    if one_slot_tile:
         idx[:16] = 2
+    else:
+        idx[::3] = 0                             # every 16-row tile mixes slots
     want = RL.lora_shrink_reference(x, lora_a, idx, scalings)
     _close(lora_shrink_triton(x, lora_a, idx, scalings), want, torch.float32)
     got, y_want = y.clone(), y.clone()
