@@ -570,3 +570,102 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     """``x @ w.T (+ bias)`` with ``w = float(weight) * scale_inv[n // block_n, k // block_k]`` (float8_e4m3fn
     weights with block-wise fp32 scales, as Qwen3-*-FP8 checkpoints store them)."""
     return torch.ops.qwen.linear_fp8(x, weight, scale_inv, bias, block_n, block_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-LoRA: lora_shrink, lora_expand
+# --------------------------------------------------------------------------------------------
+# Punica / S-LoRA's SGMV / BGMV as vLLM's lora ops: a pool of adapter slots, each token's slot in
+# lora_indices (-1 = none). A LoRA layer adds lora_expand(y, lora_shrink(x, A, idx, scalings), B, idx,
+# slice_sizes) to its base product y. On CPU tensors the C++ dispatcher kernels of kernels/qwen_cpu_ops.cpp
+# (C arithmetic in kernels/qwen_cpu_lora.c; registered with the fast ops by cpu_fast_ops) or, where those do
+# not build, the references; on CUDA the Triton kernels of kernels/triton_lora.py (the references with
+# QWEN_OPS_BACKEND=reference or without triton). The references (kernels/reference_lora.py) are the oracle.
+
+from qwen_ops.ops.kernels import reference_lora as RL  # noqa: E402
+
+
+def _lora_shrink_checked(backend: str, x, lora_a, lora_indices, scalings) -> None:
+    V.check_lora_shrink(x, lora_a, lora_indices, scalings)
+    if value_checks_enabled(backend):
+        V.check_lora_indices_values(lora_indices, lora_a.shape[0])
+
+
+def _lora_expand_checked(backend: str, y, buffer, lora_b, lora_indices, slice_sizes) -> None:
+    V.check_lora_expand(y, buffer, lora_b, lora_indices, slice_sizes)
+    if value_checks_enabled(backend):
+        V.check_lora_indices_values(lora_indices, lora_b.shape[0])
+
+
+def _lora_shrink_host(x, lora_a, lora_indices, scalings):
+    """The CPU kernel where the C++ kernels do not build: the reference."""
+    _lora_shrink_checked("reference", x, lora_a, lora_indices, scalings)
+    return RL.lora_shrink_reference(x, lora_a, lora_indices, scalings)
+
+
+def _lora_expand_host(y, buffer, lora_b, lora_indices, slice_sizes):
+    _lora_expand_checked("reference", y, buffer, lora_b, lora_indices, slice_sizes)
+    RL.lora_expand_reference(y, buffer, lora_b, lora_indices, slice_sizes)
+
+
+def _first_lora_call(name: str, host_kernel):
+    """The CPU kernel registered at import: where the C++ kernels build, it registers them (cpu_fast_ops, once:
+    they replace this one) and calls the op again; elsewhere it runs the reference (no ctypes kernel)."""
+    def kernel(*args):
+        if _cpu().why_unavailable() is None:
+            cpu_fast_ops()
+            return getattr(torch.ops.qwen, name).default(*args)
+        return host_kernel(*args)
+    return kernel
+
+
+def _lora_shrink_other(x, lora_a, lora_indices, scalings):
+    _lora_shrink_checked("triton", x, lora_a, lora_indices, scalings)
+    if _quant_triton(x):
+        from qwen_ops.ops.kernels.triton_lora import lora_shrink_triton
+        return lora_shrink_triton(x, lora_a, lora_indices, scalings)
+    return RL.lora_shrink_reference(x, lora_a, lora_indices, scalings)
+
+
+def _lora_expand_other(y, buffer, lora_b, lora_indices, slice_sizes):
+    _lora_expand_checked("triton", y, buffer, lora_b, lora_indices, slice_sizes)
+    if _quant_triton(y):
+        from qwen_ops.ops.kernels.triton_lora import lora_expand_triton
+        lora_expand_triton(y, buffer, lora_b, lora_indices, slice_sizes)
+    else:
+        RL.lora_expand_reference(y, buffer, lora_b, lora_indices, slice_sizes)
+
+
+_LORA_LIB = torch.library.Library(NAMESPACE, "IMPL")
+_LORA_LIB.impl("lora_shrink", _first_lora_call("lora_shrink", _lora_shrink_host), "CPU")
+_LORA_LIB.impl("lora_expand", _first_lora_call("lora_expand", _lora_expand_host), "CPU")
+_LORA_LIB.impl("lora_shrink", _lora_shrink_other, "CUDA")
+_LORA_LIB.impl("lora_expand", _lora_expand_other, "CUDA")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::lora_shrink", lib=_LIB)
+def _lora_shrink_fake(x, lora_a, lora_indices, scalings):
+    V.check_lora_shrink(x, lora_a, lora_indices, scalings)
+    return x.new_empty((x.shape[0], lora_a.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::lora_expand", lib=_LIB)
+def _lora_expand_fake(y, buffer, lora_b, lora_indices, slice_sizes) -> None:
+    V.check_lora_expand(y, buffer, lora_b, lora_indices, slice_sizes)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_indices: torch.Tensor,
+                scalings: torch.Tensor) -> torch.Tensor:
+    """The LoRA A products of a batch with one adapter slot per row: x ``[T, K]``, lora_a ``[L, S * R, K]`` (the
+    pool's slots; S slices' A matrices stacked, each zero-padded to rank R) in x's dtype, lora_indices int32
+    ``[T]`` (-1 = no adapter), scalings fp32 ``[L]``. Returns fp32 ``[T, S * R]``:
+    ``scalings[i] * (lora_a[i] @ x[t])``, ``i = lora_indices[t]``; zero rows for -1."""
+    return torch.ops.qwen.lora_shrink(x, lora_a, lora_indices, scalings)
+
+
+def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b: torch.Tensor, lora_indices: torch.Tensor,
+                slice_sizes: list[int]) -> None:
+    """In place, the LoRA B products added to the layer's output y ``[T, N]``: buffer fp32 ``[T, S * R]``
+    (lora_shrink's), lora_b ``[L, N, R]`` in y's dtype with ``N = sum(slice_sizes)``; column n of slice s gets
+    ``buffer[t, s R : (s + 1) R] . lora_b[i, n]`` (fp32, y + sum rounded once). Rows with -1 untouched."""
+    torch.ops.qwen.lora_expand(y, buffer, lora_b, lora_indices, slice_sizes)

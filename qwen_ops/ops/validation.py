@@ -694,3 +694,78 @@ def check_linear_fp8(x, weight, scale_inv, bias, block_n: int, block_k: int) -> 
     if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != want:
         raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)} and dtype {scale_inv.dtype}, expected "
                          f"float32 {list(want)} (ceil({n} / block_n = {block_n}), ceil({k} / block_k = {block_k}))")
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-LoRA (lora_shrink, lora_expand): references in kernels/reference_lora.py
+# ---------------------------------------------------------------------------------------------
+
+def _lora_indices(lora_indices, num_tokens: int, holder: str) -> None:
+    _index("lora_indices", lora_indices, 1, "[num_tokens] (each row's adapter slot, -1 = none)")
+    if lora_indices.shape[0] != num_tokens:
+        raise ValueError(f"lora_indices has shape {tuple(lora_indices.shape)}, expected [{num_tokens}] (one adapter "
+                         f"slot per row of {holder})")
+
+
+def _lora_weights(name: str, w, dtype: torch.dtype, holder: str, layout: str) -> None:
+    _rank(name, w, 3, layout)
+    if w.dtype != dtype:
+        raise ValueError(f"{name} has dtype {w.dtype}, expected {holder}'s {dtype}")
+    if not w.is_contiguous():
+        raise ValueError(f"{name} has shape {tuple(w.shape)} and strides {w.stride()}, expected a contiguous tensor")
+    if min(w.shape) < 1:
+        raise ValueError(f"{name} has shape {tuple(w.shape)}, expected every dim >= 1: {layout}")
+
+
+def check_lora_shrink(x, lora_a, lora_indices, scalings) -> None:
+    _same_device(x=x, lora_a=lora_a, lora_indices=lora_indices, scalings=scalings)
+    _rank("x", x, 2, "[num_tokens, in_features]")
+    _float("x", x)
+    _lora_weights("lora_a", lora_a, x.dtype, "x", "[max_loras, num_slices * max_rank, in_features]")
+    if lora_a.shape[2] != x.shape[1]:
+        raise ValueError(f"lora_a has shape {tuple(lora_a.shape)}, expected [max_loras, num_slices * max_rank, "
+                         f"{x.shape[1]}] (x's in_features)")
+    _lora_indices(lora_indices, x.shape[0], "x")
+    slots = lora_a.shape[0]
+    if scalings.dtype != torch.float32 or tuple(scalings.shape) != (slots,):
+        raise ValueError(f"scalings has shape {tuple(scalings.shape)} and dtype {scalings.dtype}, expected float32 "
+                         f"[{slots}] (one per slot of lora_a)")
+
+
+def check_lora_expand(y, buffer, lora_b, lora_indices, slice_sizes) -> None:
+    _same_device(y=y, buffer=buffer, lora_b=lora_b, lora_indices=lora_indices)
+    _rank("y", y, 2, "[num_tokens, out_features]")
+    _float("y", y)
+    _rank("buffer", buffer, 2, "[num_tokens, num_slices * max_rank]")
+    if buffer.dtype != torch.float32:
+        raise ValueError(f"buffer has dtype {buffer.dtype}, expected torch.float32 (lora_shrink's output)")
+    if buffer.shape[1] > 1 and buffer.stride(1) != 1:
+        raise ValueError(f"buffer has stride {buffer.stride()}: its last dimension must be contiguous (stride 1)")
+    if buffer.shape[0] != y.shape[0]:
+        raise ValueError(f"buffer has shape {tuple(buffer.shape)}, expected [{y.shape[0]}, num_slices * max_rank] "
+                         "(y's rows)")
+    _lora_weights("lora_b", lora_b, y.dtype, "y", "[max_loras, out_features, max_rank]")
+    sizes = list(slice_sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"slice_sizes = {sizes!r}, expected a non-empty list of positive ints (each slice's "
+                         "out_features)")
+    rank = lora_b.shape[2]
+    if len(sizes) * rank != buffer.shape[1]:
+        raise ValueError(f"buffer has shape {tuple(buffer.shape)}, expected [{y.shape[0]}, {len(sizes) * rank}] "
+                         f"(len(slice_sizes) = {len(sizes)} slices of max_rank = {rank}, lora_b.shape[2])")
+    if sum(sizes) != lora_b.shape[1]:
+        raise ValueError(f"slice_sizes = {sizes} sums to {sum(sizes)}, expected lora_b.shape[1] = {lora_b.shape[1]} "
+                         "(the slices' out_features)")
+    if y.shape[1] != lora_b.shape[1]:
+        raise ValueError(f"y has shape {tuple(y.shape)}, expected [{y.shape[0]}, {lora_b.shape[1]}] (lora_b's "
+                         "out_features)")
+    _lora_indices(lora_indices, y.shape[0], "y")
+
+
+def check_lora_indices_values(lora_indices, max_loras: int) -> None:
+    """Every row's slot is -1 or a slot of the pool (reads the device, like the other value checks)."""
+    bad = (lora_indices < -1) | (lora_indices >= max_loras)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"lora_indices[{t}] = {int(lora_indices[t])}, but only {max_loras} adapter slots exist; "
+                         f"expected -1 (no adapter) or 0 <= slot < {max_loras}")

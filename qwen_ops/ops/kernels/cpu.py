@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qwen_cpu.c")
 CXX_SOURCE = Path(__file__).with_name("qwen_cpu_ops.cpp")
 # qwen_cpu.c, the files it includes and the C++ kernels: all of them key the cached build
-SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"), CXX_SOURCE)
+SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"), SOURCE.with_name("qwen_cpu_lora.c"), CXX_SOURCE)
 C_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC")
 CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}

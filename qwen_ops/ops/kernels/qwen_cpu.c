@@ -3326,3 +3326,4 @@ int qwen_linear_quant(int kind, const float *x, int64_t xs, int64_t M, const uin
 }
 
 #include "qwen_cpu_flash.c"
+#include "qwen_cpu_lora.c"

@@ -63,6 +63,10 @@ int qwen_linear_quant_a8(int kind, const float *x, int64_t xs, int64_t M, const 
 int qwen_linear_a8_panels(int kind, const void *x, int64_t xs, int64_t x_bf16, int64_t M, const uint8_t *w,
                           const float *s, const uint8_t *z, int64_t g, const float *bias, int64_t N, int64_t K,
                           void *out, int64_t ys, int64_t out_bf16, int64_t threads, int64_t portable);
+int qwen_lora_shrink(const void *x, int64_t xs, int64_t T, int64_t K, const void *a, int64_t SR, const int32_t *idx,
+                     const float *scalings, int dtype, float *out, int64_t threads);
+int qwen_lora_expand(void *y, int64_t ys, int64_t T, int64_t N, const float *buffer, int64_t bs, const void *b,
+                     int64_t R, const int32_t *idx, const int64_t *slice_sizes, int64_t S, int dtype, int64_t threads);
 }
 
 namespace {
@@ -411,6 +415,7 @@ std::string py_dtype(const at::Tensor &t) {
     case at::kByte: return "torch.uint8";
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
+    case at::kDouble: return "torch.float64";
     case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
     default: return std::string("torch.") + c10::toString(t.scalar_type());
   }
@@ -584,6 +589,123 @@ at::Tensor silu_mul_linear_a8_panels(const at::Tensor &gate_up, const at::Tensor
   return linear_a8_panels(silu_mul(gate_up), weight, scales, zeros, bias, out_features);
 }
 
+// ---- Multi-LoRA (lora_shrink / lora_expand). The checks and their messages are validation.py's check_lora_*,
+// and the index values are always checked here: the C kernels index the weight pools with them.
+int lora_dtype_code(const at::Tensor &t) {
+  return t.scalar_type() == at::kFloat ? 0 : t.scalar_type() == at::kHalf ? 1 : 2;
+}
+
+void lora_float(const at::Tensor &t, const char *name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, name, " has dtype ", py_dtype(t),
+                    ", expected one of float32, float16, bfloat16");
+  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name, " has stride ", t.strides(),
+                    ": its last dimension must be contiguous (stride 1)");
+}
+
+void lora_same_device(std::initializer_list<std::pair<const char *, const at::Tensor *>> tensors) {
+  const auto &first = *tensors.begin();
+  for (const auto &named : tensors)
+    TORCH_CHECK_VALUE(named.second->device() == first.second->device(), named.first, " is on ",
+                      named.second->device(), " but ", first.first, " is on ", first.second->device(),
+                      "; all tensors must be on one device");
+}
+
+void lora_rank(const at::Tensor &t, const char *name, int64_t rank, const char *layout) {
+  TORCH_CHECK_VALUE(t.dim() == rank, name, " has shape ", py_shape(t), " (rank ", t.dim(), "), expected rank ", rank,
+                    ": ", layout);
+}
+
+void lora_weights(const at::Tensor &w, const char *name, const at::Tensor &holder, const char *holder_name,
+                  const char *layout) {
+  lora_rank(w, name, 3, layout);
+  TORCH_CHECK_VALUE(w.scalar_type() == holder.scalar_type(), name, " has dtype ", py_dtype(w), ", expected ",
+                    holder_name, "'s ", py_dtype(holder));
+  TORCH_CHECK_VALUE(w.is_contiguous(), name, " has shape ", py_shape(w), " and strides ", w.strides(),
+                    ", expected a contiguous tensor");
+  TORCH_CHECK_VALUE(w.size(0) >= 1 && w.size(1) >= 1 && w.size(2) >= 1, name, " has shape ", py_shape(w),
+                    ", expected every dim >= 1: ", layout);
+}
+
+// lora_indices int32 [T] (the metadata; lora_slots_checked reads the values).
+void lora_indices_meta(const at::Tensor &lora_indices, int64_t T, const char *holder) {
+  TORCH_CHECK_VALUE(lora_indices.scalar_type() == at::kInt, "lora_indices has dtype ", py_dtype(lora_indices),
+                    ", expected torch.int32");
+  lora_rank(lora_indices, "lora_indices", 1, "[num_tokens] (each row's adapter slot, -1 = none)");
+  TORCH_CHECK_VALUE(lora_indices.size(0) == T, "lora_indices has shape ", py_shape(lora_indices), ", expected [", T,
+                    "] (one adapter slot per row of ", holder, ")");
+}
+
+// lora_indices contiguous, every value -1 or a slot < L.
+at::Tensor lora_slots_checked(const at::Tensor &lora_indices, int64_t L) {
+  at::Tensor idx = lora_indices.contiguous();
+  const int32_t *p = idx.const_data_ptr<int32_t>();
+  for (int64_t t = 0; t < idx.size(0); ++t)
+    TORCH_CHECK_VALUE(p[t] >= -1 && p[t] < L, "lora_indices[", t, "] = ", p[t], ", but only ", L,
+                      " adapter slots exist; expected -1 (no adapter) or 0 <= slot < ", L);
+  return idx;
+}
+
+at::Tensor lora_shrink(const at::Tensor &x, const at::Tensor &lora_a, const at::Tensor &lora_indices,
+                       const at::Tensor &scalings) {
+  lora_same_device({{"x", &x}, {"lora_a", &lora_a}, {"lora_indices", &lora_indices}, {"scalings", &scalings}});
+  lora_rank(x, "x", 2, "[num_tokens, in_features]");
+  lora_float(x, "x");
+  lora_weights(lora_a, "lora_a", x, "x", "[max_loras, num_slices * max_rank, in_features]");
+  TORCH_CHECK_VALUE(lora_a.size(2) == x.size(1), "lora_a has shape ", py_shape(lora_a),
+                    ", expected [max_loras, num_slices * max_rank, ", x.size(1), "] (x's in_features)");
+  const int64_t T = x.size(0), K = x.size(1), L = lora_a.size(0), SR = lora_a.size(1);
+  lora_indices_meta(lora_indices, T, "x");
+  TORCH_CHECK_VALUE(scalings.scalar_type() == at::kFloat && scalings.dim() == 1 && scalings.size(0) == L,
+                    "scalings has shape ", py_shape(scalings), " and dtype ", py_dtype(scalings), ", expected float32 [",
+                    L, "] (one per slot of lora_a)");
+  const at::Tensor idx = lora_slots_checked(lora_indices, L);
+  const at::Tensor scale = scalings.contiguous();
+  at::Tensor out = fresh({T, SR}, x.options().dtype(at::kFloat));
+  check_alloc(qwen_lora_shrink(x.const_data_ptr(), x.stride(0), T, K, lora_a.const_data_ptr(), SR,
+                               idx.const_data_ptr<int32_t>(), scale.const_data_ptr<float>(), lora_dtype_code(x),
+                               out.mutable_data_ptr<float>(), at::get_num_threads()),
+              "lora_shrink");
+  return out;
+}
+
+void lora_expand(const at::Tensor &y, const at::Tensor &buffer, const at::Tensor &lora_b, const at::Tensor &lora_indices,
+                 at::IntArrayRef slice_sizes) {
+  lora_same_device({{"y", &y}, {"buffer", &buffer}, {"lora_b", &lora_b}, {"lora_indices", &lora_indices}});
+  lora_rank(y, "y", 2, "[num_tokens, out_features]");
+  lora_float(y, "y");
+  lora_rank(buffer, "buffer", 2, "[num_tokens, num_slices * max_rank]");
+  TORCH_CHECK_VALUE(buffer.scalar_type() == at::kFloat, "buffer has dtype ", py_dtype(buffer),
+                    ", expected torch.float32 (lora_shrink's output)");
+  TORCH_CHECK_VALUE(buffer.size(1) <= 1 || buffer.stride(1) == 1, "buffer has stride ", buffer.strides(),
+                    ": its last dimension must be contiguous (stride 1)");
+  const int64_t T = y.size(0);
+  TORCH_CHECK_VALUE(buffer.size(0) == T, "buffer has shape ", py_shape(buffer), ", expected [", T,
+                    ", num_slices * max_rank] (y's rows)");
+  lora_weights(lora_b, "lora_b", y, "y", "[max_loras, out_features, max_rank]");
+  const int64_t L = lora_b.size(0), N = lora_b.size(1), R = lora_b.size(2), S = (int64_t)slice_sizes.size();
+  bool sizes_ok = S >= 1;
+  int64_t total = 0;
+  for (int64_t s : slice_sizes) {
+    sizes_ok = sizes_ok && s >= 1;
+    total += s;
+  }
+  TORCH_CHECK_VALUE(sizes_ok, "slice_sizes = ", slice_sizes, ", expected a non-empty list of positive ints (each "
+                    "slice's out_features)");
+  TORCH_CHECK_VALUE(S * R == buffer.size(1), "buffer has shape ", py_shape(buffer), ", expected [", T, ", ", S * R,
+                    "] (len(slice_sizes) = ", S, " slices of max_rank = ", R, ", lora_b.shape[2])");
+  TORCH_CHECK_VALUE(total == N, "slice_sizes = ", slice_sizes, " sums to ", total, ", expected lora_b.shape[1] = ", N,
+                    " (the slices' out_features)");
+  TORCH_CHECK_VALUE(y.size(1) == N, "y has shape ", py_shape(y), ", expected [", T, ", ", N,
+                    "] (lora_b's out_features)");
+  lora_indices_meta(lora_indices, T, "y");
+  const at::Tensor idx = lora_slots_checked(lora_indices, L);
+  check_alloc(qwen_lora_expand(y.mutable_data_ptr(), y.stride(0), T, N, buffer.const_data_ptr<float>(),
+                               buffer.stride(0), lora_b.const_data_ptr(), R, idx.const_data_ptr<int32_t>(),
+                               slice_sizes.data(), S, lora_dtype_code(y), at::get_num_threads()),
+              "lora_expand");
+}
+
 }  // namespace
 
 // Registration is explicit, not a side effect of loading: qwen_ops.ops.registry calls
@@ -592,6 +714,8 @@ at::Tensor silu_mul_linear_a8_panels(const at::Tensor &gate_up, const at::Tensor
 // unregister it, which brings back the kernels registered before.
 extern "C" void *qwen_register_cpu_kernels() {
   auto *m = new torch::Library(torch::Library::IMPL, "qwen", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  m->impl("lora_shrink", &lora_shrink);
+  m->impl("lora_expand", &lora_expand);
   m->impl("linear_a8_panels", &linear_a8_panels);
   m->impl("silu_mul_linear_a8_panels", &silu_mul_linear_a8_panels);
   m->impl("linear_int8", &linear_int8);
