@@ -58,6 +58,7 @@ class BatchedRequest:
     # prompt_logprob_ids[i]), and how many top tokens to report with each (None: not asked).
     prompt_logprob_ids: Sequence[int] = ()
     prompt_logprobs: Optional[int] = None
+    lora_slot: int = -1                      # the model's LoRA slot of the request's adapter; -1: none
 
     @property
     def num_logit_rows(self) -> int:
@@ -77,7 +78,7 @@ class BatchedRequest:
         of its own cache, the hybrid rollback's re-run of the kept tokens. Tasks are made from a
         ``Request`` (``Request.task``) or from another task here, nowhere else."""
         return BatchedRequest(self.kv_cache_slot, list(token_ids), position_offset, self.request_id, is_prefill,
-                              self.block_table)
+                              self.block_table, lora_slot=self.lora_slot)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ class SlotKV:
     # With prefix caching: the tokens whose KV the slot holds, and the keys of its full blocks.
     token_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
+    root: bytes = b""                      # the first block's parent key: what else keys the content (an adapter)
 
 
 @dataclass(eq=False)
@@ -192,6 +193,7 @@ class SwappedSlot:
     num_tokens: int
     nbytes: int                                          # host memory the copy takes
     token_ids: list[int] = field(default_factory=list)   # with prefix caching: what the KV is of
+    root: bytes = b""                                    # and the slot's root key (SlotKV.root)
 
 
 class KVCacheManager:
@@ -252,22 +254,24 @@ class KVCacheManager:
     def _release(self, slot: int) -> None:
         s = self.slots[slot]
         self.pool.free(s.block_ids)
-        s.block_ids, s.token_ids, s.block_keys = [], [], []
+        s.block_ids, s.token_ids, s.block_keys, s.root = [], [], [], b""
         s.num_tokens, s.active = 0, False
 
-    def begin(self, slot: int, tokens: Optional[Sequence[int]] = None) -> int:
+    def begin(self, slot: int, tokens: Optional[Sequence[int]] = None, root: bytes = b"") -> int:
         """Start a fresh (empty) sequence in the slot; with prefix caching and the sequence's
         ``tokens``, map the longest cached run of its full blocks, leaving at least the last
-        token to compute. Returns the tokens mapped: compute from there."""
+        token to compute. Returns the tokens mapped: compute from there. ``root``: what else
+        the KV depends on (a LoRA adapter's key), chained into every block's key and content, so
+        blocks computed under different roots are never shared."""
         self._release(slot)
         s = self.slots[slot]
-        s.active = True
+        s.active, s.root = True, root
         if tokens is None or not self.prefix_caching:
             return 0
         pool, bs = self.pool, self.block_size
         candidates = (len(tokens) - 1) // bs
         self.prefix_cache_queries += candidates * bs
-        parent = b""
+        parent = root
         for j in range(candidates):
             key, block = pool.lookup(parent, tokens[j * bs:(j + 1) * bs])
             if block is None:
@@ -304,7 +308,7 @@ class KVCacheManager:
         s.token_ids.extend(tokens)
         while len(s.block_keys) < len(s.token_ids) // bs:
             j = len(s.block_keys)
-            parent = s.block_keys[-1] if j else b""
+            parent = s.block_keys[-1] if j else s.root
             block_tokens = s.token_ids[j * bs:(j + 1) * bs]
             key = pool.key_of(parent, block_tokens)
             pool.register(s.block_ids[j], key, parent, block_tokens)   # no-op if another block holds it
@@ -331,7 +335,7 @@ class KVCacheManager:
             d.block_ids.append(new)
             copy = (s.block_ids[full], new)
         d.num_tokens, d.active = s.num_tokens, True
-        d.token_ids, d.block_keys = list(s.token_ids), list(s.block_keys[:full])
+        d.token_ids, d.block_keys, d.root = list(s.token_ids), list(s.block_keys[:full]), s.root
         return copy
 
     def kept_blocks(self, slot: int, restart: bool) -> int:
@@ -352,7 +356,7 @@ class KVCacheManager:
         the runner makes the copy (of the blocks that hold tokens) before the step's forward."""
         s = self.slots[slot]
         n = self.blocks_for(s.num_tokens)
-        saved = SwappedSlot(next(self._handles), s.num_tokens, self.host_bytes(n), list(s.token_ids))
+        saved = SwappedSlot(next(self._handles), s.num_tokens, self.host_bytes(n), list(s.token_ids), s.root)
         copy = BlockCopy(request_id, saved.handle, slot, tuple(s.block_ids[:n]))
         self.swap_bytes_used += saved.nbytes
         self._release(slot)
@@ -368,7 +372,7 @@ class KVCacheManager:
         if self.blocks_for(max(saved.num_tokens, n_tokens)) > self.pool.num_free:
             return None
         self.reserve(slot, max(saved.num_tokens, n_tokens))
-        s.active, s.num_tokens = True, saved.num_tokens
+        s.active, s.num_tokens, s.root = True, saved.num_tokens, saved.root
         if self.prefix_caching:
             s.num_tokens = 0
             self.commit(slot, saved.token_ids)

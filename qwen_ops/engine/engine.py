@@ -35,11 +35,14 @@ import torch
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.block_manager import BlockPool, KVCacheManager
+from qwen_ops.engine.lora import LoRAConfig, LoRAManager
 from qwen_ops.engine.request import Request, RequestStatus
 from qwen_ops.engine.runner import ModelRunner, RunnerOutput
 from qwen_ops.engine.sampling import GREEDY, SamplingParams
 from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.loader import checkpoint_name
+from qwen_ops.models.lora import enable_lora, lora_module_names
 from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
 from qwen_ops.ops.memory import check_fits
 
@@ -141,7 +144,8 @@ def build_runner(model: torch.nn.Module, config: Any, *, max_slots: int = 8, max
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, compile: Optional[bool] = None,
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
-                 kv_cache_dtype: Union[str, torch.dtype] = "auto", calculate_kv_scales: bool = False) -> ModelRunner:
+                 kv_cache_dtype: Union[str, torch.dtype] = "auto", calculate_kv_scales: bool = False,
+                 lora: Optional[LoRAConfig] = None) -> ModelRunner:
     """The ``ModelRunner`` of ``model`` for an engine with these arguments (``QwenEngine``'s, which
     it checks by name), its cache checked against the free memory first: what ``QwenEngine`` runs
     its steps on, and what a tensor-parallel worker serves (it builds no engine)."""
@@ -173,6 +177,10 @@ def build_runner(model: torch.nn.Module, config: Any, *, max_slots: int = 8, max
     check_cache_memory(model, num_kv_blocks, block_size, max_slots, max_blocks_per_slot, dtype, kv_dtype, device,
                        f"num_kv_blocks = {num_kv_blocks} of block_size = {block_size}, max_slots = {max_slots} "
                        f"and max_seq_len = {max_seq_len}")
+    if lora is not None:      # the LoRA slots, before the layers choose their forwards (ModelRunner)
+        if not isinstance(lora, LoRAConfig):
+            raise ValueError(f"lora = {lora!r}, expected a LoRAConfig or None")
+        enable_lora(model, lora.max_loras, lora.max_lora_rank, max_slots * max_seq_len)
     runner = ModelRunner(
         model, num_blocks=num_kv_blocks, block_size=block_size, max_slots=max_slots,
         max_blocks_per_slot=max_blocks_per_slot, dtype=dtype, device=device,
@@ -201,15 +209,21 @@ class QwenEngine:
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
                  enable_prefix_caching: bool = False, kv_cache_dtype: Union[str, torch.dtype] = "auto",
-                 calculate_kv_scales: bool = False):
+                 calculate_kv_scales: bool = False, lora: Optional[LoRAConfig] = None):
         if not _is_int(chunk_size) or chunk_size < 1:
             raise ValueError(f"chunk_size = {chunk_size!r}, expected an int >= 1")
         self.runner = build_runner(model, config, max_slots=max_slots, max_seq_len=max_seq_len, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
                                    cuda_graphs=cuda_graphs, compile_backend=compile_backend, backend=backend,
                                    native_cpu=native_cpu, kv_cache_dtype=kv_cache_dtype,
-                                   calculate_kv_scales=calculate_kv_scales)
+                                   calculate_kv_scales=calculate_kv_scales, lora=lora)
         self.model = self.runner.model
+        # LoRA adapters (engine/lora.py): parsed, and put into the model's slots as requests need them.
+        self.lora: Optional[LoRAManager] = None
+        if lora is not None:
+            self.lora = LoRAManager(lora, lambda slot, adapter: self.runner.call("load_lora", slot, adapter),
+                                    lora_module_names(self.model),
+                                    lambda n: checkpoint_name(n, config) if isinstance(config, QwenConfig) else n)
         self.config = config
         self.device = self.runner.device
         self.dtype = self.runner.dtype

@@ -50,6 +50,8 @@ class Request:
     grammar: Any = None                       # xgrammar GrammarMatcher (structured outputs): its accepted tokens
     # sampling.prompt_logprobs: (logprob, rank, top ids, top logprobs) of prompt tokens 1, 2, ...
     prompt_logprobs: list[tuple] = field(default_factory=list)
+    lora_request: Any = None                  # its LoRA adapter (engine/lora.py LoRARequest), or None
+    lora_slot: Optional[int] = None           # the model's slot serving it while it holds a KV slot
 
     @property
     def num_tokens(self) -> int:
@@ -89,16 +91,17 @@ class Request:
         if sampling.prompt_logprobs is not None and self.scoring_prompt:
             # Row i predicts prompt token start + 1 + i: the rows of this chunk that have one.
             scored, k = tuple(self.prompt_token_ids[start + 1:start + n + 1]), sampling.prompt_logprobs
+        lora = -1 if self.lora_slot is None else self.lora_slot
         if start + n < self.num_tokens or not sample:
             return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
-                                  prompt_logprob_ids=scored, prompt_logprobs=k)
+                                  prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora)
         banned = self.stop_ids if self.stop_ids and len(self.output_token_ids) < sampling.min_tokens else ()
         if drafts:
             tokens = list(tokens) + list(drafts)
         history = (self.prompt_token_ids, self.output_token_ids) if sampling.processes_logits else None
         return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
                               sampling, self.generator, tuple(banned), tuple(drafts), history=history,
-                              grammar=self.grammar, prompt_logprob_ids=scored, prompt_logprobs=k)
+                              grammar=self.grammar, prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora)
 
     @property
     def scoring_prompt(self) -> bool:

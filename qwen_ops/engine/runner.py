@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.sampling import apply_logits_processing, bounded, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
+from qwen_ops.models.lora import write_adapter
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
 from qwen_ops.torch_library import SCHEMAS
@@ -186,6 +187,8 @@ class ModelRunner:
         # the weights it reads (on the CPU: the cpu backend's ops; models/layers.py), not on the first
         # request. ``native_cpu=False`` keeps every layer on its plain-torch forward (the reference op path).
         self.native_cpu = native_cpu
+        # LoRA (models/lora.py): the per-token adapter slots every step writes, when the model has them.
+        self.lora_context = getattr(model, "lora_context", None)
         self.refresh_weights()
         self._alloc_decode_buffers()
         # The step that CUDA graphs capture: compiled, or the model's forward as written.
@@ -505,6 +508,9 @@ class ModelRunner:
         seq = torch.tensor([[c.kv_cache_slot, c.position_offset + R] for c in chunks] + [[-1, R]] * (bucket - n),
                            dtype=torch.long).to(self.device, non_blocking=True)
         total = bucket * R
+        if self.lora_context is not None:
+            self.lora_context.set_indices(torch.tensor(
+                [c.lora_slot for c in chunks for _ in range(R)] + [-1] * ((bucket - n) * R), dtype=torch.int32))
         self.vbuf_input_ids[:total].copy_(host[:, 0])
         self.vbuf_positions[:total].copy_(host[:, 1])
         self.vbuf_slot_ids[:total].copy_(host[:, 2])
@@ -580,6 +586,10 @@ class ModelRunner:
         return self.model(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
                           self.kv_caches, logits_indices)
 
+    def load_lora(self, slot: int, adapter) -> None:
+        """Write a parsed LoRA adapter into the model's slot ``slot`` (None: clear it; models/lora.py)."""
+        write_adapter(self.model, slot, adapter)
+
     def refresh_weights(self) -> None:
         """Let the model's layers choose their forward and repack their weights (after the weights changed)."""
         pack = getattr(self.model, "process_weights_after_loading", None)
@@ -601,6 +611,9 @@ class ModelRunner:
         self.buf_positions[:bucket].copy_(host[:, 1])
         self.buf_slots[:bucket].copy_(host[:, 2])
         self.buf_seq_lens[:bucket].copy_(host[:, 3])
+        if self.lora_context is not None:       # its buffer is a static input of the compiled step and graphs
+            self.lora_context.set_indices(torch.tensor([c.lora_slot for c in chunks] + [-1] * (bucket - n),
+                                                       dtype=torch.int32))
 
     def decode_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
         inputs = (self.buf_input_ids[:bucket], self.buf_positions[:bucket], self.buf_slots[:bucket],
@@ -807,8 +820,10 @@ class ModelRunner:
         seq_slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
+        lora: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
+            lora.extend([c.lora_slot] * n)
             token_ids.extend(c.token_ids)
             positions.extend(range(c.position_offset, c.position_offset + n))
             slot_ids.extend([c.kv_cache_slot] * n)
@@ -826,6 +841,8 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks))
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
+        if self.lora_context is not None:
+            self.lora_context.set_indices(torch.tensor(lora, dtype=torch.int32))
         scoring = any(c.prompt_logprob_ids for c in chunks)
         if scoring or any(c.draft_token_ids for c in chunks):
             rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])

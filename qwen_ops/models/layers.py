@@ -17,6 +17,7 @@ from torch.nn.modules import module as _torch_module
 
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.lora import add_delta, add_delta_parts, attach_group, with_delta
 from qwen_ops.models.quant import QuantLinear
 from qwen_ops.ops import host
 from qwen_ops.ops.backend import resolve_backend
@@ -309,7 +310,18 @@ class QwenMLP(nn.Module):
         return self._forward_method(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if "_lora" in self.__dict__:     # LoRA enabled (once, models/lora.py): each token's adapter's deltas
+            groups = self._lora_groups
+            gate, up = add_delta_parts(self, self._lora, groups["gate_up"], (self.gate_proj(x), self.up_proj(x)), x)
+            h = F.silu(gate) * up
+            return add_delta_parts(self, self._lora, groups["down"], (self.down_proj(h),), h)[0]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def enable_lora(self, ctx) -> None:
+        """LoRA slots for gate|up and down (models/lora.py ``enable_lora``)."""
+        dtype = weight_like(self.gate_proj).dtype
+        attach_group(self, ctx, "gate_up", (self.gate_proj, self.up_proj), dtype)
+        attach_group(self, ctx, "down", (self.down_proj,), dtype)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if any(self._skipped_hooks) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS:   # a hook: call them
@@ -325,10 +337,14 @@ class QwenMLP(nn.Module):
             gate_up = fused_product(self, "gate_up", self.gate_proj, self.up_proj)
             down = fused_product(self, "down", self.down_proj)
             if gate_up is not None and down is not None:
+                lora = self.__dict__.get("_lora")
+                if lora is not None:      # the deltas after each product (models/lora.py)
+                    gate_up = with_delta(self, lora, self._lora_groups["gate_up"], gate_up)
+                    down = with_delta(self, lora, self._lora_groups["down"], down)
                 self._gate_up_product, self._down_product = gate_up, down
                 # a down product on int8-activation panels takes the gate | up rows itself (one op call less)
                 self._silu_mul_down = self._silu_mul_then_down
-                if isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up():
+                if isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up() and lora is None:
                     self._silu_mul_down = self.down_proj.forward_silu_mul
                     self.product_kinds["down"] += "; silu_mul in the same call"
                 self._skipped_hooks = forward_hooks(self.gate_proj, self.up_proj, self.down_proj)
@@ -406,12 +422,22 @@ class SlotAttention(nn.Module):
             qkv = fused_product(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
             o = fused_product(self, "o", self.o_proj)
             if qkv is not None and o is not None:
+                lora = self.__dict__.get("_lora")
+                if lora is not None:      # the deltas after each product (models/lora.py)
+                    qkv = with_delta(self, lora, self._lora_groups["qkv"], qkv)
+                    o = with_delta(self, lora, self._lora_groups["o"], o)
                 self._qkv_product, self._o_product = qkv, o
                 self.register_buffer("rope_cos_sin", rope_table, persistent=False)
                 self._gather_block_weights()
                 self._skipped_hooks = forward_hooks(self.q_proj, self.k_proj, self.v_proj, self.o_proj,
                                                     self.q_norm, self.k_norm)
                 self._forward_method = self.forward_cpu
+
+    def enable_lora(self, ctx) -> None:
+        """LoRA slots for q|k|v and o (models/lora.py ``enable_lora``)."""
+        dtype = weight_like(self.q_proj).dtype
+        attach_group(self, ctx, "qkv", (self.q_proj, self.k_proj, self.v_proj), dtype)
+        attach_group(self, ctx, "o", (self.o_proj,), dtype)
 
     def reads_rope_table(self) -> bool:
         """Whether the forward reads its RoPE rows itself (the CPU fast path: the model passes no cos / sin)."""
@@ -458,13 +484,16 @@ class SlotAttention(nn.Module):
                        attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         gate = None
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if "_lora" in self.__dict__:     # LoRA enabled (once, models/lora.py): each token's adapter's deltas
+            q, k, v = add_delta_parts(self, self._lora, self._lora_groups["qkv"], (q, k, v), x)
         if self.output_gate:   # module attributes, fixed at construction: not data-dependent
-            qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+            qg = q.view(T, self.num_heads, 2 * self.head_dim)
             q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]   # gate: a strided view, last dim contiguous
         else:
-            q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -476,4 +505,7 @@ class SlotAttention(nn.Module):
         o = torch.ops.qwen.slot_attention(q, key_cache, value_cache, attn.block_table, attn.seq_slots,
                                           attn.query_start_loc, attn.seq_lens, self.scale, attn.max_query_len,
                                           gate, self.k_scale, self.v_scale)
-        return self.o_proj(o.view(T, self.num_heads * self.head_dim))
+        o = o.view(T, self.num_heads * self.head_dim)
+        if "_lora" in self.__dict__:
+            return add_delta(self, self._lora, self._lora_groups["o"], self.o_proj(o), o)
+        return self.o_proj(o)

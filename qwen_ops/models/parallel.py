@@ -154,6 +154,10 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce_partial(F.linear(x, self.weight))
 
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` summed over the ranks (a LoRA delta's partial rank-R products: models/lora.py)."""
+        return _all_reduce(y, self.tp)
+
     def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial product ``y`` summed over the ranks, then the bias (also what follows
         the CPU fast path's packed product: models/layers.py ``pack_linears``)."""

@@ -80,7 +80,7 @@ class EngineCore:
         self.scheduler = Scheduler(engine.kv, config, engine.device,
                                    proposer=speculative_config.proposer() if speculative_config else None,
                                    disable_by_batch_size=speculative_config.disable_by_batch_size
-                                   if speculative_config else None)
+                                   if speculative_config else None, lora=engine.lora)
         self.outputs = OutputProcessor(engine.tokenizer)
         self.lock = threading.RLock()
         self._next_id = 0                # scheduler request ids
@@ -95,26 +95,37 @@ class EngineCore:
         self._backend_lock = threading.Lock()       # the backend is built once, by whichever thread asks first
         self._backend_job: Optional[Future] = None  # its building, off the engine loop (_grammar_job)
         self.max_grammar_compile_s: Optional[float] = None   # past it a compile fails its request
+        self._lora_pool: Optional[ThreadPoolExecutor] = None    # parses LoRA adapters off the loop (_lora_job)
         # Tokens per iteration (vLLM's iteration_tokens_total histogram): counts per bucket, and the sum.
         self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
 
     # ------------------------------------------------------------------ requests
     def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None,
-                     compile_async: bool = False) -> list[RequestState]:
+                     compile_async: bool = False, lora_requests: Optional[Sequence] = None) -> list[RequestState]:
         """Queue every prepared ``(prompt, ids, params)`` (``n`` scheduler requests each), or none: a
         failure part-way aborts the ones already queued. ``request_ids``: the callers' ids
-        (default: counters).
+        (default: counters). ``lora_requests``: each one's LoRA adapter (``LoRARequest`` or None),
+        parsed like a grammar compiles: here, or on a thread of its own while the request waits held.
 
         Structured outputs' grammars are compiled outside the core's lock: here, in the caller's
         thread, before anything is queued (``LLM``: a bad spec raises ValueError), or with
         ``compile_async`` on the grammar backend's thread while the request waits held (the
         engine loop's ``add``: every other request keeps running; a failure or a compile past
         ``max_grammar_compile_s`` fails this request alone, ``_release_grammars``)."""
+        loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)
+        if len(loras) != len(prepared):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prepared)} prompts; expected one each")
+        if any(lr is not None for lr in loras) and self.engine.lora is None:
+            raise ValueError("lora_request was given, but LoRA is not enabled; expected LLM(enable_lora=True) "
+                             "(served: --enable-lora) or no lora_request")
         if not compile_async:
             for _, _, sp in prepared:
                 if sp.structured_outputs is not None:
                     self.grammar_backend().compile(sp.structured_outputs)      # cached: the matchers below hit
+            for lr in loras:
+                if lr is not None:
+                    self.engine.lora.prepare(lr)      # a bad adapter raises here (LoRAError: a ValueError)
         states: list[RequestState] = []
         with self.lock:
             try:
@@ -133,18 +144,22 @@ class EngineCore:
                         job = self._grammar_job(sp.structured_outputs)
                         if job.done() and job.exception() is not None:
                             raise ValueError(str(job.exception()))
+                    if compile_async and loras[k] is not None:
+                        job = self._lora_job(loras[k], job)
                     held = job is not None and not job.done()
                     reqs = []
                     for i in range(sp.n):
                         child = sp.for_completion(i)
-                        grammar = GrammarBackend.matcher_of(job.result()) if job is not None and not held else None
+                        grammar = (GrammarBackend.matcher_of(job.result()) if job is not None and not held
+                                   and sp.structured_outputs is not None else None)
                         rid = RequestId(self._next_id)
                         self._next_id += 1
-                        req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child), grammar, held)
+                        req = self.scheduler.add_request(rid, ids, child, self.engine.stop_ids(child), grammar, held,
+                                                         lora_request=loras[k])
                         self.outputs.add(state, req, child)
                         reqs.append(req)
                     if held:
-                        limit = self.max_grammar_compile_s
+                        limit = self.max_grammar_compile_s if sp.structured_outputs is not None else None
                         self._compiling.append((state, reqs, job, None if limit is None else time.monotonic() + limit))
             except BaseException:
                 for st in states:
@@ -165,7 +180,8 @@ class EngineCore:
                 if error is None:
                     for req in reqs:
                         if not req.finished:
-                            req.grammar = GrammarBackend.matcher_of(job.result())
+                            if state.params.structured_outputs is not None:
+                                req.grammar = GrammarBackend.matcher_of(job.result())
                             self.scheduler.release(req)
                     continue
                 message = str(error)
@@ -220,6 +236,29 @@ class EngineCore:
         self._backend_job.add_done_callback(chain)
         return out
 
+    def _lora_job(self, lora_request, grammar_job: Optional[Future]) -> Future:
+        """A future done when ``lora_request``'s adapter is parsed (on a thread of its own, off the
+        engine loop) and ``grammar_job`` (if any) has compiled: the grammar's result, or the first error."""
+        if self._lora_pool is None:
+            self._lora_pool = ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-lora")
+        parsed = self._lora_pool.submit(self.engine.lora.prepare, lora_request)
+        if grammar_job is None:
+            return parsed
+        out: Future = Future()
+
+        def both(_: Future) -> None:
+            if not (parsed.done() and grammar_job.done()) or out.done():
+                return
+            error = parsed.exception() or grammar_job.exception()
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(grammar_job.result())
+
+        parsed.add_done_callback(both)
+        grammar_job.add_done_callback(both)
+        return out
+
     def grammar_backend(self):
         """The engine's xgrammar backend (``engine/structured.py``), built on first use (any thread)."""
         with self._backend_lock:
@@ -232,12 +271,14 @@ class EngineCore:
             self._grammars = GrammarBackend(self.engine.tokenizer, self.engine.vocab_size, self.engine.eos_token_ids)
         return self._grammars
 
-    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> Optional[RequestDelta]:
+    def add(self, request_id: str, ids: list[int], params: SamplingParams,
+            lora_request=None) -> Optional[RequestDelta]:
         """Queue one request from a message; a failure comes back as its (finished) error delta."""
         with self.lock:
             self.num_added += params.n
             try:
-                self.add_requests([(None, ids, params)], [request_id], compile_async=True)
+                self.add_requests([(None, ids, params)], [request_id], compile_async=True,
+                                  lora_requests=[lora_request])
             except ValueError as e:         # a bad grammar the backend knew at once
                 return RequestDelta(request_id, True, [], error=str(e), bad_request=True)
             except Exception as e:          # e.g. an id clash with an offline request on the same core
@@ -371,6 +412,8 @@ class EngineCore:
             self.abort(rid)
         if self._grammars is not None:
             self._grammars.close()
+        if self._lora_pool is not None:
+            self._lora_pool.shutdown(wait=False)
 
 
 class ThreadCore:

@@ -25,6 +25,7 @@ import torch
 
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
+from qwen_ops.engine.lora import LoRAConfig, LoRARequest
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.ops.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
@@ -270,7 +271,9 @@ class LLM:
                  quantization: Optional[str] = None, speculative_config: Optional[dict] = None,
                  kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, seed: Optional[int] = None,
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
-                 generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None):
+                 generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: Optional[int] = None):
         """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
@@ -378,6 +381,12 @@ class LLM:
             raise ValueError(f"compile_backend = {compile_backend!r}, expected 'inductor' or 'tensorrt'")
         device = _check_device(device)
         _check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        if not isinstance(enable_lora, bool):
+            raise ValueError(f"enable_lora = {enable_lora!r}, expected True or False")
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        if lora is not None and tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora=True with tensor_parallel_size = {tensor_parallel_size}: LoRA runs on one "
+                             "rank only for now; expected tensor_parallel_size = 1")
         spec = SpeculativeConfig.from_dict(speculative_config)
         if spec is not None and tensor_parallel_size > 1:
             raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
@@ -423,6 +432,8 @@ class LLM:
                              cuda_graphs=cuda_graphs, compile_backend=compile_backend,
                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
                              calculate_kv_scales=calculate_kv_scales)
+        if lora is not None:
+            engine_kwargs["lora"] = lora
         if tensor_parallel_size == 1:
             self.engine = QwenEngine(ckpt.model, cfg, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids,
                                      **engine_kwargs)
@@ -488,11 +499,44 @@ class LLM:
         return prepare_requests(prompts, sampling_params, tokenizer=self.tokenizer,
                                 vocab_size=self.engine.vocab_size, max_model_len=self.scheduler.config.max_model_len)
 
+    def _loras(self, lora_request, n: int) -> Optional[list]:
+        """One ``LoRARequest`` (or None) per prompt from vLLM's ``lora_request``: one for all, or a list."""
+        if lora_request is None:
+            return None
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts; expected one each, or one "
+                             "LoRARequest for all")
+        for i, lr in enumerate(loras):
+            if lr is not None and not isinstance(lr, LoRARequest):
+                raise ValueError(f"lora_request[{i}] = {lr!r}, expected a LoRARequest or None")
+        return loras
+
     def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
+                    request_id: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> str:
         """Queue one request (validated like ``generate``); ``step()`` runs it. Returns its id."""
-        (state,) = self.core.add_requests(self._prepare([prompt], [sampling_params or SamplingParams()]), [request_id])
+        (state,) = self.core.add_requests(self._prepare([prompt], [sampling_params or SamplingParams()]), [request_id],
+                                          lora_requests=self._loras(lora_request, 1))
         return state.request_id
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Parse an adapter into host memory ahead of its requests (its errors raise here)."""
+        self._lora_manager().prepare(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (host memory and its slot); False if it was not loaded."""
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters held in host memory."""
+        return {r.lora_int_id for r in self._lora_manager().list_loras()}
+
+    def _lora_manager(self):
+        if self.engine.lora is None:
+            raise ValueError("LoRA is not enabled; expected LLM(enable_lora=True)")
+        return self.engine.lora
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_work()
@@ -508,12 +552,16 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-                 use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
+                 use_tqdm: Union[bool, Callable[..., Any]] = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order. ``sampling_params`` None:
         ``get_default_sampling_params()``. ``use_tqdm`` (vLLM's): a progress bar on stderr of the
-        prompts done and the tokens/s in and out (a callable: the ``tqdm``-like class to use)."""
+        prompts done and the tokens/s in and out (a callable: the ``tqdm``-like class to use).
+        ``lora_request`` (vLLM's; needs ``enable_lora=True``): one ``LoRARequest`` for every prompt,
+        or a list with one (or None: the base model) per prompt."""
         core = self.core
-        states = core.add_requests(self._prepare(prompts, sampling_params))
+        prepared = self._prepare(prompts, sampling_params)
+        states = core.add_requests(prepared, lora_requests=self._loras(lora_request, len(prepared)))
         bar = _ProgressBar(use_tqdm, states) if use_tqdm else None
         try:
             # One pass over the states per step: the bar's count, or the plain check.
@@ -527,7 +575,8 @@ class LLM:
             return [st.output()[0] for st in states]
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
-               sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+               sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+               lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
                ) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` with ``new_token_ids`` whenever a request gains tokens.
 
@@ -536,11 +585,12 @@ class LLM:
         closing the iterator early aborts what is left.
         """
         prepared = self._prepare(prompts, sampling_params)
-        return self._stream(prepared)
+        return self._stream(prepared, self._loras(lora_request, len(prepared)))
 
-    def _stream(self, prepared: list[tuple[Prompt, list[int], SamplingParams]]) -> Iterator[RequestOutput]:
+    def _stream(self, prepared: list[tuple[Prompt, list[int], SamplingParams]],
+                loras: Optional[list] = None) -> Iterator[RequestOutput]:
         core = self.core
-        states = core.add_requests(prepared)
+        states = core.add_requests(prepared, lora_requests=loras)
         done = [False] * len(states)
         try:
             while True:

@@ -78,7 +78,7 @@ class Scheduler:
     touches the device: ``schedule()`` returns the step's complete description for the runner."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, device: torch.device = torch.device("cpu"),
-                 proposer=None, disable_by_batch_size: Optional[int] = None):
+                 proposer=None, disable_by_batch_size: Optional[int] = None, lora=None):
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
         if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
@@ -86,6 +86,9 @@ class Scheduler:
         self.kv = kv
         self.config = config
         self.device = device
+        # LoRA (engine/lora.py LoRAManager): a request holds one of the model's adapter slots while it
+        # holds a KV slot; one whose adapter finds no slot waits without blocking the others.
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order
         self.swapped: deque[Request] = deque()
@@ -117,10 +120,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
-                    stop_ids: frozenset[int], grammar=None, held: bool = False) -> Request:
+                    stop_ids: frozenset[int], grammar=None, held: bool = False, lora_request=None) -> Request:
         """Queue a request (``held``: keep it aside until ``release``; it keeps its arrival order)."""
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"lora_request = {lora_request!r}, but LoRA is not enabled; expected "
+                             "LLM(enable_lora=True) or no lora_request")
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
-                      generator=sampling.make_generator(self.device), grammar=grammar)
+                      generator=sampling.make_generator(self.device), grammar=grammar, lora_request=lora_request)
         self.requests[request_id] = req
         (self.held if held else self.waiting).append(req)
         return req
@@ -142,6 +148,17 @@ class Scheduler:
         if req.slot is not None:
             self.kv.free_slot(req.slot)
             req.slot, req.kv = None, None
+        if req.lora_slot is not None:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = None
+
+    def _take_lora(self, req: Request) -> bool:
+        """Give ``req`` its adapter's slot (a request without one needs none); False: every slot serves
+        other adapters' running requests, so it waits."""
+        if req.lora_request is None or req.lora_slot is not None:
+            return True
+        req.lora_slot = self.lora.acquire(req.lora_request)
+        return req.lora_slot is not None
 
     def _release(self, req: Request) -> None:
         self._free_slot(req)
@@ -275,10 +292,15 @@ class Scheduler:
             is_decode, n = self._next_step(req, budget)
             if n == 0:
                 return                                   # no budget left: it would only hold blocks
+            if not self._take_lora(req):
+                return                                   # its adapter waits for a slot
             slot = kv.allocate_slot(req.request_id)
             copy = kv.swap_in(slot, req.swapped, req.num_computed + n, req.request_id)
             if copy is None:
                 kv.free_slot(slot)
+                if req.lora_slot is not None:
+                    self.lora.release(req.lora_slot)
+                    req.lora_slot = None
                 if self.running:
                     return                               # wait while the running requests drain
                 # Nothing runs, so nothing will ever free blocks for it: recompute instead.
@@ -314,18 +336,27 @@ class Scheduler:
         if not preempted_now:
             self._schedule_swapped(budget, plan)
 
-        # 3. Waiting requests, first come first served: the head blocks everyone behind it.
+        # 3. Waiting requests, first come first served: the head blocks everyone behind it, except
+        #    a request whose LoRA adapter finds no slot (every slot serves other adapters' running
+        #    requests): it keeps its place and the ones behind it go ahead.
         admitted = []
-        while self.waiting and not self.swapped and not preempted_now and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        passed = 0
+        while len(self.waiting) > passed and not self.swapped and not preempted_now \
+                and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[passed]
             if budget.remaining_prefill() == 0:
                 break
+            if not self._take_lora(req):
+                passed += 1
+                continue
             slot = kv.allocate_slot(req.request_id)
             req.slot, req.kv = slot, kv.slots[slot]
             # With prefix caching the slot starts with the cached full blocks of the request's
             # tokens: they count as computed, and the budget buys only the rest. A request that
             # scores its prompt computes all of it (vLLM's choice too: the logits are needed).
-            kv.begin(slot, None if req.scoring_prompt else req.all_token_ids())
+            # Blocks computed with an adapter are keyed by it too: never shared across adapters.
+            kv.begin(slot, None if req.scoring_prompt else req.all_token_ids(),
+                     b"" if req.lora_request is None else req.lora_request.cache_key)
             chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
             if not kv.reserve(slot, req.num_computed + chunk):
                 self._free_slot(req)
@@ -336,7 +367,7 @@ class Scheduler:
                         f"next {chunk} tokens, but the cache has only {kv.num_total_blocks} "
                         "(num_kv_blocks) and nothing else is running; raise num_kv_blocks")
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
