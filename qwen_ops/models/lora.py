@@ -249,7 +249,7 @@ def load_peft_adapter(path: str | Path, module_names: Sequence[str], max_rank: i
         weights[name] = (a.float(), b.float())
     if tensors:
         first = sorted(tensors)[0]
-        inner = first.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        inner = re.sub(r"\.(lora_[A-Za-z_]+|base_layer)(\..*)?$|\.weight$", "", first.removeprefix("base_model.model."))
         raise LoRAError(f"{path}: tensor {first!r} targets {inner!r}, which LoRA does not support here; expected "
                         f"only {', '.join(TARGETS)} of the decoder layers (no embedding, lm_head or other modules)")
     if not weights:
