@@ -286,3 +286,26 @@ def test_a_slow_adapter_parse_holds_only_its_own_request(dense, monkeypatch):
             done[d.request_id] += [t for c in d.completions for t in c.token_ids]
     assert done["fast"] == oracle(None, PROMPTS[1], 8)
     assert done["slow"] == oracle(adapters[0], PROMPTS[0], 8)
+
+
+def test_tensor_parallel_adapters_equal_peft(dense):
+    """Two ranks: q, k, v, gate, up column-parallel (B's rows split), o and down row-parallel (A's
+    columns split, the rank-R partial products all-reduced): every request's tokens are peft's."""
+    llm = LLM(str(dense[0]), enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=4, max_model_len=64,
+              tensor_parallel_size=2)
+    try:
+        _check(llm, dense, [0, None, 1, 2, 3], prompts=PROMPTS[:5])
+    finally:
+        llm.shutdown()
+
+
+def test_quantized_base_weights_keep_full_precision_deltas(dense, tmp_path):
+    """An AWQ int4 checkpoint of the base (its products dequantize in the kernels) with adapters in
+    fp32: every request's tokens are peft's on the dequantized base (the same weights in fp32)."""
+    from test_quant import write_quantized
+
+    base, adapters, _ = dense
+    path, twin, _ = write_quantized(base, tmp_path / "awq", "awq", 4)
+    llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=4, max_model_len=64)
+    assert "int4" in set(forward_choices(llm.engine.model).values())
+    _check(llm, (twin, adapters, PeftGreedy(twin)), [0, None, 1, 3], prompts=PROMPTS[:4])

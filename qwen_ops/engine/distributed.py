@@ -282,7 +282,7 @@ def serve_runner(runner, recv=None) -> None:
 
 
 # The runner methods that change its state, each sent to every rank by ``ModelRunner.call``.
-RUNNER_CALLS = frozenset({"step", "grow", "refresh_weights"})
+RUNNER_CALLS = frozenset({"step", "grow", "refresh_weights", "load_lora"})
 
 
 class TPWorkers:

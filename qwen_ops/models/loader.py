@@ -430,6 +430,7 @@ def _copy_tensors(file: Path, names: list[str], model: QwenForCausalLM, dtype: t
                     handle = _open(file).__enter__()
                 mapped += _copy_slice(handle, name, dst, spec)
                 module._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
+                module._parameters[leaf].tp_slice = spec     # which share it holds (LoRA weights split alike)
                 continue
             rows = shape[0] if len(shape) else 1
             if handle is None:

@@ -384,9 +384,6 @@ class LLM:
         if not isinstance(enable_lora, bool):
             raise ValueError(f"enable_lora = {enable_lora!r}, expected True or False")
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
-        if lora is not None and tensor_parallel_size > 1:
-            raise ValueError(f"enable_lora=True with tensor_parallel_size = {tensor_parallel_size}: LoRA runs on one "
-                             "rank only for now; expected tensor_parallel_size = 1")
         spec = SpeculativeConfig.from_dict(speculative_config)
         if spec is not None and tensor_parallel_size > 1:
             raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
