@@ -209,6 +209,44 @@ def fp8_kv_decode(device: torch.device, smoke: bool, reps: int) -> None:
             say(f"| {cache} | {backend} | {t * 1e6:.1f} | {base[backend] / t:.2f}x | {err:.3g} |")
 
 
+def lora_ops(device: torch.device, smoke: bool, reps: int) -> None:
+    """Issue 45's LoRA ops on the GPU: shrink + expand of a q|k|v group (rank 16, 4 adapters, every row
+    its own adapter at decode, runs of one adapter at prefill) per backend, against the reference, and
+    the base product of the same shape for scale."""
+    import qwen_ops
+    from qwen_ops.ops.backend import why_unavailable
+
+    k, sizes, r, loras = (64, [64, 32, 32], 4, 3) if smoke else (1024, [2048, 1024, 1024], 16, 4)
+    say(f"\n## LoRA ops (issue 45): shrink + expand, K = {k}, slices {sizes}, rank {r}, {loras} adapters, bf16\n")
+    say("| rows | backend | time (us) | base product (us) | max error vs reference |")
+    say("|---|---|---|---|---|")
+    a = torch.randn(loras, 3 * r, k, device=device, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(loras, sum(sizes), r, device=device, dtype=torch.bfloat16) * 0.05
+    w = torch.randn(sum(sizes), k, device=device, dtype=torch.bfloat16) * 0.05
+    scal = torch.rand(loras, device=device) + 0.5
+    for rows in ((1, 8, 64) if smoke else (1, 8, 64, 512, 2048)):
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        idx = (torch.arange(rows, device=device) % loras if rows <= 8 else
+               torch.arange(rows, device=device) * loras // rows).to(torch.int32)
+        idx[::5] = -1
+        y0 = torch.randn(rows, sum(sizes), device=device, dtype=torch.bfloat16)
+        base_t = timed(lambda: torch.nn.functional.linear(x, w), reps, device)
+        ref = None
+        for backend in ("reference", "triton", "cuda"):
+            if why_unavailable(backend, device) is not None:
+                continue
+            with qwen_ops.use_backend(backend):
+                def run():
+                    y = y0.clone()
+                    torch.ops.qwen.lora_expand(y, torch.ops.qwen.lora_shrink(x, a, idx, scal), b, idx, sizes)
+                    return y
+                t = timed(run, reps, device)
+                out = run()
+            ref = out if backend == "reference" else ref
+            say(f"| {rows} | {backend} | {t * 1e6:.1f} | {base_t * 1e6:.1f} | "
+                f"{(out.float() - ref.float()).abs().max().item():.3g} |")
+
+
 def state_op_bandwidth(device: torch.device, smoke: bool, reps: int, copy_bw: float) -> None:
     """gated_delta_rule / causal_conv1d decode at Qwen3.5 shapes: bandwidth on the state bytes."""
     import qwen_ops
@@ -429,7 +467,8 @@ def main() -> int:
             say("```\n" + "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:]) + "\n```")
     if not args.skip_tests and not args.smoke:
         tests = ["tests/test_ops.py", "tests/test_ops_gated_delta.py", "tests/test_ops_moe.py", "tests/test_cuda_ext.py",
-                 "tests/test_cuda_graphs.py", "tests/test_engine.py", "tests/test_kv_fp8.py", "-k", "not emulated"]
+                 "tests/test_cuda_graphs.py", "tests/test_engine.py", "tests/test_kv_fp8.py", "tests/test_ops_lora.py",
+                 "-k", "not emulated"]
         say(f"\n## GPU tests: pytest {' '.join(tests)}")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *tests], cwd=ROOT,
                               capture_output=True, text=True, env=dict(os.environ, QWEN_OPS_REQUIRE_GPU="1"))
@@ -441,6 +480,7 @@ def main() -> int:
     op_bandwidth(device, args.smoke, reps, copy_bw)
     long_prompt_attention(device, args.smoke, reps)
     fp8_kv_decode(device, args.smoke, reps)
+    lora_ops(device, args.smoke, reps)
     state_op_bandwidth(device, args.smoke, reps, copy_bw)
     moe_throughput(device, args.smoke, reps, copy_bw)
     say("\n## Qwen3-0.6B-shaped decode")
