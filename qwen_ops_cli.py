@@ -36,6 +36,55 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _lora_module(text: str) -> dict:
+    """One ``--lora-modules`` value, vLLM's two forms: ``name=path``, or a JSON object
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` (base_model_name optional)."""
+    import json
+
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected name=path or "
+                                             '\'{"name": "sql", "path": "/adapters/sql"}\'') from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, expected an object")
+        unknown = sorted(set(value) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{text!r} has key {unknown[0]!r}; expected name, path and "
+                                             "optionally base_model_name")
+        module = {"name": value.get("name"), "path": value.get("path"), "base_model_name": value.get("base_model_name")}
+    else:
+        name, eq, path = text.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{text!r} has no '='; expected name=path or a JSON object")
+        module = {"name": name.strip(), "path": path.strip(), "base_model_name": None}
+    for key in ("name", "path"):
+        if not isinstance(module[key], str) or not module[key]:
+            raise argparse.ArgumentTypeError(f"{text!r} has {key} = {module[key]!r}; expected a non-empty string")
+    if module["base_model_name"] is not None and not isinstance(module["base_model_name"], str):
+        raise argparse.ArgumentTypeError(f"{text!r} has base_model_name = {module['base_model_name']!r}; "
+                                         "expected a string")
+    return module
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags (serve)."""
+    p.add_argument("--enable-lora", action="store_true", default=False,
+                   help="serve LoRA adapters (PEFT directories) on top of the model, each under a model name of "
+                        "its own")
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to serve: name=path, or vLLM's JSON '{\"name\": \"sql\", \"path\": \"/p\", "
+                        "\"base_model_name\": \"...\"}'; a request whose model is NAME runs with it "
+                        "(needs --enable-lora). "
+                        "With VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter change them at run time")
+    p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (default: 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default: 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="parsed adapters kept in host memory (default: --max-loras)")
+
+
 def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     """vLLM's --kv-cache-dtype and --calculate-kv-scales (generate, bench and serve)."""
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
@@ -106,6 +155,7 @@ def _add_serve_parser(sub) -> None:
                         "--tool-call-parser (vLLM's flags; without them such a request is a 400)")
     s.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                    help="the format of tool calls in replies: hermes (<tool_call>{...}</tool_call>, Qwen's)")
+    _add_lora_args(s)
     s.add_argument("--compile", action="store_true", default=None,
                    help="compile the decode step (default: on for CUDA, off on the CPU)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,

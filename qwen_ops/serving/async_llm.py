@@ -24,6 +24,10 @@ The waiting queue is bounded by ``max_waiting_requests``, counted in completions
 with ``n = 4`` is four scheduler requests, so it counts four): past it, ``generate`` raises
 ``QueueFullError`` (the server's 503) instead of queueing without limit.
 
+LoRA adapters (``enable_lora=True``): ``generate(..., lora_request=)`` runs a request with one;
+``add_lora`` parses an adapter into the core's host memory off its loop (and off the caller's
+event loop), ``remove_lora`` forgets one no request uses, as vLLM's engine client does.
+
 ``heartbeat_age()`` says how long the core has gone without finishing an iteration while it has
 work (0 when idle): the server's ``/health`` turns a stopped or hung core into a 503 with it.
 """
@@ -36,6 +40,7 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Optional, Sequence, Union
 
+from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.models.tokenizer import load_tokenizer
 from qwen_ops.serving.engine_core import EngineDeadError, ProcessCore, ThreadCore
@@ -85,6 +90,7 @@ class AsyncLLM:
             self.model_path: Optional[Path] = getattr(llm, "model_path", None)
             self.eos_token_ids = tuple(llm.engine.eos_token_ids)
             self.sampling_overrides = dict(llm.sampling_overrides)     # generation_config's defaults
+            self.max_loras = None if llm.engine.lora is None else llm.engine.lora.config.max_loras
         else:
             model, llm_kwargs = _process
             self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited)
@@ -95,6 +101,7 @@ class AsyncLLM:
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = tuple(info["eos_token_ids"])
             self.sampling_overrides = dict(info["sampling_overrides"])
+            self.max_loras = info["max_loras"]            # None: LoRA is not enabled
 
     @classmethod
     def from_pretrained(cls, model=None, *, max_waiting_requests: Optional[int] = None,
@@ -128,8 +135,11 @@ class AsyncLLM:
         return self._dead
 
     async def generate(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """Cumulative ``RequestOutput`` updates of one request; the last has ``finished=True``.
+        ``lora_request``: the LoRA adapter it runs with (needs ``enable_lora=True``); a bad adapter
+        file fails this request alone (``ValueError``) after it is queued, as a bad grammar does.
 
         Bad input raises ``ValueError`` (naming the field) before anything is queued, a full
         waiting queue ``QueueFullError``. Stopping the iteration early aborts the request.
@@ -137,6 +147,12 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running (AsyncLLM.shutdown was called or it failed)")
         params = sampling_params or SamplingParams()
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request = {lora_request!r}, expected a LoRARequest or None")
+            if self.max_loras is None:
+                raise ValueError("lora_request was given, but LoRA is not enabled; expected enable_lora=True "
+                                 "(served: --enable-lora) or no lora_request")
         ((prompt, ids, params),) = prepare_requests([prompt], [params], tokenizer=self.tokenizer,
                                                     vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         if request_id is None:
@@ -156,7 +172,7 @@ class AsyncLLM:
         acc = RequestAccumulator(request_id, prompt, ids, params)
         finished = False
         try:
-            self._core.add(request_id, ids, params)
+            self._core.add(request_id, ids, params, lora_request)
             while True:
                 item = await stream.queue.get()
                 new: list[int] = []
@@ -185,6 +201,18 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (its completions' slots, blocks and swap copies are freed by the loop)."""
         self._core.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Parse ``lora_request``'s adapter into the core's host memory (vLLM's ``add_lora``), off the
+        engine loop and this event loop. A bad adapter raises ``ValueError`` naming the file or field."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request = {lora_request!r}, expected a LoRARequest")
+        return await asyncio.wrap_future(self._core.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (vLLM's ``remove_lora``): False if it was not loaded, ``ValueError``
+        while a running or waiting request uses it."""
+        return await asyncio.wrap_future(self._core.remove_lora(lora_id))
 
     def stats(self) -> dict:
         return self._core.stats()

@@ -1,12 +1,15 @@
 """The engine core's child process (``python -m qwen_ops.serving.core_process FD``, started by
 ``engine_core.ProcessCore``): it builds an ``LLM`` from the arguments the parent sends, then serves
-the pipe with that LLM's ``EngineCore`` until it closes or says shutdown. Its own module, so that
+the pipe with that LLM's ``EngineCore`` until it closes or says shutdown. ``add_lora`` parses on
+the core's LoRA thread and replies from there (sends share one lock); ``remove_lora`` runs between
+steps. Its own module, so that
 ``engine_core`` (which ``llm`` imports) never imports ``llm``."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 from qwen_ops.serving.outputs import RequestDelta
@@ -31,12 +34,33 @@ def core_main(conn) -> None:
             conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
         return
     core = llm.core
+    send_lock = threading.Lock()
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def reply(call_id: int, fn=None, arg=None, done=None) -> None:
+        """``("reply", call_id, error kind, value)`` of ``fn(arg)`` or of the future ``done``:
+        kind None (value: the result), "bad" (a ValueError: the caller's), "error" (anything else)."""
+        try:
+            msg = ("reply", call_id, None, done.result() if done is not None else fn(arg))
+        except ValueError as e:
+            msg = ("reply", call_id, "bad", str(e))
+        except Exception as e:              # noqa: BLE001 - reported to the parent
+            msg = ("reply", call_id, "error", f"{type(e).__name__}: {e}")
+        try:
+            send(msg)
+        except (OSError, ValueError):       # the parent is gone
+            pass
+
     try:
-        conn.send(("ready", {"vocab_size": int(llm.engine.vocab_size),
+        send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
                              "model_path": str(llm.model_path), "stats": core.stats(),
                              "eos_token_ids": list(llm.engine.eos_token_ids),
-                             "sampling_overrides": llm.sampling_overrides}))
+                             "sampling_overrides": llm.sampling_overrides,
+                             "max_loras": None if llm.engine.lora is None else llm.engine.lora.config.max_loras}))
         while True:
             if not core.runnable():
                 conn.poll(core.idle_timeout())              # idle: sleep until a message (or a grammar)
@@ -51,13 +75,18 @@ def core_main(conn) -> None:
                         out.append(err)
                 elif msg[0] == "abort":
                     core.abort(msg[1])
+                elif msg[0] == "add_lora":           # parsed off this loop; the reply comes from that thread
+                    call_id = msg[1]
+                    core.add_lora_async(msg[2]).add_done_callback(lambda f, c=call_id: reply(c, done=f))
+                elif msg[0] == "remove_lora":
+                    reply(msg[1], core.remove_lora, msg[2])
                 elif msg[0] == "shutdown":
                     return
             if core.runnable():
                 out.extend(core.step_deltas())
             elif not handled:
                 continue
-            conn.send(("out", out, core.stats(), core.num_added))
+            send(("out", out, core.stats(), core.num_added))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return                                              # the parent is gone
     finally:

@@ -13,9 +13,10 @@ The loop runs in one of two places, behind the same interface (``add``, ``abort`
   can wait for a whole switch interval, 5 ms, while the other thread runs Python).
 
 The child is a fresh interpreter (``subprocess``, not fork: the parent has threads), loads the
-model itself, and talks over one socket pair (``multiprocessing.connection``): requests go in as ``(id, token ids, SamplingParams)`` (the
+model itself, and talks over one socket pair (``multiprocessing.connection``): requests go in as ``(id, token ids, SamplingParams, LoRARequest or None)`` (the
 caller validated and tokenized them), ``RequestDelta`` lists come out, one message per
-iteration, with the engine's ``stats()``. Text is detokenized in the core, where stop strings
+iteration, with the engine's ``stats()``; ``add_lora`` / ``remove_lora`` go in with a call id
+and come back as a ``reply`` of that id. Text is detokenized in the core, where stop strings
 must be found. The child exits when the pipe closes (the parent shut down or died), ignores
 SIGINT (the parent decides when to stop), and a child that dies fails every open stream with
 ``EngineDeadError`` within one read.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import logging
 import os
 import socket
@@ -322,6 +324,44 @@ class EngineCore:
         with self.lock:
             return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's add/remove_lora)
+    def add_lora_async(self, lora_request) -> Future:
+        """A future done when ``lora_request``'s adapter is parsed into host memory, on the LoRA
+        thread (never the engine loop): its result True, or the ``LoRAError`` naming the file or field."""
+        manager = self.engine.lora
+        if manager is None:
+            failed: Future = Future()
+            failed.set_exception(ValueError("LoRA is not enabled; expected LLM(enable_lora=True) "
+                                            "(served: --enable-lora)"))
+            return failed
+        if self._lora_pool is None:
+            self._lora_pool = ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-lora")
+        return self._lora_pool.submit(lambda: manager.prepare(lora_request) is not None)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (on the engine loop's thread: its slot is cleared). ValueError while any
+        unfinished request (running, waiting, held or swapped) uses it; False if it was not loaded."""
+        with self.lock:
+            if self.engine.lora is None:
+                raise ValueError("LoRA is not enabled; expected LLM(enable_lora=True) (served: --enable-lora)")
+            users = sum(1 for r in self.scheduler.requests.values()
+                        if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+            if users:
+                raise ValueError(f"lora_int_id = {lora_int_id} is in use by {users} running or waiting requests; "
+                                 "expected none (let them finish, or abort them)")
+            return self.engine.lora.remove(lora_int_id)
+
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: the adapters of running and of waiting requests (names, sorted)."""
+        if self.engine.lora is None:
+            return {"max_loras": None}
+        s = self.scheduler
+        running = {r.lora_request.lora_name for r in s.running if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name for q in (s.waiting, s.held, s.swapped) for r in q
+                   if r.lora_request is not None}
+        return {"max_loras": self.engine.lora.config.max_loras, "lora_running": sorted(running),
+                "lora_waiting": sorted(waiting)}
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestState]:
         """One iteration; returns the states that gained tokens or finished, in first-touched order.
@@ -388,6 +428,7 @@ class EngineCore:
                 "iteration_tokens_buckets": list(self.iteration_tokens),
                 "iteration_tokens_sum": self.iteration_tokens_sum,
                 **self._spec_stats(),
+                **self._lora_stats(),
                 **kv.stats(),
             }
 
@@ -435,12 +476,26 @@ class ThreadCore:
     def is_alive(self) -> bool:
         return self.thread.is_alive() and not self._stopping
 
-    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, ids: list[int], params: SamplingParams, lora_request=None) -> None:
         if not self._busy():
             self._last_beat = time.monotonic()   # the clock of a stall starts when work does
         self._inbox_completions += params.n
-        self._inbox.append(("add", request_id, ids, params))
+        self._inbox.append(("add", request_id, ids, params, lora_request))
         self._wake.set()
+
+    def add_lora(self, lora_request) -> Future:
+        """Parse an adapter into host memory (on the core's LoRA thread); a future of True."""
+        return self.core.add_lora_async(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> Future:
+        """Forget an adapter, on the loop's thread between steps; a future of ``EngineCore.remove_lora``."""
+        done: Future = Future()
+        if not self.is_alive:
+            done.set_exception(EngineDeadError("the engine loop is not running"))
+            return done
+        self._inbox.append(("remove_lora", lora_int_id, done))
+        self._wake.set()
+        return done
 
     def abort(self, request_id: str) -> None:
         if not self.thread.is_alive():
@@ -482,6 +537,8 @@ class ThreadCore:
                     msg = self._inbox.popleft()
                     if msg[0] == "abort":
                         core.abort(msg[1])
+                    elif msg[0] == "remove_lora":
+                        _settle(msg[2], core.remove_lora, msg[1])
                     else:
                         self._inbox_completions -= msg[3].n
                         err = core.add(*msg[1:])
@@ -502,6 +559,9 @@ class ThreadCore:
             raise
         finally:
             self._stopping = True
+            for msg in self._inbox:
+                if msg[0] == "remove_lora":
+                    msg[2].set_exception(EngineDeadError("the engine loop stopped"))
             self._inbox.clear()          # nothing of ours may outlive the loop
             self._inbox_completions = 0
             core.close()
@@ -531,6 +591,8 @@ class ProcessCore:
         self._send_lock = threading.Lock()
         self._stopping = False
         self._num_sent = 0                  # completions (n per add) sent; the child reports how many it took
+        self._calls: dict[int, Future] = {}  # add_lora / remove_lora sent, by call id, until the child replies
+        self._call_ids = itertools.count()
         self._last_beat = time.monotonic()  # when the child's latest message came (heartbeat_age)
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])     # this qwen_ops, wherever it is
@@ -580,15 +642,37 @@ class ProcessCore:
         except (OSError, ValueError):          # closed, or the child is gone: the reader reports it
             raise EngineDeadError("the engine core process is not running") from None
 
-    def add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, ids: list[int], params: SamplingParams, lora_request=None) -> None:
         if not self._busy():
             self._last_beat = time.monotonic()   # an idle child sends nothing: a stall starts with the work
         self._num_sent += params.n
         try:
-            self._send(("add", request_id, ids, params))
+            self._send(("add", request_id, ids, params, lora_request))
         except EngineDeadError:
             self._num_sent -= params.n
             raise
+
+    def add_lora(self, lora_request) -> Future:
+        """Parse an adapter into the child's host memory (off its loop); a future of True."""
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> Future:
+        """Forget an adapter in the child (between its steps); a future of ``EngineCore.remove_lora``."""
+        return self._call("remove_lora", lora_int_id)
+
+    def _call(self, kind: str, arg) -> Future:
+        """Send ``(kind, call id, arg)``; the child answers ``("reply", call id, error, value)``."""
+        done: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = done
+        try:
+            self._send((kind, call_id, arg))
+        except EngineDeadError as e:
+            self._calls.pop(call_id, None)
+            done.set_exception(e)
+        if self._stopping and self._calls.pop(call_id, None) is not None:   # the reader is gone: no reply comes
+            done.set_exception(EngineDeadError("the engine core process is not running"))
+        return done
 
     def abort(self, request_id: str) -> None:
         try:
@@ -619,7 +703,17 @@ class ProcessCore:
         reason: BaseException = EngineDeadError("the engine loop stopped (AsyncLLM.shutdown)")
         try:
             while True:
-                _, deltas, stats, taken = self._conn.recv()
+                msg = self._conn.recv()
+                if msg[0] == "reply":
+                    _, call_id, error, value = msg
+                    done = self._calls.pop(call_id, None)
+                    if done is not None:
+                        if error is None:
+                            done.set_result(value)
+                        else:             # "bad": the caller's mistake (a bad adapter), a 400; else the engine's
+                            done.set_exception((ValueError if error == "bad" else RuntimeError)(value))
+                    continue
+                _, deltas, stats, taken = msg
                 self._stats, self._num_taken = stats, taken
                 self._last_beat = time.monotonic()
                 if deltas:
@@ -634,6 +728,10 @@ class ProcessCore:
             reason = EngineDeadError(f"the engine core reader failed: {type(e).__name__}: {e}")
         finally:
             self._stopping = True
+            for call_id in list(self._calls):
+                done = self._calls.pop(call_id, None)
+                if done is not None:
+                    done.set_exception(reason)
             self._on_exit(reason)
 
     def shutdown(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> None:
@@ -641,6 +739,14 @@ class ProcessCore:
         self._finalizer()
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
+
+
+def _settle(done: Future, fn, *args) -> None:
+    """Run ``fn(*args)`` into the future ``done`` (its result, or what it raised)."""
+    try:
+        done.set_result(fn(*args))
+    except Exception as e:            # noqa: BLE001 - handed to whoever waits on ``done``
+        done.set_exception(e)
 
 
 def _stop_child(conn, process: subprocess.Popen, lock: threading.Lock, timeout: float) -> None:

@@ -5,6 +5,8 @@ Names follow vLLM's, each exported twice: with the ``qwen_ops:`` prefix and with
 vLLM's older ``vllm:gpu_cache_usage_perc``). Engine state (running, waiting, KV blocks,
 preemptions, prefix-cache lookups) is read from ``engine.stats()`` when ``/metrics`` is scraped;
 token counts and latencies are measured in the server around each engine stream (``RequestTiming``).
+With LoRA enabled, ``lora_requests_info`` (vLLM's, no model_name label) names the adapters of
+running and of waiting requests in its labels (comma-joined), its value the scrape's time, as vLLM's.
 ``qwen_ops:engine_up`` is 1 while the engine runs; once it has died it is 0 and the engine's
 figures are left out (its last report is not live state and must not read as such).
 """
@@ -76,6 +78,12 @@ class _EngineCollector(Collector):
             info.add_metric([self._model, str(get("block_size")), str(total), str(s.get("kv_cache_dtype", "")),
                              str(bool(s.get("prefix_caching"))).lower()], 1.0)
         yield info
+        if s is not None and s.get("max_loras") is not None:
+            lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests (labels; value: "
+                                     "the time).", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            lora.add_metric([",".join(s.get("lora_running", ())), ",".join(s.get("lora_waiting", ())),
+                             str(s["max_loras"])], time.time())
+            yield lora
         hist = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens per engine iteration.", labels=labels)
         counts = s.get("iteration_tokens_buckets") if s is not None else None
         if counts:

@@ -37,6 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
+from qwen_ops.serving.openai.lora import (LoadLoRAAdapterRequest, LoRAAdapters, LoRAModulePath,
+                                          UnloadLoRAAdapterRequest, runtime_updating_allowed)
 from qwen_ops.serving.openai.reasoning import make_parser
 from qwen_ops.serving.openai import tools as T
 from qwen_ops.engine.structured import StructuredOutputsParams
@@ -106,10 +108,12 @@ class _Generation:
     ``close()`` (synchronous, idempotent) aborts every engine request that has not finished.
     """
 
-    def __init__(self, serving: "_Serving", prompts: list[list[int]], params, base_id: str):
+    def __init__(self, serving: "_Serving", prompts: list[list[int]], params, base_id: str, lora_request=None):
         self._s = serving
         self.prompts = prompts
         self.params = params
+        # The adapter's keyword only when there is one: engines without LoRA keep their signature.
+        self._lora = {} if lora_request is None else {"lora_request": lora_request}
         self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         self.latest: dict[int, Any] = {}           # stream index -> newest output not yet consumed
         self.last: list[Any] = [None] * len(prompts)
@@ -139,7 +143,8 @@ class _Generation:
     async def _pump(self, i: int) -> None:
         opened = self._opened[i]
         try:
-            async for out in self._s.engine.generate(self.prompts[i], self.params, request_id=self.ids[i]):
+            async for out in self._s.engine.generate(self.prompts[i], self.params, request_id=self.ids[i],
+                                                     **self._lora):
                 self._record(i, out)
                 if not opened.done():
                     opened.set_result(None)
@@ -173,7 +178,7 @@ class _Generation:
         s.num_starting += cost
         try:
             if len(self.prompts) == 1:
-                self._gen = s.engine.generate(self.prompts[0], self.params, request_id=self.ids[0])
+                self._gen = s.engine.generate(self.prompts[0], self.params, request_id=self.ids[0], **self._lora)
                 if wait_first:
                     await self._next()
                     return
@@ -312,7 +317,7 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
 class _Prepared:
     """One request, parsed and tokenized (off the event loop for a big body)."""
     __slots__ = ("req", "prompts", "params", "echoes", "k", "field", "reasoning", "tools", "score", "echo_only",
-                 "so_field")
+                 "so_field", "lora")
 
     def __init__(self, req, prompts, params, echoes=None, k=None, field=None):
         self.req, self.prompts, self.params, self.echoes, self.k, self.field = req, prompts, params, echoes, k, field
@@ -320,6 +325,7 @@ class _Prepared:
         self.so_field: Optional[str] = None      # the field that set a structured output (its 400s name it)
         self.reasoning = None          # a chat request's reasoning parser (reasoning.py), or None
         self.tools = ("none", None)    # a chat request's tool mode and forced function (tools.py)
+        self.lora = None               # the LoRARequest its model names (lora.py), None for the base model
 
 
 class _Serving:
@@ -336,6 +342,7 @@ class _Serving:
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.vocab_size)
         self.names = served_names
+        self.lora = LoRAAdapters(engine, served_names)
         self.max_waiting = max_waiting
         self.num_starting = 0
         self.heartbeat_timeout = heartbeat_timeout
@@ -386,10 +393,14 @@ class _Serving:
             return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, body)
 
     # -- shared checks
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.names:
-            raise P.APIError(404, f"The model `{name}` does not exist; this server serves "
-                                  f"{', '.join(repr(n) for n in self.names)}", "model")
+    def check_model(self, name: Optional[str]):
+        """The LoRA adapter ``name`` runs with (None: the base model); a 404 for a name not served."""
+        return self.lora.resolve(name)
+
+    def check_beam_lora(self, req, lora) -> None:
+        if req.use_beam_search and lora is not None:
+            raise P.bad_request(f"use_beam_search runs the base model only; model = {req.model!r} is a LoRA "
+                                "adapter", "use_beam_search")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
@@ -553,8 +564,9 @@ class _Serving:
     # -- /v1/completions
     def _prepare_completion(self, body: bytes) -> _Prepared:
         req = P.parse_request(P.CompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         P.check_unsupported(req)
+        self.check_beam_lora(req, lora)
         echo_only = req.max_tokens == 0         # score the prompt, generate nothing (vLLM: with echo)
         if echo_only and not req.echo:
             raise P.bad_request("max_tokens = 0 returns only the prompt, so it needs echo = true; "
@@ -585,7 +597,7 @@ class _Serving:
                                 self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
         prep = _Prepared(req, prompts, params, echoes, req.logprobs)
-        prep.score, prep.echo_only, prep.so_field = score, echo_only, so_field
+        prep.score, prep.echo_only, prep.so_field, prep.lora = score, echo_only, so_field, lora
         return prep
 
     async def completions(self, request: Request, body: bytes):
@@ -594,7 +606,7 @@ class _Serving:
         prep = await self.prepare(self._prepare_completion, body)
         req, prompts, params, echoes, k = prep.req, prep.prompts, prep.params, prep.echoes, prep.k
         rid = f"cmpl-{uuid.uuid4().hex}"
-        meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.names[0]}
+        meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_of(prep)}
         if req.use_beam_search:
             outs = await _by(deadline, self.beam_search(prompts, req, params, rid))
             choices = [{"index": i * req.n + j, "text": echoes[i] + s.text, "logprobs": None,
@@ -602,7 +614,7 @@ class _Serving:
                        for i, o in enumerate(outs) for j, s in enumerate(o.sequences)]
             generated = sum(len(s.tokens) - len(p) for p, o in zip(prompts, outs) for s in o.sequences)
             return JSONResponse({**meta, "choices": choices, "usage": P.usage(sum(map(len, prompts)), generated)})
-        gen = _Generation(self, prompts, params, rid)
+        gen = _Generation(self, prompts, params, rid, prep.lora)
         await self.start(gen, "prompt", req.stream, deadline, prep.so_field)
 
         score, echo_only, show_prompt = prep.score, prep.echo_only, req.prompt_logprobs is not None
@@ -691,8 +703,9 @@ class _Serving:
     # -- /v1/chat/completions
     def _prepare_chat(self, body: bytes) -> _Prepared:
         req = P.parse_request(P.ChatCompletionRequest, body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         P.check_unsupported(req)
+        self.check_beam_lora(req, lora)
         messages = P.chat_messages(req.messages)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -730,6 +743,7 @@ class _Serving:
         prep.so_field = so_field
         prep.reasoning = make_parser(self.reasoning_parser, text) if mode == "none" else None
         prep.tools = (mode, named)
+        prep.lora = lora
         return prep
 
     async def chat(self, request: Request, body: bytes):
@@ -740,7 +754,7 @@ class _Serving:
         parser = prep.reasoning
         mode, named = prep.tools
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.names[0]}
+        meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_of(prep)}
         if req.use_beam_search:
             (out,) = await _by(deadline, self.beam_search([ids], req, params, rid))
             choices = [{"index": j, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
@@ -748,7 +762,7 @@ class _Serving:
                        for j, s in enumerate(out.sequences)]
             generated = sum(len(s.tokens) - len(ids) for s in out.sequences)
             return JSONResponse({**meta, "choices": choices, "usage": P.usage(len(ids), generated)})
-        gen = _Generation(self, [ids], params, rid)
+        gen = _Generation(self, [ids], params, rid, prep.lora)
         await self.start(gen, "messages", req.stream, deadline, prep.so_field)
 
         def full(outputs):
@@ -843,10 +857,25 @@ class _Serving:
 
         return await self.respond(request, gen, req.stream, full, chunks, deadline)
 
+    def model_of(self, prep: _Prepared) -> str:
+        """A response's ``model``: the adapter's name, or the (first) served name (vLLM's)."""
+        return self.names[0] if prep.lora is None else prep.lora.lora_name
+
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
-                                            "owned_by": "qwen-ops", "root": self.names[0],
-                                            "max_model_len": self.max_model_len} for name in self.names]}
+        base = [{"id": name, "object": "model", "created": self.created, "owned_by": "qwen-ops",
+                 "root": self.names[0], "parent": None, "max_model_len": self.max_model_len} for name in self.names]
+        return {"object": "list", "data": base + self.lora.cards(self.created)}
+
+    # -- LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    async def load_lora_adapter(self, body: bytes) -> Response:
+        req = P.parse_request(LoadLoRAAdapterRequest, body)
+        await self.lora.load(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, body: bytes) -> Response:
+        req = P.parse_request(UnloadLoRAAdapterRequest, body)
+        await self.lora.unload(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
 
 # ----------------------------------------------------------------------------- ASGI plumbing
@@ -922,7 +951,9 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_waiting: Optional[int] = None,
               heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT_S,
               request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
+              lora_modules: Sequence[LoRAModulePath] = (),
+              allow_runtime_lora_updating: Optional[bool] = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
 
     ``served_model_name``: the name (or names; the first is reported) requests must use.
@@ -939,6 +970,10 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     ``enable_auto_tool_choice`` with ``tool_call_parser="hermes"`` (vLLM's flags): ``tool_choice``
     ``"auto"`` (the default when a request has tools) parses the reply's tool calls; without them
     such a request is a 400, as vLLM's. Forced (``"required"``, named) calls work either way.
+    ``lora_modules`` (vLLM's ``--lora-modules``; the engine built with ``enable_lora=True``): the
+    adapters served under their own names, each parsed here (a bad one raises ValueError). Call
+    this outside a running event loop when there are any. ``allow_runtime_lora_updating`` (None:
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): add ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -962,6 +997,10 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
                        request_timeout=request_timeout, reasoning_parser=reasoning_parser,
                        auto_tool_choice=bool(enable_auto_tool_choice))
+    if lora_modules:
+        asyncio.run(serving.lora.load_static(list(lora_modules)))
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_updating_allowed()
     expected_key = api_key.encode() if api_key is not None else None
 
     async def check_api_key(request: Request) -> None:
@@ -1014,6 +1053,15 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(request: Request):
         return await serving.chat(request, await request.body())
+
+    if allow_runtime_lora_updating:         # vLLM's routes, under the key as its /v1 routes
+        @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_api_key)])
+        async def load_lora_adapter(request: Request):
+            return await serving.load_lora_adapter(await request.body())
+
+        @app.post("/v1/unload_lora_adapter", dependencies=[Depends(check_api_key)])
+        async def unload_lora_adapter(request: Request):
+            return await serving.unload_lora_adapter(await request.body())
 
     # Outside the key, as vLLM's (its bench client aligns prompts with them).
     @app.post("/tokenize")
@@ -1205,6 +1253,7 @@ def run_server(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's")
     api_key = _api_key(args.api_key)
+    lora_kwargs, lora_modules = _lora_args(args)
     names = args.served_model_name or [default_served_model_name(args.model)]
     sock = bind_socket(args.host, args.port)        # before the model load: a port in use fails at once
     try:
@@ -1217,13 +1266,14 @@ def run_server(args) -> int:
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           kv_cache_dtype=args.kv_cache_dtype,
                                           calculate_kv_scales=args.calculate_kv_scales,
-                                          max_grammar_compile_seconds=args.max_grammar_compile_seconds)
+                                          max_grammar_compile_seconds=args.max_grammar_compile_seconds,
+                                          **lora_kwargs)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
                             reasoning_parser=args.reasoning_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            tool_call_parser=args.tool_call_parser)
+                            tool_call_parser=args.tool_call_parser, lora_modules=lora_modules)
             port = sock.getsockname()[1]
             print(startup_line(engine, names, args.host, port), file=sys.stderr, flush=True)
             server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
@@ -1234,6 +1284,27 @@ def run_server(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _lora_args(args) -> tuple[dict, list[LoRAModulePath]]:
+    """``LLM``'s LoRA keywords and the ``--lora-modules`` of ``serve``'s flags (vLLM's), checked."""
+    modules = [LoRAModulePath(**m) for m in args.lora_modules or ()]
+    if not args.enable_lora:
+        if modules:
+            raise ValueError(f"--lora-modules {modules[0].name}={modules[0].path} needs --enable-lora")
+        return {}, []
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        if value < 1:
+            raise ValueError(f"{flag} = {value}, expected an int >= 1")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ValueError(f"--max-cpu-loras = {args.max_cpu_loras}, expected >= --max-loras = {args.max_loras}")
+    seen: set[str] = set()
+    for m in modules:
+        if m.name in seen:
+            raise ValueError(f"--lora-modules names {m.name!r} twice; expected one path per name")
+        seen.add(m.name)
+    return {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+            "max_cpu_loras": args.max_cpu_loras}, modules
 
 
 def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
