@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         args.ttft_len, args.concurrent_len, args.concurrent_new, args.reps = 200, 32, 16, 1
     else:
         base = make_checkpoint(default_cache_dir())
-    adapters = write_adapters(base, base.parent / "lora", args.adapters, args.rank)
+    adapters = write_adapters(base, base.parent / f"{base.name}-lora", args.adapters, args.rank)
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     max_len = max(args.ttft_len, args.concurrent_len) + 64 + 16
     common = dict(dtype=args.dtype, max_num_seqs=max(args.concurrent, 8), max_model_len=max_len,

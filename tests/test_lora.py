@@ -227,6 +227,16 @@ def test_unservable_adapters_fail_naming_the_field(dense, tmp_path):
          r"modules_to_save"),
         (LoRARequest("none", 4, str(tmp_path / "nowhere")), r"no adapter_config.json there"),
     ]
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    wrong = shutil.copytree(adapters[1], tmp_path / "wrong")          # made for a model twice as wide
+    tensors = load_file(str(wrong / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[key] = torch.randn(4, 128)
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    cases.append((LoRARequest("wrong", 7, str(wrong)),
+                  r"layers.0.self_attn.q_proj has lora_A \(4, 128\) .* expected \[4, 64\]"))
     head = make_adapter(base, tmp_path / "head", 2, ["lm_head", "q_proj"], 9)
     cases.append((LoRARequest("head", 5, str(head)), r"targets 'lm_head', which LoRA does not support here"))
     for req, message in cases:

@@ -71,11 +71,11 @@ class LoRAConfig:
 
 class LoRAManager:
     """One engine's adapters (module docstring). ``load(slot, adapter)`` writes into the model's
-    slot (the runner's ``load_lora``); ``module_names`` / ``checkpoint_name`` say what an adapter may
-    target (``models/lora.py``)."""
+    slot (the runner's ``load_lora``); ``module_names`` (with their full in / out features) and
+    ``checkpoint_name`` say what an adapter may target and what its weights must fit (``models/lora.py``)."""
 
     def __init__(self, config: LoRAConfig, load: Callable[[int, Optional[LoRAAdapter]], Any],
-                 module_names: list[str], checkpoint_name: Callable[[str], str] = lambda n: n) -> None:
+                 module_names: dict[str, tuple[int, int]], checkpoint_name: Callable[[str], str] = lambda n: n) -> None:
         self.config = config
         self._load = load
         self._names = module_names

@@ -197,11 +197,13 @@ def _target(name: str, config: dict, layer_count: int) -> bool:
     return hit
 
 
-def load_peft_adapter(path: str | Path, module_names: Sequence[str], max_rank: int,
+def load_peft_adapter(path: str | Path, module_names, max_rank: int,
                       checkpoint_name=lambda n: n) -> LoRAAdapter:
     """Read a PEFT LoRA adapter directory for a model whose LoRA-capable projections are
-    ``module_names`` (our names; ``checkpoint_name`` maps one to the base checkpoint's). Raises
+    ``module_names`` (our names; a dict: with their full ``(in, out)`` features, which A and B must
+    fit, :func:`lora_module_names`; ``checkpoint_name`` maps one to the base checkpoint's). Raises
     :class:`LoRAError` naming the file or field for anything it cannot serve."""
+    shapes = module_names
     path = Path(path)
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file():
@@ -243,9 +245,12 @@ def load_peft_adapter(path: str | Path, module_names: Sequence[str], max_rank: i
             continue
         if a is None or b is None:
             raise LoRAError(f"{path}: {ck} has lora_{'A' if a is None else 'B'}.weight missing")
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        fan_in, fan_out = shapes[name] if isinstance(shapes, dict) else (None, None)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank or \
+                (fan_in is not None and (a.shape[1] != fan_in or b.shape[0] != fan_out)):
+            want_in, want_out = fan_in or "in_features", fan_out or "out_features"
             raise LoRAError(f"{path}: {ck} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
-                            f"[{rank}, in_features] and [out_features, {rank}] (r = {rank})")
+                            f"[{rank}, {want_in}] and [{want_out}, {rank}] (r = {rank}; the base model's projection)")
         weights[name] = (a.float(), b.float())
     if tensors:
         first = sorted(tensors)[0]
@@ -277,12 +282,19 @@ def _shard(t: torch.Tensor, tp, dim: int) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in pieces], dim=dim)
 
 
-def lora_module_names(model: nn.Module) -> list[str]:
-    """The names of every projection an adapter may target (``model.layers.3.self_attn.q_proj`` ...)."""
-    names = []
+def lora_module_names(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every projection an adapter may target (``model.layers.3.self_attn.q_proj`` ...) and its full
+    (unsharded) ``(in_features, out_features)``: what an adapter's A and B must fit."""
+    names = {}
     for layer_name, layer in model.named_modules():
         for g in layer.__dict__.get("_lora_groups", {}).values():
-            names += [f"{layer_name}.{p}" for p in g.parts]
+            for part, size in zip(g.parts, g.sizes):
+                module = getattr(layer, part)
+                full = [g.in_features, size]
+                tp = _tp_of(module)
+                if tp is not None:
+                    full[1 - tp[0]] = tp[2]        # dim 0 of the weight is out_features
+                names[f"{layer_name}.{part}"] = (full[0], full[1])
     return names
 
 
