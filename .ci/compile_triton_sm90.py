@@ -1,5 +1,5 @@
-"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py, triton_gated_delta.py, triton_moe.py and
-triton_quant.py compiles for sm_90 without a GPU.
+"""CI check: every Triton kernel of qwen_ops/ops/kernels/triton.py, triton_gated_delta.py, triton_moe.py,
+triton_quant.py and triton_lora.py compiles for sm_90 without a GPU.
 
 The kernel configurations come from the launchers' own launch plans
 (``kv_write_launches`` / ``slot_attention_launches``), built on small CPU tensors for each
@@ -31,6 +31,7 @@ from qwen_ops.ops.kernels import triton as qt  # noqa: E402
 from qwen_ops.ops.kernels import triton_gated_delta as ql  # noqa: E402
 from qwen_ops.ops.kernels import triton_moe as qm  # noqa: E402
 from qwen_ops.ops.kernels import triton_quant as qq  # noqa: E402
+from qwen_ops.ops.kernels import triton_lora as qr  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
@@ -158,6 +159,23 @@ def _quant_launches(dtype: torch.dtype):
     return plans
 
 
+def _lora_launches(dtype: torch.dtype):
+    """Launch plans of the LoRA ops on Qwen3-0.6B's q|k|v group (K 1024, slices 2048 / 1024 / 1024), rank 16,
+    4 adapter slots: decode (1 and 8 rows, gathered tiles) and prefill (64 and 512 rows, tl.dot tiles)."""
+    k, sizes, r, loras = 1024, [2048, 1024, 1024], 16, 4
+    a = torch.empty(loras, 3 * r, k, dtype=dtype)
+    b = torch.empty(loras, sum(sizes), r, dtype=dtype)
+    scal = torch.empty(loras, dtype=torch.float32)
+    plans = []
+    for rows in (1, 8, 64, 512):
+        x = torch.empty(rows, k, dtype=dtype)
+        idx = torch.empty(rows, dtype=torch.int32)
+        buf = torch.empty(rows, 3 * r, dtype=torch.float32)
+        plans += qr.lora_shrink_launches(buf, x, a, idx, scal, upcast=False)
+        plans += qr.lora_expand_launches(torch.empty(rows, sum(sizes), dtype=dtype), buf, b, idx, sizes)
+    return plans
+
+
 def _compile(launch: qt.Launch):
     fn = launch.kernel
     constexprs = dict(launch.constexprs)
@@ -179,6 +197,8 @@ def _plans():
         for launch in _moe_launches(dtype):
             yield dtype, launch
         for launch in _quant_launches(dtype):
+            yield dtype, launch
+        for launch in _lora_launches(dtype):
             yield dtype, launch
         for head_dim in HEAD_DIMS:
             for num_heads, num_kv_heads, gate, capacity in (SHAPES if dtype == FULL_SHAPES_DTYPE else SHAPES[:1]):

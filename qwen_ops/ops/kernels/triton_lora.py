@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from qwen_ops.ops.kernels import triton_interpret
+from qwen_ops.ops.kernels.triton_common import Launch
 
 
 @triton.jit
@@ -103,14 +104,15 @@ def _lora_expand_kernel(
     if USE_DOT:
         uniform = _uniform_slot(slots)
     if uniform >= 0:
-        w = tl.load(b_ptr + uniform.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
-                    + offs_r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)            # [R, N]
-        delta = tl.dot(buf, w.to(tl.float32), input_precision="ieee")
+        # (a runtime branch: both sides are compiled, so their locals differ in name, not only in shape)
+        w_tile = tl.load(b_ptr + uniform.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
+                         + offs_r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)       # [R, N]
+        delta = tl.dot(buf, w_tile.to(tl.float32), input_precision="ieee")
     else:
-        w = tl.load(b_ptr + slots[:, None, None].to(tl.int64) * stride_bl
-                    + offs_n[None, :, None].to(tl.int64) * stride_bn + offs_r[None, None, :],
-                    mask=has[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0)  # [M, N, R]
-        delta = tl.sum(buf[:, None, :] * w.to(tl.float32), axis=2)
+        w_rows = tl.load(b_ptr + slots[:, None, None].to(tl.int64) * stride_bl
+                         + offs_n[None, :, None].to(tl.int64) * stride_bn + offs_r[None, None, :],
+                         mask=has[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :], other=0.0)  # [M, N, R]
+        delta = tl.sum(buf[:, None, :] * w_rows.to(tl.float32), axis=2)
     ys = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     ok = has[:, None] & n_ok[None, :]
     y = tl.load(ys, mask=ok, other=0.0).to(tl.float32)
@@ -121,40 +123,57 @@ def _block_m(rows: int) -> int:
     return 16 if rows >= 16 else max(1, triton.next_power_of_2(rows))
 
 
-def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, lora_indices: torch.Tensor,
-                       scalings: torch.Tensor) -> torch.Tensor:
-    """Validated arguments of lora_shrink -> fp32 ``[T, S * R]``."""
+def lora_shrink_launches(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, idx: torch.Tensor,
+                         scalings: torch.Tensor, upcast: bool) -> list[Launch]:
+    """The one launch that fills ``out [T, S * R]`` (what ``lora_shrink_triton`` runs, and what CI compiles
+    for sm_90: .ci/compile_triton_sm90.py)."""
     T, K = x.shape
     SR = lora_a.shape[1]
-    out = torch.empty((T, SR), dtype=torch.float32, device=x.device)
     if T == 0:
-        return out
-    idx = lora_indices.contiguous()
+        return []
     block_m = _block_m(T)
     block_n = 16 if SR <= 16 else 32
     block_k = 32 if block_m < 16 else 64      # the gathered tile is BLOCK_M x BLOCK_N x BLOCK_K
-    grid = (triton.cdiv(T, block_m), triton.cdiv(SR, block_n))
-    _lora_shrink_kernel[grid](out, x, lora_a, idx, scalings.contiguous(), T, SR, K, x.stride(0), lora_a.stride(0),
-                              lora_a.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                              USE_DOT=block_m >= 16, UPCAST=triton_interpret(), IEEE=x.dtype == torch.float32)
+    args = (out, x, lora_a, idx, scalings, T, SR, K, x.stride(0), lora_a.stride(0), lora_a.stride(1))
+    constexprs = (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k), ("USE_DOT", block_m >= 16),
+                  ("UPCAST", upcast), ("IEEE", x.dtype == torch.float32))
+    return [Launch(_lora_shrink_kernel, (triton.cdiv(T, block_m), triton.cdiv(SR, block_n)), args, constexprs)]
+
+
+def lora_expand_launches(y: torch.Tensor, buffer: torch.Tensor, lora_b: torch.Tensor, idx: torch.Tensor,
+                         slice_sizes: list[int]) -> list[Launch]:
+    """One launch per slice, updating ``y`` in place (``lora_expand_triton`` runs them; CI compiles them)."""
+    T = y.shape[0]
+    if T == 0:
+        return []
+    R = lora_b.shape[2]
+    block_m = _block_m(T)
+    block_r = max(16, triton.next_power_of_2(R))
+    block_n = 32 if block_m >= 16 or block_r <= 16 else 16
+    constexprs = (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_R", block_r), ("USE_DOT", block_m >= 16))
+    launches, col0 = [], 0
+    for s, cols in enumerate(slice_sizes):
+        args = (y, buffer, lora_b, idx, T, R, col0, cols, s * R, y.stride(0), buffer.stride(0), lora_b.stride(0),
+                lora_b.stride(1))
+        launches.append(Launch(_lora_expand_kernel, (triton.cdiv(T, block_m), triton.cdiv(cols, block_n)), args,
+                               constexprs))
+        col0 += cols
+    return launches
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, lora_indices: torch.Tensor,
+                       scalings: torch.Tensor) -> torch.Tensor:
+    """Validated arguments of lora_shrink -> fp32 ``[T, S * R]``."""
+    out = torch.empty((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)
+    for launch in lora_shrink_launches(out, x, lora_a, lora_indices.contiguous(), scalings.contiguous(),
+                                       triton_interpret()):
+        launch.run()
     return out
 
 
 def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor, lora_b: torch.Tensor, lora_indices: torch.Tensor,
                        slice_sizes: list[int]) -> None:
     """Validated arguments of lora_expand: y updated in place, one launch per slice."""
-    T = y.shape[0]
-    if T == 0:
-        return
-    R = lora_b.shape[2]
-    idx = lora_indices.contiguous()
-    block_m = _block_m(T)
-    block_r = max(16, triton.next_power_of_2(R))
-    block_n = 32 if block_m >= 16 or block_r <= 16 else 16
-    col0 = 0
-    for s, cols in enumerate(slice_sizes):
-        grid = (triton.cdiv(T, block_m), triton.cdiv(cols, block_n))
-        _lora_expand_kernel[grid](y, buffer, lora_b, idx, T, R, col0, cols, s * R, y.stride(0), buffer.stride(0),
-                                  lora_b.stride(0), lora_b.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-                                  BLOCK_R=block_r, USE_DOT=block_m >= 16)
-        col0 += cols
+    for launch in lora_expand_launches(y, buffer, lora_b, lora_indices.contiguous(), slice_sizes):
+        launch.run()
+    return None
