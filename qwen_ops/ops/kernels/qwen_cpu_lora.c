@@ -240,7 +240,26 @@ static inline __attribute__((always_inline)) void lora_expand_long(const float *
             acc[m][3] = _mm512_fmadd_ps(xv, b3, acc[m][3]);
         }
     }
-    if (dtype == 2) {
+    if (dtype == 2 && width == LORA_EXPAND_COLS) {   /* a whole tile: straight-line, unmasked */
+        for (int m = 0; m < MR; ++m) {
+            uint16_t *yr = (uint16_t *)y + (t0 + m) * ys + n0;
+            __m512 sum[4];
+            for (int v = 0; v < 4; ++v) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(yr + 16 * v));
+                sum[v] = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)), acc[m][v]);
+            }
+#if defined(__AVX512BF16__)
+            if (__builtin_expect(((_mm512_fpclass_ps_mask(sum[0], 0x20) | _mm512_fpclass_ps_mask(sum[1], 0x20)) |
+                                  (_mm512_fpclass_ps_mask(sum[2], 0x20) | _mm512_fpclass_ps_mask(sum[3], 0x20))) == 0,
+                                 1)) {   /* no subnormal lane: vcvtneps2bf16 rounds as f32_to_bf16 */
+                for (int v = 0; v < 4; ++v)
+                    _mm256_storeu_si256((__m256i *)(void *)(yr + 16 * v), (__m256i)_mm512_cvtneps_pbh(sum[v]));
+                continue;
+            }
+#endif
+            for (int v = 0; v < 4; ++v) _mm256_storeu_si256((__m256i *)(void *)(yr + 16 * v), lora_round_bf16(sum[v]));
+        }
+    } else if (dtype == 2) {
         for (int m = 0; m < MR; ++m) {
             uint16_t *yr = (uint16_t *)y + (t0 + m) * ys + n0;
             for (int v = 0; v < 4; ++v) {
