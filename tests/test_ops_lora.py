@@ -138,6 +138,70 @@ def test_cpu_kernels_match_the_reference(rank, slices, num_tokens, dtype, cpu_ke
     assert torch.equal(results[2][0], shrunk) and torch.equal(results[2][1], got), "2 threads changed the bits"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [8, 16, 20])
+def test_cpu_kernels_long_runs_match_the_reference(rank, dtype, cpu_kernels, poisoned_empty):
+    """A prefill's long runs of one adapter (the kernels' long-block paths: k in several passes with a tail,
+    columns past a slice's last whole tile), also one row at a time: each row's bits whatever its neighbours."""
+    g = _gen(rank)
+    slices, k = (200, 72, 37), 1100
+    n, s = sum(slices), len(slices)
+    idx = torch.tensor([0] * 70 + [-1] * 5 + [2] * 53 + [1] * 3 + [2] * 40 + [3] * 17, dtype=torch.int32)
+    t = idx.numel()
+    x = torch.randn(t, k, generator=g).to(dtype)
+    lora_a = (torch.randn(MAX_LORAS, s * rank, k, generator=g) * 0.05).to(dtype)
+    lora_b = (torch.randn(MAX_LORAS, n, rank, generator=g) * 0.2).to(dtype)
+    scalings = torch.rand(MAX_LORAS, generator=g) + 0.25
+    y = torch.randn(t, n, generator=g).to(dtype)
+    want = RL.lora_shrink_reference(x, lora_a, idx, scalings)
+    y_want = y.clone()
+    RL.lora_expand_reference(y_want, want, lora_b, idx, list(slices))
+    results = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            shrunk = torch.ops.qwen.lora_shrink(x, lora_a, idx, scalings)
+            got = y.clone()
+            torch.ops.qwen.lora_expand(got, want, lora_b, idx, list(slices))
+        finally:
+            torch.set_num_threads(1)
+        results[threads] = (shrunk, got)
+    shrunk, got = results[1]
+    _close(shrunk, want, torch.float32)
+    if dtype == torch.float16:
+        torch.testing.assert_close(got.float(), y_want.float(), atol=1e-3, rtol=2.0 ** -10)
+    else:
+        _close(got, y_want, dtype)
+    assert torch.equal(got[idx < 0], y[idx < 0]), "rows without an adapter must stay untouched"
+    assert torch.equal(results[2][0], shrunk) and torch.equal(results[2][1], got), "2 threads changed the bits"
+    for row in (0, 50, 69, 80, 130, 160, t - 1):
+        alone = torch.ops.qwen.lora_shrink(x[row:row + 1], lora_a, idx[row:row + 1], scalings)
+        assert torch.equal(alone, shrunk[row:row + 1]), f"row {row} alone: other shrink bits"
+        got1 = y[row:row + 1].clone()
+        torch.ops.qwen.lora_expand(got1, want[row:row + 1], lora_b, idx[row:row + 1], list(slices))
+        assert torch.equal(got1, got[row:row + 1]), f"row {row} alone: other expand bits"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_cpu_expand_rounds_special_values_as_torch(num_tokens, cpu_kernels):
+    """bf16 y + a zero delta, rounded once: subnormals, infinities, NaNs, -0 come out as torch's y.float() + 0
+    rounded to bf16 (a rounding instruction that takes subnormals as zeros would not), bit for bit."""
+    g = _gen(11)
+    slices, rank = (96, 40), 16
+    n = sum(slices)
+    specials = torch.tensor([1e-39, -3e-40, 9.2e-41, 1.1754e-38, float("inf"), -float("inf"), float("nan"), -0.0,
+                             3.0e38, 1.0, -2.5, 0.0], dtype=torch.float32)
+    y = specials[torch.randint(0, specials.numel(), (num_tokens, n), generator=g)].bfloat16()
+    idx = torch.zeros(num_tokens, dtype=torch.int32)
+    buf = torch.randn(num_tokens, len(slices) * rank, generator=g)
+    lora_b = torch.zeros(MAX_LORAS, n, rank, dtype=torch.bfloat16)
+    got, want = y.clone(), y.clone()
+    torch.ops.qwen.lora_expand(got, buf, lora_b, idx, list(slices))
+    RL.lora_expand_reference(want, buf, lora_b, idx, list(slices))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got.view(torch.int16), (y.float() + 0.0).bfloat16().view(torch.int16))
+
+
 def test_cpu_kernels_take_float16_and_strided_rows(cpu_kernels, poisoned_empty):
     x, lora_a, lora_b, scalings, y, idx = _case(37, 8, (40, 12), torch.float16)
     wide = torch.randn(37, IN_FEATURES + 5, generator=_gen(3)).half()
