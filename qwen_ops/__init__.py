@@ -10,6 +10,7 @@ from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.engine.engine import (QwenBatchDecodeResult, QwenBatchedRequest, QwenBatchPrefillResult, QwenEngine,
                                     QwenForwardResult)
 from qwen_ops.engine.lora import LoRARequest
+from qwen_ops.engine.pooling import PoolingParams
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.structured import GuidedDecodingParams, StructuredOutputsParams
 from qwen_ops.models.config import QwenConfig
@@ -31,5 +32,5 @@ __all__ = [
     "SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
     "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
-    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams",
 ]

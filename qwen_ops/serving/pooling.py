@@ -1,0 +1,142 @@
+"""The offline pooling API (``LLM.embed``, ``LLM.score``) and its outputs, in vLLM's shapes.
+
+    llm = qwen_ops.LLM("Qwen/Qwen3-Embedding-0.6B", runner="pooling")
+    out = llm.embed(["a query", "a document"], qwen_ops.PoolingParams(dimensions=256))
+    out[0].outputs.embedding                      # 256 floats, unit length
+    llm.score("a query", ["doc 1", "doc 2"])[1].outputs.score   # cosine similarity
+
+Each prompt is one pooling request of the engine core's scheduler (``engine/pooling.py``: it only
+prefills, chunked and prefix-cached like any prompt, and frees its blocks after its last chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from qwen_ops.engine.pooling import PoolingParams, PoolingTask
+from qwen_ops.models.pooler_config import PoolerConfig
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older ``task=`` spelling, and the runner each means.
+TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "score": "pooling"}
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+def resolve_runner(runner: Any, task: Any, checkpoint_pools: bool) -> str:
+    """``"generate"`` or ``"pooling"`` from ``LLM``'s ``runner`` (vLLM's) and ``task`` (its older
+    spelling); ``"auto"`` is ``"pooling"`` where the checkpoint is an embedding model
+    (``checkpoint_pools``)."""
+    if not isinstance(runner, str) or runner not in RUNNERS:
+        raise ValueError(f"runner = {runner!r}, expected one of {', '.join(map(repr, RUNNERS))}")
+    if task is not None and (not isinstance(task, str) or task not in TASKS):
+        raise ValueError(f"task = {task!r}, expected one of {', '.join(map(repr, TASKS))} or None")
+    from_task = TASKS[task] if task is not None else "auto"
+    if runner != "auto" and from_task != "auto" and runner != from_task:
+        raise ValueError(f"runner = {runner!r} and task = {task!r} disagree; expected one of them, or a task "
+                         f"that means runner {runner!r}")
+    chosen = runner if runner != "auto" else from_task
+    if chosen == "auto":
+        chosen = "pooling" if checkpoint_pools else "generate"
+    return chosen
+
+
+def pooling_tasks(pooling_params: Union[PoolingParams, Sequence[PoolingParams], None], n: int,
+                  pooler: PoolerConfig, hidden_size: int) -> list[PoolingTask]:
+    """One ``PoolingTask`` per prompt from vLLM's ``pooling_params`` (one for all, or one each)."""
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        params = [pooling_params or PoolingParams()] * n
+    elif isinstance(pooling_params, Sequence) and not isinstance(pooling_params, str):
+        params = list(pooling_params)
+        if len(params) != n:
+            raise ValueError(f"pooling_params has {len(params)} entries, expected one per prompt ({n})")
+    else:
+        raise ValueError(f"pooling_params = {pooling_params!r}, expected a PoolingParams, a list of them "
+                         "(one per prompt), or None")
+    tasks = []
+    for i, p in enumerate(params):
+        if not isinstance(p, PoolingParams):
+            raise ValueError(f"pooling_params[{i}] = {p!r}, expected a qwen_ops.PoolingParams")
+        if p.dimensions is not None and p.dimensions > hidden_size:
+            raise ValueError(f"pooling_params[{i}].dimensions = {p.dimensions}, but the model's embeddings have "
+                             f"{hidden_size}; expected at most that")
+        normalize = pooler.normalize if p.normalize is None else p.normalize
+        tasks.append(PoolingTask(pooler.pooling_type, normalize, p.dimensions))
+    return tasks
+
+
+def run_pooling(llm, prompts: list[list[int]], tasks: list[PoolingTask],
+                use_tqdm: Union[bool, Callable[..., Any]]) -> list[torch.Tensor]:
+    """Run pooling requests on ``llm``'s engine core until each has its embedding (fp32 tensors,
+    in prompt order); an interruption aborts the unfinished ones."""
+    core = llm.core
+    reqs = core.add_pooling_requests(prompts, tasks)
+    bar = None
+    if use_tqdm:
+        if callable(use_tqdm) and not isinstance(use_tqdm, bool):
+            factory = use_tqdm
+        else:
+            from tqdm.auto import tqdm as factory
+        bar = factory(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
+    done = 0
+    try:
+        while True:
+            finished = sum(r.finished for r in reqs)
+            if bar is not None and finished > done:
+                bar.update(finished - done)
+            done = finished
+            if done == len(reqs):
+                break
+            core.step()
+    finally:
+        if bar is not None:
+            bar.close()
+        core.abort_requests(reqs)
+    return [r.embedding for r in reqs]
+
+
+def score_pairs(text_1, text_2) -> list[tuple[Any, Any]]:
+    """vLLM's pairing of ``LLM.score``: one against one, one against N, or N against N (pairwise)."""
+    one_1 = isinstance(text_1, (str, dict))
+    one_2 = isinstance(text_2, (str, dict))
+    left = [text_1] if one_1 else list(text_1)
+    right = [text_2] if one_2 else list(text_2)
+    if not left or not right:
+        raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}; expected at least one each")
+    if len(left) == 1:
+        return [(left[0], r) for r in right]
+    if len(left) != len(right):
+        raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}; expected one text_1, or as many "
+                         "text_1 as text_2 (scored pairwise)")
+    return list(zip(left, right))
