@@ -232,3 +232,64 @@ def test_task_embed_is_the_pooling_runner_and_generate_refuses_embed(causal_ckpt
 
 def test_pooling_params_exported():
     assert qwen_ops.PoolingParams is PoolingParams
+
+
+# ---------------------------------------------------------------------------- Qwen3-Reranker
+RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                      "is_original_qwen3_reranker": True}
+
+
+def yes_share(causal_lm, ids: list[int], no: int, yes: int) -> float:
+    """transformers' causal-LM logits at the last position: softmax over (no, yes), yes's share."""
+    with torch.no_grad():
+        logits = causal_lm(torch.tensor([ids])).logits[0, -1].double()
+    return torch.softmax(logits[[no, yes]], dim=0)[1].item()
+
+
+def test_reranker_scores_yes_against_no_by_token_ids(causal_ckpt):
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(causal_ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    overrides = dict(RERANKER_OVERRIDES, classifier_from_token=[5, 9])      # ids: this checkpoint has no tokenizer
+    llm = LLM(str(causal_ckpt), hf_overrides=overrides, **SMALL)
+    assert llm.runner == "pooling"
+    query = prompt(20, seed=8)
+    docs = [prompt(n, seed=30 + n) for n in (1, 6, 25, 50)]
+    outs = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs], use_tqdm=False)
+    for d, out in zip(docs, outs):
+        assert out.prompt_token_ids == query + d
+        assert out.outputs.score == pytest.approx(yes_share(hf, query + d, 5, 9), abs=1e-5)
+    with pytest.raises(ValueError, match="reranker"):
+        llm.embed([query], use_tqdm=False)
+
+
+def test_reranker_prompt_and_tokens_from_the_tokenizer():
+    """The embedded default model (it has a tokenizer) as a stand-in Qwen3-Reranker: "no"/"yes" looked
+    up by the tokenizer, the model card's prompt from ``qwen3_reranker_inputs``."""
+    from transformers import AutoModelForCausalLM
+
+    from qwen_ops.models.defaults import default_model_path
+
+    llm = LLM(None, hf_overrides=RERANKER_OVERRIDES, max_model_len=512)
+    tok = llm.get_tokenizer()
+    no, yes = tok.token_to_id("no"), tok.token_to_id("yes")
+    text_1, text_2 = qwen_ops.qwen3_reranker_inputs("What is the capital of China?",
+                                                    ["The capital of China is Beijing.", "Gravity pulls."])
+    assert text_1.startswith("<|im_start|>system\nJudge whether the Document") and "<Query>: What is" in text_1
+    assert text_2[0].startswith("<Document>: The capital") and text_2[0].endswith("<think>\n\n</think>\n\n")
+    outs = llm.score(text_1, text_2, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    for doc, out in zip(text_2, outs):
+        ids = tok.encode(text_1) + tok.encode(doc)
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(yes_share(hf, ids, no, yes), abs=1e-5)
+
+
+def test_reranker_overrides_are_checked(causal_ckpt):
+    with pytest.raises(ValueError, match=r"hf_overrides\['num_labels'\] is not supported"):
+        LLM(str(causal_ckpt), hf_overrides={"num_labels": 2})
+    with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\] = \['yes'\], expected two tokens"):
+        LLM(str(causal_ckpt), hf_overrides=dict(RERANKER_OVERRIDES, classifier_from_token=["yes"]))
+    with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\]\[0\] = 'no' is not a token"):
+        LLM(str(causal_ckpt), hf_overrides=RERANKER_OVERRIDES, **SMALL)    # no tokenizer to look it up

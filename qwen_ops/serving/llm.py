@@ -37,8 +37,9 @@ from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
                                       RequestOutput)
-from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, ScoringOutput,
-                                      ScoringRequestOutput, pooling_tasks, resolve_runner, run_pooling, score_pairs)
+from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,  # noqa: F401
+                                      ScoringOutput, ScoringRequestOutput, check_hf_overrides, classifier_tokens,
+                                      pooling_tasks, resolve_runner, run_pooling, score_pairs, yes_no_scores)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.serving.scheduler import SchedulerConfig
 
@@ -276,7 +277,8 @@ class LLM:
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
                  generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None, runner: str = "auto", task: Optional[str] = None):
+                 max_cpu_loras: Optional[int] = None, runner: str = "auto", task: Optional[str] = None,
+                 hf_overrides: Optional[dict] = None):
         """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
@@ -327,7 +329,13 @@ class LLM:
         ``score``, no ``generate``; ``serving/pooling.py``) or ``"auto"``: pooling where the checkpoint
         says so (a sentence-transformers ``modules.json`` with a ``Pooling`` module, or config.json's
         architectures ``Qwen3Model``). ``task`` is vLLM's older spelling: ``"embed"`` and ``"score"``
-        mean ``runner="pooling"``. One runner per ``LLM``."""
+        mean ``runner="pooling"``. One runner per ``LLM``.
+
+        ``hf_overrides`` (vLLM's, for Qwen3-Reranker only): ``{"architectures":
+        ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True}`` runs a causal-LM checkpoint as a reranker: the pooling
+        runner, and ``score`` is the softmax share of "yes" over the two tokens' logits at the last
+        position of ``text_1 + text_2`` (``qwen3_reranker_inputs`` formats them as its model card says)."""
         from qwen_ops.models.defaults import resolve_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -400,7 +408,13 @@ class LLM:
                              "tensor_parallel_size = 1 or no speculative_config")
         resolve_runner(runner, task, False)       # the names, before anything is read
         path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
-        runner = resolve_runner(runner, task, is_embedding_checkpoint(path))
+        reranker = hf_overrides is not None
+        if reranker:
+            check_hf_overrides(hf_overrides)
+            if runner == "generate" or task == "generate":
+                raise ValueError("hf_overrides (a Qwen3-Reranker classifier) with a generate runner; expected "
+                                 "runner='pooling' or 'auto'")
+        runner = resolve_runner(runner, task, reranker or is_embedding_checkpoint(path))
         pooling = runner == "pooling"
         if pooling and (spec is not None or tensor_parallel_size > 1 or enable_lora):
             raise ValueError(f"runner = 'pooling' with speculative_config, tensor_parallel_size = "
@@ -482,6 +496,20 @@ class LLM:
         self.runner = runner
         # The pooling runner's pooling: the checkpoint's sentence-transformers modules, else last token + L2.
         self.pooler = (read_pooler_config(path) or PoolerConfig()) if pooling else None
+        # Qwen3-Reranker: the (no, yes) rows of the LM head; its pooling is the raw last row.
+        self.classifier = None
+        if reranker:
+            no, yes = classifier_tokens(hf_overrides, self.tokenizer)
+            head = ckpt.model.lm_head
+            if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+                raise ValueError(f"hf_overrides names classifier tokens, but {path} has no plain lm_head to take "
+                                 "their rows from; expected a causal-LM checkpoint (Qwen3-Reranker)")
+            for name, tid in (("no", no), ("yes", yes)):
+                if not 0 <= tid < head.weight.shape[0]:
+                    raise ValueError(f"hf_overrides['classifier_from_token'] {name} id = {tid}, expected a token id "
+                                     f"in [0, {head.weight.shape[0]})")
+            self.classifier = head.weight[[no, yes]].detach().float().clone()
+            self.pooler = PoolerConfig("last", normalize=False)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``
@@ -666,6 +694,9 @@ class LLM:
         """vLLM's ``LLM.embed``: one embedding per prompt (``.outputs.embedding``, a list of floats),
         pooled as the checkpoint says (``self.pooler``), truncated to ``pooling_params.dimensions``
         and normalized (``pooling_params.normalize``, default the checkpoint's). Prompts as ``generate``'s."""
+        if self.classifier is not None:
+            raise ValueError("this LLM is a reranker (hf_overrides classifier_from_token); it scores pairs with "
+                             "score, expected an embedding model for embed")
         ids = self._pooling_ids(prompts)
         tasks = pooling_tasks(pooling_params, len(ids), self.pooler, self.engine.config.hidden_size)
         vectors = run_pooling(self, ids, tasks, use_tqdm)
@@ -678,6 +709,14 @@ class LLM:
         ``text_2``'s embeddings (``.outputs.score``), one against one, one against N, or N against N
         pairwise (``serving/pooling.py`` ``score_pairs``)."""
         pairs = score_pairs(text_1, text_2)
+        if self.classifier is not None:         # a reranker (cross-encoder): one prompt per pair
+            ids = [a + b for a, b in zip(self._pooling_ids([a for a, _ in pairs]),
+                                          self._pooling_ids([b for _, b in pairs]))]
+            ids = self._pooling_ids([{"prompt_token_ids": x} for x in ids])      # the joined length too
+            vectors = run_pooling(self, ids, pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size),
+                                  use_tqdm)
+            scores = yes_no_scores(torch.stack(vectors), self.classifier)
+            return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(s)) for k, s in enumerate(scores)]
         flat = [x for pair in pairs for x in pair]
         ids = self._pooling_ids(flat)
         tasks = pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size)

@@ -140,3 +140,74 @@ def score_pairs(text_1, text_2) -> list[tuple[Any, Any]]:
         raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}; expected one text_1, or as many "
                          "text_1 as text_2 (scored pairwise)")
     return list(zip(left, right))
+
+
+# ---------------------------------------------------------------------------- Qwen3-Reranker
+# vLLM's hf_overrides for Qwen3-Reranker: score with the lm_head rows of "no" and "yes".
+RERANKER_ARCHITECTURE = "Qwen3ForSequenceClassification"
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+# The prompt of Qwen3-Reranker's model card: a system turn, the instruction, query and document, an
+# empty thinking block; the score is P("yes") against "no" as the next token.
+QWEN3_RERANKER_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+                         "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                         "<|im_start|>user\n")
+QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def qwen3_reranker_inputs(query: str, documents: Union[str, Sequence[str]],
+                          instruction: Optional[str] = None) -> tuple[str, Union[str, list[str]]]:
+    """``(text_1, text_2)`` for ``LLM.score`` with Qwen3-Reranker, in its model card's format:
+    ``text_1`` = prefix + ``<Instruct>: {instruction}\\n<Query>: {query}\\n``, each ``text_2`` =
+    ``<Document>: {document}`` + suffix; the scored prompt is the two joined."""
+    text_1 = (f"{QWEN3_RERANKER_PREFIX}<Instruct>: {instruction or QWEN3_RERANKER_INSTRUCTION}\n"
+              f"<Query>: {query}\n")
+    if isinstance(documents, str):
+        return text_1, f"<Document>: {documents}{QWEN3_RERANKER_SUFFIX}"
+    return text_1, [f"<Document>: {d}{QWEN3_RERANKER_SUFFIX}" for d in documents]
+
+
+def check_hf_overrides(hf_overrides: Optional[dict]) -> None:
+    """vLLM's Qwen3-Reranker overrides, checked before the load: only its keys, its architecture,
+    two classifier tokens (strings or ids)."""
+    if hf_overrides is None:
+        return
+    if not isinstance(hf_overrides, dict):
+        raise ValueError(f"hf_overrides = {hf_overrides!r}, expected a dict or None")
+    for key in hf_overrides:
+        if key not in HF_OVERRIDE_KEYS:
+            raise ValueError(f"hf_overrides[{key!r}] is not supported; expected only {', '.join(HF_OVERRIDE_KEYS)} "
+                             "(vLLM's Qwen3-Reranker overrides)")
+    archs = hf_overrides.get("architectures", [RERANKER_ARCHITECTURE])
+    if archs != [RERANKER_ARCHITECTURE]:
+        raise ValueError(f"hf_overrides['architectures'] = {archs!r}, expected [{RERANKER_ARCHITECTURE!r}]")
+    tokens = hf_overrides.get("classifier_from_token")
+    if not isinstance(tokens, (list, tuple)) or len(tokens) != 2:
+        raise ValueError(f"hf_overrides['classifier_from_token'] = {tokens!r}, expected two tokens: "
+                         "['no', 'yes'] (strings, or token ids)")
+
+
+def classifier_tokens(hf_overrides: dict, tokenizer) -> tuple[int, int]:
+    """The ``(no, yes)`` token ids of vLLM's Qwen3-Reranker overrides (``classifier_from_token``:
+    two tokens, as strings looked up in the tokenizer or as ids)."""
+    check_hf_overrides(hf_overrides)
+    tokens = hf_overrides["classifier_from_token"]
+    ids = []
+    for i, tok in enumerate(tokens):
+        if isinstance(tok, int) and not isinstance(tok, bool):
+            ids.append(tok)
+            continue
+        tid = tokenizer.token_to_id(tok) if isinstance(tok, str) and tokenizer is not None else None
+        if tid is None:
+            raise ValueError(f"hf_overrides['classifier_from_token'][{i}] = {tok!r} is not a token of the "
+                             "checkpoint's tokenizer; expected a token string it has, or a token id")
+        ids.append(tid)
+    return ids[0], ids[1]
+
+
+def yes_no_scores(hidden: torch.Tensor, classifier: torch.Tensor) -> list[float]:
+    """Qwen3-Reranker's relevance: softmax over the ``(no, yes)`` logits of the last position's
+    final-norm hidden states ``hidden [N, H]``, its "yes" share; ``classifier [2, H]`` holds the two
+    lm_head rows."""
+    logits = hidden.float() @ classifier.float().t()
+    return torch.softmax(logits, dim=-1)[:, 1].tolist()
