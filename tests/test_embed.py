@@ -219,6 +219,8 @@ def test_bad_arguments_name_the_argument(causal_ckpt, embed_llm):
         embed_llm.embed([[3, 4], [500]], use_tqdm=False)
     with pytest.raises(ValueError, match="runner = 'pooling'.*expected LLM\\(..., runner='generate'\\)"):
         embed_llm.generate([[3, 4]], use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling runner"):     # AsyncLLM's way in, past LLM._prepare
+        embed_llm.core.add_requests([(None, [3, 4], qwen_ops.SamplingParams())])
     assert not embed_llm.has_unfinished_requests()
 
 

@@ -117,6 +117,9 @@ class EngineCore:
         ``compile_async`` on the grammar backend's thread while the request waits held (the
         engine loop's ``add``: every other request keeps running; a failure or a compile past
         ``max_grammar_compile_s`` fails this request alone, ``_release_grammars``)."""
+        if self.engine.runner.pooling:
+            raise ValueError("this engine runs the pooling runner (an embedding model); it generates nothing, "
+                             "expected a generation model (runner='generate')")
         loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)
         if len(loras) != len(prepared):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prepared)} prompts; expected one each")

@@ -717,15 +717,15 @@ class LLM:
                                   use_tqdm)
             scores = yes_no_scores(torch.stack(vectors), self.classifier)
             return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(s)) for k, s in enumerate(scores)]
-        flat = [x for pair in pairs for x in pair]
-        ids = self._pooling_ids(flat)
-        tasks = pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size)
-        vectors = run_pooling(self, ids, tasks, use_tqdm)
+        ids = self._pooling_ids([x for pair in pairs for x in pair])
+        unique = list(dict.fromkeys(map(tuple, ids)))        # 1-to-N embeds the one text once
+        tasks = pooling_tasks(None, len(unique), self.pooler, self.engine.config.hidden_size)
+        vectors = dict(zip(unique, run_pooling(self, [list(u) for u in unique], tasks, use_tqdm)))
         out = []
         for k in range(len(pairs)):
-            a, b = vectors[2 * k], vectors[2 * k + 1]
-            cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-            out.append(ScoringRequestOutput(str(k), ids[2 * k] + ids[2 * k + 1], ScoringOutput(cos)))
+            a, b = ids[2 * k], ids[2 * k + 1]
+            cos = torch.nn.functional.cosine_similarity(vectors[tuple(a)], vectors[tuple(b)], dim=0).item()
+            out.append(ScoringRequestOutput(str(k), a + b, ScoringOutput(cos)))
         return out
 
     def get_tokenizer(self) -> Optional[QwenTokenizer]:
