@@ -295,3 +295,18 @@ def test_reranker_overrides_are_checked(causal_ckpt):
         LLM(str(causal_ckpt), hf_overrides=dict(RERANKER_OVERRIDES, classifier_from_token=["yes"]))
     with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\]\[0\] = 'no' is not a token"):
         LLM(str(causal_ckpt), hf_overrides=RERANKER_OVERRIDES, **SMALL)    # no tokenizer to look it up
+
+
+def test_bf16_embeddings_as_close_to_fp32_as_transformers_bf16(causal_ckpt, hf_decoder):
+    """bf16 (the real-size dtype), chunked: no further from the fp32 oracle than transformers' own
+    bf16 run is, up to 2x (flash-attention's bound)."""
+    from transformers import Qwen3ForCausalLM
+
+    hf_bf16 = Qwen3ForCausalLM.from_pretrained(causal_ckpt, dtype=torch.bfloat16,
+                                               attn_implementation="eager").model.eval()
+    llm = LLM(str(causal_ckpt), runner="pooling", dtype="bfloat16", **SMALL)
+    prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
+    for ids, out in zip(prompts, llm.embed(prompts, use_tqdm=False)):
+        ref = hidden_states(hf_decoder, ids)[-1]
+        theirs = cosine_distance(hidden_states(hf_bf16, ids)[-1], ref)
+        assert cosine_distance(out.outputs.embedding, ref) <= 2 * theirs + 1e-5
