@@ -23,7 +23,8 @@ from qwen_ops.ops.backend import get_backend, resolve_backend, set_backend, use_
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.serving.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from qwen_ops.serving.llm import LLM, CompletionOutput, RequestOutput
-from qwen_ops.serving.pooling import EmbeddingRequestOutput, ScoringRequestOutput, qwen3_reranker_inputs
+from qwen_ops.serving.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput,
+                                      qwen3_reranker_inputs)
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,5 @@ __all__ = [
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
     "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
     "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams",
-    "EmbeddingRequestOutput", "ScoringRequestOutput", "qwen3_reranker_inputs",
+    "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput", "qwen3_reranker_inputs",
 ]

@@ -310,3 +310,50 @@ def test_bf16_embeddings_as_close_to_fp32_as_transformers_bf16(causal_ckpt, hf_d
         ref = hidden_states(hf_decoder, ids)[-1]
         theirs = cosine_distance(hidden_states(hf_bf16, ids)[-1], ref)
         assert cosine_distance(out.outputs.embedding, ref) <= 2 * theirs + 1e-5
+
+
+# ---------------------------------------------------------------------------- sequence classifiers
+def make_sequence_classifier(path: Path, num_labels: int):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(num_labels)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False, num_labels=num_labels, pad_token_id=0)
+    model = Qwen3ForSequenceClassification(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def hf_class_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+def test_sequence_classifier_classify(tmp_path):
+    hf = make_sequence_classifier(tmp_path / "cls3", num_labels=3)
+    llm = LLM(str(tmp_path / "cls3"), **SMALL)              # chosen by architectures
+    assert llm.runner == "pooling" and llm.classifier.shape == (3, 64) and llm.engine.model.lm_head is None
+    prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
+    for ids, out in zip(prompts, llm.classify(prompts, use_tqdm=False)):
+        ref = torch.softmax(hf_class_logits(hf, ids), dim=0)
+        assert out.outputs.probs == pytest.approx(ref.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="num_labels = 3; expected a one-label classifier"):
+        llm.score({"prompt_token_ids": [3]}, {"prompt_token_ids": [4]})
+    with pytest.raises(ValueError, match="expected an embedding model for embed"):
+        llm.embed([[3, 4]])
+
+
+def test_one_label_sequence_classifier_scores_joined_pairs(tmp_path, embed_llm):
+    hf = make_sequence_classifier(tmp_path / "cls1", num_labels=1)
+    llm = LLM(str(tmp_path / "cls1"), **SMALL)
+    query, docs = prompt(10, seed=4), [prompt(n, seed=40 + n) for n in (2, 17, 44)]
+    outs = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs], use_tqdm=False)
+    for d, out in zip(docs, outs):
+        assert out.outputs.score == pytest.approx(torch.sigmoid(hf_class_logits(hf, query + d))[0].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="classify needs a classifier"):
+        embed_llm.classify([[3, 4]])

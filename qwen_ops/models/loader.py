@@ -71,6 +71,8 @@ HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 # The embedding's name in a checkpoint of the bare decoder (transformers' Qwen3Model, no "model." prefix).
 BARE_EMBEDDING = "embed_tokens.weight"
+# The classification head of a Qwen3ForSequenceClassification checkpoint (read with pooling=True).
+SEQUENCE_CLASSIFIER = "score.weight"
 # Stacked expert parameters (qwen_ops.models.moe), which a checkpoint may store one tensor per expert.
 EXPERTS_GATE_UP = ".experts.gate_up_proj"
 EXPERTS_DOWN = ".experts.down_proj"
@@ -174,7 +176,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     A checkpoint saved as the bare decoder (transformers' ``Qwen3Model``: ``embed_tokens.weight``,
     ``layers.*``, ``norm.weight``, without the ``model.`` prefix; Qwen3-Embedding's) loads too.
     ``pooling``: the model will only pool hidden states (``runner="pooling"``), so an untied
-    checkpoint without ``lm_head.weight`` loads with ``model.lm_head`` None."""
+    checkpoint without ``lm_head.weight`` loads with ``model.lm_head`` None, and a sequence
+    classifier's ``score.weight`` (``Qwen3ForSequenceClassification``) loads as ``model.score``."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
@@ -201,6 +204,14 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     bare = BARE_EMBEDDING in files and "model.embed_tokens.weight" not in files
     if pooling and not config.tie_word_embeddings and "lm_head.weight" not in files and not config.is_hybrid:
         model.lm_head = None              # nothing to compute logits with; pooling reads hidden states
+    if pooling and SEQUENCE_CLASSIFIER in files:     # Qwen3ForSequenceClassification's head: score [labels, hidden]
+        with _open(files[SEQUENCE_CLASSIFIER]) as f:
+            shape = f.get_slice(SEQUENCE_CLASSIFIER).get_shape()
+        if len(shape) != 2 or shape[1] != config.hidden_size:
+            raise CheckpointError(f"{path}: tensor {SEQUENCE_CLASSIFIER!r} has shape {list(shape)}, expected "
+                                  f"[num_labels, {config.hidden_size}]")
+        with torch.device("meta"):
+            model.score = nn.Linear(config.hidden_size, shape[0], bias=False)
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
     params = {checkpoint_name(name, config, bare): p for name, p in model.named_parameters()}
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert

@@ -77,14 +77,17 @@ def read_pooler_config(path: Path) -> Optional[PoolerConfig]:
 
 # config.json architectures of a bare decoder: hidden states out, nothing to generate with.
 BARE_DECODERS = ("Qwen2Model", "Qwen3Model")
+SEQUENCE_CLASSIFIERS = ("Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
 def is_embedding_checkpoint(path: Path) -> bool:
-    """Whether ``path`` says it is an embedding model: a sentence-transformers ``Pooling`` module,
-    or a config.json whose ``architectures`` name the bare decoder (saved as ``Qwen3Model``)."""
+    """Whether ``path`` says it is a pooling model: a sentence-transformers ``Pooling`` module, or a
+    config.json whose ``architectures`` name the bare decoder (saved as ``Qwen3Model``) or a
+    sequence classifier (``Qwen3ForSequenceClassification``)."""
     if read_pooler_config(path) is not None:
         return True
     file = Path(path) / "config.json"
     cfg = _read(file) if file.is_file() else {}
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
-    return isinstance(archs, list) and bool(archs) and all(a in BARE_DECODERS for a in archs)
+    return isinstance(archs, list) and bool(archs) and all(
+        a in BARE_DECODERS or a in SEQUENCE_CLASSIFIERS for a in archs)

@@ -37,9 +37,11 @@ from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
                                       RequestOutput)
-from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,  # noqa: F401
-                                      ScoringOutput, ScoringRequestOutput, check_hf_overrides, classifier_tokens,
-                                      pooling_tasks, resolve_runner, run_pooling, score_pairs, yes_no_scores)
+from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                                      EmbeddingRequestOutput, PoolingParams,  # noqa: F401
+                                      ScoringOutput, ScoringRequestOutput, check_hf_overrides, classifier_probs,
+                                      classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
+                                      score_pairs)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.serving.scheduler import SchedulerConfig
 
@@ -496,7 +498,8 @@ class LLM:
         self.runner = runner
         # The pooling runner's pooling: the checkpoint's sentence-transformers modules, else last token + L2.
         self.pooler = (read_pooler_config(path) or PoolerConfig()) if pooling else None
-        # Qwen3-Reranker: the (no, yes) rows of the LM head; its pooling is the raw last row.
+        # A classifier [num_labels, hidden] over the raw last row: Qwen3-Reranker's (from two LM-head
+        # rows) or a sequence classifier's ``score`` head (Qwen3ForSequenceClassification).
         self.classifier = None
         if reranker:
             no, yes = classifier_tokens(hf_overrides, self.tokenizer)
@@ -508,7 +511,10 @@ class LLM:
                 if not 0 <= tid < head.weight.shape[0]:
                     raise ValueError(f"hf_overrides['classifier_from_token'] {name} id = {tid}, expected a token id "
                                      f"in [0, {head.weight.shape[0]})")
-            self.classifier = head.weight[[no, yes]].detach().float().clone()
+            self.classifier = reranker_head(head.weight.detach(), no, yes)
+        elif pooling and getattr(ckpt.model, "score", None) is not None:
+            self.classifier = ckpt.model.score.weight.detach().float().clone()
+        if self.classifier is not None:
             self.pooler = PoolerConfig("last", normalize=False)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -695,7 +701,7 @@ class LLM:
         pooled as the checkpoint says (``self.pooler``), truncated to ``pooling_params.dimensions``
         and normalized (``pooling_params.normalize``, default the checkpoint's). Prompts as ``generate``'s."""
         if self.classifier is not None:
-            raise ValueError("this LLM is a reranker (hf_overrides classifier_from_token); it scores pairs with "
+            raise ValueError("this LLM is a classifier (a reranker or a sequence classifier); it has classify and "
                              "score, expected an embedding model for embed")
         ids = self._pooling_ids(prompts)
         tasks = pooling_tasks(pooling_params, len(ids), self.pooler, self.engine.config.hidden_size)
@@ -709,14 +715,15 @@ class LLM:
         ``text_2``'s embeddings (``.outputs.score``), one against one, one against N, or N against N
         pairwise (``serving/pooling.py`` ``score_pairs``)."""
         pairs = score_pairs(text_1, text_2)
-        if self.classifier is not None:         # a reranker (cross-encoder): one prompt per pair
+        if self.classifier is not None:         # a cross-encoder (reranker): one prompt per pair
+            if self.classifier.shape[0] != 1:
+                raise ValueError(f"score with a classifier of num_labels = {self.classifier.shape[0]}; expected a "
+                                 "one-label classifier (a reranker) or an embedding model")
             ids = [a + b for a, b in zip(self._pooling_ids([a for a, _ in pairs]),
                                           self._pooling_ids([b for _, b in pairs]))]
             ids = self._pooling_ids([{"prompt_token_ids": x} for x in ids])      # the joined length too
-            vectors = run_pooling(self, ids, pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size),
-                                  use_tqdm)
-            scores = yes_no_scores(torch.stack(vectors), self.classifier)
-            return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(s)) for k, s in enumerate(scores)]
+            probs = self._classify_ids(ids, use_tqdm)
+            return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
         ids = self._pooling_ids([x for pair in pairs for x in pair])
         unique = list(dict.fromkeys(map(tuple, ids)))        # 1-to-N embeds the one text once
         tasks = pooling_tasks(None, len(unique), self.pooler, self.engine.config.hidden_size)
@@ -727,6 +734,22 @@ class LLM:
             cos = torch.nn.functional.cosine_similarity(vectors[tuple(a)], vectors[tuple(b)], dim=0).item()
             out.append(ScoringRequestOutput(str(k), a + b, ScoringOutput(cos)))
         return out
+
+    def classify(self, prompts, *, use_tqdm: Union[bool, Callable[..., Any]] = True
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: per prompt the classifier's probabilities (``.outputs.probs``) at
+        its last token: softmax over a sequence classifier's labels, or sigmoid of a one-label head
+        (Qwen3-Reranker's relevance of a prompt already joined)."""
+        if self.classifier is None:
+            raise ValueError("classify needs a classifier: a Qwen3ForSequenceClassification checkpoint, or "
+                             "Qwen3-Reranker's hf_overrides; this LLM has none")
+        ids = self._pooling_ids(prompts)
+        return [ClassificationRequestOutput(str(k), x, ClassificationOutput(p))
+                for k, (x, p) in enumerate(zip(ids, self._classify_ids(ids, use_tqdm)))]
+
+    def _classify_ids(self, ids: list[list[int]], use_tqdm) -> list[list[float]]:
+        tasks = pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size)
+        return classifier_probs(torch.stack(run_pooling(self, ids, tasks, use_tqdm)), self.classifier)
 
     def get_tokenizer(self) -> Optional[QwenTokenizer]:
         """The checkpoint's tokenizer (None when it has no tokenizer.json), as vLLM's ``LLM.get_tokenizer``."""

@@ -42,6 +42,23 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
@@ -205,9 +222,15 @@ def classifier_tokens(hf_overrides: dict, tokenizer) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-def yes_no_scores(hidden: torch.Tensor, classifier: torch.Tensor) -> list[float]:
-    """Qwen3-Reranker's relevance: softmax over the ``(no, yes)`` logits of the last position's
-    final-norm hidden states ``hidden [N, H]``, its "yes" share; ``classifier [2, H]`` holds the two
-    lm_head rows."""
-    logits = hidden.float() @ classifier.float().t()
-    return torch.softmax(logits, dim=-1)[:, 1].tolist()
+def reranker_head(lm_head_weight: torch.Tensor, no: int, yes: int) -> torch.Tensor:
+    """Qwen3-Reranker as a one-label classifier ``[1, hidden]`` (vLLM's conversion): the "yes" row of
+    the LM head less the "no" row, so sigmoid of its logit is softmax over (no, yes)'s "yes" share."""
+    return (lm_head_weight[yes].float() - lm_head_weight[no].float()).unsqueeze(0)
+
+
+def classifier_probs(hidden: torch.Tensor, head: torch.Tensor) -> list[list[float]]:
+    """Per row of ``hidden [N, H]`` (last-token final-norm states), the classifier ``head [L, H]``'s
+    probabilities: sigmoid of the one logit (a reranker, ``num_labels`` 1) or softmax over the labels."""
+    logits = hidden.float() @ head.float().t()
+    probs = torch.sigmoid(logits) if head.shape[0] == 1 else torch.softmax(logits, dim=-1)
+    return probs.tolist()
