@@ -518,6 +518,9 @@ class QwenEngine:
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
         """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
+        if self.runner.pooling:
+            raise ValueError("this engine runs the pooling runner; the slot API (prefill, decode_step, batch_*, "
+                             "execute) needs a generation engine (pooling = False)")
         out = self.runner.call("step", IterationPlan(tasks))
         for t in tasks:
             self.kv.commit(t.kv_cache_slot, t.token_ids)

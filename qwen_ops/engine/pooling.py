@@ -22,14 +22,11 @@ from typing import Optional
 
 import torch
 
-POOLING_TYPES = ("last", "mean", "cls")
-
-
 @dataclass(frozen=True)
 class PoolingParams:
     """vLLM's ``PoolingParams`` (per request): ``dimensions`` keeps the first that many features of
     the embedding (Matryoshka models), before normalization; ``normalize`` None: the model's default
-    (its sentence-transformers ``Normalize`` module, or True for last-token models)."""
+    (whether its sentence-transformers files have a ``Normalize`` module; True without those files)."""
 
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None

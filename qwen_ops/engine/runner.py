@@ -318,6 +318,7 @@ class ModelRunner:
             pooled.append(reduce_rows(t.pooling.pooling_type, hidden[start:start + n]))
             start += n
         none = [None] * len(tasks)
+        # ``logits`` holds the pooled rows' hidden states here: a pooling step computes no logits.
         return RunnerOutput(hidden, none, list(none), pooled=pooled)
 
     @staticmethod
