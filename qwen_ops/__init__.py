@@ -10,6 +10,7 @@ from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.engine.engine import (QwenBatchDecodeResult, QwenBatchedRequest, QwenBatchPrefillResult, QwenEngine,
                                     QwenForwardResult)
 from qwen_ops.engine.lora import LoRARequest
+from qwen_ops.engine.pooling import PoolingParams
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.structured import GuidedDecodingParams, StructuredOutputsParams
 from qwen_ops.models.config import QwenConfig
@@ -22,6 +23,8 @@ from qwen_ops.ops.backend import get_backend, resolve_backend, set_backend, use_
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.serving.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from qwen_ops.serving.llm import LLM, CompletionOutput, RequestOutput
+from qwen_ops.serving.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput,
+                                      qwen3_reranker_inputs)
 
 __version__ = "0.1.0"
 
@@ -31,5 +34,6 @@ __all__ = [
     "SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
     "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
-    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams",
+    "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput", "qwen3_reranker_inputs",
 ]

@@ -59,6 +59,9 @@ class BatchedRequest:
     prompt_logprob_ids: Sequence[int] = ()
     prompt_logprobs: Optional[int] = None
     lora_slot: int = -1                      # the model's LoRA slot of the request's adapter; -1: none
+    # Pooling (engine/pooling.py): the request's PoolingTask, and the rows of this chunk it reads.
+    pooling: Any = None
+    pool_rows: Sequence[int] = ()
 
     @property
     def num_logit_rows(self) -> int:

@@ -145,7 +145,7 @@ def build_runner(model: torch.nn.Module, config: Any, *, max_slots: int = 8, max
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
                  kv_cache_dtype: Union[str, torch.dtype] = "auto", calculate_kv_scales: bool = False,
-                 lora: Optional[LoRAConfig] = None) -> ModelRunner:
+                 lora: Optional[LoRAConfig] = None, pooling: bool = False) -> ModelRunner:
     """The ``ModelRunner`` of ``model`` for an engine with these arguments (``QwenEngine``'s, which
     it checks by name), its cache checked against the free memory first: what ``QwenEngine`` runs
     its steps on, and what a tensor-parallel worker serves (it builds no engine)."""
@@ -186,7 +186,8 @@ def build_runner(model: torch.nn.Module, config: Any, *, max_slots: int = 8, max
         max_blocks_per_slot=max_blocks_per_slot, dtype=dtype, device=device,
         compile=(device.type == "cuda") if compile is None else bool(compile), buckets=decode_buckets,
         cuda_graphs=(device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs),
-        compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu, kv_dtype=kv_dtype)
+        compile_backend=_compile_backend(compile_backend, backend), native_cpu=native_cpu, kv_dtype=kv_dtype,
+        pooling=pooling)
     if calculate_kv_scales:
         request_kv_scales(model)
     return runner
@@ -209,14 +210,14 @@ class QwenEngine:
                  decode_buckets: Optional[Sequence[int]] = None, cuda_graphs: Optional[bool] = None,
                  compile_backend: str = "inductor", backend: Optional[str] = None, native_cpu: bool = True,
                  enable_prefix_caching: bool = False, kv_cache_dtype: Union[str, torch.dtype] = "auto",
-                 calculate_kv_scales: bool = False, lora: Optional[LoRAConfig] = None):
+                 calculate_kv_scales: bool = False, lora: Optional[LoRAConfig] = None, pooling: bool = False):
         if not _is_int(chunk_size) or chunk_size < 1:
             raise ValueError(f"chunk_size = {chunk_size!r}, expected an int >= 1")
         self.runner = build_runner(model, config, max_slots=max_slots, max_seq_len=max_seq_len, block_size=block_size,
                                    num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
                                    cuda_graphs=cuda_graphs, compile_backend=compile_backend, backend=backend,
                                    native_cpu=native_cpu, kv_cache_dtype=kv_cache_dtype,
-                                   calculate_kv_scales=calculate_kv_scales, lora=lora)
+                                   calculate_kv_scales=calculate_kv_scales, lora=lora, pooling=pooling)
         self.model = self.runner.model
         # LoRA adapters (engine/lora.py): parsed, and put into the model's slots as requests need them.
         self.lora: Optional[LoRAManager] = None
@@ -517,6 +518,9 @@ class QwenEngine:
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
         """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
+        if self.runner.pooling:
+            raise ValueError("this engine runs the pooling runner; the slot API (prefill, decode_step, batch_*, "
+                             "execute) needs a generation engine (pooling = False)")
         out = self.runner.call("step", IterationPlan(tasks))
         for t in tasks:
             self.kv.commit(t.kv_cache_slot, t.token_ids)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from qwen_ops.engine.batch import BatchedRequest, RequestId
 from qwen_ops.engine.block_manager import SlotKV, SwappedSlot
+from qwen_ops.engine.pooling import PoolingTask, finish_pooling, pooled_rows
 from qwen_ops.engine.sampling import SamplingParams, SeededNoise
 
 
@@ -52,6 +53,12 @@ class Request:
     prompt_logprobs: list[tuple] = field(default_factory=list)
     lora_request: Any = None                  # its LoRA adapter (engine/lora.py LoRARequest), or None
     lora_slot: Optional[int] = None           # the model's slot serving it while it holds a KV slot
+    # A pooling request (engine/pooling.py): it only prefills; its chunks' pooled rows add up in
+    # ``pool_sum`` (over ``pool_count`` rows) and its last chunk leaves ``embedding``.
+    pooling: Optional[PoolingTask] = None
+    pool_sum: Any = None
+    pool_count: int = 0
+    embedding: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +99,10 @@ class Request:
             # Row i predicts prompt token start + 1 + i: the rows of this chunk that have one.
             scored, k = tuple(self.prompt_token_ids[start + 1:start + n + 1]), sampling.prompt_logprobs
         lora = -1 if self.lora_slot is None else self.lora_slot
+        if self.pooling is not None:              # prefill only: rows to pool, nothing sampled
+            rows = pooled_rows(self.pooling.pooling_type, n, start, start + n == self.num_tokens)
+            return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
+                                  lora_slot=lora, pooling=self.pooling, pool_rows=tuple(rows))
         if start + n < self.num_tokens or not sample:
             return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
                                   prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora)
@@ -115,6 +126,20 @@ class Request:
         have = len(self.prompt_logprobs)
         if start <= have:
             self.prompt_logprobs.extend(entries[have - start:])
+
+    def add_pooled(self, task: BatchedRequest, pooled: Any) -> bool:
+        """Add a chunk's pooled rows (``reduce_rows``: their fp32 sum, or the one row; None: none);
+        True when the chunk ends the prompt: ``embedding`` is then set (the pooling request's finish
+        check). A chunk at position 0 starts over (a recompute after preemption)."""
+        if task.position_offset == 0:
+            self.pool_sum, self.pool_count = None, 0
+        if pooled is not None:
+            self.pool_sum = pooled if self.pool_sum is None else self.pool_sum + pooled
+            self.pool_count += len(task.pool_rows)
+        if task.seq_len < self.num_tokens:
+            return False
+        self.embedding = finish_pooling(self.pooling, self.pool_sum, self.pool_count)
+        return True
 
     def append_token(self, token: int, max_len: Optional[int], now: Optional[float] = None) -> Optional[str]:
         """Add a sampled token and run the one finish check: "stop" (a stop token, or a completed

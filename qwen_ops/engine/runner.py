@@ -31,6 +31,7 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
+from qwen_ops.engine.pooling import reduce_rows
 from qwen_ops.engine.sampling import apply_logits_processing, bounded, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.models.lora import write_adapter
@@ -116,6 +117,8 @@ class RunnerOutput:
     logprobs: list[Optional[tuple]]
     emitted: Optional[list[Optional[list[int]]]] = None
     prompt_logprobs: Optional[list[Optional[list[tuple]]]] = None
+    # The pooling runner's: per task, its pooled rows reduced (engine/pooling.py reduce_rows) or None.
+    pooled: Optional[list[Optional[torch.Tensor]]] = None
 
 
 class CudaGraphAPI:
@@ -155,8 +158,16 @@ class ModelRunner:
                  max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
                  buckets: Optional[Sequence[int]] = None, cuda_graphs: bool = False,
                  compile_backend: str = "inductor", graph_api=None, native_cpu: bool = True,
-                 kv_dtype: Optional[torch.dtype] = None):
+                 kv_dtype: Optional[torch.dtype] = None, pooling: bool = False):
         self.model = model
+        # The pooling runner (engine/pooling.py): its steps return the pooled rows' final-norm hidden
+        # states (the decoder, model.model, without the LM head), never logits; one kind per runner.
+        if pooling and not isinstance(getattr(model, "model", None), torch.nn.Module):
+            raise ValueError(f"pooling = True needs a model with a decoder at .model, got {type(model).__name__}")
+        if pooling and "linear" in model.layer_kinds:
+            raise ValueError("pooling = True with linear-attention (hybrid) layers is not supported; expected a "
+                             "dense Qwen2 / Qwen3 checkpoint")
+        self.pooling = pooling
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype      # the paged KV's dtype: the model's, or fp8 (ops/kv_quant.py)
@@ -239,6 +250,8 @@ class ModelRunner:
         for c in plan.swap_in_requests:
             self.copy_in(c.slot, c.block_ids, self._host_copies.pop(c.handle))
         tasks = plan.tasks()
+        if self.pooling:
+            return self.pool(tasks)
         if self.draft is not None:
             tasks = self.draft.propose(tasks)
         # Structured outputs: the grammars' token bitmask (it depends only on tokens already
@@ -295,6 +308,18 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.kept(tasks, emitted, hidden)
         return RunnerOutput(logits, sampled, logprobs, emitted, prompt_logprobs=prompt_lps)
+
+    def pool(self, tasks: Sequence[BatchedRequest]) -> RunnerOutput:
+        """A pooling step: one forward of the decoder, the pooled rows of each task reduced."""
+        hidden = self.execute(tasks)
+        pooled, start = [], 0
+        for t in tasks:
+            n = len(t.pool_rows)
+            pooled.append(reduce_rows(t.pooling.pooling_type, hidden[start:start + n]))
+            start += n
+        none = [None] * len(tasks)
+        # ``logits`` holds the pooled rows' hidden states here: a pooling step computes no logits.
+        return RunnerOutput(hidden, none, list(none), pooled=pooled)
 
     @staticmethod
     def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, ends: Sequence[int]
@@ -803,17 +828,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward over all chunks; returns fp32 logits [rows, vocab] of each chunk's last token,
-        and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk).
+        and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk). The
+        pooling runner's: the model-dtype final-norm hidden states [rows, hidden] of each chunk's
+        ``pool_rows``, in chunk order.
 
         Decode batches within the largest bucket take the static (compiled) path; prefill,
         mixed and oversized batches run eager with exact shapes.
         """
         self.write_block_rows(chunks)
         executor = self.executor_for(chunks)
-        if self.is_static_decode(chunks):
-            return self.execute_decode(chunks, executor)
-        if self.is_static_verify(chunks):
-            return self.execute_verify(chunks, executor)
+        if not self.pooling:             # the pooling runner's steps are all eager prefill chunks
+            if self.is_static_decode(chunks):
+                return self.execute_decode(chunks, executor)
+            if self.is_static_verify(chunks):
+                return self.execute_verify(chunks, executor)
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []
@@ -844,6 +872,12 @@ class ModelRunner:
         if self.lora_context is not None:
             self.lora_context.set_indices(torch.tensor(lora, dtype=torch.int32))
         scoring = any(c.prompt_logprob_ids for c in chunks)
+        if self.pooling:
+            # The pooling runner: the final-norm hidden states [rows, hidden] of the pooled rows (no LM head).
+            rows = [start + r for c, start in zip(chunks, query_start_loc) for r in c.pool_rows]
+            with trusted_metadata(), bound_backends(self.op_backends):
+                return self.model.model(input_ids, pos, attn, self.kv_caches,
+                                        torch.tensor(rows, dtype=torch.long).to(dev))
         if scoring or any(c.draft_token_ids for c in chunks):
             rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])
                     for j in range(c.num_logit_rows)]

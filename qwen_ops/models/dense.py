@@ -146,6 +146,8 @@ class QwenForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         self.model.choose_rope()
         self._lm_head = self._lm_head_native
+        if self.lm_head is None:                      # an embedding model's load without one (models/loader.py)
+            return
         if isinstance(self.lm_head, QuantLinear):     # online int8 quantizes the head too (models/quant.py)
             self.lm_head.use_panels()         # its forward is the QuantLinear's: _lm_head_native
         elif uses_cpu_kernels(self.lm_head.weight):

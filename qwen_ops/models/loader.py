@@ -69,6 +69,10 @@ KV_SCALE_SUFFIXES = tuple({name for pair in KV_SCALE_NAMES for name in pair})
 HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
 # qwen3_5 / qwen3_5_moe (multimodal) checkpoints hold the language model under this prefix instead of "model.".
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+# The embedding's name in a checkpoint of the bare decoder (transformers' Qwen3Model, no "model." prefix).
+BARE_EMBEDDING = "embed_tokens.weight"
+# The classification head of a Qwen3ForSequenceClassification checkpoint (read with pooling=True).
+SEQUENCE_CLASSIFIER = "score.weight"
 # Stacked expert parameters (qwen_ops.models.moe), which a checkpoint may store one tensor per expert.
 EXPERTS_GATE_UP = ".experts.gate_up_proj"
 EXPERTS_DOWN = ".experts.down_proj"
@@ -99,15 +103,16 @@ class Checkpoint:
 def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                     tp: Optional[TPGroup] = None, max_positions: Optional[int] = None,
                     config: Optional[QwenConfig] = None, quantization: Optional[str] = None,
-                    mtp: bool = False) -> Checkpoint:
+                    mtp: bool = False, pooling: bool = False) -> Checkpoint:
     """Config, weights (as ``dtype`` on ``device``; this rank's slice with ``tp``), optional
     tokenizer and EOS ids of ``path``. ``max_positions``: rows of the RoPE table (``load_model``);
     ``config``: ``path``'s config when the caller has read it already; ``quantization``: online
-    quantization of a full-precision checkpoint (``load_model``)."""
+    quantization of a full-precision checkpoint (``load_model``); ``pooling``: an embedding model's
+    load, where the LM head may be absent (``load_model``)."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions,
-                       quantization=quantization, mtp=mtp)
+                       quantization=quantization, mtp=mtp, pooling=pooling)
     return Checkpoint(path=path, config=config, model=model, tokenizer=load_tokenizer(path),
                       eos_token_ids=load_eos_token_ids(path, config))
 
@@ -146,7 +151,7 @@ def load_eos_token_ids(path: str | Path, config: QwenConfig) -> tuple[int, ...]:
 def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                config: Optional[QwenConfig] = None, tp: Optional[TPGroup] = None,
                max_positions: Optional[int] = None, quantization: Optional[str] = None,
-               mtp: bool = False) -> QwenForCausalLM:
+               mtp: bool = False, pooling: bool = False) -> QwenForCausalLM:
     """Build the model of ``path`` (:class:`QwenForCausalLM` for qwen2 / qwen3 / qwen3_moe;
     :class:`Qwen3_5ForCausalLM` for the hybrids qwen3_5_text / qwen3_5 / qwen3_5_moe_text / qwen3_5_moe /
     qwen3_next, whose vision tower and ``mtp.*`` tensors are skipped) and fill it from its safetensors
@@ -166,7 +171,13 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     "fp8") quantizes a full-precision checkpoint's projections one tensor at a time as they are read.
 
     ``mtp``: also read the multi-token-prediction layer (``mtp.*``, ``models/mtp.py``) of a Qwen3-Next /
-    Qwen3.5 checkpoint, as ``model.mtp`` (speculative decoding's ``"method": "mtp"``)."""
+    Qwen3.5 checkpoint, as ``model.mtp`` (speculative decoding's ``"method": "mtp"``).
+
+    A checkpoint saved as the bare decoder (transformers' ``Qwen3Model``: ``embed_tokens.weight``,
+    ``layers.*``, ``norm.weight``, without the ``model.`` prefix; Qwen3-Embedding's) loads too.
+    ``pooling``: the model will only pool hidden states (``runner="pooling"``), so an untied
+    checkpoint without ``lm_head.weight`` loads with ``model.lm_head`` None, and a sequence
+    classifier's ``score.weight`` (``Qwen3ForSequenceClassification``) loads as ``model.score``."""
     path = Path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
@@ -190,8 +201,19 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
     quantized, qexperts = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else ({}, {})
+    bare = BARE_EMBEDDING in files and "model.embed_tokens.weight" not in files
+    if pooling and not config.tie_word_embeddings and "lm_head.weight" not in files and not config.is_hybrid:
+        model.lm_head = None              # nothing to compute logits with; pooling reads hidden states
+    if pooling and SEQUENCE_CLASSIFIER in files:     # Qwen3ForSequenceClassification's head: score [labels, hidden]
+        with _open(files[SEQUENCE_CLASSIFIER]) as f:
+            shape = f.get_slice(SEQUENCE_CLASSIFIER).get_shape()
+        if len(shape) != 2 or shape[1] != config.hidden_size:
+            raise CheckpointError(f"{path}: tensor {SEQUENCE_CLASSIFIER!r} has shape {list(shape)}, expected "
+                                  f"[num_labels, {config.hidden_size}]")
+        with torch.device("meta"):
+            model.score = nn.Linear(config.hidden_size, shape[0], bias=False)
     # Keyed by checkpoint name; tied lm_head.weight appears once, as embed_tokens.
-    params = {checkpoint_name(name, config): p for name, p in model.named_parameters()}
+    params = {checkpoint_name(name, config, bare): p for name, p in model.named_parameters()}
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
     stacked = {piece.param for piece in experts}
     params = {name: p for name, p in params.items() if name not in stacked}
@@ -201,7 +223,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in params:
         by_file[files[name]].append(name)
-    renamed = {checkpoint_name(name, config): name for name, _ in model.named_parameters()}
+    renamed = {checkpoint_name(name, config, bare): name for name, _ in model.named_parameters()}
     for file, names in by_file.items():
         _copy_tensors(file, names, model, dtype, device, renamed)
     if experts:
@@ -210,7 +232,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_quantized(files, quantized, model, quant, device)
     if qexperts:
         _copy_quantized_experts(files, qexperts, model, quant, device)
-    if config.tie_word_embeddings and not isinstance(model.lm_head, Q.QuantLinear):
+    if config.tie_word_embeddings and model.lm_head is not None and not isinstance(model.lm_head, Q.QuantLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant is not None and quant.online and quant.method == "int8":
         _quantize_lm_head(model, quant, dtype, device)
@@ -262,7 +284,7 @@ def _quantize_lm_head(model: nn.Module, quant: "Q.QuantConfig", dtype: torch.dty
     model.lm_head = layer
 
 
-_LAYER_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+_LAYER_NAME = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 
 def _check_layer_count(path: Path, files: dict[str, Path], config: QwenConfig) -> None:
@@ -275,9 +297,12 @@ def _check_layer_count(path: Path, files: dict[str, Path], config: QwenConfig) -
                               f"checkpoint's weights hold {found} ({len(held)} layers)")
 
 
-def checkpoint_name(param_name: str, config: QwenConfig) -> str:
+def checkpoint_name(param_name: str, config: QwenConfig, bare: bool = False) -> str:
     """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in the
-    multimodal wrappers (qwen3_5, qwen3_5_moe)."""
+    multimodal wrappers (qwen3_5, qwen3_5_moe), and ``X`` in a bare decoder's checkpoint (``bare``:
+    saved as transformers' ``Qwen3Model``)."""
+    if bare and param_name.startswith("model."):
+        return param_name.removeprefix("model.")
     if ARCHITECTURES[config.model_type].text_model_type is not None and param_name.startswith("model."):
         return LANGUAGE_MODEL_PREFIX + param_name.removeprefix("model.")
     return param_name

@@ -60,6 +60,8 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # Seconds the parent waits for the child to load its model, and for it to exit on shutdown.
 DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
+# A pooling request's sampling (never used: it samples nothing; Request wants one).
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class EngineDeadError(RuntimeError):
@@ -115,6 +117,9 @@ class EngineCore:
         ``compile_async`` on the grammar backend's thread while the request waits held (the
         engine loop's ``add``: every other request keeps running; a failure or a compile past
         ``max_grammar_compile_s`` fails this request alone, ``_release_grammars``)."""
+        if self.engine.runner.pooling:
+            raise ValueError("this engine runs the pooling runner (an embedding model); it generates nothing, "
+                             "expected a generation model (runner='generate')")
         loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)
         if len(loras) != len(prepared):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prepared)} prompts; expected one each")
@@ -168,6 +173,27 @@ class EngineCore:
                     self._abort_state(st)
                 raise
         return states
+
+    def add_pooling_requests(self, prompts: Sequence[list[int]], tasks: Sequence) -> list:
+        """Queue pooling requests (token ids, and an ``engine/pooling.py`` ``PoolingTask`` each) on
+        the pooling runner's scheduler; returns their scheduler ``Request``s, whose ``embedding`` is
+        set when they finish (no ``RequestState``: nothing is detokenized or streamed)."""
+        if not self.engine.runner.pooling:
+            raise ValueError("this engine runs a generation model; embeddings need LLM(..., runner='pooling')")
+        with self.lock:
+            reqs = []
+            for ids, task in zip(prompts, tasks, strict=True):
+                rid = RequestId(self._next_id)
+                self._next_id += 1
+                reqs.append(self.scheduler.add_request(rid, ids, POOLING_SAMPLING, frozenset(), pooling=task))
+            return reqs
+
+    def abort_requests(self, requests: Sequence) -> None:
+        """Abort scheduler requests that have not finished (pooling requests a caller gave up on)."""
+        with self.lock:
+            for req in requests:
+                if not req.finished:
+                    self.scheduler.abort(req.request_id)
 
     def _release_grammars(self) -> None:
         """Queue the held requests whose grammar has compiled; fail those whose compile failed or

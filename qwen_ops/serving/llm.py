@@ -37,6 +37,12 @@ from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
                                       RequestDelta, RequestMetrics,
                                       RequestOutput)
+from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                                      EmbeddingRequestOutput, PoolingParams,  # noqa: F401
+                                      ScoringOutput, ScoringRequestOutput, check_hf_overrides, classifier_probs,
+                                      classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
+                                      score_pairs)
+from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.serving.scheduler import SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
@@ -273,7 +279,8 @@ class LLM:
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
                  generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None):
+                 max_cpu_loras: Optional[int] = None, runner: str = "auto", task: Optional[str] = None,
+                 hf_overrides: Optional[dict] = None):
         """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
@@ -318,7 +325,19 @@ class LLM:
 
         ``max_grammar_compile_seconds``: a structured output whose grammar takes longer to compile
         fails its own request (``AsyncLLM`` and the server, where grammars compile beside the engine
-        loop; ``generate`` compiles in the caller's thread and waits). None: no bound."""
+        loop; ``generate`` compiles in the caller's thread and waits). None: no bound.
+
+        ``runner`` (vLLM's): ``"generate"``, ``"pooling"`` (an embedding model: ``embed`` and
+        ``score``, no ``generate``; ``serving/pooling.py``) or ``"auto"``: pooling where the checkpoint
+        says so (a sentence-transformers ``modules.json`` with a ``Pooling`` module, or config.json's
+        architectures ``Qwen3Model``). ``task`` is vLLM's older spelling: ``"embed"`` and ``"score"``
+        mean ``runner="pooling"``. One runner per ``LLM``.
+
+        ``hf_overrides`` (vLLM's, for Qwen3-Reranker only): ``{"architectures":
+        ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True}`` runs a causal-LM checkpoint as a reranker: the pooling
+        runner, and ``score`` is the softmax share of "yes" over the two tokens' logits at the last
+        position of ``text_1 + text_2`` (``qwen3_reranker_inputs`` formats them as its model card says)."""
         from qwen_ops.models.defaults import resolve_model_path
         from qwen_ops.models.loader import load_checkpoint
 
@@ -389,7 +408,20 @@ class LLM:
             raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
                              f"{tensor_parallel_size}: speculative decoding runs on one rank only; expected "
                              "tensor_parallel_size = 1 or no speculative_config")
+        resolve_runner(runner, task, False)       # the names, before anything is read
         path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
+        reranker = hf_overrides is not None
+        if reranker:
+            check_hf_overrides(hf_overrides)
+            if runner == "generate" or task == "generate":
+                raise ValueError("hf_overrides (a Qwen3-Reranker classifier) with a generate runner; expected "
+                                 "runner='pooling' or 'auto'")
+        runner = resolve_runner(runner, task, reranker or is_embedding_checkpoint(path))
+        pooling = runner == "pooling"
+        if pooling and (spec is not None or tensor_parallel_size > 1 or enable_lora):
+            raise ValueError(f"runner = 'pooling' with speculative_config, tensor_parallel_size = "
+                             f"{tensor_parallel_size} or enable_lora = {enable_lora}; the pooling runner runs one "
+                             "rank without drafts or adapters, expected none of them")
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
         if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
@@ -399,7 +431,8 @@ class LLM:
                              f"{cfg.max_position_embeddings}; expected at most that")
         if tensor_parallel_size == 1:
             ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg,
-                                   quantization=quantization, mtp=spec is not None and spec.method == "mtp")
+                                   quantization=quantization, mtp=spec is not None and spec.method == "mtp",
+                                   pooling=pooling)
             elem = resolve_kv_cache_dtype(kv_cache_dtype, next(ckpt.model.parameters()).dtype).itemsize
             attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
             if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
@@ -429,6 +462,8 @@ class LLM:
                              cuda_graphs=cuda_graphs, compile_backend=compile_backend,
                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
                              calculate_kv_scales=calculate_kv_scales)
+        if pooling:
+            engine_kwargs["pooling"] = True
         if lora is not None:
             engine_kwargs["lora"] = lora
         if tensor_parallel_size == 1:
@@ -460,6 +495,27 @@ class LLM:
         self._chat_template = None      # LLM.chat's, compiled on first use
         self.sampling_overrides = sampling_overrides(self.model_path, generation_config)
         self._default_sampling = SamplingParams(**self.sampling_overrides)
+        self.runner = runner
+        # The pooling runner's pooling: the checkpoint's sentence-transformers modules, else last token + L2.
+        self.pooler = (read_pooler_config(path) or PoolerConfig()) if pooling else None
+        # A classifier [num_labels, hidden] over the raw last row: Qwen3-Reranker's (from two LM-head
+        # rows) or a sequence classifier's ``score`` head (Qwen3ForSequenceClassification).
+        self.classifier = None
+        if reranker:
+            no, yes = classifier_tokens(hf_overrides, self.tokenizer)
+            head = ckpt.model.lm_head
+            if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+                raise ValueError(f"hf_overrides names classifier tokens, but {path} has no plain lm_head to take "
+                                 "their rows from; expected a causal-LM checkpoint (Qwen3-Reranker)")
+            for name, tid in (("no", no), ("yes", yes)):
+                if not 0 <= tid < head.weight.shape[0]:
+                    raise ValueError(f"hf_overrides['classifier_from_token'] {name} id = {tid}, expected a token id "
+                                     f"in [0, {head.weight.shape[0]})")
+            self.classifier = reranker_head(head.weight.detach(), no, yes)
+        elif pooling and getattr(ckpt.model, "score", None) is not None:
+            self.classifier = ckpt.model.score.weight.detach().float().clone()
+        if self.classifier is not None:
+            self.pooler = PoolerConfig("last", normalize=False)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``
@@ -491,6 +547,9 @@ class LLM:
     def _prepare(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None]
                  ) -> list[tuple[Prompt, list[int], SamplingParams]]:
+        if self.runner == "pooling":
+            raise ValueError("this LLM runs runner = 'pooling' (an embedding model); it has embed and score, "
+                             "expected LLM(..., runner='generate') to generate")
         if sampling_params is None:
             sampling_params = self._default_sampling
         return prepare_requests(prompts, sampling_params, tokenizer=self.tokenizer,
@@ -615,6 +674,82 @@ class LLM:
         from qwen_ops.serving.beam_search import beam_search
 
         return beam_search(self, prompts, params)
+
+    # ------------------------------------------------------------------ pooling (runner="pooling")
+    def _pooling_ids(self, prompts) -> list[list[int]]:
+        if self.runner != "pooling":
+            raise ValueError("this LLM runs runner = 'generate'; embed and score need LLM(..., runner='pooling') "
+                             "(or task='embed')")
+        prompts = normalize_prompts(prompts)
+        max_len, vocab = self.scheduler.config.max_model_len, self.engine.vocab_size
+        out = []
+        for i, prompt in enumerate(prompts):
+            ids = _encode(self.tokenizer, prompt, i)
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty; expected at least one token")
+            if len(ids) > max_len:
+                raise ValueError(f"prompts[{i}] has {len(ids)} tokens, expected at most max_model_len = {max_len}")
+            for j, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab})")
+            out.append(ids)
+        return out
+
+    def embed(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
+              use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one embedding per prompt (``.outputs.embedding``, a list of floats),
+        pooled as the checkpoint says (``self.pooler``), truncated to ``pooling_params.dimensions``
+        and normalized (``pooling_params.normalize``, default the checkpoint's). Prompts as ``generate``'s."""
+        if self.classifier is not None:
+            raise ValueError("this LLM is a classifier (a reranker or a sequence classifier); it has classify and "
+                             "score, expected an embedding model for embed")
+        ids = self._pooling_ids(prompts)
+        tasks = pooling_tasks(pooling_params, len(ids), self.pooler, self.engine.config.hidden_size)
+        vectors = run_pooling(self, ids, tasks, use_tqdm)
+        return [EmbeddingRequestOutput(str(i), p, EmbeddingOutput(v.tolist())) for i, (p, v) in
+                enumerate(zip(ids, vectors))]
+
+    def score(self, text_1, text_2, *, use_tqdm: Union[bool, Callable[..., Any]] = True
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of ``text_1``'s and
+        ``text_2``'s embeddings (``.outputs.score``), one against one, one against N, or N against N
+        pairwise (``serving/pooling.py`` ``score_pairs``)."""
+        pairs = score_pairs(text_1, text_2)
+        if self.classifier is not None:         # a cross-encoder (reranker): one prompt per pair
+            if self.classifier.shape[0] != 1:
+                raise ValueError(f"score with a classifier of num_labels = {self.classifier.shape[0]}; expected a "
+                                 "one-label classifier (a reranker) or an embedding model")
+            ids = [a + b for a, b in zip(self._pooling_ids([a for a, _ in pairs]),
+                                          self._pooling_ids([b for _, b in pairs]))]
+            ids = self._pooling_ids([{"prompt_token_ids": x} for x in ids])      # the joined length too
+            probs = self._classify_ids(ids, use_tqdm)
+            return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
+        ids = self._pooling_ids([x for pair in pairs for x in pair])
+        unique = list(dict.fromkeys(map(tuple, ids)))        # 1-to-N embeds the one text once
+        tasks = pooling_tasks(None, len(unique), self.pooler, self.engine.config.hidden_size)
+        vectors = dict(zip(unique, run_pooling(self, [list(u) for u in unique], tasks, use_tqdm)))
+        out = []
+        for k in range(len(pairs)):
+            a, b = ids[2 * k], ids[2 * k + 1]
+            cos = torch.nn.functional.cosine_similarity(vectors[tuple(a)], vectors[tuple(b)], dim=0).item()
+            out.append(ScoringRequestOutput(str(k), a + b, ScoringOutput(cos)))
+        return out
+
+    def classify(self, prompts, *, use_tqdm: Union[bool, Callable[..., Any]] = True
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: per prompt the classifier's probabilities (``.outputs.probs``) at
+        its last token: softmax over a sequence classifier's labels, or sigmoid of a one-label head
+        (Qwen3-Reranker's relevance of a prompt already joined)."""
+        if self.classifier is None:
+            raise ValueError("classify needs a classifier: a Qwen3ForSequenceClassification checkpoint, or "
+                             "Qwen3-Reranker's hf_overrides; this LLM has none")
+        ids = self._pooling_ids(prompts)
+        return [ClassificationRequestOutput(str(k), x, ClassificationOutput(p))
+                for k, (x, p) in enumerate(zip(ids, self._classify_ids(ids, use_tqdm)))]
+
+    def _classify_ids(self, ids: list[list[int]], use_tqdm) -> list[list[float]]:
+        tasks = pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size)
+        return classifier_probs(torch.stack(run_pooling(self, ids, tasks, use_tqdm)), self.classifier)
 
     def get_tokenizer(self) -> Optional[QwenTokenizer]:
         """The checkpoint's tokenizer (None when it has no tokenizer.json), as vLLM's ``LLM.get_tokenizer``."""

@@ -120,13 +120,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: RequestId, prompt_token_ids: list[int], sampling: SamplingParams,
-                    stop_ids: frozenset[int], grammar=None, held: bool = False, lora_request=None) -> Request:
-        """Queue a request (``held``: keep it aside until ``release``; it keeps its arrival order)."""
+                    stop_ids: frozenset[int], grammar=None, held: bool = False, lora_request=None,
+                    pooling=None) -> Request:
+        """Queue a request (``held``: keep it aside until ``release``; it keeps its arrival order).
+        ``pooling`` (an ``engine/pooling.py`` ``PoolingTask``): it only prefills its prompt, and
+        finishes with its ``embedding`` when the last chunk is done (the pooling runner's steps)."""
         if lora_request is not None and self.lora is None:
             raise ValueError(f"lora_request = {lora_request!r}, but LoRA is not enabled; expected "
                              "LLM(enable_lora=True) or no lora_request")
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
-                      generator=sampling.make_generator(self.device), grammar=grammar, lora_request=lora_request)
+                      generator=sampling.make_generator(self.device), grammar=grammar, lora_request=lora_request,
+                      pooling=pooling)
         self.requests[request_id] = req
         (self.held if held else self.waiting).append(req)
         return req
@@ -355,7 +359,9 @@ class Scheduler:
             # tokens: they count as computed, and the budget buys only the rest. A request that
             # scores its prompt computes all of it (vLLM's choice too: the logits are needed).
             # Blocks computed with an adapter are keyed by it too: never shared across adapters.
-            kv.begin(slot, None if req.scoring_prompt else req.all_token_ids(),
+            # So does a pooling request that reads rows before its last (mean, CLS).
+            reads_prefix = req.scoring_prompt or (req.pooling is not None and req.pooling.reads_prefix)
+            kv.begin(slot, None if reads_prefix else req.all_token_ids(),
                      b"" if req.lora_request is None else req.lora_request.cache_key)
             chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
             if not kv.reserve(slot, req.num_computed + chunk):
@@ -440,6 +446,12 @@ class Scheduler:
         emitted_all, prompt_lps = out.emitted, out.prompt_logprobs
         gained = []
         for i, (task, token, lp) in enumerate(zip(plan.tasks(), out.sampled, out.logprobs)):
+            if task.pooling is not None:        # a pooling request: its KV, its rows; done after its last chunk
+                kv.commit(task.kv_cache_slot, task.token_ids)
+                req = requests[task.request_id]
+                if req.add_pooled(task, out.pooled[i]):
+                    self.finish(req, "stop")
+                continue
             if prompt_lps is not None and prompt_lps[i] is not None:
                 requests[task.request_id].add_prompt_logprobs(task.position_offset, prompt_lps[i])
             emitted = emitted_all[i] if emitted_all is not None else None
