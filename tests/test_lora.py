@@ -319,3 +319,22 @@ def test_quantized_base_weights_keep_full_precision_deltas(dense, tmp_path):
     llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=4, max_model_len=64)
     assert "int4" in set(forward_choices(llm.engine.model).values())
     _check(llm, (twin, adapters, PeftGreedy(twin)), [0, None, 1, 3], prompts=PROMPTS[:4])
+
+
+def test_adapters_of_unfinished_requests_stay_parsed(dense):
+    """``max_cpu_loras`` bounds host memory except for adapters that unfinished requests name: taking
+    a slot in a step then never reads the disk (nor fails there)."""
+    base, adapters, _ = dense
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16, max_num_seqs=2,
+              max_model_len=64)
+    manager = llm.engine.lora
+    a, b, c = _requests(adapters)[:3]
+    manager.prepare(a)
+    manager.hold(a.lora_int_id)                     # as Scheduler.add_request does
+    manager.prepare(b)
+    assert llm.list_loras() == {1, 2}
+    with pytest.raises(ValueError, match=r"lora_int_id = 1 serves 1 unfinished requests"):
+        llm.remove_lora(1)
+    manager.unhold(a.lora_int_id)                   # as finish / abort do
+    manager.prepare(c)
+    assert llm.list_loras() == {3}

@@ -85,6 +85,7 @@ class LoRAManager:
         self._slots: list[Optional[int]] = [None] * config.max_loras     # adapter id in each slot
         self._refs = [0] * config.max_loras                               # running requests per slot
         self._used: OrderedDict[int, None] = OrderedDict()                # slots, least recently used first
+        self._held: dict[int, int] = {}          # adapter id -> unfinished requests naming it (hold / unhold)
         self.num_loads = 0
 
     # ------------------------------------------------------------------ host memory
@@ -103,13 +104,29 @@ class LoRAManager:
         with self._lock:
             self._parsed[req.lora_int_id] = (req, adapter)
             self._parsed.move_to_end(req.lora_int_id)
-            resident = {i for i in self._slots if i is not None}
+            keep = {i for i in self._slots if i is not None} | {i for i, n in self._held.items() if n}
             while len(self._parsed) > self.config.cpu_capacity:
-                victim = next((i for i in self._parsed if i not in resident and i != req.lora_int_id), None)
+                victim = next((i for i in self._parsed if i not in keep and i != req.lora_int_id), None)
                 if victim is None:
                     break
                 del self._parsed[victim]
         return adapter
+
+    def hold(self, lora_int_id: int) -> None:
+        """An unfinished request names this adapter: its parsed weights stay in host memory (past
+        ``max_cpu_loras`` if need be), so taking a slot never reads the disk (nor fails) in a step."""
+        with self._lock:
+            self._held[lora_int_id] = self._held.get(lora_int_id, 0) + 1
+
+    def unhold(self, lora_int_id: int) -> None:
+        with self._lock:
+            n = self._held.get(lora_int_id, 0) - 1
+            if n < 0:
+                raise RuntimeError(f"lora_int_id = {lora_int_id} released by more requests than held it")
+            if n:
+                self._held[lora_int_id] = n
+            else:
+                del self._held[lora_int_id]
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters held in host memory, least recently used first."""
@@ -117,13 +134,13 @@ class LoRAManager:
             return [r for r, _ in self._parsed.values()]
 
     def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter (vLLM's ``remove_lora``): out of host memory, and out of its slot when no
-        running request uses it. False if it was not loaded; ValueError while requests use it."""
+        """Forget an adapter (vLLM's ``remove_lora``): out of host memory, and out of its slot. False if
+        it was not loaded; ValueError while unfinished requests name it."""
         with self._lock:
             slot = self._slots.index(lora_int_id) if lora_int_id in self._slots else None
-            if slot is not None and self._refs[slot]:
-                raise ValueError(f"lora_int_id = {lora_int_id} serves {self._refs[slot]} running requests; "
-                                 "expected none (abort them first)")
+            if self._held.get(lora_int_id) or (slot is not None and self._refs[slot]):
+                raise ValueError(f"lora_int_id = {lora_int_id} serves {self._held.get(lora_int_id, 0)} unfinished "
+                                 "requests; expected none (abort them first)")
             found = self._parsed.pop(lora_int_id, None) is not None
         if slot is not None:
             self._slots[slot] = None

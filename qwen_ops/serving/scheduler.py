@@ -131,6 +131,8 @@ class Scheduler:
         req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
                       generator=sampling.make_generator(self.device), grammar=grammar, lora_request=lora_request,
                       pooling=pooling)
+        if lora_request is not None:      # its parsed adapter stays in host memory until it ends
+            self.lora.hold(lora_request.lora_int_id)
         self.requests[request_id] = req
         (self.held if held else self.waiting).append(req)
         return req
@@ -156,6 +158,10 @@ class Scheduler:
             self.lora.release(req.lora_slot)
             req.lora_slot = None
 
+    def _unhold_lora(self, req: Request) -> None:
+        if req.lora_request is not None:
+            self.lora.unhold(req.lora_request.lora_int_id)
+
     def _take_lora(self, req: Request) -> bool:
         """Give ``req`` its adapter's slot (a request without one needs none); False: every slot serves
         other adapters' running requests, so it waits."""
@@ -179,6 +185,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self._release(req)
+        self._unhold_lora(req)
         req.status = RequestStatus.ABORTED
         req.finish_reason = "abort"
         del self.requests[request_id]
@@ -186,6 +193,7 @@ class Scheduler:
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         self.running.remove(req)
         self._release(req)
+        self._unhold_lora(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         del self.requests[req.request_id]     # a long-running server must not keep every request
