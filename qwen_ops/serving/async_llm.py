@@ -28,6 +28,11 @@ LoRA adapters (``enable_lora=True``): ``generate(..., lora_request=)`` runs a re
 ``add_lora`` parses an adapter into the core's host memory off its loop (and off the caller's
 event loop), ``remove_lora`` forgets one no request uses, as vLLM's engine client does.
 
+A pooling ``AsyncLLM`` (an embedding model or a reranker, ``runner="pooling"``) has ``embed`` and
+``score`` (vLLM's ``LLM.embed`` / ``LLM.score`` shapes) instead of ``generate``: each prompt is one
+pooling request sent to the same loop (``add_pooling``), whose embedding comes back as one finished
+delta; the awaiting coroutine never runs the model itself.
+
 ``heartbeat_age()`` says how long the core has gone without finishing an iteration while it has
 work (0 when idle): the server's ``/health`` turns a stopped or hung core into a 503 with it.
 """
@@ -40,12 +45,17 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Optional, Sequence, Union
 
+import torch
+
 from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.models.tokenizer import load_tokenizer
 from qwen_ops.serving.engine_core import EngineDeadError, ProcessCore, ThreadCore
-from qwen_ops.serving.llm import LLM, Prompt, prepare_requests
+from qwen_ops.serving.core_process import pooling_info
+from qwen_ops.serving.llm import LLM, Prompt, pooling_ids, prepare_requests
 from qwen_ops.serving.outputs import RequestAccumulator, RequestDelta, RequestOutput
+from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, ScoringOutput,
+                                      ScoringRequestOutput, classifier_probs, pooling_tasks, score_pairs)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError"]
 
@@ -91,6 +101,7 @@ class AsyncLLM:
             self.eos_token_ids = tuple(llm.engine.eos_token_ids)
             self.sampling_overrides = dict(llm.sampling_overrides)     # generation_config's defaults
             self.max_loras = None if llm.engine.lora is None else llm.engine.lora.config.max_loras
+            info = pooling_info(llm)
         else:
             model, llm_kwargs = _process
             self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited)
@@ -102,6 +113,10 @@ class AsyncLLM:
             self.eos_token_ids = tuple(info["eos_token_ids"])
             self.sampling_overrides = dict(info["sampling_overrides"])
             self.max_loras = info["max_loras"]            # None: LoRA is not enabled
+        self.runner = info["runner"]                      # "generate" or "pooling"
+        self.pooler = info["pooler"]                      # the pooling runner's PoolerConfig (else None)
+        self.hidden_size = info["hidden_size"]
+        self.classifier = info["classifier"]              # a reranker's / classifier's head [labels, hidden], or None
 
     @classmethod
     def from_pretrained(cls, model=None, *, max_waiting_requests: Optional[int] = None,
@@ -197,6 +212,82 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    # ------------------------------------------------------------------ pooling (runner="pooling")
+    async def encode(self, prompts: Sequence[list[int]], tasks: Sequence) -> list[torch.Tensor]:
+        """The pooled vector (fp32) of each prompt of token ids (already validated) under its
+        ``PoolingTask``: one pooling request each on the engine loop, awaited together. Cancelling
+        (a client that went away) aborts the unfinished ones."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running (AsyncLLM.shutdown was called or it failed)")
+        if self.runner != "pooling":
+            raise ValueError("this engine runs a generation model; embeddings need runner='pooling'")
+        loop = asyncio.get_running_loop()
+        rids = [f"pool-{next(self._ids)}" for _ in prompts]
+        streams = [_Stream(loop) for _ in prompts]
+        with self._lock:
+            limit, waiting = self.max_waiting_requests, self.num_waiting()
+            if limit is not None and waiting + len(prompts) > limit:
+                raise QueueFullError(f"{waiting} completions are waiting and this request adds {len(prompts)} "
+                                     f"prompts (max_waiting_requests = {limit}); retry later")
+            self._streams.update(zip(rids, streams))
+        done = [False] * len(rids)
+        out: list[torch.Tensor] = []
+        try:
+            for rid, ids, task in zip(rids, prompts, tasks, strict=True):
+                self._core.add_pooling(rid, list(ids), task)
+            for i, stream in enumerate(streams):
+                item = await stream.queue.get()
+                done[i] = True                 # one delta, finished: the loop has dropped it
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise (ValueError if item.bad_request else RuntimeError)(item.error)
+                out.append(torch.tensor(item.embedding, dtype=torch.float32))
+            return out
+        finally:
+            with self._lock:
+                for rid in rids:
+                    self._streams.pop(rid, None)
+            for rid, finished in zip(rids, done):
+                if not finished:
+                    self.abort(rid)
+
+    def _pooling_ids(self, prompts) -> list[list[int]]:
+        return pooling_ids(prompts, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                           max_model_len=self.max_model_len)
+
+    async def embed(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None
+                    ) -> list[EmbeddingRequestOutput]:
+        """``LLM.embed`` on the engine loop: one embedding per prompt, in prompt order."""
+        if self.classifier is not None:
+            raise ValueError("this engine is a classifier (a reranker or a sequence classifier); it has score, "
+                             "expected an embedding model for embed")
+        ids = self._pooling_ids(prompts)
+        tasks = pooling_tasks(pooling_params, len(ids), self.pooler, self.hidden_size)
+        vectors = await self.encode(ids, tasks)
+        return [EmbeddingRequestOutput(str(i), p, EmbeddingOutput(v.tolist()))
+                for i, (p, v) in enumerate(zip(ids, vectors))]
+
+    async def score(self, text_1, text_2) -> list[ScoringRequestOutput]:
+        """``LLM.score`` on the engine loop: the cosine similarity of the two texts' embeddings, or a
+        one-label classifier's (Qwen3-Reranker's) relevance of the two joined; vLLM's pairing."""
+        pairs = score_pairs(text_1, text_2)
+        left = self._pooling_ids([a for a, _ in pairs])
+        right = self._pooling_ids([b for _, b in pairs])
+        if self.classifier is not None:           # a cross-encoder: one prompt per pair
+            if self.classifier.shape[0] != 1:
+                raise ValueError(f"score with a classifier of num_labels = {self.classifier.shape[0]}; expected a "
+                                 "one-label classifier (a reranker) or an embedding model")
+            joined = self._pooling_ids([{"prompt_token_ids": a + b} for a, b in zip(left, right)])
+            tasks = pooling_tasks(None, len(joined), self.pooler, self.hidden_size)
+            probs = classifier_probs(torch.stack(await self.encode(joined, tasks)), self.classifier)
+            return [ScoringRequestOutput(str(k), joined[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
+        unique = list(dict.fromkeys(map(tuple, left + right)))       # 1-to-N embeds the one text once
+        tasks = pooling_tasks(None, len(unique), self.pooler, self.hidden_size)
+        vectors = dict(zip(unique, await self.encode([list(u) for u in unique], tasks)))
+        return [ScoringRequestOutput(str(k), a + b, ScoringOutput(torch.nn.functional.cosine_similarity(
+                    vectors[tuple(a)], vectors[tuple(b)], dim=0).item())) for k, (a, b) in enumerate(zip(left, right))]
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its completions' slots, blocks and swap copies are freed by the loop)."""

@@ -15,6 +15,13 @@ from multiprocessing.connection import Connection
 from qwen_ops.serving.outputs import RequestDelta
 
 
+def pooling_info(llm) -> dict:
+    """What a client of ``llm``'s core needs to make pooling requests (``AsyncLLM``): the runner,
+    the checkpoint's pooling, the embedding size and the classifier head (None: an embedding model)."""
+    return {"runner": llm.runner, "pooler": llm.pooler, "hidden_size": int(llm.engine.config.hidden_size),
+            "classifier": llm.classifier}
+
+
 def core_main(conn) -> None:
     """The child: read its arguments, load the model, then serve the pipe until it closes or
     says shutdown."""
@@ -60,7 +67,8 @@ def core_main(conn) -> None:
                              "model_path": str(llm.model_path), "stats": core.stats(),
                              "eos_token_ids": list(llm.engine.eos_token_ids),
                              "sampling_overrides": llm.sampling_overrides,
-                             "max_loras": None if llm.engine.lora is None else llm.engine.lora.config.max_loras}))
+                             "max_loras": None if llm.engine.lora is None else llm.engine.lora.config.max_loras,
+                             **pooling_info(llm)}))
         while True:
             if not core.runnable():
                 conn.poll(core.idle_timeout())              # idle: sleep until a message (or a grammar)
@@ -71,6 +79,10 @@ def core_main(conn) -> None:
                 handled = True
                 if msg[0] == "add":
                     err = core.add(*msg[1:])
+                    if err is not None:
+                        out.append(err)
+                elif msg[0] == "pool":
+                    err = core.add_pooling(*msg[1:])
                     if err is not None:
                         out.append(err)
                 elif msg[0] == "abort":

@@ -103,6 +103,8 @@ class EngineCore:
         # Tokens per iteration (vLLM's iteration_tokens_total histogram): counts per bucket, and the sum.
         self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
+        # Pooling requests added by messages (add_pooling), by caller id, until their embedding is delivered.
+        self._pooling: dict[str, object] = {}
 
     # ------------------------------------------------------------------ requests
     def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None,
@@ -187,6 +189,36 @@ class EngineCore:
                 self._next_id += 1
                 reqs.append(self.scheduler.add_request(rid, ids, POOLING_SAMPLING, frozenset(), pooling=task))
             return reqs
+
+    def add_pooling(self, request_id: str, ids: list[int], task) -> Optional[RequestDelta]:
+        """Queue one pooling request from a message (``AsyncLLM.encode``); ``step_deltas`` reports
+        it once, finished, with its ``embedding``. A failure comes back as its error delta."""
+        with self.lock:
+            self.num_added += 1
+            if request_id in self._pooling or request_id in self.outputs.states:
+                return RequestDelta(request_id, True, [], error=f"request_id = {request_id!r} is already running; "
+                                    "expected a new id")
+            try:
+                (req,) = self.add_pooling_requests([ids], [task])
+            except ValueError as e:
+                return RequestDelta(request_id, True, [], error=str(e), bad_request=True)
+            self._pooling[request_id] = req
+            self.owned.add(request_id)
+            return None
+
+    def _pooled_deltas(self) -> list[RequestDelta]:
+        """The message-added pooling requests that finished: one delta each with the embedding."""
+        done = [(rid, req) for rid, req in self._pooling.items() if req.finished]
+        out = []
+        for rid, req in done:
+            del self._pooling[rid]
+            self.owned.discard(rid)
+            emb = req.embedding
+            if emb is None:                    # aborted in the scheduler (never by its caller: that drops it)
+                out.append(RequestDelta(rid, True, [], error="the pooling request was aborted"))
+            else:
+                out.append(RequestDelta(rid, True, [], embedding=emb.tolist()))
+        return out
 
     def abort_requests(self, requests: Sequence) -> None:
         """Abort scheduler requests that have not finished (pooling requests a caller gave up on)."""
@@ -319,6 +351,11 @@ class EngineCore:
         scheduler ``RequestId``."""
         with self.lock:
             self.owned.discard(request_id)
+            pooled = self._pooling.pop(request_id, None) if isinstance(request_id, str) else None
+            if pooled is not None:
+                if not pooled.finished:
+                    self.scheduler.abort(pooled.request_id)
+                return
             state = self.outputs.states.get(str(request_id))
             if state is not None:
                 self._abort_state(state)
@@ -410,7 +447,7 @@ class EngineCore:
         """One iteration as deltas. A failure fails the requests of this iteration (error deltas)
         and leaves the core serving: nothing of theirs survives."""
         with self.lock:
-            running = list(self.outputs.states)
+            running = list(self.outputs.states) + list(self._pooling)
             try:
                 states = self.step()
             except Exception as e:
@@ -420,6 +457,8 @@ class EngineCore:
                 message = f"generation failed: {type(e).__name__}: {e}"
                 return [RequestDelta(rid, True, [], error=message) for rid in running]
             deltas = [st.delta() for st in states]
+            if self._pooling:
+                deltas += self._pooled_deltas()
             if self._failed:
                 deltas += self._failed
                 self._failed = []
@@ -509,6 +548,15 @@ class ThreadCore:
         self._inbox.append(("add", request_id, ids, params, lora_request))
         self._wake.set()
 
+    def add_pooling(self, request_id: str, ids: list[int], task) -> None:
+        """Queue a pooling request (an ``engine/pooling.py`` ``PoolingTask``); its embedding comes
+        back as a finished delta."""
+        if not self._busy():
+            self._last_beat = time.monotonic()
+        self._inbox_completions += 1
+        self._inbox.append(("pool", request_id, ids, task))
+        self._wake.set()
+
     def add_lora(self, lora_request) -> Future:
         """Parse an adapter into host memory (on the core's LoRA thread); a future of True."""
         return self.core.add_lora_async(lora_request)
@@ -565,6 +613,11 @@ class ThreadCore:
                         core.abort(msg[1])
                     elif msg[0] == "remove_lora":
                         _settle(msg[2], core.remove_lora, msg[1])
+                    elif msg[0] == "pool":
+                        self._inbox_completions -= 1
+                        err = core.add_pooling(*msg[1:])
+                        if err is not None:
+                            errors.append(err)
                     else:
                         self._inbox_completions -= msg[3].n
                         err = core.add(*msg[1:])
@@ -676,6 +729,17 @@ class ProcessCore:
             self._send(("add", request_id, ids, params, lora_request))
         except EngineDeadError:
             self._num_sent -= params.n
+            raise
+
+    def add_pooling(self, request_id: str, ids: list[int], task) -> None:
+        """Send a pooling request to the child; its embedding comes back as a finished delta."""
+        if not self._busy():
+            self._last_beat = time.monotonic()
+        self._num_sent += 1
+        try:
+            self._send(("pool", request_id, ids, task))
+        except EngineDeadError:
+            self._num_sent -= 1
             raise
 
     def add_lora(self, lora_request) -> Future:

@@ -263,6 +263,24 @@ def prepare_requests(prompts: Union[Prompt, Sequence[Prompt]],
     return out
 
 
+def pooling_ids(prompts, *, tokenizer: Optional[QwenTokenizer], vocab_size: int, max_model_len: int
+                ) -> list[list[int]]:
+    """The token ids of pooling prompts (``LLM.embed``'s and ``AsyncLLM.embed``'s: as ``generate``'s,
+    up to ``max_model_len`` tokens, since nothing is generated); errors name the prompt index."""
+    out = []
+    for i, prompt in enumerate(normalize_prompts(prompts)):
+        ids = _encode(tokenizer, prompt, i)
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty; expected at least one token")
+        if len(ids) > max_model_len:
+            raise ValueError(f"prompts[{i}] has {len(ids)} tokens, expected at most max_model_len = {max_model_len}")
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
 class LLM:
     def __init__(self, model: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = "float32",
                  device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: Optional[int] = None,
@@ -680,20 +698,8 @@ class LLM:
         if self.runner != "pooling":
             raise ValueError("this LLM runs runner = 'generate'; embed and score need LLM(..., runner='pooling') "
                              "(or task='embed')")
-        prompts = normalize_prompts(prompts)
-        max_len, vocab = self.scheduler.config.max_model_len, self.engine.vocab_size
-        out = []
-        for i, prompt in enumerate(prompts):
-            ids = _encode(self.tokenizer, prompt, i)
-            if not ids:
-                raise ValueError(f"prompts[{i}] is empty; expected at least one token")
-            if len(ids) > max_len:
-                raise ValueError(f"prompts[{i}] has {len(ids)} tokens, expected at most max_model_len = {max_len}")
-            for j, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab})")
-            out.append(ids)
-        return out
+        return pooling_ids(prompts, tokenizer=self.tokenizer, vocab_size=self.engine.vocab_size,
+                           max_model_len=self.scheduler.config.max_model_len)
 
     def embed(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
               use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[EmbeddingRequestOutput]:

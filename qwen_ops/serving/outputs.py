@@ -113,6 +113,7 @@ class RequestDelta(NamedTuple):
     prompt_logprobs: Optional[list] = None     # once, in the first delta after the prompt is scored
     first_scheduled_time: Optional[float] = None
     bad_request: bool = False                  # the error is the request's own (a grammar that fails to compile)
+    embedding: Optional[list[float]] = None    # a pooling request's result (EngineCore.add_pooling), once, finished
 
 
 def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]],
