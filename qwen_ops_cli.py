@@ -118,9 +118,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Serve MODEL over OpenAI's /v1/completions, /v1/chat/completions and "
-                                   "/v1/models, with /health and /metrics (Prometheus).")
+                                   "/v1/models (with --runner pooling: /v1/embeddings, /v1/score, /rerank), "
+                                   "with /health and /metrics (Prometheus).")
     s.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (Hugging Face layout); default: the embedded model")
+    s.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="generate (completions, chat) or pooling (an embedding model or reranker: /v1/embeddings, "
+                        "/v1/score, /rerank), as vLLM's; auto: pooling where the checkpoint says so (a "
+                        "sentence-transformers Pooling module, or a Qwen3Model / sequence-classifier checkpoint)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     s.add_argument("--api-key", default=None,

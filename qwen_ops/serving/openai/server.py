@@ -43,6 +43,7 @@ from qwen_ops.serving.openai.reasoning import make_parser
 from qwen_ops.serving.openai import tools as T
 from qwen_ops.engine.structured import StructuredOutputsParams
 from qwen_ops.serving.openai.metrics import ServerMetrics
+from qwen_ops.serving.openai.pooling import PoolingRoutes
 
 logger = logging.getLogger("qwen_ops.serving.openai")
 
@@ -1046,13 +1047,31 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     async def models():
         return serving.models()
 
+    pooling = PoolingRoutes(serving)
+
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(request: Request):
+        pooling.refuse_generation("Completions")
         return await serving.completions(request, await request.body())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(request: Request):
+        pooling.refuse_generation("Chat Completions")
         return await serving.chat(request, await request.body())
+
+    # The pooling routes (openai/pooling.py); a generation server answers them 400, as vLLM's.
+    @app.post("/v1/embeddings", dependencies=[Depends(check_api_key)])
+    async def embeddings(request: Request):
+        return await pooling.embeddings(await request.body())
+
+    @app.post("/v1/score", dependencies=[Depends(check_api_key)])
+    async def score(request: Request):
+        return await pooling.score(await request.body())
+
+    @app.post("/rerank", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/rerank", dependencies=[Depends(check_api_key)])
+    async def rerank(request: Request):
+        return await pooling.rerank(await request.body())
 
     if allow_runtime_lora_updating:         # vLLM's routes, under the key as its /v1 routes
         @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_api_key)])
@@ -1267,6 +1286,7 @@ def run_server(args) -> int:
                                           kv_cache_dtype=args.kv_cache_dtype,
                                           calculate_kv_scales=args.calculate_kv_scales,
                                           max_grammar_compile_seconds=args.max_grammar_compile_seconds,
+                                          runner=getattr(args, "runner", "auto"),
                                           **lora_kwargs)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,

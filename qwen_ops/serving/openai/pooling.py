@@ -1,0 +1,208 @@
+"""The pooling routes of the OpenAI-compatible server (a ``runner="pooling"`` engine): OpenAI's
+``/v1/embeddings``, vLLM's ``/v1/score`` and ``/rerank`` (also ``/v1/rerank``; Jina / Cohere's shape).
+
+Text is tokenized here (the server's tokenizer, with its length bounds); the engine work runs on
+the engine loop through ``AsyncLLM.embed`` / ``AsyncLLM.score`` (one pooling request per prompt
+on the same scheduler as generation requests would use), never on this event loop. Errors leave in
+the server's OpenAI shape, ``param`` naming the request field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+
+from qwen_ops.engine.pooling import PoolingParams
+from qwen_ops.serving.engine_core import EngineDeadError
+from qwen_ops.serving.openai import protocol as P
+
+MAX_INPUTS = 2048           # OpenAI's cap on inputs in one embeddings request (and on documents here)
+ENCODING_FORMATS = ("float", "base64")
+
+
+class EmbeddingRequest(P._Strict):
+    model: Optional[str] = None
+    input: Any = None
+    encoding_format: str = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+
+
+class ScoreRequest(P._Strict):
+    model: Optional[str] = None
+    text_1: Any = None
+    text_2: Any = None
+
+
+class RerankRequest(P._Strict):
+    model: Optional[str] = None
+    query: Any = None
+    documents: Any = None
+    top_n: Optional[int] = None             # None or 0: every document (vLLM's)
+    return_documents: bool = True
+
+
+def _texts_or_ids(value: Any, param: str, *, texts_only: bool = False) -> list:
+    """``value`` as a list of inputs: a str, a list of str, token ids, or a list of token-id lists
+    (OpenAI's ``input``); with ``texts_only``, a str or a list of str."""
+    expected = ("expected a string or an array of strings" if texts_only else
+                "expected a string, an array of strings, an array of token ids or an array of token-id arrays")
+    if isinstance(value, str):
+        return [P.check_text(value, param)]
+    if value is None:
+        raise P.bad_request(f"{param} is missing; {expected}", param)
+    if not isinstance(value, list) or not value:
+        raise P.bad_request(f"{param} = {P._show(value)}, {expected}", param)
+    if not texts_only and P._is_token_ids(value):
+        return [value]
+    if len(value) > MAX_INPUTS:
+        raise P.bad_request(f"{param} has {len(value)} items, expected at most {MAX_INPUTS} per request", param)
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(P.check_text(item, f"{param}[{i}]", param))
+        elif not texts_only and P._is_token_ids(item):
+            out.append(item)
+        else:
+            raise P.bad_request(f"{param}[{i}] = {P._show(item)}, {expected}", param)
+    return out
+
+
+def _b64_float32(vector: list[float]) -> str:
+    """OpenAI's base64 embedding: the little-endian float32 bytes (what its client decodes)."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+class PoolingRoutes:
+    """The three routes over ``serving`` (the server's ``_Serving``: tokenizer, names, engine)."""
+
+    def __init__(self, serving):
+        self.s = serving
+        self.engine = serving.engine
+
+    @property
+    def pooling(self) -> bool:
+        return getattr(self.engine, "runner", "generate") == "pooling"
+
+    def refuse_generation(self, api: str) -> None:
+        """A generation route on a pooling server: a 400 (vLLM's answer), before the body is read."""
+        if self.pooling:
+            raise P.bad_request(f"The model does not support the {api} API: it is a pooling model (embeddings / "
+                                "reranking, --runner pooling); use /v1/embeddings, /v1/score or /rerank")
+
+    def _check_runner(self, api: str, needs_classifier: Optional[bool] = None) -> None:
+        if not self.pooling:
+            raise P.bad_request(f"The model does not support the {api} API: it is a generation model; serve an "
+                                "embedding or reranker model with --runner pooling")
+        if needs_classifier is False and self.engine.classifier is not None:
+            raise P.bad_request(f"The model does not support the {api} API: it is a classifier (a reranker); use "
+                                "/v1/score or /rerank")
+
+    def _ids(self, items: list, param: str) -> list[list[int]]:
+        out = []
+        for i, item in enumerate(items):
+            where = f"{param}[{i}]" if len(items) > 1 or not isinstance(item, str) else param
+            ids = self.s.encode(item, param) if isinstance(item, str) else list(item)
+            self.s.check_ids(ids, where, param)
+            if len(ids) > self.s.max_model_len:
+                raise P.bad_request(f"{where} has {len(ids)} tokens; this model's maximum context length is "
+                                    f"{self.s.max_model_len} tokens", param)
+            out.append(ids)
+        return out
+
+    async def _run(self, coro, param: str):
+        """Await engine work; its errors as the server's (ValueError: a 400 naming ``param``)."""
+        from qwen_ops.serving.async_llm import QueueFullError
+
+        self.s.check_engine()
+        deadline = self.s.deadline()
+        try:
+            if deadline is None:
+                return await coro
+            return await asyncio.wait_for(coro, max(0.0, deadline - time.monotonic()))
+        except QueueFullError as e:
+            raise P.APIError(503, str(e), headers={"Retry-After": "1"}) from None
+        except EngineDeadError:
+            raise self.s.engine_down_error() from None
+        except asyncio.TimeoutError:
+            if deadline is None:
+                raise
+            raise self.s.timeout_error() from None
+        except ValueError as e:
+            raise P.bad_request(str(e), param) from None
+
+    async def embeddings(self, body: bytes) -> dict:
+        req = P.parse_request(EmbeddingRequest, body)
+        self._check_runner("Embeddings", needs_classifier=False)
+        self.s.check_model(req.model)
+        if req.encoding_format not in ENCODING_FORMATS:
+            raise P.bad_request(f"encoding_format = {req.encoding_format!r}, expected 'float' or 'base64'",
+                                "encoding_format")
+        hidden = self.engine.hidden_size
+        if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
+            raise P.bad_request(f"dimensions = {req.dimensions}, expected an int in [1, {hidden}] (this model's "
+                                "embedding size)", "dimensions")
+        ids = self._ids(_texts_or_ids(req.input, "input"), "input")
+        outs = await self._run(self.engine.embed([{"prompt_token_ids": x} for x in ids],
+                                                 PoolingParams(dimensions=req.dimensions)), "input")
+        encode = _b64_float32 if req.encoding_format == "base64" else (lambda v: v)
+        num_tokens = sum(len(x) for x in ids)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.s.names[0],
+                "data": [{"index": i, "object": "embedding", "embedding": encode(o.outputs.embedding)}
+                         for i, o in enumerate(outs)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def _scores(self, left: list[list[int]], right: list[list[int]], param: str) -> list:
+        return await self._run(self.engine.score([{"prompt_token_ids": x} for x in left],
+                                                 [{"prompt_token_ids": x} for x in right]), param)
+
+    async def score(self, body: bytes) -> dict:
+        """vLLM's ``/v1/score``: ``text_1`` against each ``text_2`` (one to one, one to N, N to N)."""
+        req = P.parse_request(ScoreRequest, body)
+        self._check_runner("Score")
+        self.s.check_model(req.model)
+        left = self._ids(_texts_or_ids(req.text_1, "text_1", texts_only=True), "text_1")
+        right = self._ids(_texts_or_ids(req.text_2, "text_2", texts_only=True), "text_2")
+        if len(left) != 1 and len(left) != len(right):
+            raise P.bad_request(f"text_1 has {len(left)} items and text_2 {len(right)}; expected one text_1, or as "
+                                "many as text_2 (scored pairwise)", "text_1")
+        outs = await self._scores(left, right, "text_1")
+        num_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.s.names[0],
+                "data": [{"index": i, "object": "score", "score": o.outputs.score} for i, o in enumerate(outs)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def rerank(self, body: bytes) -> dict:
+        """vLLM's ``/rerank`` (Jina / Cohere): ``documents`` scored against ``query``, best first."""
+        req = P.parse_request(RerankRequest, body)
+        self._check_runner("Rerank")
+        self.s.check_model(req.model)
+        if not isinstance(req.query, str):
+            raise P.bad_request(f"query = {P._show(req.query)}, expected a string", "query")
+        if not isinstance(req.documents, list):
+            raise P.bad_request(f"documents = {P._show(req.documents)}, expected an array of strings", "documents")
+        docs = _texts_or_ids(req.documents, "documents", texts_only=True)
+        if req.top_n is not None and req.top_n < 0:
+            raise P.bad_request(f"top_n = {req.top_n}, expected an int >= 0 (0: every document)", "top_n")
+        (query,) = self._ids([P.check_text(req.query, "query")], "query")
+        doc_ids = self._ids(docs, "documents")
+        outs = await self._scores([query], doc_ids, "documents")
+        order = sorted(range(len(outs)), key=lambda i: outs[i].outputs.score, reverse=True)
+        if req.top_n:
+            order = order[:req.top_n]
+        results = []
+        for i in order:
+            item = {"index": i, "relevance_score": outs[i].outputs.score}
+            if req.return_documents:
+                item["document"] = {"text": docs[i]}
+            results.append(item)
+        num_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.s.names[0], "results": results,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
