@@ -280,3 +280,50 @@ def test_serve_runner_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--runner", "embed"])
     assert "--runner" in capsys.readouterr().err
+
+
+def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
+    """The real command on a checkpoint that does not say it pools: --runner pooling makes it an
+    embedding server (its vectors transformers'), and a bad --runner value is refused naming the flag."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = make_qwen3_checkpoint(tmp_path / "plain", max_position_embeddings=256)
+    _save_word_tokenizer(ckpt)
+    hf = Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bad = subprocess.run([sys.executable, "-m", "qwen_ops.serving.cli", "serve", str(ckpt), "--runner", "embed"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "--runner" in bad.stderr, bad.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "qwen_ops.serving.cli", "serve", str(ckpt), "--runner", "pooling",
+                             "--port", "0", "--max-model-len", "128", "--served-model-name", NAME],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        deadline, port, seen = time.monotonic() + 60, None, []
+        while port is None and time.monotonic() < deadline and len(seen) < 200:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(seen)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        resp = c.embeddings.create(model=NAME, input=[words(PROMPTS[1]), PROMPTS[3]])
+        for ids, d in zip((PROMPTS[1], PROMPTS[3]), resp.data):
+            assert cosine_distance(d.embedding, oracle_embedding(hf, ids)) < COSINE_DISTANCE_FP32
+        with pytest.raises(openai.BadRequestError, match="pooling model"):
+            c.completions.create(model=NAME, prompt="w1", max_tokens=1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
