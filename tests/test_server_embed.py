@@ -327,3 +327,31 @@ def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_cancelled_embed_aborts_its_pooling_requests(ckpt, hf_lm):
+    """A caller that goes away (a cancelled AsyncLLM.embed, as a client disconnect cancels the route)
+    leaves nothing behind: no pooling request kept, every block free; the engine then serves on."""
+    import asyncio
+
+    engine = AsyncLLM(LLM(str(ckpt), **ENGINE_KWARGS))
+    core = engine.llm.core
+
+    async def cancel_then_embed():
+        task = asyncio.ensure_future(engine.embed([{"prompt_token_ids": prompt(120, seed=s)} for s in range(16)]))
+        await asyncio.sleep(0)            # the task has queued its 16 requests (about 120 steps of work)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.embed([{"prompt_token_ids": PROMPTS[2]}])
+
+    try:
+        (out,) = asyncio.run(cancel_then_embed())
+        assert cosine_distance(out.outputs.embedding, oracle_embedding(hf_lm, PROMPTS[2])) < COSINE_DISTANCE_FP32
+        assert wait_for(lambda: not core._pooling and not core.has_work())
+        stats = engine.stats()
+        assert stats["free_blocks"] == stats["total_blocks"]
+        # Aborted, not run out: all 16 prompts would take 16 * 120 / 16 = 120 steps.
+        assert stats["num_iterations"] < 60, stats["num_iterations"]
+    finally:
+        engine.shutdown()

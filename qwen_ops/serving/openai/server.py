@@ -1059,19 +1059,26 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
         pooling.refuse_generation("Chat Completions")
         return await serving.chat(request, await request.body())
 
-    # The pooling routes (openai/pooling.py); a generation server answers them 400, as vLLM's.
+    # The pooling routes (openai/pooling.py); a generation server answers them 400, as vLLM's. A client
+    # that goes away cancels the work, which aborts its pooling requests (AsyncLLM.encode).
+    async def pooled(request: Request, route):
+        try:
+            return await _until_disconnect(request, route(await request.body()))
+        except _ClientGone:
+            return Response(status_code=499)
+
     @app.post("/v1/embeddings", dependencies=[Depends(check_api_key)])
     async def embeddings(request: Request):
-        return await pooling.embeddings(await request.body())
+        return await pooled(request, pooling.embeddings)
 
     @app.post("/v1/score", dependencies=[Depends(check_api_key)])
     async def score(request: Request):
-        return await pooling.score(await request.body())
+        return await pooled(request, pooling.score)
 
     @app.post("/rerank", dependencies=[Depends(check_api_key)])
     @app.post("/v1/rerank", dependencies=[Depends(check_api_key)])
     async def rerank(request: Request):
-        return await pooling.rerank(await request.body())
+        return await pooled(request, pooling.rerank)
 
     if allow_runtime_lora_updating:         # vLLM's routes, under the key as its /v1 routes
         @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_api_key)])
