@@ -22,15 +22,16 @@ import sys
 from typing import Optional, Sequence
 
 
-def _json_object(text: str) -> dict:
-    """``--speculative-config``'s value: a JSON object (argparse reports the error with the flag's name)."""
+def _json_object(text: str,
+                 expected: str = 'an object such as \'{"method": "ngram", "num_speculative_tokens": 4}\'') -> dict:
+    """A flag's JSON-object value (``--speculative-config``; ``--lora-modules``' JSON form), or an error naming
+    ``expected``: argparse reports it with the flag's name."""
     import json
 
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected an object such as "
-                                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected {expected}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, expected an object")
     return value
@@ -39,16 +40,8 @@ def _json_object(text: str) -> dict:
 def _lora_module(text: str) -> dict:
     """One ``--lora-modules`` value, vLLM's two forms: ``name=path``, or a JSON object
     ``{"name": ..., "path": ..., "base_model_name": ...}`` (base_model_name optional)."""
-    import json
-
     if text.lstrip().startswith("{"):
-        try:
-            value = json.loads(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected name=path or "
-                                             '\'{"name": "sql", "path": "/adapters/sql"}\'') from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, expected an object")
+        value = _json_object(text, 'name=path or \'{"name": "sql", "path": "/adapters/sql"}\'')
         unknown = sorted(set(value) - {"name", "path", "base_model_name"})
         if unknown:
             raise argparse.ArgumentTypeError(f"{text!r} has key {unknown[0]!r}; expected name, path and "

@@ -4,6 +4,8 @@ served by uvicorn in a background thread on a free port (tests/test_server.py, t
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
 import time
 from typing import Callable, Iterator
 
@@ -76,3 +78,19 @@ def wait_for(predicate: Callable[[], bool], *, timeout_s: float = 10.0, interval
 
 def blocks_in_use(url: str) -> float:
     return scrape(url)["qwen_ops:kv_cache_blocks_in_use"]
+
+
+def cli_server_port(proc: subprocess.Popen, timeout_s: float = 60.0) -> tuple[int, list[str]]:
+    """The port a ``qwen-ops serve --port 0`` subprocess (stderr piped, text) says it listens on, and the
+    stderr lines read up to there (an AssertionError with them if it never says so)."""
+    deadline, port, seen = time.monotonic() + timeout_s, None, []
+    while port is None and time.monotonic() < deadline and len(seen) < 200:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+        port = int(m.group(1)) if m else None
+    assert port, "".join(seen)
+    return port, seen
+

@@ -111,15 +111,8 @@ def test_reference_matches_a_float64_loop(dtype):
 # The CPU kernels (C++ dispatcher kernels over qwen_cpu_lora.c)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-@pytest.mark.parametrize("slices", SLICES)
-@pytest.mark.parametrize("rank", RANKS)
-def test_cpu_kernels_match_the_reference(rank, slices, num_tokens, dtype, cpu_kernels, poisoned_empty):
-    x, lora_a, lora_b, scalings, y, idx = _case(num_tokens, rank, slices, dtype)
-    want = RL.lora_shrink_reference(x, lora_a, idx, scalings)
-    y_want = y.clone()
-    RL.lora_expand_reference(y_want, want, lora_b, idx, list(slices))
+def _cpu_on_threads(x, lora_a, lora_b, scalings, y, idx, want, slices) -> dict:
+    """``{threads: (shrink's output, y after expand)}`` for 1 and 2 threads (expand from the reference's buffer)."""
     results = {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -130,6 +123,19 @@ def test_cpu_kernels_match_the_reference(rank, slices, num_tokens, dtype, cpu_ke
         finally:
             torch.set_num_threads(1)
         results[threads] = (shrunk, got)
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("slices", SLICES)
+@pytest.mark.parametrize("rank", RANKS)
+def test_cpu_kernels_match_the_reference(rank, slices, num_tokens, dtype, cpu_kernels, poisoned_empty):
+    x, lora_a, lora_b, scalings, y, idx = _case(num_tokens, rank, slices, dtype)
+    want = RL.lora_shrink_reference(x, lora_a, idx, scalings)
+    y_want = y.clone()
+    RL.lora_expand_reference(y_want, want, lora_b, idx, list(slices))
+    results = _cpu_on_threads(x, lora_a, lora_b, scalings, y, idx, want, slices)
     shrunk, got = results[1]
     _close(shrunk, want, torch.float32)
     _close(got, y_want, dtype)
@@ -156,16 +162,7 @@ def test_cpu_kernels_long_runs_match_the_reference(rank, dtype, cpu_kernels, poi
     want = RL.lora_shrink_reference(x, lora_a, idx, scalings)
     y_want = y.clone()
     RL.lora_expand_reference(y_want, want, lora_b, idx, list(slices))
-    results = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
-            shrunk = torch.ops.qwen.lora_shrink(x, lora_a, idx, scalings)
-            got = y.clone()
-            torch.ops.qwen.lora_expand(got, want, lora_b, idx, list(slices))
-        finally:
-            torch.set_num_threads(1)
-        results[threads] = (shrunk, got)
+    results = _cpu_on_threads(x, lora_a, lora_b, scalings, y, idx, want, slices)
     shrunk, got = results[1]
     _close(shrunk, want, torch.float32)
     if dtype == torch.float16:

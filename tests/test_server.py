@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -24,8 +23,8 @@ from qwen_ops.serving.cli import build_parser, main
 from qwen_ops.serving.openai import build_app
 from qwen_ops.serving.openai.chat import CHATML_TEMPLATE, ChatTemplate
 
-from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, PassThroughEngine, blocks_in_use, make_engine,
-                            running_server, scrape, wait_for)
+from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, PassThroughEngine, blocks_in_use,
+                            cli_server_port, make_engine, running_server, scrape, wait_for)
 
 API_KEY = "test-key-123"
 MAX_BODY_BYTES = 64 * 1024
@@ -544,15 +543,7 @@ def test_qwen_ops_serve_end_to_end(tmp_path):
                              "--api-key", "k", "--max-model-len", "128", "--max-num-seqs", "2"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
-        deadline, port, seen = time.monotonic() + 60, None, []
-        while port is None and time.monotonic() < deadline and len(seen) < 200:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            seen.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "".join(seen)
+        port, seen = cli_server_port(proc)
         # One start-up line says what is served (vLLM prints its config too).
         (summary,) = [line for line in seen if line.startswith("qwen-ops serve: ")]
         assert f"as {SERVED_NAME} | float32" in summary and "max_model_len 128" in summary, summary

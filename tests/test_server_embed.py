@@ -26,7 +26,7 @@ from qwen_ops.serving.async_llm import AsyncLLM
 from qwen_ops.serving.llm import LLM
 from tests.checkpoints import make_qwen3_checkpoint
 
-from server_fixture import CLIENT_TIMEOUT_S, running_server, wait_for
+from server_fixture import CLIENT_TIMEOUT_S, cli_server_port, running_server, wait_for
 
 COSINE_DISTANCE_FP32 = 1e-6        # tests/test_embed.py's bound
 SCORE_ATOL = 1e-5
@@ -286,11 +286,9 @@ def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
     """The real command on a checkpoint that does not say it pools: --runner pooling makes it an
     embedding server (its vectors transformers'), and a bad --runner value is refused naming the flag."""
     import os
-    import re
     import signal
     import subprocess
     import sys
-    import time
 
     from transformers import Qwen3ForCausalLM
 
@@ -305,15 +303,7 @@ def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
                              "--port", "0", "--max-model-len", "128", "--served-model-name", NAME],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
-        deadline, port, seen = time.monotonic() + 60, None, []
-        while port is None and time.monotonic() < deadline and len(seen) < 200:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            seen.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "".join(seen)
+        port, seen = cli_server_port(proc)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
         resp = c.embeddings.create(model=NAME, input=[words(PROMPTS[1]), PROMPTS[3]])
         for ids, d in zip((PROMPTS[1], PROMPTS[3]), resp.data):

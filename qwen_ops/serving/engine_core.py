@@ -122,9 +122,7 @@ class EngineCore:
         if self.engine.runner.pooling:
             raise ValueError("this engine runs the pooling runner (an embedding model); it generates nothing, "
                              "expected a generation model (runner='generate')")
-        loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)
-        if len(loras) != len(prepared):
-            raise ValueError(f"lora_request has {len(loras)} entries for {len(prepared)} prompts; expected one each")
+        loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)   # one each (LLM._loras)
         if any(lr is not None for lr in loras) and self.engine.lora is None:
             raise ValueError("lora_request was given, but LoRA is not enabled; expected LLM(enable_lora=True) "
                              "(served: --enable-lora) or no lora_request")
@@ -299,9 +297,7 @@ class EngineCore:
     def _lora_job(self, lora_request, grammar_job: Optional[Future]) -> Future:
         """A future done when ``lora_request``'s adapter is parsed (on a thread of its own, off the
         engine loop) and ``grammar_job`` (if any) has compiled: the grammar's result, or the first error."""
-        if self._lora_pool is None:
-            self._lora_pool = ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-lora")
-        parsed = self._lora_pool.submit(self.engine.lora.prepare, lora_request)
+        parsed = self._lora_executor().submit(self.engine.lora.prepare, lora_request)
         if grammar_job is None:
             return parsed
         out: Future = Future()
@@ -397,21 +393,21 @@ class EngineCore:
             failed.set_exception(ValueError("LoRA is not enabled; expected LLM(enable_lora=True) "
                                             "(served: --enable-lora)"))
             return failed
+        return self._lora_executor().submit(lambda: manager.prepare(lora_request) is not None)
+
+    def _lora_executor(self) -> ThreadPoolExecutor:
+        """The one thread that parses adapters (requests' adapters and ``add_lora``'s), made on first use."""
         if self._lora_pool is None:
             self._lora_pool = ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-lora")
-        return self._lora_pool.submit(lambda: manager.prepare(lora_request) is not None)
+        return self._lora_pool
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (on the engine loop's thread: its slot is cleared). ValueError while any
-        unfinished request (running, waiting, held or swapped) uses it; False if it was not loaded."""
+        unfinished request (running, waiting, held or swapped) names it (the manager's count, kept by
+        the scheduler: ``LoRAManager.hold``); False if it was not loaded."""
         with self.lock:
             if self.engine.lora is None:
                 raise ValueError("LoRA is not enabled; expected LLM(enable_lora=True) (served: --enable-lora)")
-            users = sum(1 for r in self.scheduler.requests.values()
-                        if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
-            if users:
-                raise ValueError(f"lora_int_id = {lora_int_id} is in use by {users} running or waiting requests; "
-                                 "expected none (let them finish, or abort them)")
             return self.engine.lora.remove(lora_int_id)
 
     def _lora_stats(self) -> dict:

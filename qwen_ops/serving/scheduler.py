@@ -154,6 +154,10 @@ class Scheduler:
         if req.slot is not None:
             self.kv.free_slot(req.slot)
             req.slot, req.kv = None, None
+        self._release_lora(req)
+
+    def _release_lora(self, req: Request) -> None:
+        """Give back the model's LoRA slot that ``req`` holds (if any)."""
         if req.lora_slot is not None:
             self.lora.release(req.lora_slot)
             req.lora_slot = None
@@ -310,9 +314,7 @@ class Scheduler:
             copy = kv.swap_in(slot, req.swapped, req.num_computed + n, req.request_id)
             if copy is None:
                 kv.free_slot(slot)
-                if req.lora_slot is not None:
-                    self.lora.release(req.lora_slot)
-                    req.lora_slot = None
+                self._release_lora(req)
                 if self.running:
                     return                               # wait while the running requests drain
                 # Nothing runs, so nothing will ever free blocks for it: recompute instead.
