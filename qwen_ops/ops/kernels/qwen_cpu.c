@@ -763,10 +763,24 @@ static void silu_mul_rows(const float *gate, int64_t g_s0, const float *up, int6
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+/* 1 / sqrt(mean(x^2) + eps). With AVX-512 the squares are summed in one fixed order (16 lanes, four
+ * accumulators taking 16-element groups in turn, then a fixed reduction), so that every caller gets the
+ * same bits wherever the compiler inlines it (a vectorized `omp simd` reduction may order its sums
+ * differently in different callers). */
 static inline float inv_rms(const float *x, int64_t dim, float eps) {
     float ss = 0.0f;
+#if QWEN_AVX512
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 k = dim - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (dim - d)) - 1u);
+        const __m512 v = _mm512_maskz_loadu_ps(k, x + d);
+        acc[(d / 16) % 4] = _mm512_add_ps(acc[(d / 16) % 4], _mm512_mul_ps(v, v));
+    }
+    ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#else
 #pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < dim; ++d) ss += x[d] * x[d];
+#endif
     return 1.0f / sqrtf(ss / (float)dim + eps);
 }
 
@@ -1490,6 +1504,55 @@ static QWEN_AMX_TARGET void amx_block32(const uint16_t *a0, const uint16_t *a1, 
     AMX_MEMORY();
 }
 
+/* Pairs of k a part of a panel holds in amx_block32_part: 16 KB of weights, which stay in L1 while a
+ * chunk's blocks of rows run over them (the A tiles from L2); measured in benchmarks/README.md
+ * "Products at prefill sizes" against parts of 64, 96, 160 and 384 pairs and against whole panels. */
+#ifndef AMX_K_PART
+#define AMX_K_PART 128
+#endif
+
+/* c [32, 32] (row stride 32, fp32) = (c if load_c, else 0) + pairs kk0 .. kk1 - 1 (multiples of 16) of
+ * two blocks of 16 rows (a0, a1 in tile order) times one panel: amx_block32 over a part of k, its sums
+ * carried between parts in c exactly (fp32 stored and loaded), so the same bits as one call over all k. */
+static QWEN_AMX_TARGET void amx_block32_part(const uint16_t *a0, const uint16_t *a1, const uint16_t *panel,
+                                             int64_t kk0, int64_t kk1, float *c, int load_c) {
+    AMX_MEMORY();
+    if (load_c) {
+        _tile_loadd(0, c, 128);
+        _tile_loadd(1, c + 16, 128);
+        _tile_loadd(2, c + 16 * 32, 128);
+        _tile_loadd(3, c + 16 * 32 + 16, 128);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    _tile_loadd(4, a0 + kk0 * 32, 64);
+    _tile_loadd(6, panel + kk0 * 64, 128);
+    _tile_loadd(7, panel + kk0 * 64 + 32, 128);
+    _tile_loadd(5, a1 + kk0 * 32, 64);
+    for (int64_t kk = kk0 + 16; kk < kk1; kk += 16) {   /* software-pipelined as amx_block32 */
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, a0 + kk * 32, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(6, panel + kk * 64, 128);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(5, a1 + kk * 32, 64);
+        _tile_loadd(7, panel + kk * 64 + 32, 128);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+    AMX_MEMORY();
+}
+
 /* 16 fp32 rounded to bf16 as f32_to_bf16 does (to nearest even; NaN stays NaN), bit for bit. */
 static inline __m256i amx_round_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -1497,6 +1560,34 @@ static inline __m256i amx_round_bf16(__m512 v) {
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* y[m, j] = c[m, j] (+ bias[j]) for m < rows, j < 32 of a 32-column block whose every row starts on a
+ * cache line (amx_streams): written with streaming stores, one whole line a row (bf16) or two (fp32),
+ * so that no line of y is read before it is written. The caller fences (_mm_sfence) before y is read. */
+static inline void amx_put_stream(const float *c, int64_t ldc, int64_t rows, const float *bias, void *y, int64_t ys,
+                                  int y_bf16) {
+    const __m512 b0 = bias == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias);
+    const __m512 b1 = bias == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + 16);
+    for (int64_t m = 0; m < rows; ++m) {
+        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + m * ldc), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + m * ldc + 16), b1);
+        if (y_bf16) {
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(amx_round_bf16(v0)), amx_round_bf16(v1), 1);
+            _mm512_stream_si512((__m512i *)(void *)((uint16_t *)y + m * ys), both);
+        } else {
+            _mm512_stream_ps((float *)y + m * ys, v0);
+            _mm512_stream_ps((float *)y + m * ys + 16, v1);
+        }
+    }
+}
+
+/* Whether linear_packed_amx's blocks of 32 columns go out through amx_put_stream: an output larger than
+ * about half of L2 (a prefill's: it leaves the cache before anything reads it; the stores' reads for
+ * ownership of its lines were a fifth of a 2,000-row product's time, measured in
+ * benchmarks/README.md "Products at prefill sizes"), every row on a cache line. */
+static inline int amx_streams(const void *y, int64_t ys, int64_t M, int64_t N, int64_t y_size) {
+    return M * N * y_size >= (1 << 20) && ((uintptr_t)y & 63) == 0 && (ys * y_size) % 64 == 0;
 }
 
 /* y[m, j] = c[m, j] (+ bias[j]) for m < rows, j < cols; y fp32, or bf16 (y_bf16: rounded once). */
@@ -1582,14 +1673,52 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
      * (prefetched into L2 by the chunk's previous panel, a share per pair of blocks) and from L2 for
      * the chunk's other pairs of blocks. */
     const int64_t chunk = AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 > 32 ? AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 : 32;
+    const int stream = amx_streams(y, ys, M, N, y_size);
+    /* Panels longer than a part run part by part (amx_block32_part), each part over all the chunk's
+     * blocks of rows, whose sums wait in cbuf (4 KB a block, per thread) between parts. */
+    const int parts = K2 % 16 == 0 && K2 > AMX_K_PART;
+    const int64_t cb_floats = (chunk / 32) * 1024;
+    float *cbuf = parts ? aligned_alloc(64, (size_t)(threads * cb_floats) * sizeof(float)) : NULL;
+    if (parts && cbuf == NULL) {
+        free(xt);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float c[32 * 32] __attribute__((aligned(64)));
+#ifdef _OPENMP
+        float *cb = parts ? cbuf + cb_floats * omp_get_thread_num() : NULL;
+#else
+        float *cb = cbuf;
+#endif
         amx_configure(16);
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             const int64_t m1 = m0 + chunk < M ? m0 + chunk : M, block_pairs = (m1 - m0 + 31) / 32;
             const int64_t steps = nkb > 1 ? nkb - 1 : 1;
             const int64_t pf_step = (K2 * 128 / block_pairs / steps + 63) / 64 * 64;
+            if (parts) {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < P; ++p) {
+                    const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+                    const uint16_t *panel = wp + p * K2 * 64;
+                    for (int64_t k0 = 0; k0 < K2; k0 += AMX_K_PART) {
+                        const int64_t k1 = k0 + AMX_K_PART < K2 ? k0 + AMX_K_PART : K2;
+                        for (int64_t m = m0; m < m1; m += 32) {
+                            const uint16_t *a0 = xt + (m / 16) * nkb * 512;
+                            float *cm = cb + ((m - m0) / 32) * 1024;
+                            amx_block32_part(a0, a0 + nkb * 512, panel, k0, k1, cm, k0 > 0);
+                            if (k1 < K2) continue;
+                            if (stream && cols == 32)
+                                amx_put_stream(cm, 32, m1 - m < 32 ? m1 - m : 32, bias == NULL ? NULL : bias + n0,
+                                               yc + (m * ys + n0) * y_size, ys, y_bf16);
+                            else
+                                amx_put(cm, 32, m1 - m < 32 ? m1 - m : 32, cols, bias == NULL ? NULL : bias + n0,
+                                        yc + (m * ys + n0) * y_size, ys, y_bf16);
+                        }
+                    }
+                }
+                continue;
+            }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < P; ++p) {
                 const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
@@ -1598,13 +1727,19 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
                     const uint16_t *a0 = xt + (m / 16) * nkb * 512;
                     amx_block32(a0, a0 + nkb * 512, wp + p * K2 * 64, K2, c, 32,
                                 next == NULL ? NULL : next + (m - m0) / 32 * pf_step * steps, pf_step);
-                    amx_put(c, 32, m1 - m < 32 ? m1 - m : 32, cols, bias == NULL ? NULL : bias + n0,
-                            yc + (m * ys + n0) * y_size, ys, y_bf16);
+                    if (stream && cols == 32)
+                        amx_put_stream(c, 32, m1 - m < 32 ? m1 - m : 32, bias == NULL ? NULL : bias + n0,
+                                       yc + (m * ys + n0) * y_size, ys, y_bf16);
+                    else
+                        amx_put(c, 32, m1 - m < 32 ? m1 - m : 32, cols, bias == NULL ? NULL : bias + n0,
+                                yc + (m * ys + n0) * y_size, ys, y_bf16);
                 }
             }
         }
+        if (stream) _mm_sfence();   /* the streaming stores are visible before the product returns */
         _tile_release();
     }
+    free(cbuf);
     free(xt);
     return 0;
 }
@@ -1721,6 +1856,104 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
     return 0;
 }
 
+#if QWEN_AVX512
+/* The bf16 rows of rms_norm, qk_norm_rope and silu_mul on 16 lanes at a time: the same operations in the
+ * same order as their scalar forms above (rms_norm_rows, norm_rope_row, silu_mul_rows with bf16 != 0;
+ * every product, sum and quotient rounded to fp32 on its own, then to bf16 where those round it), so
+ * the same bits, in one pass over a row instead of widening, computing and narrowing it in three. */
+static inline __m512 bf16x16_load(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+/* v holds bf16 values (round_bf16x16's results): their upper halves, exactly. */
+static inline void bf16x16_store(uint16_t *p, __mmask16 k, __m512 v) {
+    _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* round_bf16 on 16 lanes. */
+static inline __m512 round_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), hi);
+    const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), hi);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* exp_any on 16 lanes: exp_nonpositive's steps (its polynomial by fused multiply-adds, as the compiler
+ * contracts the scalar form; tested equal to it over every bf16 input of silu_mul). */
+static inline __m512 exp_any_x16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* rms_norm_rows (bf16) of one bf16 row: sf receives s (fp32, for inv_rms), sum s as bf16 when add. */
+static void rms_norm_bf16_row(const uint16_t *x, const uint16_t *add, uint16_t *sum, const float *wf, uint16_t *out,
+                              int64_t dim, float eps, float *sf) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 k = lanes_left(dim - d);
+        __m512 v = bf16x16_load(x + d, k);
+        if (add != NULL) {
+            v = round_bf16x16(_mm512_add_ps(v, bf16x16_load(add + d, k)));
+            bf16x16_store(sum + d, k, v);
+        }
+        _mm512_mask_storeu_ps(sf + d, k, v);
+    }
+    const __m512 inv = _mm512_set1_ps(inv_rms(sf, dim, eps));
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 k = lanes_left(dim - d);
+        const __m512 normed = round_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, sf + d), inv));
+        bf16x16_store(out + d, k, round_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, wf + d), normed)));
+    }
+}
+
+/* norm_rope_row (bf16) of one bf16 head row with D / 2 a multiple of 16: xf, tmp scratch of D floats. */
+static void norm_rope_bf16_row(const uint16_t *x, const float *w, float eps, const float *cs, int64_t D, float *xf,
+                               float *tmp, uint16_t *out) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(xf + d, bf16x16_load(x + d, 0xffff));
+    const float *r = xf;
+    if (w != NULL) {
+        const __m512 inv = _mm512_set1_ps(inv_rms(xf, D, eps));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(tmp + d, round_bf16x16(_mm512_mul_ps(
+                                          _mm512_loadu_ps(w + d), round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(xf + d), inv)))));
+        r = tmp;
+    }
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 c = _mm512_loadu_ps(cs + i), sn = _mm512_loadu_ps(cs + half + i);
+        const __m512 x1 = _mm512_loadu_ps(r + i), x2 = _mm512_loadu_ps(r + half + i);
+        const __m512 a = round_bf16x16(_mm512_mul_ps(x1, c)), b = round_bf16x16(_mm512_mul_ps(x2, sn));
+        const __m512 e = round_bf16x16(_mm512_mul_ps(x2, c)), f = round_bf16x16(_mm512_mul_ps(x1, sn));
+        bf16x16_store(out + i, 0xffff, round_bf16x16(_mm512_sub_ps(a, b)));
+        bf16x16_store(out + half + i, 0xffff, round_bf16x16(_mm512_add_ps(e, f)));
+    }
+}
+
+/* silu_mul_rows (bf16) of one row of bf16 gate and up. */
+static void silu_mul_bf16_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t dim) {
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 k = lanes_left(dim - i);
+        const __m512 gv = bf16x16_load(g + i, k);
+        const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_any_x16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+        const __m512 silu = round_bf16x16(_mm512_div_ps(gv, denom));
+        bf16x16_store(o + i, k, round_bf16x16(_mm512_mul_ps(silu, bf16x16_load(u + i, k))));
+    }
+}
+#endif
+
 /* out = w * (s / rms(s)) per row of dim, s = x (+ add, written to sum when add is given); x, add,
  * sum, out and w all of dtype; row strides x_s0, add_s0, sum_s0, out_s0. */
 int qwen_rms_norm(const void *x, int64_t x_s0, const void *add, int64_t add_s0, void *sum, int64_t sum_s0,
@@ -1733,6 +1966,14 @@ int qwen_rms_norm(const void *x, int64_t x_s0, const void *add, int64_t add_s0, 
     if (buf == NULL) return -1;
     float *wf = buf, *xf = wf + dim, *af = xf + dim, *sf = af + dim, *of = sf + dim;
     load_row(w, 0, 2, dim, wf);
+#if QWEN_AVX512
+    for (int64_t r = 0; r < rows; ++r)
+        rms_norm_bf16_row((const uint16_t *)x + r * x_s0, add == NULL ? NULL : (const uint16_t *)add + r * add_s0,
+                          add == NULL ? NULL : (uint16_t *)sum + r * sum_s0, wf, (uint16_t *)out + r * out_s0, dim, eps,
+                          sf);
+    free(buf);
+    return 0;
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         load_row(x, r * x_s0, 2, dim, xf);
         if (add != NULL) load_row(add, r * add_s0, 2, dim, af);
@@ -1766,6 +2007,17 @@ int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq,
     for (int64_t t = 0; t < T; ++t) {
         const float *c = table + (int64_t)positions[t] * table_s0;
         for (int64_t d = 0; d < D; ++d) cs[d] = round_bf16(c[d]);
+#if QWEN_AVX512
+        if (D % 32 == 0) {
+            for (int64_t h = 0; h < nq; ++h)
+                norm_rope_bf16_row((const uint16_t *)q + t * q_s0 + h * q_s1, q_w == NULL ? NULL : qw, eps, cs, D, row,
+                                   tmp, (uint16_t *)qo + (t * nq + h) * D);
+            for (int64_t h = 0; h < nk; ++h)
+                norm_rope_bf16_row((const uint16_t *)k + t * k_s0 + h * k_s1, k_w == NULL ? NULL : kw, eps, cs, D, row,
+                                   tmp, (uint16_t *)ko + (t * nk + h) * D);
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < nq + nk; ++h) {
             const int is_q = h < nq;
             const int64_t hh = is_q ? h : h - nq;
@@ -1786,6 +2038,12 @@ int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, 
         silu_mul_rows(gate, g_s0, up, u_s0, out, rows, dim, 0);
         return 0;
     }
+#if QWEN_AVX512
+    for (int64_t r = 0; r < rows; ++r)
+        silu_mul_bf16_row((const uint16_t *)gate + r * g_s0, (const uint16_t *)up + r * u_s0, (uint16_t *)out + r * dim,
+                          dim);
+    return 0;
+#endif
     float *buf = malloc(sizeof(float) * (size_t)(3 * dim));
     if (buf == NULL) return -1;
     float *g = buf, *u = g + dim, *o = u + dim;

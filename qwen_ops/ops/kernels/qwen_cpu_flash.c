@@ -326,6 +326,18 @@ static inline __attribute__((always_inline)) __m512 flash_exp2(__m512 t) {
 FLASH_REDUCE16(flash_max16, _mm512_max_ps)
 FLASH_REDUCE16(flash_sum16, _mm512_add_ps)
 
+#if QWEN_AMX
+/* 32 bf16 = lo (words 0-15) and hi (16-31) rounded to nearest even by one VCVTNE2PS2BF16, which every
+ * CPU with AMX-BF16 has (written as asm: the intrinsic would need the avx512bf16 target on every
+ * function it is inlined into). It rounds as amx_round_bf16 except that fp32 subnormals become zeros:
+ * P's values are in [0, 1], and one below 2^-126 adds nothing a bf16 product keeps. */
+static inline __attribute__((always_inline)) __m512i flash_bf16_pair(__m512 hi, __m512 lo) {
+    __m512i r;
+    __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(hi), "v"(lo));
+    return r;
+}
+#endif
+
 /* The online softmax of 16 rows' block of 64 scores (s: rows of 64; row j sees keys 0 .. lim[j] - 1,
  * lim[j] <= 0: none, its p all 0 and its state untouched). Updates the running max m[16] (of score
  * x scale) and sum l[16], rescales the rows' outputs o (row stride Dp) where their max moved, and
@@ -374,9 +386,8 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
         }
 #if QWEN_AMX
         if (pb != NULL) {   /* P rounded to bf16 for the tiles, as the products' outputs are */
-            for (int v = 0; v < 4; ++v)
-                _mm256_storeu_si256((__m256i *)(void *)(pb + j * 32 + (v / 2) * 512 + (v % 2) * 16),
-                                    amx_round_bf16(x[v]));
+            _mm512_storeu_si512((void *)(pb + j * 32), flash_bf16_pair(x[1], x[0]));
+            _mm512_storeu_si512((void *)(pb + j * 32 + 512), flash_bf16_pair(x[3], x[2]));
             continue;
         }
 #endif
@@ -426,6 +437,9 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
                                       (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST);                  \
         else flash_scores_f32(q, Dp, round_up(M, 4), (const float *)kt + (KB) * FLASH_BK * Dp, DST);          \
     } while (0)
+    /* each row's last visible key + 1, from the block's first key (padding rows: none) */
+    int32_t row_end[Mp];   /* Mp: FLASH_ROWS, or one kv head's query heads when more (flash_run) */
+    for (int64_t r = 0; r < Mp; ++r) row_end[r] = (int32_t)(r < M ? pos0 + r / G + 1 : 0);
     FLASH_SCORES(0, s_next[0]);
     for (int64_t kb = 0; kb < nkb; ++kb) {
         const int64_t k0 = kb * FLASH_BK;
@@ -436,7 +450,7 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
             /* keys k0 .. k0 + lim - 1 are at or before a row's position (padding rows: none) */
             int32_t lim[16] __attribute__((aligned(64)));
             for (int j = 0; j < 16; ++j) {
-                const int64_t r = r0 + j, n = r < M ? pos0 + r / G + 1 - k0 : 0;
+                const int64_t n = row_end[r0 + j] - k0;
                 lim[j] = (int32_t)(n > FLASH_BK ? FLASH_BK : n < 0 ? 0 : n);
                 if (lim[j] > nk_used) nk_used = lim[j];
             }
