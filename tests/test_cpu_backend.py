@@ -263,3 +263,38 @@ def test_linear_packed_rows_do_not_depend_on_the_batch(dtype):
                 assert torch.equal(got, alone[:rows]), f"{rows} rows, {t} threads"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("k", [1024, 544, 600], ids=["k1024-parts", "k544-part-tail", "k600-whole"])
+@pytest.mark.parametrize("n", [2048, 100], ids=["n2048-streamed", "n100-tail"])
+def test_linear_packed_bf16_prefill_sizes(n, k, poisoned_empty):
+    """bf16 products at a prefill's row counts, where the AMX kernel runs long panels in parts and
+    streams large outputs past the cache: against F.linear in float64 of the same bf16 values (rounded
+    once to bf16: almost every element bit-equal, none further than one bf16 step), and every row
+    bit-identical to the same row computed alone (the one-row kernel: no dependence on the batch).
+    k = 1024 runs four whole parts, 544 two and a short one, 600 (pairs not a multiple of 16) whole
+    panels; n = 100 ends on a partial panel, and its output is too small to stream."""
+    _needs_cpu_kernels()
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(41)
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(300, k, generator=gen).to(torch.bfloat16)
+    packed = cpu.pack_panels(weight)
+    with qwen_ops.use_backend("cpu"):    # bf16 rows in, bf16 out (the op's C++ kernel)
+        got = torch.ops.qwen.linear_packed(x, packed, bias, n)
+        alone = torch.cat([torch.ops.qwen.linear_packed(x[i:i + 1], packed, bias, n) for i in (0, 17, 299)])
+    got_f32 = cpu.linear_packed(x.float(), packed, bias, n)    # fp32 rows holding bf16 values: fp32 out
+    poisoned_empty.undo()
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    want = exact.float().to(torch.bfloat16)
+    same = got.view(torch.int16) == want.view(torch.int16)
+    assert same.double().mean().item() >= 0.99, f"{same.double().mean().item():.4f} of elements bit-equal"
+    # one bf16 step, plus fp32 accumulation's error where the sum cancels (a bound from the terms' sizes)
+    terms = F.linear(x.double().abs(), weight.double().abs(), bias.double().abs())
+    off = (got.double() - want.double()).abs()[~same]
+    step = torch.maximum(got.double().abs(), want.double().abs())[~same] * 2.0 ** -7 + 1e-5 * terms[~same]
+    assert bool((off <= step).all()), "an element more than one bf16 step from the float64 product"
+    torch.testing.assert_close(got_f32.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(alone, got[[0, 17, 299]]), "a row differs from the same row computed alone"

@@ -727,6 +727,10 @@ static inline float exp_any(float x) {
     return exp_nonpositive(x);
 }
 
+/* silu(g) = g / (1 + exp(-g)); below -88, where exp(-g) passes fp32's range (exp_any clamps it, which
+ * would leave g / e^88, e.g. -2 for g = -3e38), -0: the true value is under 1.3e-36 in magnitude. */
+static inline float silu_of(float g) { return g < -88.0f ? -0.0f : g / (1.0f + exp_any(-g)); }
+
 /* out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up over rows of dim (the gated MLP);
  * silu rounded before the product, as F.silu(gate) * up rounds it: to fp32, and with bf16 != 0
  * also to bf16 (both results), as torch's bf16 ops compute in fp32 and round each result. */
@@ -737,11 +741,11 @@ static void silu_mul_rows(const float *gate, int64_t g_s0, const float *up, int6
         float *o = out + r * dim;
         if (bf16) {
 #pragma omp simd
-            for (int64_t i = 0; i < dim; ++i) o[i] = round_bf16(round_bf16(g[i] / (1.0f + exp_any(-g[i]))) * u[i]);
+            for (int64_t i = 0; i < dim; ++i) o[i] = round_bf16(round_bf16(silu_of(g[i])) * u[i]);
         } else {
 #pragma omp simd
             for (int64_t i = 0; i < dim; ++i) {
-                const float silu = g[i] / (1.0f + exp_any(-g[i]));
+                const float silu = silu_of(g[i]);
                 o[i] = silu * u[i];
             }
         }
@@ -1948,7 +1952,9 @@ static void silu_mul_bf16_row(const uint16_t *g, const uint16_t *u, uint16_t *o,
         const __mmask16 k = lanes_left(dim - i);
         const __m512 gv = bf16x16_load(g + i, k);
         const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_any_x16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        const __m512 silu = round_bf16x16(_mm512_div_ps(gv, denom));
+        const __m512 silu = round_bf16x16(_mm512_mask_mov_ps(_mm512_div_ps(gv, denom),
+                                                            _mm512_cmp_ps_mask(gv, _mm512_set1_ps(-88.0f), _CMP_LT_OQ),
+                                                            _mm512_set1_ps(-0.0f)));
         bf16x16_store(o + i, k, round_bf16x16(_mm512_mul_ps(silu, bf16x16_load(u + i, k))));
     }
 }
