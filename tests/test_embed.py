@@ -224,6 +224,25 @@ def test_bad_arguments_name_the_argument(causal_ckpt, embed_llm):
     assert not embed_llm.has_unfinished_requests()
 
 
+def test_pooling_engine_refuses_the_slot_api_before_reserving(embed_llm):
+    """The seed's slot API is generation's: a pooling engine refuses each entry with a message naming
+    it, and no KV block or slot is taken (the check used to come after prefill reserved blocks)."""
+    from qwen_ops.engine.engine import QwenBatchedRequest
+
+    engine, kv = embed_llm.engine, embed_llm.engine.kv
+    free, slots = kv.num_free_blocks, [s.active for s in kv.slots]
+    calls = {"allocate_slot": lambda: engine.allocate_slot("r"), "allocate_batch_slots": lambda: engine.allocate_batch_slots(2),
+             "prefill": lambda: engine.prefill(prompt(20, seed=7), slot_id=0),
+             "decode_step": lambda: engine.decode_step(5, slot_id=0),
+             "batch_prefill": lambda: engine.batch_prefill([QwenBatchedRequest("r", prompt(9, seed=8), slot_id=0)])}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="pooling runner; the slot API"):
+            call()
+        assert kv.num_free_blocks == free, f"{name} reserved blocks before refusing"
+        assert [s.active for s in kv.slots] == slots, f"{name} took a slot before refusing"
+    assert embed_llm.embed([prompt(5, seed=9)], use_tqdm=False)[0].outputs.embedding   # still serves
+
+
 def test_task_embed_is_the_pooling_runner_and_generate_refuses_embed(causal_ckpt):
     assert LLM(str(causal_ckpt), task="embed", **SMALL).runner == "pooling"
     gen = LLM(str(causal_ckpt), **SMALL)

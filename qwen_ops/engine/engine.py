@@ -375,6 +375,7 @@ class QwenEngine:
 
     def allocate_batch_slots(self, n: int) -> list[int]:
         """Make slots ``0 .. n-1`` usable, growing the slot table (and an auto-sized cache) if needed."""
+        self._check_generation()
         if not _is_int(n) or n < 1:
             raise ValueError(f"n = {n!r}, expected an int >= 1")
         with self._lock:
@@ -391,6 +392,7 @@ class QwenEngine:
 
     def allocate_slot(self, request_id: Any) -> int:
         """A slot that holds no sequence and no owner, now owned by ``request_id``."""
+        self._check_generation()
         with self._lock:
             return self.kv.allocate_slot(request_id)
 
@@ -401,7 +403,14 @@ class QwenEngine:
             self._seqs[slot_id] = None
 
     # ----------------------------------------------------------------- validation
+    def _check_generation(self) -> None:
+        """The slot API is generation's: a pooling engine refuses it before anything is reserved."""
+        if self.runner.pooling:
+            raise ValueError("this engine runs the pooling runner; the slot API (allocate_slot, prefill, decode_step, "
+                             "batch_*, execute) needs a generation engine (pooling = False)")
+
     def _check_slot(self, slot_id: Any, name: str = "slot_id") -> int:
+        self._check_generation()
         if not _is_int(slot_id) or not 0 <= slot_id < self.kv.num_slots:
             raise ValueError(f"{name} = {slot_id!r}, expected an int in [0, {self.kv.num_slots})")
         return slot_id
@@ -518,9 +527,6 @@ class QwenEngine:
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
         """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
-        if self.runner.pooling:
-            raise ValueError("this engine runs the pooling runner; the slot API (prefill, decode_step, batch_*, "
-                             "execute) needs a generation engine (pooling = False)")
         out = self.runner.call("step", IterationPlan(tasks))
         for t in tasks:
             self.kv.commit(t.kv_cache_slot, t.token_ids)

@@ -54,8 +54,8 @@ from qwen_ops.serving.engine_core import EngineDeadError, ProcessCore, ThreadCor
 from qwen_ops.serving.core_process import pooling_info
 from qwen_ops.serving.llm import LLM, Prompt, pooling_ids, prepare_requests
 from qwen_ops.serving.outputs import RequestAccumulator, RequestDelta, RequestOutput
-from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, ScoringOutput,
-                                      ScoringRequestOutput, classifier_probs, pooling_tasks, score_pairs)
+from qwen_ops.serving.pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, ScorePlan,
+                                      ScoringRequestOutput, pooling_tasks)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError"]
 
@@ -272,22 +272,9 @@ class AsyncLLM:
     async def score(self, text_1, text_2) -> list[ScoringRequestOutput]:
         """``LLM.score`` on the engine loop: the cosine similarity of the two texts' embeddings, or a
         one-label classifier's (Qwen3-Reranker's) relevance of the two joined; vLLM's pairing."""
-        pairs = score_pairs(text_1, text_2)
-        left = self._pooling_ids([a for a, _ in pairs])
-        right = self._pooling_ids([b for _, b in pairs])
-        if self.classifier is not None:           # a cross-encoder: one prompt per pair
-            if self.classifier.shape[0] != 1:
-                raise ValueError(f"score with a classifier of num_labels = {self.classifier.shape[0]}; expected a "
-                                 "one-label classifier (a reranker) or an embedding model")
-            joined = self._pooling_ids([{"prompt_token_ids": a + b} for a, b in zip(left, right)])
-            tasks = pooling_tasks(None, len(joined), self.pooler, self.hidden_size)
-            probs = classifier_probs(torch.stack(await self.encode(joined, tasks)), self.classifier)
-            return [ScoringRequestOutput(str(k), joined[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
-        unique = list(dict.fromkeys(map(tuple, left + right)))       # 1-to-N embeds the one text once
-        tasks = pooling_tasks(None, len(unique), self.pooler, self.hidden_size)
-        vectors = dict(zip(unique, await self.encode([list(u) for u in unique], tasks)))
-        return [ScoringRequestOutput(str(k), a + b, ScoringOutput(torch.nn.functional.cosine_similarity(
-                    vectors[tuple(a)], vectors[tuple(b)], dim=0).item())) for k, (a, b) in enumerate(zip(left, right))]
+        plan = ScorePlan(text_1, text_2, self._pooling_ids, self.classifier)
+        tasks = pooling_tasks(None, len(plan.prompts), self.pooler, self.hidden_size)
+        return plan.outputs(await self.encode(plan.prompts, tasks))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its completions' slots, blocks and swap copies are freed by the loop)."""

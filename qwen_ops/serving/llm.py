@@ -39,9 +39,9 @@ from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, Complet
                                       RequestOutput)
 from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                                       EmbeddingRequestOutput, PoolingParams,  # noqa: F401
-                                      ScoringOutput, ScoringRequestOutput, check_hf_overrides, classifier_probs,
+                                      ScoringRequestOutput, check_hf_overrides, classifier_probs,
                                       classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
-                                      score_pairs)
+                                      ScorePlan)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.serving.scheduler import SchedulerConfig
 
@@ -720,26 +720,9 @@ class LLM:
         """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of ``text_1``'s and
         ``text_2``'s embeddings (``.outputs.score``), one against one, one against N, or N against N
         pairwise (``serving/pooling.py`` ``score_pairs``)."""
-        pairs = score_pairs(text_1, text_2)
-        if self.classifier is not None:         # a cross-encoder (reranker): one prompt per pair
-            if self.classifier.shape[0] != 1:
-                raise ValueError(f"score with a classifier of num_labels = {self.classifier.shape[0]}; expected a "
-                                 "one-label classifier (a reranker) or an embedding model")
-            ids = [a + b for a, b in zip(self._pooling_ids([a for a, _ in pairs]),
-                                          self._pooling_ids([b for _, b in pairs]))]
-            ids = self._pooling_ids([{"prompt_token_ids": x} for x in ids])      # the joined length too
-            probs = self._classify_ids(ids, use_tqdm)
-            return [ScoringRequestOutput(str(k), ids[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
-        ids = self._pooling_ids([x for pair in pairs for x in pair])
-        unique = list(dict.fromkeys(map(tuple, ids)))        # 1-to-N embeds the one text once
-        tasks = pooling_tasks(None, len(unique), self.pooler, self.engine.config.hidden_size)
-        vectors = dict(zip(unique, run_pooling(self, [list(u) for u in unique], tasks, use_tqdm)))
-        out = []
-        for k in range(len(pairs)):
-            a, b = ids[2 * k], ids[2 * k + 1]
-            cos = torch.nn.functional.cosine_similarity(vectors[tuple(a)], vectors[tuple(b)], dim=0).item()
-            out.append(ScoringRequestOutput(str(k), a + b, ScoringOutput(cos)))
-        return out
+        plan = ScorePlan(text_1, text_2, self._pooling_ids, self.classifier)
+        tasks = pooling_tasks(None, len(plan.prompts), self.pooler, self.engine.config.hidden_size)
+        return plan.outputs(run_pooling(self, plan.prompts, tasks, use_tqdm))
 
     def classify(self, prompts, *, use_tqdm: Union[bool, Callable[..., Any]] = True
                  ) -> list[ClassificationRequestOutput]:

@@ -159,6 +159,37 @@ def score_pairs(text_1, text_2) -> list[tuple[Any, Any]]:
     return list(zip(left, right))
 
 
+class ScorePlan:
+    """The one pairing of ``LLM.score`` and ``AsyncLLM.score``: ``prompts`` are what the pooling runner
+    must run (a cross-encoder's joined pairs, or each distinct text once for an embedding model: one
+    against N embeds the one text once), and ``outputs`` turns their pooled vectors into scores. The
+    caller runs the prompts its own way (``run_pooling`` in ``LLM``, ``encode`` on ``AsyncLLM``'s loop).
+    ``pooling_ids`` validates and tokenizes prompts as the caller does."""
+
+    def __init__(self, text_1, text_2, pooling_ids: Callable[[list], list[list[int]]],
+                 classifier: Optional[torch.Tensor]):
+        pairs = score_pairs(text_1, text_2)
+        if classifier is not None and classifier.shape[0] != 1:
+            raise ValueError(f"score with a classifier of num_labels = {classifier.shape[0]}; expected a "
+                             "one-label classifier (a reranker) or an embedding model")
+        self.classifier = classifier
+        self.left = pooling_ids([a for a, _ in pairs])
+        self.right = pooling_ids([b for _, b in pairs])
+        if classifier is not None:           # a cross-encoder (reranker): one prompt per pair
+            self.prompts = pooling_ids([{"prompt_token_ids": a + b} for a, b in zip(self.left, self.right)])
+        else:
+            self.prompts = [list(u) for u in dict.fromkeys(map(tuple, self.left + self.right))]
+
+    def outputs(self, vectors: Sequence[torch.Tensor]) -> list[ScoringRequestOutput]:
+        if self.classifier is not None:
+            probs = classifier_probs(torch.stack(list(vectors)), self.classifier)
+            return [ScoringRequestOutput(str(k), self.prompts[k], ScoringOutput(p[0])) for k, p in enumerate(probs)]
+        by_text = dict(zip(map(tuple, self.prompts), vectors))
+        return [ScoringRequestOutput(str(k), a + b, ScoringOutput(torch.nn.functional.cosine_similarity(
+                    by_text[tuple(a)], by_text[tuple(b)], dim=0).item()))
+                for k, (a, b) in enumerate(zip(self.left, self.right))]
+
+
 # ---------------------------------------------------------------------------- Qwen3-Reranker
 # vLLM's hf_overrides for Qwen3-Reranker: score with the lm_head rows of "no" and "yes".
 RERANKER_ARCHITECTURE = "Qwen3ForSequenceClassification"
