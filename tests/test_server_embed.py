@@ -345,3 +345,25 @@ def test_cancelled_embed_aborts_its_pooling_requests(ckpt, hf_lm):
         assert stats["num_iterations"] < 60, stats["num_iterations"]
     finally:
         engine.shutdown()
+
+
+def test_pooling_requests_are_counted_in_the_metrics(embed_server, rerank_server):
+    """Each embedded input, and each scored pair, is a request of /metrics (vLLM counts pooling
+    requests too): finished "stop", its prompt tokens counted, none generated."""
+    from server_fixture import scrape
+
+    server, _ = embed_server
+    key = "vllm:request_success_total{finished_reason=stop}"
+    for srv, path, body, requests, tokens in (
+            (server, "/v1/embeddings", {"model": NAME, "input": PROMPTS[:3]}, 3, sum(map(len, PROMPTS[:3]))),
+            (rerank_server, "/v1/score", {"model": NAME, "text_1": words(PROMPTS[0]),
+                                          "text_2": [words(PROMPTS[1]), words(PROMPTS[2])]}, 2, None)):
+        before = scrape(srv.url)
+        r = post(srv, path, body)
+        assert r.status_code == 200, r.text
+        after = scrape(srv.url)
+        assert after[key] - before.get(key, 0.0) == requests
+        added = after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0.0)
+        assert added == (tokens if tokens is not None else r.json()["usage"]["prompt_tokens"])
+        assert after.get("vllm:generation_tokens_total", 0.0) == before.get("vllm:generation_tokens_total", 0.0)
+

@@ -115,16 +115,24 @@ class PoolingRoutes:
             out.append(ids)
         return out
 
-    async def _run(self, coro, param: str):
-        """Await engine work; its errors as the server's (ValueError: a 400 naming ``param``)."""
+    async def _run(self, coro, param: str, prompts: list[list[int]]):
+        """Await engine work over ``prompts`` (each one pooling request); its errors as the server's
+        (ValueError: a 400 naming ``param``). Each prompt is a request of the Prometheus metrics, as vLLM
+        counts pooling requests: its prompt tokens, its latency, finished "stop" (or "abort" when the
+        work failed or was cancelled), no generated tokens."""
         from qwen_ops.serving.async_llm import QueueFullError
 
         self.s.check_engine()
         deadline = self.s.deadline()
+        timings = [self.s.metrics.timing(len(p)) for p in prompts]
+        reason = None
         try:
             if deadline is None:
-                return await coro
-            return await asyncio.wait_for(coro, max(0.0, deadline - time.monotonic()))
+                out = await coro
+            else:
+                out = await asyncio.wait_for(coro, max(0.0, deadline - time.monotonic()))
+            reason = "stop"
+            return out
         except QueueFullError as e:
             raise P.APIError(503, str(e), headers={"Retry-After": "1"}) from None
         except EngineDeadError:
@@ -135,6 +143,9 @@ class PoolingRoutes:
             raise self.s.timeout_error() from None
         except ValueError as e:
             raise P.bad_request(str(e), param) from None
+        finally:
+            for t in timings:
+                t.finish([reason], 0)
 
     async def embeddings(self, body: bytes) -> dict:
         req = P.parse_request(EmbeddingRequest, body)
@@ -149,7 +160,7 @@ class PoolingRoutes:
                                 "embedding size)", "dimensions")
         ids = self._ids(_texts_or_ids(req.input, "input"), "input")
         outs = await self._run(self.engine.embed([{"prompt_token_ids": x} for x in ids],
-                                                 PoolingParams(dimensions=req.dimensions)), "input")
+                                                 PoolingParams(dimensions=req.dimensions)), "input", ids)
         encode = _b64_float32 if req.encoding_format == "base64" else (lambda v: v)
         num_tokens = sum(len(x) for x in ids)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -159,8 +170,10 @@ class PoolingRoutes:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     async def _scores(self, left: list[list[int]], right: list[list[int]], param: str) -> list:
+        pairs = [(left[0], b) for b in right] if len(left) == 1 else list(zip(left, right))   # a request each
         return await self._run(self.engine.score([{"prompt_token_ids": x} for x in left],
-                                                 [{"prompt_token_ids": x} for x in right]), param)
+                                                 [{"prompt_token_ids": x} for x in right]), param,
+                               [a + b for a, b in pairs])
 
     async def score(self, body: bytes) -> dict:
         """vLLM's ``/v1/score``: ``text_1`` against each ``text_2`` (one to one, one to N, N to N)."""
