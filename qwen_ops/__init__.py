@@ -11,7 +11,7 @@ from qwen_ops.engine.engine import (QwenBatchDecodeResult, QwenBatchedRequest, Q
                                     QwenForwardResult)
 from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.engine.pooling import PoolingParams
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import RequestOutputKind, SamplingParams
 from qwen_ops.engine.structured import GuidedDecodingParams, StructuredOutputsParams
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.defaults import default_model_path
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "kv_write", "slot_attention", "get_backend", "set_backend", "use_backend", "resolve_backend",
     "QwenEngine", "QwenBatchedRequest", "QwenForwardResult", "QwenBatchPrefillResult", "QwenBatchDecodeResult",
-    "SamplingParams", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
+    "SamplingParams", "RequestOutputKind", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
     "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
     "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
     "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams",

@@ -40,6 +40,38 @@ class PassThroughEngine:
             yield out
 
 
+class RevealingEngine(PassThroughEngine):
+    """The real engine with each choice's text replaced by ``shown(n, finished, text)``: what the reply
+    shows after the n-th update, given the real text so far. Handed on as the caller asked: the whole
+    text, or (``output_kind`` DELTA, as the server streams) only what is new since the last update."""
+
+    def shown(self, n: int, finished: bool, text: str) -> str:
+        raise NotImplementedError
+
+    def finish_reason(self, c):
+        return c.finish_reason
+
+    async def generate(self, prompt, params, request_id=None):
+        import dataclasses
+
+        from qwen_ops import RequestOutputKind
+
+        delta = params.output_kind == RequestOutputKind.DELTA
+        real: dict[int, str] = {}
+        sent: dict[int, str] = {}
+        n = 0
+        async for out in self.real.generate(prompt, params, request_id):
+            n += 1
+            outs = []
+            for c in out.outputs:
+                real[c.index] = real.get(c.index, "") + c.text if delta else c.text
+                shown = self.shown(n, out.finished, real[c.index])
+                text = shown[len(sent.get(c.index, "")):] if delta else shown
+                sent[c.index] = shown
+                outs.append(dataclasses.replace(c, text=text, finish_reason=self.finish_reason(c)))
+            yield dataclasses.replace(out, outputs=outs)
+
+
 def make_engine() -> AsyncLLM:
     return AsyncLLM.from_pretrained(None, **ENGINE_KWARGS)
 

@@ -314,3 +314,55 @@ def test_serve_cli_end_to_end_and_ctrl_c():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _with_kind(sp: SamplingParams, kind) -> SamplingParams:
+    import dataclasses
+
+    fields = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
+              if f.name not in ("max_new_tokens", "top_k", "logit_bias", "bad_words_token_ids")}
+    return SamplingParams(max_tokens=sp.max_new_tokens, top_k=sp.top_k, **{**fields, "output_kind": kind})
+
+
+def _fold(deltas):
+    """DELTA outputs concatenated per completion: text, token ids, logprobs; the last finish fields."""
+    by = {}
+    for out in deltas:
+        for c in out.outputs:
+            t, ids, lps, _ = by.get(c.index, ("", [], None if c.logprobs is None else [], None))
+            by[c.index] = (t + c.text, ids + list(c.token_ids), None if lps is None else lps + list(c.logprobs),
+                           (c.finish_reason, c.stop_reason, c.cumulative_logprob))
+    return [(i, t, ids, *fin[:2], fin[2],
+             None if lps is None else [{k: (v.logprob, v.rank, v.decoded_token) for k, v in e.items()} for e in lps])
+            for i, (t, ids, lps, fin) in sorted(by.items())]
+
+
+@pytest.mark.parametrize("core", ["proc", "thread"])
+def test_output_kinds_delta_and_final_only(core, proc_engine, thread_engine, collected):
+    """vLLM's ``output_kind``: DELTA outputs hold only what is new (each token once, only the
+    completions that changed), and folded they are the cumulative final output (the feature turned
+    off, from the same core: greedy and seeded requests repeat); FINAL_ONLY yields one finished
+    output equal to it. The cumulative outputs' greedy tokens are checked against transformers above."""
+    from qwen_ops import RequestOutputKind
+
+    engine, cumulative = (proc_engine, collected[0]) if core == "proc" else (thread_engine, collected[1])
+
+    async def run(kind):
+        return await asyncio.wait_for(asyncio.gather(*[_run(engine, p, _with_kind(sp, kind))
+                                                       for p, sp in zip(PROMPTS, _params())]), 120)
+
+    deltas, finals = asyncio.run(run(RequestOutputKind.DELTA)), asyncio.run(run(RequestOutputKind.FINAL_ONLY))
+    for sp, d, f, want in zip(_params(), deltas, finals, cumulative):
+        assert _fold(d) == _summary(want[-1]), want[-1].prompt
+        assert d[-1].finished and not any(o.finished for o in d[:-1])
+        assert sum(len(o.new_token_ids) for o in d) == sum(len(c.token_ids) for c in want[-1].outputs)
+        for o in d:             # each output names only completions with something new (or their end)
+            assert all(c.text or c.token_ids or c.finish_reason for c in o.outputs)
+        assert len(f) == 1 and f[0].finished and _summary(f[0]) == _summary(want[-1])
+        assert f[0].new_token_ids == [t for c in want[-1].outputs for t in c.token_ids] or sp.n > 1
+
+
+def test_output_kind_is_checked():
+    for bad in (3, "delta", None, True):
+        with pytest.raises(ValueError, match="output_kind = .*expected a RequestOutputKind"):
+            SamplingParams(output_kind=bad)

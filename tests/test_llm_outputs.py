@@ -355,3 +355,86 @@ def test_async_after_shutdown(llm):
             await _final(eng, "x", greedy())
 
     asyncio.run(main())
+
+
+def _random_deltas(n: int, steps: int, seed: int):
+    """Hand-made engine deltas of one request with ``n`` completions: random new tokens, text and
+    logprobs per step, completions finishing at different steps, prompt logprobs once."""
+    import random
+
+    from qwen_ops.serving.outputs import CompletionDelta, Logprob, RequestDelta
+
+    rng = random.Random(seed)
+    ends = [rng.randrange(1, steps + 1) for _ in range(n)]
+    cum = [0.0] * n
+    deltas = []
+    for step in range(1, steps + 1):
+        comps = []
+        for i in range(n):
+            if step > ends[i] or rng.random() < 0.3 and step < ends[i]:
+                continue                    # finished earlier, or nothing new this step
+            ids = [rng.randrange(100) for _ in range(rng.randrange(1, 3))]
+            lps = [{t: Logprob(-rng.random(), 1, str(t))} for t in ids]
+            cum[i] += sum(next(iter(e.values())).logprob for e in lps)
+            done = step == ends[i]
+            comps.append(CompletionDelta(i, ids, "".join(chr(97 + t % 26) for t in ids), "stop" if done else None,
+                                         None, cum[i], lps))
+        deltas.append(RequestDelta("r", step == steps, comps, 1.0, 2.0, 3.0 + step,
+                                   prompt_logprobs=[None, {5: Logprob(-1.0, 1, "x")}] if step == 2 else None))
+    return deltas
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_delta_accumulator_against_the_cumulative_one(seed):
+    """``RequestOutputKind.DELTA`` folding (several engine deltas per output, as a slow consumer
+    gets them), and ``merge_delta_outputs`` of two unconsumed outputs, against the cumulative
+    accumulator (the feature off) fed the same deltas: concatenated, the deltas are its outputs."""
+    import random
+
+    from qwen_ops import RequestOutputKind
+    from qwen_ops.serving.outputs import RequestAccumulator, merge_delta_outputs
+
+    n = 1 + seed % 3
+    deltas = _random_deltas(n, 12, seed)
+    params = SamplingParams(n=n, logprobs=1, output_kind=RequestOutputKind.DELTA)
+    cum_acc = RequestAccumulator("r", None, [1, 2], params, cumulative=True)
+    delta_acc = RequestAccumulator("r", None, [1, 2], params)
+    rng = random.Random(seed)
+    outs, i = [], 0
+    while i < len(deltas):                      # fold 1-3 deltas per output
+        k = rng.randrange(1, 4)
+        new = []
+        for d in deltas[i:i + k]:
+            cum_new = cum_acc.apply(d)
+            new += delta_acc.apply(d)
+            assert cum_new == [t for c in d.completions for t in c.token_ids]
+        i += k
+        outs.append(delta_acc.output(new))
+        cum_out = cum_acc.output(new)
+    merged = outs[0]
+    for o in outs[1:]:                          # a consumer that took none of them merges them all
+        merged = merge_delta_outputs(merged, o)
+    for got in (merged, _concat(outs, n)):
+        assert got.finished and cum_out.finished
+        assert [(c.index, c.text, c.token_ids, c.finish_reason, c.cumulative_logprob,
+                 [list(e) for e in c.logprobs]) for c in got.outputs] == \
+               [(c.index, c.text, c.token_ids, c.finish_reason, c.cumulative_logprob,
+                 [list(e) for e in c.logprobs]) for c in cum_out.outputs if c.token_ids or c.finish_reason]
+    assert sum(o.prompt_logprobs is not None for o in outs) == 1, "prompt logprobs once, in one delta output"
+    assert merged.prompt_logprobs == cum_out.prompt_logprobs
+    for o in outs:                              # only completions with something new
+        assert all(c.text or c.token_ids or c.finish_reason for c in o.outputs)
+
+
+def _concat(outs, n):
+    """The deltas concatenated per completion, by hand (no merge_delta_outputs)."""
+    from qwen_ops.serving.outputs import CompletionOutput
+
+    by = {}
+    for o in outs:
+        for c in o.outputs:
+            a = by.get(c.index)
+            by[c.index] = c if a is None else CompletionOutput(
+                c.index, a.text + c.text, a.token_ids + c.token_ids, c.finish_reason, c.stop_reason,
+                c.cumulative_logprob, a.logprobs + c.logprobs)
+    return RequestOutput("r", None, [1, 2], [by[i] for i in sorted(by)], outs[-1].finished)

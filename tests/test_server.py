@@ -23,8 +23,8 @@ from qwen_ops.serving.cli import build_parser, main
 from qwen_ops.serving.openai import build_app
 from qwen_ops.serving.openai.chat import CHATML_TEMPLATE, ChatTemplate
 
-from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, PassThroughEngine, blocks_in_use,
-                            cli_server_port, make_engine, running_server, scrape, wait_for)
+from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, PassThroughEngine, RevealingEngine,
+                            blocks_in_use, cli_server_port, make_engine, running_server, scrape, wait_for)
 
 API_KEY = "test-key-123"
 MAX_BODY_BYTES = 64 * 1024
@@ -613,22 +613,13 @@ def test_vllm_metric_names(server, client):
 THOUGHT = "<think>\nThe user wants code.\n</think>\n\n"
 
 
-class _ThinkingEngine(_FaultyEngine):
+class _ThinkingEngine(RevealingEngine):
     """The real engine, its chat replies prefixed with a think block revealed 5 characters per
     update (so tags arrive split across stream chunks), as a thinking Qwen3 writes them."""
 
-    async def generate(self, prompt, params, request_id=None):
-        import dataclasses
-
-        n = 0
-        async for out in self.real.generate(prompt, params, request_id):
-            n += 1
-            outs = []
-            for c in out.outputs:
-                full = THOUGHT + c.text
-                shown = full if out.finished else full[:min(len(full), 5 * n)]
-                outs.append(dataclasses.replace(c, text=shown))
-            yield dataclasses.replace(out, outputs=outs)
+    def shown(self, n: int, finished: bool, text: str) -> str:
+        full = THOUGHT + text
+        return full if finished else full[:min(len(full), 5 * n)]
 
 
 def test_reasoning_parser_splits_and_streams(engine):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from qwen_ops import LLM, SamplingParams
 from qwen_ops.engine.structured import StructuredOutputsParams
 
-from server_fixture import PassThroughEngine, make_engine, running_server
+from server_fixture import RevealingEngine, make_engine, running_server
 
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar")
 jsonschema = pytest.importorskip("jsonschema", reason="the schema validator is the oracle")
@@ -249,19 +249,15 @@ def test_forced_tool_calls_always_parse(client):
 CALL_TEXT = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 
 
-class _CallingEngine(PassThroughEngine):
+class _CallingEngine(RevealingEngine):
     """The real engine, its chat replies replaced by a hermes tool call revealed 6 characters per
     update (so the tags arrive split across stream chunks), as a tool-using Qwen writes them."""
 
-    async def generate(self, prompt, params, request_id=None):
-        import dataclasses
+    def shown(self, n: int, finished: bool, text: str) -> str:
+        return CALL_TEXT if finished else CALL_TEXT[:min(len(CALL_TEXT), 6 * n)]
 
-        n = 0
-        async for out in self.real.generate(prompt, params, request_id):
-            n += 1
-            shown = CALL_TEXT if out.finished else CALL_TEXT[:min(len(CALL_TEXT), 6 * n)]
-            yield dataclasses.replace(out, outputs=[dataclasses.replace(c, text=shown, finish_reason=c.finish_reason
-                                                                        and "stop") for c in out.outputs])
+    def finish_reason(self, c):
+        return c.finish_reason and "stop"
 
 
 def test_auto_tool_calls_parse_and_stream():

@@ -9,6 +9,7 @@ device), so its tokens do not depend on which other requests share the batch.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -35,6 +36,14 @@ MAX_STOP_TOKEN_IDS = 1024
 # Completions per prompt: each is a scheduler request with its own KV and detokenizer, so one
 # SamplingParams must not ask for an unbounded number (the server's own cap is OpenAI's 128).
 MAX_N = 1024
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``RequestOutputKind``: what each output of a streamed request holds (``AsyncLLM.generate``;
+    ``LLM.generate`` returns finished outputs whatever it is)."""
+    CUMULATIVE = 0    # the whole of each completion so far (the default)
+    DELTA = 1         # only what is new since the previous output, and only the completions that changed
+    FINAL_ONLY = 2    # one output, when the request has finished (cumulative)
 
 
 @dataclass(frozen=True, init=False)
@@ -74,6 +83,9 @@ class SamplingParams:
     output, or once if it occurs there); then temperature, ``min_p`` (in [0, 1]: tokens below
     ``min_p`` times the top token's probability masked), top-k and top-p.
 
+    ``output_kind`` (vLLM's ``RequestOutputKind``): what each output of ``AsyncLLM.generate`` holds,
+    the completions so far (``CUMULATIVE``), what is new (``DELTA``), or only the final output.
+
     ``structured_outputs`` (vLLM's ``StructuredOutputsParams``, or a dict of its fields; also
     accepted under vLLM's older name ``guided_decoding``, with ``GuidedDecodingParams``): the
     output follows a JSON schema, a regex, a choice or a grammar (``engine/structured.py``).
@@ -102,6 +114,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default=())
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())   # set by prepare_requests
     structured_outputs: Any = None           # StructuredOutputsParams (engine/structured.py)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 1.0, top_k: int = -1,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
@@ -111,7 +124,8 @@ class SamplingParams:
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  min_p: float = 0.0, logit_bias: Optional[dict] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
-                 structured_outputs=None, prompt_logprobs: Optional[int] = None, guided_decoding=None):
+                 structured_outputs=None, prompt_logprobs: Optional[int] = None, guided_decoding=None,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
             raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
                              "give one of them")
@@ -201,6 +215,10 @@ class SamplingParams:
             for i, w in enumerate(words):
                 if not isinstance(w, str) or not w.strip():
                     raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
+        if isinstance(output_kind, bool) or output_kind not in tuple(RequestOutputKind):
+            raise ValueError(f"output_kind = {output_kind!r}, expected a RequestOutputKind (CUMULATIVE, DELTA or "
+                             "FINAL_ONLY)")
+        output_kind = RequestOutputKind(output_kind)
         if guided_decoding is not None:          # vLLM's older name of structured_outputs
             if structured_outputs is not None:
                 raise ValueError("guided_decoding and structured_outputs are both set; they are one parameter "
@@ -223,7 +241,8 @@ class SamplingParams:
                             ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
                             ("frequency_penalty", frequency_penalty), ("min_p", min_p), ("logit_bias", bias),
                             ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ()),
-                            ("structured_outputs", structured_outputs), ("prompt_logprobs", prompt_logprobs)):
+                            ("structured_outputs", structured_outputs), ("prompt_logprobs", prompt_logprobs),
+                            ("output_kind", output_kind)):
             object.__setattr__(self, name, value)
 
     @property

@@ -48,7 +48,7 @@ from typing import AsyncIterator, Optional, Sequence, Union
 import torch
 
 from qwen_ops.engine.lora import LoRARequest
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import RequestOutputKind, SamplingParams
 from qwen_ops.models.tokenizer import load_tokenizer
 from qwen_ops.serving.engine_core import EngineDeadError, ProcessCore, ThreadCore
 from qwen_ops.serving.core_process import pooling_info
@@ -188,9 +188,10 @@ class AsyncLLM:
         finished = False
         try:
             self._core.add(request_id, ids, params, lora_request)
+            final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+            new: list[int] = []           # new token ids since the last output handed out
             while True:
                 item = await stream.queue.get()
-                new: list[int] = []
                 # Fold in every delta that is queued: one cumulative output says all of it.
                 while True:
                     if isinstance(item, BaseException):
@@ -204,7 +205,9 @@ class AsyncLLM:
                         break
                     item = stream.queue.get_nowait()
                 finished = acc.finished
-                yield acc.output(new)
+                if finished or not final_only:
+                    out, new = acc.output(new), []
+                    yield out
                 if finished:
                     return
         finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import RequestOutputKind, SamplingParams
 from qwen_ops.models.tokenizer import QwenTokenizer
 
 
@@ -90,6 +90,22 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
 
+def merge_delta_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive ``DELTA`` outputs of one request as one (a consumer that took neither yet)."""
+    by_index = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        a = by_index.get(c.index)
+        if a is None:
+            by_index[c.index] = c
+            continue
+        lps = None if a.logprobs is None or c.logprobs is None else a.logprobs + c.logprobs
+        by_index[c.index] = CompletionOutput(c.index, a.text + c.text, a.token_ids + c.token_ids, c.finish_reason,
+                                             c.stop_reason, c.cumulative_logprob, lps)
+    return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, [by_index[i] for i in sorted(by_index)],
+                         then.finished, first.new_token_ids + then.new_token_ids, then.error, then.metrics,
+                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+
+
 class CompletionDelta(NamedTuple):
     """What one completion gained in an engine iteration (``AsyncLLM``'s engine core sends these)."""
     index: int
@@ -129,18 +145,24 @@ def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]]
 
 
 class RequestAccumulator:
-    """The caller's side of one request: folds ``RequestDelta``s into cumulative ``RequestOutput``s.
+    """The caller's side of one request: folds ``RequestDelta``s into ``RequestOutput``s, cumulative
+    by default (``params.output_kind``; ``DELTA``: each output holds only what its deltas added).
 
     An update costs what its deltas changed: a completion a delta names gets a fresh
     ``CompletionOutput`` (so an output handed out earlier never changes under its holder), the
     others keep the object they had, and ``output()`` only copies the list of ``n`` references.
-    A caller can tell an unchanged completion by identity (``is``)."""
+    A caller can tell an unchanged completion by identity (``is``). In ``DELTA`` mode nothing of
+    the past is kept: an output lists the completions that changed, each with its new text, token
+    ids and logprobs (the server's streams send these as they are)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "_token_ids", "_logprobs",
-                 "_dirty", "finished", "times", "prompt_logprobs")
+                 "_dirty", "finished", "times", "prompt_logprobs", "delta", "_new_prompt_logprobs")
 
-    def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams,
+                 cumulative: bool = False):
         n = params.n
+        self.delta = not cumulative and params.output_kind == RequestOutputKind.DELTA
+        self._new_prompt_logprobs = False
         self.request_id = request_id
         self.prompt = prompt if isinstance(prompt, str) else None
         self.prompt_token_ids = prompt_token_ids
@@ -156,6 +178,8 @@ class RequestAccumulator:
 
     def apply(self, delta: RequestDelta) -> list[int]:
         """Fold in one delta; returns its new token ids over its completions in index order."""
+        if self.delta:
+            return self._apply_delta(delta)
         new: list[int] = []
         for c in delta.completions:
             i = c.index
@@ -176,7 +200,38 @@ class RequestAccumulator:
             self.prompt_logprobs = delta.prompt_logprobs
         return new
 
+    def _apply_delta(self, delta: RequestDelta) -> list[int]:
+        """DELTA mode: pending outputs of what changed since the last ``output()``, merged."""
+        new: list[int] = []
+        for c in delta.completions:
+            i = c.index
+            new.extend(c.token_ids)
+            lps = None if c.logprobs is None else list(c.logprobs)
+            old = self.outputs[i] if i in self._dirty else None
+            if old is None:
+                self.outputs[i] = CompletionOutput(i, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                                   c.cumulative_logprob, lps)
+            else:
+                old.text += c.text
+                old.token_ids.extend(c.token_ids)
+                if lps is not None and old.logprobs is not None:
+                    old.logprobs.extend(lps)
+                old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+                old.cumulative_logprob = c.cumulative_logprob
+            self._dirty[i] = None
+        self.finished = delta.finished
+        self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time, delta.first_scheduled_time)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self._new_prompt_logprobs = delta.prompt_logprobs, True
+        return new
+
     def output(self, new_token_ids: list[int]) -> RequestOutput:
+        if self.delta:
+            outs = [self.outputs[i] for i in sorted(self._dirty)]
+            self._dirty.clear()
+            prompt_lps, self._new_prompt_logprobs = (self.prompt_logprobs if self._new_prompt_logprobs else None), False
+            return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
+                                 new_token_ids, metrics=RequestMetrics(*self.times), prompt_logprobs=prompt_lps)
         for i in self._dirty:
             out = self.outputs[i]
             out.token_ids = list(self._token_ids[i])
@@ -344,9 +399,11 @@ class RequestState:
 
     def output(self) -> tuple[RequestOutput, list[int]]:
         """Fold what changed into this state's accumulator: the cumulative output, and the tokens
-        new since the previous call (over all completions, in index order)."""
+        new since the previous call (over all completions, in index order). ``LLM``'s outputs are
+        cumulative whatever ``output_kind`` says (it applies to ``AsyncLLM.generate``)."""
         if self.accumulator is None:
-            self.accumulator = RequestAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.params)
+            self.accumulator = RequestAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.params,
+                                                  cumulative=True)
         new = self.accumulator.apply(self.delta())
         return self.accumulator.output(new), new
 

@@ -41,8 +41,10 @@ from qwen_ops.serving.openai.lora import (LoadLoRAAdapterRequest, LoRAAdapters, 
                                           UnloadLoRAAdapterRequest, runtime_updating_allowed)
 from qwen_ops.serving.openai.reasoning import make_parser
 from qwen_ops.serving.openai import tools as T
+from qwen_ops.engine.sampling import RequestOutputKind
 from qwen_ops.engine.structured import StructuredOutputsParams
 from qwen_ops.serving.openai.metrics import ServerMetrics
+from qwen_ops.serving.outputs import CompletionOutput, merge_delta_outputs
 from qwen_ops.serving.openai.pooling import PoolingRoutes
 
 logger = logging.getLogger("qwen_ops.serving.openai")
@@ -107,6 +109,8 @@ class _Generation:
     without, a single stream's response headers go out while the engine runs its first step, and
     a failure from the engine after submission is reported in-band, as vLLM does.
     ``close()`` (synchronous, idempotent) aborts every engine request that has not finished.
+    A stream's engine outputs are deltas (``RequestOutputKind.DELTA``: what is new, which the SSE
+    chunks send as it is); a response sent whole takes cumulative ones.
     """
 
     def __init__(self, serving: "_Serving", prompts: list[list[int]], params, base_id: str, lora_request=None):
@@ -116,8 +120,10 @@ class _Generation:
         # The adapter's keyword only when there is one: engines without LoRA keep their signature.
         self._lora = {} if lora_request is None else {"lora_request": lora_request}
         self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        self.latest: dict[int, Any] = {}           # stream index -> newest output not yet consumed
+        self.latest: dict[int, Any] = {}           # stream index -> newest output (deltas: merged) not yet consumed
         self.last: list[Any] = [None] * len(prompts)
+        self._delta = params.output_kind == RequestOutputKind.DELTA
+        self._reasons: list[dict[int, Optional[str]]] = [{} for _ in prompts]   # completion -> finish reason
         self.finished = [False] * len(prompts)
         self.generated = [0] * len(prompts)       # tokens over all n completions, summed from the updates
         self._timings = [serving.metrics.timing(len(p)) for p in prompts]
@@ -136,10 +142,14 @@ class _Generation:
         self._timings[i].update(generated, time.perf_counter())
         if getattr(out, "error", None):
             raise RuntimeError(f"engine request {self.ids[i]} failed: {out.error}")
-        self.latest[i] = self.last[i] = out
+        for c in out.outputs:
+            self._reasons[i][c.index] = c.finish_reason
+        pending = self.latest.get(i)
+        self.latest[i] = self.last[i] = out if pending is None or not self._delta else merge_delta_outputs(pending, out)
         if out.finished:
             self.finished[i] = True
-            self._timings[i].finish([c.finish_reason for c in out.outputs], generated, out.metrics)
+            reasons = [self._reasons[i].get(j) for j in range(self.params.n)]
+            self._timings[i].finish(reasons, generated, out.metrics)
 
     async def _pump(self, i: int) -> None:
         opened = self._opened[i]
@@ -246,12 +256,22 @@ class _Generation:
 
 class _Cursor:
     """What one choice's stream has sent so far."""
-    __slots__ = ("chars", "tokens", "offset", "started", "done", "seen", "reasoning_chars", "content_chars", "calls")
+    __slots__ = ("offset", "started", "done", "held", "text", "reasoning_chars", "content_chars", "calls")
 
     def __init__(self) -> None:
-        self.chars = self.tokens = self.offset = self.reasoning_chars = self.content_chars = self.calls = 0
+        self.offset = self.reasoning_chars = self.content_chars = self.calls = 0
         self.started = self.done = False
-        self.seen = None          # the CompletionOutput last looked at (an unchanged one is the same object)
+        self.held = None          # deltas waiting for the prompt's logprobs (the first part carries them)
+        self.text = ""            # a chat choice's text so far: the reasoning and tool parsers read all of it
+
+    def take(self, c):
+        """``c`` (a delta of this choice) after what was held, as one delta."""
+        h, self.held = self.held, None
+        if h is None:
+            return c
+        lps = None if h.logprobs is None or c.logprobs is None else h.logprobs + c.logprobs
+        return CompletionOutput(c.index, h.text + c.text, h.token_ids + c.token_ids, c.finish_reason, c.stop_reason,
+                                c.cumulative_logprob, lps)
 
 
 class _StreamResponse(StreamingResponse):
@@ -594,6 +614,8 @@ class _Serving:
                                                                    defaults=self.sampling_defaults))
         if score:
             kwargs["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
+        if req.stream:
+            kwargs["output_kind"] = RequestOutputKind.DELTA
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field="max_tokens"), self.vocab_size,
                                 self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
@@ -620,11 +642,11 @@ class _Serving:
 
         score, echo_only, show_prompt = prep.score, prep.echo_only, req.prompt_logprobs is not None
 
-        def logprobs_of(i: int, out, c, new_ids, entries, offset: int, first: bool):
+        def logprobs_of(i: int, prompt_lps, c, new_ids, entries, offset: int, first: bool):
             """The legacy logprobs of a choice's new tokens (after its echoed prompt's, in its first part)."""
             head = lp = None
-            if first and score and out.prompt_logprobs is not None:
-                head, offset = P.echo_logprobs(prompts[i], out.prompt_logprobs, k, self.decode)
+            if first and score and prompt_lps is not None:
+                head, offset = P.echo_logprobs(prompts[i], prompt_lps, k, self.decode)
             if k is not None and c.logprobs is not None and not echo_only:
                 lp, offset = P.completion_logprobs(new_ids, entries, k, offset, self.decode)
             if head is not None:
@@ -639,7 +661,7 @@ class _Serving:
             for i, out in enumerate(outputs):
                 for c in out.outputs:
                     generated += 0 if echo_only else len(c.token_ids)
-                    lp, _ = logprobs_of(i, out, c, c.token_ids, c.logprobs, len(echoes[i]), True)
+                    lp, _ = logprobs_of(i, out.prompt_logprobs, c, c.token_ids, c.logprobs, len(echoes[i]), True)
                     choice = {"index": i * params.n + c.index, "text": choice_text(i, c), "logprobs": lp,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     if show_prompt:
@@ -651,29 +673,39 @@ class _Serving:
 
         async def chunks(g: _Generation):
             cursors: dict[tuple[int, int], _Cursor] = {}
+            prompt_lps: dict[int, Any] = {}
             async for batch in g.updates():
                 events = []
                 for i, out in sorted(batch.items()):
-                    for c in out.outputs:
-                        cur = cursors.setdefault((i, c.index), _Cursor())
-                        if cur.done or c is cur.seen:     # unchanged since the last batch: nothing to send
+                    if out.prompt_logprobs is not None:   # deltas carry them once
+                        prompt_lps[i] = out.prompt_logprobs
+                    todo = {c.index: c for c in out.outputs}       # deltas: only the completions that changed
+                    if i in prompt_lps:                   # and those held for the prompt's logprobs
+                        todo.update({j: None for (ii, j), cur in cursors.items()
+                                     if ii == i and cur.held is not None and j not in todo})
+                    for j in sorted(todo):
+                        cur = cursors.setdefault((i, j), _Cursor())
+                        if todo[j] is None:
+                            c, cur.held = cur.held, None
+                        else:
+                            c = cur.take(todo[j])
+                        if cur.done:
                             continue
-                        if not cur.started and (score or show_prompt) and out.prompt_logprobs is None:
-                            continue                      # its first part waits for the prompt's logprobs
-                        cur.seen = c
-                        text = c.text[cur.chars:]
-                        new_ids = c.token_ids[cur.tokens:]
+                        if not cur.started and (score or show_prompt) and i not in prompt_lps:
+                            cur.held = c                  # its first part waits for the prompt's logprobs
+                            continue
+                        text, new_ids = c.text, c.token_ids
                         if not (text or new_ids or c.finish_reason or not cur.started):
                             continue
                         if echo_only:
                             text, new_ids = "", []
                         prefix = "" if cur.started else echoes[i]
-                        lp, cur.offset = logprobs_of(i, out, c, new_ids, (c.logprobs or [])[cur.tokens:],
+                        lp, cur.offset = logprobs_of(i, prompt_lps.get(i), c, new_ids, c.logprobs or [],
                                                      cur.offset + len(prefix), not cur.started)
                         extra = ""
                         if show_prompt and not cur.started:
-                            extra = f',"prompt_logprobs":{_dumps(P.vllm_prompt_logprobs(out.prompt_logprobs))}'
-                        cur.chars, cur.tokens, cur.started = len(c.text), len(c.token_ids), True
+                            extra = f',"prompt_logprobs":{_dumps(P.vllm_prompt_logprobs(prompt_lps.get(i)))}'
+                        cur.started = True
                         cur.done = c.finish_reason is not None
                         events.append(head.event(i * params.n + c.index, (
                             f'"text":{_json_str(prefix + text)},"logprobs":{_opt(lp)},'
@@ -738,6 +770,8 @@ class _Serving:
             so_field = "tool_choice"
             kwargs["structured_outputs"] = self.check_spec(so_field, StructuredOutputsParams(json=P.tool_call_schema(
                 mode, tools, named, parallel=req.parallel_tool_calls is not False)))
+        if req.stream:
+            kwargs["output_kind"] = RequestOutputKind.DELTA
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
         prep = _Prepared(req, [ids], params, None, k, field)
@@ -807,21 +841,20 @@ class _Serving:
             cursors = [_Cursor() for _ in range(params.n)]
             async for batch in g.updates():
                 events = []
-                for c in batch[0].outputs:
+                for c in batch[0].outputs:                # deltas: only the choices that changed
                     cur = cursors[c.index]
-                    if cur.done or c is cur.seen:         # unchanged since the last batch: nothing to send
+                    if cur.done:
                         continue
-                    cur.seen = c
-                    text = c.text[cur.chars:]
-                    new_ids = c.token_ids[cur.tokens:]
+                    text, new_ids = c.text, c.token_ids
+                    cur.text += text
                     finish = c.finish_reason
                     if mode != "none":
                         final = c.finish_reason is not None
                         if mode == "auto":
-                            content, calls = T.stream_split(c.text, final)
+                            content, calls = T.stream_split(cur.text, final)
                             calls = T.first_call_only(calls, req.parallel_tool_calls)
                         else:
-                            content, calls = "", (T.forced_calls(mode, c.text, named) if final else [])
+                            content, calls = "", (T.forced_calls(mode, cur.text, named) if final else [])
                         if len(content) > cur.content_chars:
                             events.append(event(c.index, f'{{"content":{_json_str(content[cur.content_chars:])}}}'))
                             cur.content_chars = len(content)
@@ -832,7 +865,7 @@ class _Serving:
                         if final and cur.calls and finish == "stop":
                             finish = "tool_calls"
                     elif parser is not None:
-                        reasoning, content = parser.split(c.text, final=c.finish_reason is not None)
+                        reasoning, content = parser.split(cur.text, final=c.finish_reason is not None)
                         parts = []
                         if reasoning is not None and len(reasoning) > cur.reasoning_chars:
                             parts.append(f'"reasoning_content":{_json_str(reasoning[cur.reasoning_chars:])}')
@@ -845,9 +878,8 @@ class _Serving:
                     elif text or (new_ids and k is not None):
                         lp = None
                         if k is not None and c.logprobs is not None:
-                            lp = {"content": P.chat_logprobs(new_ids, c.logprobs[cur.tokens:], k, self.decode)}
+                            lp = {"content": P.chat_logprobs(new_ids, c.logprobs, k, self.decode)}
                         events.append(event(c.index, f'{{"content":{_json_str(text)}}}', lp))
-                    cur.chars, cur.tokens = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         cur.done = True
                         events.append(event(c.index, "{}", None, finish, c.stop_reason))
