@@ -279,10 +279,11 @@ def test_reference_matches_transformers_fallbacks(ratio, device):
     out = gated_delta_rule_reference(*case.args(state))
     kw = dict(initial_state=case.state[slot:slot + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
     hf_args = [t[:L][None] for t in (case.q, case.k, case.v, case.g, case.beta)]
-    for fn in (qwen35.torch_chunk_gated_delta_rule, qwen35.torch_recurrent_gated_delta_rule):
-        hf_out, hf_state = fn(*hf_args, **kw)
-        assert_linear_close(out[:L], hf_out[0], torch.float32, fn.__name__)
-        assert_linear_close(state[slot], hf_state[0], torch.float32, fn.__name__)
+    # (named here: transformers 5.25 wraps these functions in modules that have no __name__)
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        hf_out, hf_state = getattr(qwen35, name)(*hf_args, **kw)
+        assert_linear_close(out[:L], hf_out[0], torch.float32, name)
+        assert_linear_close(state[slot], hf_state[0], torch.float32, name)
     # A decode step from that state.
     step = make_delta_case(None, dtype=torch.float32, device=device, ratio=ratio, seqs=(Seq(slot, 5 + L, 1),),
                            seed=4)
