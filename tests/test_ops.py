@@ -363,6 +363,61 @@ def test_slot_attention_cpu_flash_head_dims_and_pages(head_dim):
             check_attention("cpu", case, dtype)
 
 
+def _bf16_path_library(tmp_path, monkeypatch, mode):
+    """The package's CPU library loaded again from a copy (so that its once-per-process choice of bf16
+    products is made afresh) with ``QWEN_OPS_BF16_PRODUCTS=mode``; None where the CPU lacks that path
+    (the forced choice falls back to widening)."""
+    import ctypes
+    import shutil
+
+    from qwen_ops.ops.kernels import cpu
+
+    copy_path = tmp_path / f"qwen_cpu_{mode}.so"
+    shutil.copy(cpu.library()._name, copy_path)
+    monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", mode)
+    lib = ctypes.CDLL(str(copy_path))
+    for name, (argtypes, restype) in cpu._SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+    code = {"amx": 2, "dot": 1, "widening": 0}[mode]
+    return lib if lib.qwen_bf16_products() == code else None
+
+
+@pytest.mark.parametrize("mode", ["amx", "dot", "widening"])
+def test_slot_attention_cpu_flash_every_bf16_path(tmp_path, monkeypatch, mode):
+    """The bf16 flash path on each of the products' paths, forced in a library of its own that the CPU
+    kernel of slot_attention calls for the test: AMX tiles, AVX512-BF16 dot products (each only where the CPU has it) and widening into
+    fp32 FMAs. Against the reference (outputs poisoned) and within flash-attention's bound of the
+    float64 loop oracle; head dims 80 (the dot path's output dims in a group of 4 vectors and one of 2),
+    64 and 128, GQA groups 1, 2 and 8, the gate, whole prompts, chunks and mixed batches; the same bits
+    on one thread and two."""
+    from qwen_ops.ops.kernels import cpu
+
+    reason = backend_mod.why_unavailable("cpu", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    lib = _bf16_path_library(tmp_path, monkeypatch, mode)
+    if lib is None:
+        pytest.skip(f"this CPU has no {mode} bf16 products")
+    monkeypatch.setattr(cpu, "library", lambda: lib)      # slot_attention's CPU kernel calls library()
+    cases = [("chunk", 2, 80, False), ("mixed", 8, 64, True), ("prompt", 1, 128, False)]
+    before = torch.get_num_threads()
+    try:
+        for name, group, head_dim, gate in cases:
+            case = make_attention_case(FLASH_CASES[name], dtype=torch.bfloat16, device=torch.device("cpu"),
+                                       group=group, num_kv_heads=2, head_dim=head_dim, block_size=16, gate=gate,
+                                       seed=19)
+            torch.set_num_threads(1)
+            one = check_attention("cpu", case, torch.bfloat16)
+            torch.set_num_threads(2)
+            poison_allocator(case.query)
+            two = run_op("cpu", torch.ops.qwen.slot_attention, *case.args())
+            assert torch.equal(one, two), f"{name}: two threads differ from one"
+            assert_within_flash_bound(one, loop_oracle_attention(case),
+                                      loop_oracle_attention(case, compute_dtype=torch.bfloat16))
+    finally:
+        torch.set_num_threads(before)
+
+
 # The CPU kernel's split over threads: one decode row split by kv heads (3 threads over 4 kv heads:
 # ranges of 1, 1 and 2 heads), and batches of rows split by rows.
 THREAD_CASES = {"lone_decode": (Seq(1, 70, 1),), "decode": SCENARIOS["decode_live"], "mixed": SCENARIOS["mixed"]}

@@ -1303,13 +1303,17 @@ static QWEN_DPBF16_TARGET void dpbf16_panels(const uint32_t *xp, int64_t xps, in
     }
 }
 
+/* The row stride (in pairs) of x's bf16 pairs for dpbf16_panels: a whole number of 64-byte lines
+ * plus one, so that the rows of a block fall in different sets of L1 (qwen_linear). */
+static inline int64_t dpbf16_stride(int64_t K2) { return (K2 + 15) / 16 * 16 + 16; }
+
 /* qwen_linear_packed_bf16 by VDPBF16PS. Returns -1 (nothing written) when scratch memory for the
  * bf16 pairs of x could not be allocated. */
 static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp,
                                                    const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
                                                    int threads) {
-    const int64_t K2 = (K + 1) / 2;
-    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(M * K2 > 0 ? M * K2 : 1));
+    const int64_t K2 = (K + 1) / 2, xps = dpbf16_stride(K2);
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)(M * xps > 0 ? M * xps : 1));
     if (xp == NULL) return -1;
     for (int64_t m = 0; m < M; ++m)
         for (int64_t kk = 0; kk < K2; ++kk) {
@@ -1318,9 +1322,9 @@ static QWEN_DPBF16_TARGET int linear_packed_dpbf16(const float *x, int64_t xs, i
             uint32_t ua, ub;
             memcpy(&ua, &a, 4);
             memcpy(&ub, &b, 4);
-            xp[m * K2 + kk] = (ua >> 16) | (ub & 0xFFFF0000u);
+            xp[m * xps + kk] = (ua >> 16) | (ub & 0xFFFF0000u);
         }
-    dpbf16_panels(xp, K2, M, wp, bias, N, K, y, ys, threads);
+    dpbf16_panels(xp, xps, M, wp, bias, N, K, y, ys, threads);
     free(xp);
     return 0;
 }
@@ -1840,11 +1844,22 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
         return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, y, 1, ys, (int)threads);
 #endif
 #if QWEN_DPBF16
-    /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. */
+    /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. Rows whose
+     * stride is a multiple of 1 KB are copied to rows of dpbf16_stride first: a block's 12 rows would
+     * otherwise share 4 or fewer of L1's 64 sets (at K = 2048, one set for 12 lines of 8 ways: the
+     * products ran at 0.7x). */
     if (qwen_bf16_products() == 1 && K % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
-        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
+        const int copy = M > 1 && (xs * 2) % 1024 == 0;
+        const int64_t K2 = K / 2, xps = copy ? dpbf16_stride(K2) : xs / 2;
+        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1) + (copy ? sizeof(uint32_t) * (size_t)(M * xps) : 0));
         if (yf == NULL) return -1;
-        dpbf16_panels((const uint32_t *)x, xs / 2, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads);
+        const uint32_t *xp = (const uint32_t *)x;
+        if (copy) {
+            uint32_t *xc = (uint32_t *)(void *)(yf + M * N);
+            for (int64_t m = 0; m < M; ++m) memcpy(xc + m * xps, (const uint16_t *)x + m * xs, sizeof(uint32_t) * (size_t)K2);
+            xp = xc;
+        }
+        dpbf16_panels(xp, xps, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads);
         for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);
         free(yf);
         return 0;

@@ -16,7 +16,12 @@
  *  - bf16 on AMX tiles (where qwen_bf16_products() chose AMX): S = Q K^T with K^T stored as the
  *    B tiles' pairs of head dims, then O += P V with P rounded to bf16 (as flash-attention's bf16
  *    kernels round it) and V as the B tiles' pairs of keys; fp32 accumulation throughout.
- *  - fp32 FMAs (fp32 caches, and bf16 where there are no tiles): K^T [d][keys] and V [keys][d] in
+ *  - bf16 by AVX512-BF16 dot products (where qwen_bf16_products() chose them: CPUs with AVX512-BF16
+ *    and no tiles, e.g. AMD Zen 4) on the same layouts: a tile row of K^T or V is one vector of 16
+ *    pairs, times a broadcast pair of the query row or of P; 4 rows x 64 keys of scores and 4 rows x
+ *    64 dims of output per register block. VDPBF16PS does a pair's two products per lane at the FMA
+ *    rate: twice the fp32 path's work per instruction.
+ *  - fp32 FMAs (fp32 caches, and bf16 where there are neither): K^T [d][keys] and V [keys][d] in
  *    fp32, 4 rows x 64 keys of scores and 2 rows x 128 dims of output per register block.
  * The softmax (max, exp, sums) runs in fp32 on AVX-512 either way, scale applied in fp32.
  * Results do not depend on the thread count: a task's rows are computed the same way whoever
@@ -25,6 +30,7 @@
 #if QWEN_AVX512
 
 #define FLASH_BK 64          /* keys per key block */
+enum { FLASH_F32 = 0, FLASH_DOT = 1, FLASH_AMX = 2 };   /* the products' path (flash_run) */
 #ifndef FLASH_ROWS
 #define FLASH_ROWS 64        /* query rows per query block: positions x the query heads of one kv head */
 #endif
@@ -45,18 +51,18 @@ typedef struct {
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* Keys 0 .. n - 1 of kv head kvh read from their pages into the products' layouts, zero-padded to
- * whole key blocks and Dp head dims. amx: K^T as B tiles kt[kb][s][t][p][k] (dword = head dims
+ * whole key blocks and Dp head dims. tiled (AMX and dot products): K^T as B tiles kt[kb][s][t][p][k] (dword = head dims
  * 32 s + 2 p, +1 of key 64 kb + 16 t + k; each tile 1 KB) and V as B tiles vv[kb][h][c][p][d][e]
  * (keys 64 kb + 32 h + 2 p + e, head dim 16 c + d). Else fp32: kt[kb][d][64] and vv[key][Dp].
  * K^T's rows are gathered 16 keys at a time (one 64-byte store each: scattered stores were 10x
  * slower); V's pairs of keys are interleaved by permutes. */
-static void flash_pack_kv(const attn_args *a, const int32_t *blocks, int64_t kvh, int64_t n, int amx, int64_t Dp,
+static void flash_pack_kv(const attn_args *a, const int32_t *blocks, int64_t kvh, int64_t n, int tiled, int64_t Dp,
                           void *kt, void *vv) {
     const int64_t D = a->D, nkb = (n + FLASH_BK - 1) / FLASH_BK, elem = a->dtype == 0 ? 4 : 2;
     const int64_t S = Dp / 32, C = Dp / 16;
     const int bf16 = a->dtype == 2;
-    memset(kt, 0, (size_t)(nkb * FLASH_BK * Dp * (amx ? 2 : 4)));
-    memset(vv, 0, (size_t)(nkb * FLASH_BK * Dp * (amx ? 2 : 4)));
+    memset(kt, 0, (size_t)(nkb * FLASH_BK * Dp * (tiled ? 2 : 4)));
+    memset(vv, 0, (size_t)(nkb * FLASH_BK * Dp * (tiled ? 2 : 4)));
     /* each key's row offsets (elements from the caches' starts), 64 at a time; past n: key n - 1's */
     int64_t koff[FLASH_BK] __attribute__((aligned(64))), voff[FLASH_BK] __attribute__((aligned(64)));
     const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
@@ -70,7 +76,7 @@ static void flash_pack_kv(const attn_args *a, const int32_t *blocks, int64_t kvh
             koff[kk] = block * a->k_sb + r * a->k_sr + kvh * a->k_sh;
             voff[kk] = block * a->v_sb + r * a->v_sr + kvh * a->v_sh;
         }
-        if (amx) {
+        if (tiled) {
             /* K^T: tile row (s, t, p) = dword 16 s + p of keys 16 t .. 16 t + 15 */
             const int *kbase = (const int *)a->key_cache;
             uint32_t *kdst = (uint32_t *)kt + kb * S * 4 * 256;
@@ -287,10 +293,83 @@ static QWEN_AMX_TARGET void flash_pv_amx(const uint16_t *pt, const uint16_t *vv,
 }
 #endif
 
+#if QWEN_DPBF16
+/* S [Mp][64] = Q (bf16 tiles qt[i][s][16][32]) times a key block's K^T tiles (kt[s][t][p][k] dwords),
+ * by VDPBF16PS: per 4 rows, 16 accumulators (4 rows x 4 groups of 16 keys); for each pair p of head
+ * dims, the 4 key groups' tile rows times the rows' broadcast pair. */
+static QWEN_DPBF16_TARGET void flash_scores_dot(const uint16_t *qt, int64_t S, int64_t Mp, const uint32_t *kt,
+                                                float *s) {
+    const uint32_t *qd = (const uint32_t *)(const void *)qt;
+    for (int64_t r = 0; r < Mp; r += 4) {
+        __m512 acc[4][4];
+        for (int x = 0; x < 4; ++x)
+            for (int t = 0; t < 4; ++t) acc[x][t] = _mm512_setzero_ps();
+        for (int64_t st = 0; st < S; ++st) {
+            const uint32_t *b = kt + st * 4 * 256, *q = qd + ((r / 16) * S + st) * 256 + (r % 16) * 16;
+            for (int p = 0; p < 16; ++p) {
+                const __m512bh k0 = (__m512bh)_mm512_load_si512(b + p * 16);
+                const __m512bh k1 = (__m512bh)_mm512_load_si512(b + 256 + p * 16);
+                const __m512bh k2 = (__m512bh)_mm512_load_si512(b + 512 + p * 16);
+                const __m512bh k3 = (__m512bh)_mm512_load_si512(b + 768 + p * 16);
+                for (int x = 0; x < 4; ++x) {
+                    const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q[x * 16 + p]);
+                    acc[x][0] = _mm512_dpbf16_ps(acc[x][0], qp, k0);
+                    acc[x][1] = _mm512_dpbf16_ps(acc[x][1], qp, k1);
+                    acc[x][2] = _mm512_dpbf16_ps(acc[x][2], qp, k2);
+                    acc[x][3] = _mm512_dpbf16_ps(acc[x][3], qp, k3);
+                }
+            }
+        }
+        for (int x = 0; x < 4; ++x)
+            for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + (r + x) * FLASH_BK + 16 * t, acc[x][t]);
+    }
+}
+
+/* O rows r .. r + 3, head dims 16 c0 .. 16 (c0 + NC) += P (bf16 tiles pt[i][h][16][32]) times the key
+ * block's V tiles (vv[h][c][p][16] dwords: the pair of keys 32 h + 2 p, + 1 per head dim), over the
+ * first np pairs of keys. */
+static inline __attribute__((always_inline)) QWEN_DPBF16_TARGET void flash_pv_dot_rows(
+    const uint32_t *pd, const uint32_t *vd, int64_t C, int64_t Dp, int64_t r, int64_t c0, int64_t np, float *o,
+    const int NC) {
+    __m512 acc[4][4];
+    for (int x = 0; x < 4; ++x)
+        for (int c = 0; c < NC; ++c) acc[x][c] = _mm512_loadu_ps(o + (r + x) * Dp + 16 * (c0 + c));
+    for (int64_t k = 0; k < np; ++k) {
+        const int64_t h = k / 16, p = k % 16;
+        const uint32_t *prow = pd + (((r / 16) * 2 + h) * 16 + r % 16) * 16 + p;
+        __m512bh v[4];
+        for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_load_si512(vd + ((h * C + c0 + c) * 16 + p) * 16);
+        for (int x = 0; x < 4; ++x) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)prow[x * 16]);
+            for (int c = 0; c < NC; ++c) acc[x][c] = _mm512_dpbf16_ps(acc[x][c], pp, v[c]);
+        }
+    }
+    for (int x = 0; x < 4; ++x)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + (r + x) * Dp + 16 * (c0 + c), acc[x][c]);
+}
+
+/* O [Mp][Dp] += P times a key block's V, keys 0 .. nk - 1 (nk <= 64; P is 0 past each row's last key). */
+static QWEN_DPBF16_TARGET void flash_pv_dot(const uint16_t *pt, const uint16_t *vv, int64_t Dp, int64_t Mp, float *o,
+                                            int64_t nk) {
+    const uint32_t *pd = (const uint32_t *)(const void *)pt, *vd = (const uint32_t *)(const void *)vv;
+    const int64_t C = Dp / 16, np = (nk + 1) / 2;
+    for (int64_t r = 0; r < Mp; r += 4)
+        for (int64_t c0 = 0; c0 < C; c0 += 4) {   /* C is even (Dp a multiple of 32): groups of 4, then 2 */
+            if (C - c0 >= 4) flash_pv_dot_rows(pd, vd, C, Dp, r, c0, np, o, 4);
+            else flash_pv_dot_rows(pd, vd, C, Dp, r, c0, np, o, 2);
+        }
+}
+#endif
+
 #if QWEN_AMX
 #define flash_scores_amx_any flash_scores_amx
 #else
 #define flash_scores_amx_any(q, S, Mp, kt, s) ((void)0)
+#endif
+#if QWEN_DPBF16
+#define flash_scores_dot_any flash_scores_dot
+#else
+#define flash_scores_dot_any(q, S, Mp, kt, s) ((void)0)
 #endif
 
 /* 2^t for t <= 0 (and t > -inf), 16 lanes: exp_nonpositive's polynomial on the fraction, the power by
@@ -326,9 +405,9 @@ static inline __attribute__((always_inline)) __m512 flash_exp2(__m512 t) {
 FLASH_REDUCE16(flash_max16, _mm512_max_ps)
 FLASH_REDUCE16(flash_sum16, _mm512_add_ps)
 
-#if QWEN_AMX
+#if QWEN_AMX || QWEN_DPBF16
 /* 32 bf16 = lo (words 0-15) and hi (16-31) rounded to nearest even by one VCVTNE2PS2BF16, which every
- * CPU with AMX-BF16 has (written as asm: the intrinsic would need the avx512bf16 target on every
+ * CPU with AMX-BF16 or AVX512-BF16 has (written as asm: the intrinsic would need the avx512bf16 target on every
  * function it is inlined into). It rounds as amx_round_bf16 except that fp32 subnormals become zeros:
  * P's values are in [0, 1], and one below 2^-126 adds nothing a bf16 product keeps. */
 static inline __attribute__((always_inline)) __m512i flash_bf16_pair(__m512 hi, __m512 lo) {
@@ -384,7 +463,7 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
             float *orow = o + j * Dp;
             for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), a));
         }
-#if QWEN_AMX
+#if QWEN_AMX || QWEN_DPBF16
         if (pb != NULL) {   /* P rounded to bf16 for the tiles, as the products' outputs are */
             _mm512_storeu_si512((void *)(pb + j * 32), flash_bf16_pair(x[1], x[0]));
             _mm512_storeu_si512((void *)(pb + j * 32 + 512), flash_bf16_pair(x[3], x[2]));
@@ -400,18 +479,19 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
 /* One query block: rows r = j G + g (position pos0 + j, query head kvh G + g, token token0 + j),
  * j < nq, over keys 0 .. pos0 + nq - 1 already packed. Scratch (floats unless said): q (Mp x Dp,
  * bf16 tiles or fp32), o (Mp x Dp), s (Mp x 64), pb (bf16 Mp x 64), m, l (Mp). */
-static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t token0, int64_t pos0, int64_t nq,
+static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t token0, int64_t pos0, int64_t nq,
                               int64_t kvh, const void *kt, const void *vv, float *q, float *o, float *scores,
                               uint16_t *pb, float *m, float *l) {
+    const int tiled = mode != FLASH_F32;
     const int64_t G = a->G, D = a->D, H = a->H, M = nq * G, Mp = round_up(M, 16), S = Dp / 32;
     const int64_t nkeys = pos0 + nq, nkb = (nkeys + FLASH_BK - 1) / FLASH_BK;
     const float scale = a->scale;
     float *s_next[2] = {scores, scores + Mp * FLASH_BK};
     /* Q rows: bf16 tiles qt[i][s][16][32] (zero padding), or fp32 [Mp][Dp] */
-    memset(q, 0, (size_t)(Mp * Dp * (amx ? 2 : 4)));
+    memset(q, 0, (size_t)(Mp * Dp * (tiled ? 2 : 4)));
     for (int64_t r = 0; r < M; ++r) {
         const int64_t at = (token0 + r / G) * a->q_s0 + (kvh * G + r % G) * a->q_s1;
-        if (amx) {
+        if (tiled) {
             const uint16_t *src = (const uint16_t *)a->query + at;
             uint16_t *dst = (uint16_t *)(void *)q + ((r / 16) * S) * 512 + (r % 16) * 32;
             for (int64_t st = 0; st < S; ++st) {
@@ -423,7 +503,7 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
         }
     }
     memset(o, 0, sizeof(float) * (size_t)(Mp * Dp));
-    if (amx) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * FLASH_BK));
+    if (tiled) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * FLASH_BK));
     else memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * FLASH_BK));
     for (int64_t r = 0; r < Mp; ++r) {
         m[r] = -INFINITY;
@@ -433,8 +513,10 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
      * have only just written (measured: docs/design.md, "Long prompts") */
 #define FLASH_SCORES(KB, DST)                                                                                   \
     do {                                                                                                       \
-        if (amx) flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                                \
-                                      (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST);                  \
+        if (mode == FLASH_AMX) flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                  \
+                                                    (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST);    \
+        else if (mode == FLASH_DOT) flash_scores_dot_any((const uint16_t *)(const void *)q, S, Mp,            \
+                                                         (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST); \
         else flash_scores_f32(q, Dp, round_up(M, 4), (const float *)kt + (KB) * FLASH_BK * Dp, DST);          \
     } while (0)
     /* each row's last visible key + 1, from the block's first key (padding rows: none) */
@@ -454,11 +536,15 @@ static void flash_query_block(const attn_args *a, int amx, int64_t Dp, int64_t t
                 lim[j] = (int32_t)(n > FLASH_BK ? FLASH_BK : n < 0 ? 0 : n);
                 if (lim[j] > nk_used) nk_used = lim[j];
             }
-            flash_softmax16(s + r0 * FLASH_BK, lim, scale, m + r0, l + r0, amx ? pb + (r0 / 16) * 2 * 512 : NULL,
+            flash_softmax16(s + r0 * FLASH_BK, lim, scale, m + r0, l + r0, tiled ? pb + (r0 / 16) * 2 * 512 : NULL,
                             o + r0 * Dp, Dp);
         }
 #if QWEN_AMX
-        if (amx) flash_pv_amx(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o);
+        if (mode == FLASH_AMX) flash_pv_amx(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o);
+        else
+#endif
+#if QWEN_DPBF16
+        if (mode == FLASH_DOT) flash_pv_dot(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o, nk_used);
         else
 #endif
             flash_pv_f32(s, (const float *)vv + kb * FLASH_BK * Dp, Dp, round_up(M, 2), o, nk_used);
@@ -490,12 +576,12 @@ static int flash_takes(const attn_args *a, int64_t q_len) { return q_len >= FLAS
  * -1 when scratch memory could not be allocated (then nothing of these sequences is written). */
 static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t *query_start_loc,
                      const int32_t *seq_lens, int64_t num_seqs, int64_t bt_s0, int64_t threads) {
-    int amx = 0;
-#if QWEN_AMX
-    /* the tiles' K^T gathers read a key row's bf16 pairs as dwords: every row must start at an even element */
+    /* bf16 takes the products' path (qwen_bf16_products: one choice per process). The tiled layouts'
+     * K^T gathers read a key row's bf16 pairs as dwords: every row must start at an even element. */
     const int even = ((a->k_sb | a->k_sr | a->k_sh | a->v_sb | a->v_sr | a->v_sh) & 1) == 0;
-    amx = a->dtype == 2 && even && qwen_bf16_products() == 2;
-#endif
+    const int products = a->dtype == 2 && even ? qwen_bf16_products() : 0;
+    const int mode = QWEN_AMX && products == 2 ? FLASH_AMX : QWEN_DPBF16 && products == 1 ? FLASH_DOT : FLASH_F32;
+    const int tiled = mode != FLASH_F32;
     const int64_t BQ = FLASH_ROWS / a->G > 0 ? FLASH_ROWS / a->G : 1;
     int64_t n_seqs = 0, max_keys = 0, n_tasks = 0;
     for (int64_t i = 0; i < num_seqs; ++i)
@@ -528,7 +614,7 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
             }
     }
     const int64_t Dp = round_up(a->D, 32), Mp = round_up(FLASH_ROWS > a->G ? FLASH_ROWS : a->G, 16);
-    const int64_t kv_floats = round_up(max_keys, FLASH_BK) * Dp / (amx ? 2 : 1);   /* kt or vv, in floats */
+    const int64_t kv_floats = round_up(max_keys, FLASH_BK) * Dp / (tiled ? 2 : 1);   /* kt or vv, in floats */
     /* per thread: kt, vv, q, o, s (2 x Mp x 64), pb (Mp x 64 bf16), m, l; each 64-byte aligned */
     const int64_t per_thread = 2 * kv_floats + 2 * Mp * Dp + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2 + 2 * Mp + 6 * 16;
     if (threads > n_tasks) threads = n_tasks;
@@ -549,22 +635,22 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
         uint16_t *pb = (uint16_t *)(void *)(s + 2 * Mp * FLASH_BK);
         float *m = s + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2, *l = m + Mp;
 #if QWEN_AMX
-        if (amx) flash_amx_configure();
+        if (mode == FLASH_AMX) flash_amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < n_tasks; ++k) {
             const flash_task *t = &tasks[k];
             const int64_t last = t->qb1 * BQ < t->q_len ? t->qb1 * BQ : t->q_len;   /* query rows up to its end */
             const int64_t n = t->seq_len - t->q_len + last;                          /* keys it can see */
-            flash_pack_kv(a, t->blocks, t->kvh, n, amx, Dp, kt, vv);
+            flash_pack_kv(a, t->blocks, t->kvh, n, tiled, Dp, kt, vv);
             for (int64_t qb = t->qb0; qb < t->qb1; ++qb) {
                 const int64_t j0 = qb * BQ, nq = t->q_len - j0 < BQ ? t->q_len - j0 : BQ;
-                flash_query_block(a, amx, Dp, t->token0 + j0, t->seq_len - t->q_len + j0, nq, t->kvh, kt, vv, q, o,
+                flash_query_block(a, mode, Dp, t->token0 + j0, t->seq_len - t->q_len + j0, nq, t->kvh, kt, vv, q, o,
                                   s, pb, m, l);
             }
         }
 #if QWEN_AMX
-        if (amx) amx_tile_release();
+        if (mode == FLASH_AMX) amx_tile_release();
 #endif
     }
     free(scratch);
