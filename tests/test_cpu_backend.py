@@ -127,12 +127,12 @@ def test_long_prefills_run_the_c_kernel_except_fp16(monkeypatch):
 
 def test_flash_path_without_tiles_matches_the_reference(tmp_path, monkeypatch):
     """bf16 long prompts on a CPU without AMX (or with the tiles turned off): the flash path's fp32
-    products on the bf16 caches as stored (a build of its own, so the library reads the setting anew)."""
+    products on the bf16 caches as stored (a fresh load of the library, which reads the setting anew)."""
     if cpu._compiler() is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", "widening")
-    lib = cpu.library.__wrapped__()
+    from qwen_tiny import fresh_library
+
+    lib = fresh_library(tmp_path, monkeypatch, "widening")
     assert lib.qwen_bf16_products() == 0
     monkeypatch.setattr(cpu, "library", lambda: lib)
     for seqs, group in (((Seq(0, 0, 130),), 2), ((Seq(1, 70, 67), Seq(0, 5, 1), Seq(2, 0, 16)), 8)):

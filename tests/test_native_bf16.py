@@ -24,7 +24,7 @@ import qwen_ops
 from qwen_ops.models.layers import forward_choices
 from qwen_ops.ops.kernels import cpu
 
-from qwen_tiny import load_hf, new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
+from qwen_tiny import fresh_library, load_hf, new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata
 from tolerances import assert_within_flash_bound
 
 transformers = pytest.importorskip("transformers", reason="transformers is the parity reference")
@@ -216,8 +216,8 @@ def test_mixed_dtypes_keep_the_plain_forward(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 37])
 def test_every_bf16_product_path_matches_float64(tmp_path, monkeypatch, rows):
-    """The three ways of a bf16 product, each forced (``QWEN_OPS_BF16_PRODUCTS``) in a library of its
-    own: AMX tiles and AVX512-BF16 dot products (each only where the CPU has it; elsewhere the mode
+    """The three ways of a bf16 product, each forced (``QWEN_OPS_BF16_PRODUCTS``) in a fresh load of the
+    library: AMX tiles and AVX512-BF16 dot products (each only where the CPU has it; elsewhere the mode
     falls back to widening) and widening loads into fp32 FMAs, against float64 on bf16 inputs (whose
     products are exact: only the fp32 sums round), with one and two threads, through the fp32-input
     entry and the op's bf16 one (rounded once to bf16). K = 200 leaves a partial AMX tile of pairs,
@@ -237,9 +237,7 @@ def test_every_bf16_product_path_matches_float64(tmp_path, monkeypatch, rows):
     has = {"amx": 2 if " amx_bf16" in flags and " amx_tile" in flags else 0,
            "dot": 1 if " avx512_bf16" in flags else 0, "widening": 0}
     for mode, code in has.items():
-        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
-        monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", mode)
-        lib = cpu.library.__wrapped__()
+        lib = fresh_library(tmp_path, monkeypatch, mode)
         assert lib.qwen_bf16_products() == code, mode
         for threads in (1, 2):
             y = torch.full((rows, n), float("nan"))

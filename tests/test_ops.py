@@ -363,40 +363,22 @@ def test_slot_attention_cpu_flash_head_dims_and_pages(head_dim):
             check_attention("cpu", case, dtype)
 
 
-def _bf16_path_library(tmp_path, monkeypatch, mode):
-    """The package's CPU library loaded again from a copy (so that its once-per-process choice of bf16
-    products is made afresh) with ``QWEN_OPS_BF16_PRODUCTS=mode``; None where the CPU lacks that path
-    (the forced choice falls back to widening)."""
-    import ctypes
-    import shutil
-
-    from qwen_ops.ops.kernels import cpu
-
-    copy_path = tmp_path / f"qwen_cpu_{mode}.so"
-    shutil.copy(cpu.library()._name, copy_path)
-    monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", mode)
-    lib = ctypes.CDLL(str(copy_path))
-    for name, (argtypes, restype) in cpu._SIGNATURES.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
-    code = {"amx": 2, "dot": 1, "widening": 0}[mode]
-    return lib if lib.qwen_bf16_products() == code else None
-
-
 @pytest.mark.parametrize("mode", ["amx", "dot", "widening"])
 def test_slot_attention_cpu_flash_every_bf16_path(tmp_path, monkeypatch, mode):
-    """The bf16 flash path on each of the products' paths, forced in a library of its own that the CPU
-    kernel of slot_attention calls for the test: AMX tiles, AVX512-BF16 dot products (each only where the CPU has it) and widening into
+    """The bf16 flash path on each of the products' paths, forced in a fresh load of the library that
+    the CPU kernel of slot_attention calls for the test: AMX tiles, AVX512-BF16 dot products (each only where the CPU has it) and widening into
     fp32 FMAs. Against the reference (outputs poisoned) and within flash-attention's bound of the
     float64 loop oracle; head dims 80 (the dot path's output dims in a group of 4 vectors and one of 2),
     64 and 128, GQA groups 1, 2 and 8, the gate, whole prompts, chunks and mixed batches; the same bits
     on one thread and two."""
     from qwen_ops.ops.kernels import cpu
+    from qwen_tiny import fresh_library
 
     reason = backend_mod.why_unavailable("cpu", torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
-    lib = _bf16_path_library(tmp_path, monkeypatch, mode)
-    if lib is None:
+    lib = fresh_library(tmp_path, monkeypatch, mode)
+    if lib.qwen_bf16_products() != {"amx": 2, "dot": 1, "widening": 0}[mode]:
         pytest.skip(f"this CPU has no {mode} bf16 products")
     monkeypatch.setattr(cpu, "library", lambda: lib)      # slot_attention's CPU kernel calls library()
     cases = [("chunk", 2, 80, False), ("mixed", 8, 64, True), ("prompt", 1, 128, False)]
