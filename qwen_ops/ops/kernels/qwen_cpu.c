@@ -1900,20 +1900,24 @@ static inline __m512 round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
-/* exp_any on 16 lanes: exp_nonpositive's steps (its polynomial by fused multiply-adds, as the compiler
- * contracts the scalar form; tested equal to it over every bf16 input of silu_mul). */
-static inline __m512 exp_any_x16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-    const __m512 f = _mm512_sub_ps(t, n);
+/* 2^f for the fraction f of exp_nonpositive's reduction, 16 lanes: its degree-6 polynomial by fused
+ * multiply-adds (as the compiler contracts the scalar form). exp_any_x16 and the flash path's exp2 share it. */
+static inline __attribute__((always_inline)) __m512 exp2_fraction_x16(__m512 f) {
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+/* exp_any on 16 lanes: exp_nonpositive's steps (tested equal to it over every bf16 input of silu_mul). */
+static inline __m512 exp_any_x16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    const __m512 p = exp2_fraction_x16(_mm512_sub_ps(t, n));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }

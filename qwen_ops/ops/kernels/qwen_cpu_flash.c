@@ -372,19 +372,11 @@ static QWEN_DPBF16_TARGET void flash_pv_dot(const uint16_t *pt, const uint16_t *
 #define flash_scores_dot_any(q, S, Mp, kt, s) ((void)0)
 #endif
 
-/* 2^t for t <= 0 (and t > -inf), 16 lanes: exp_nonpositive's polynomial on the fraction, the power by
- * scalef (which goes to 0 below the normal range instead of wrapping). */
+/* 2^t for t <= 0 (and t > -inf), 16 lanes: exp_nonpositive's polynomial on the fraction
+ * (exp2_fraction_x16), the power by scalef (which goes to 0 below the normal range instead of wrapping). */
 static inline __attribute__((always_inline)) __m512 flash_exp2(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(exp2_fraction_x16(_mm512_sub_ps(t, n)), n);
 }
 
 /* Lane j of the result = op over the 16 lanes of v[j], for 16 vectors at once (a shuffle tree: 15
