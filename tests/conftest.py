@@ -76,6 +76,19 @@ def cuda_device() -> torch.device:
 
 
 @pytest.fixture
+def cpu_fast_ops(monkeypatch):
+    """The CPU backend's fast ops registered (the test is skipped where its kernels cannot be built),
+    and the C++ kernels' own output allocations poisoned (``QWEN_OPS_POISON_OUTPUTS``)."""
+    from qwen_ops.ops import registry
+    from qwen_ops.ops.kernels import cpu
+
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    registry.cpu_fast_ops()
+    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
+
+
+@pytest.fixture
 def poisoned_empty(monkeypatch):
     """Fresh outputs are NaN-filled, so an element a kernel skips shows: Python's ``torch.empty``
     (the ctypes and Triton launchers allocate with it) and, through ``QWEN_OPS_POISON_OUTPUTS``, the

@@ -17,18 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_ops.ops import registry
-from qwen_ops.ops.kernels import cpu
-
 MIN_EQUAL = 0.99   # share of elements bit-equal to the oracle
 
 
-@pytest.fixture(autouse=True)
-def _fast_ops(monkeypatch):
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
-    registry.cpu_fast_ops()
-    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
+pytestmark = pytest.mark.usefixtures("cpu_fast_ops")
 
 
 def _bf16(x64: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-from qwen_ops.ops import registry
 from qwen_ops.ops.kernels import cpu
 from qwen_ops.ops.kernels import reference_fused as R
 from qwen_ops.ops.kernels.reference_moe import fused_moe_reference
@@ -28,12 +27,7 @@ NORM_SHAPES = [(1, 64), (7, 40), (3, 4, 16)]
 ATTENTION_STEP = [(0, 0, 9), (2, 14, 1), (1, 5, 3), (-1, 0, 1)]
 
 
-@pytest.fixture(autouse=True)
-def _fast_ops(monkeypatch):
-    if cpu.why_unavailable() is not None:
-        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
-    registry.cpu_fast_ops()
-    monkeypatch.setenv("QWEN_OPS_POISON_OUTPUTS", "1")
+pytestmark = pytest.mark.usefixtures("cpu_fast_ops")
 
 
 def _close(got, want, dtype):
