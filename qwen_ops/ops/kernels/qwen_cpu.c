@@ -349,91 +349,165 @@ static inline __attribute__((always_inline)) __m512 cache16_ps(const void *row, 
 /* Bytes per element of a cache16_ps kind. */
 static inline int64_t kind_elem(int kind) { return kind == 0 ? 4 : kind == 1 ? 2 : 1; }
 
-/* The dot products q4[g*D ..] . k for g < NQ (1, 2 or 4 heads sharing a kv head) at once: one FMA
- * chain per head, then a shuffle network that sums them into lanes 0 .. NQ - 1 (no scalar
- * reduction chains). k: an fp32 or (bf16) bf16 cache row. */
-static inline __attribute__((always_inline)) __m128 dotq_avx512(const float *q4, const void *k, int bf16, int64_t D,
-                                                                const int NQ) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-        const __m512 kv = cache16_ps(k, d, bf16);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + d), kv, a0);
-        if (NQ > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + D + d), kv, a1);
-        if (NQ > 2) {
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 2 * D + d), kv, a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 3 * D + d), kv, a3);
-        }
+/* Lane L of the result: the sum of the 16 lanes of v[(L >> 2) + 4 * (L & 3)] (SUM16_SLOT(L)), by four
+ * levels of shuffles and adds (256-, 128-, 64-, 32-bit halves): 45 operations for 16 sums. */
+#define SUM16_SLOT(L) (((L) >> 2) + 4 * ((L) & 3))
+static inline __attribute__((always_inline)) __m512 sum16_avx512(const __m512 *v) {
+    __m512 r[8], s[4], t[2];
+    for (int k = 0; k < 8; ++k)       /* r[k]: v[2k]'s 8 partial sums, then v[2k + 1]'s */
+        r[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int m = 0; m < 4; ++m)       /* quarter i of s[m]: v[4m + i]'s 4 partial sums */
+        s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * m], r[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(r[2 * m], r[2 * m + 1], 0xDD));
+    for (int n = 0; n < 2; ++n) {     /* quarter i of t[n]: v[8n + i]'s 2 partial sums, then v[8n + 4 + i]'s */
+        const __m512d x = _mm512_castps_pd(s[2 * n]), y = _mm512_castps_pd(s[2 * n + 1]);
+        t[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    return sum4_avx512(a0, a1, a2, a3);
+    return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* scores[g * ld] = q[g*D ..] . k for the G query heads of one kv head, four, two, then one at a time. */
-static inline __attribute__((always_inline)) void scores_avx512(const float *q, const void *k, int bf16, int64_t D,
-                                                                int64_t G, float *scores, int64_t ld) {
-    int64_t g = 0;
-    float s4[4];
-    for (; g + 4 <= G; g += 4) {
-        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 4));
-        for (int e = 0; e < 4; ++e) scores[(g + e) * ld] = s4[e];
-    }
-    for (; g + 2 <= G; g += 2) {
-        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 2));
-        scores[g * ld] = s4[0];
-        scores[(g + 1) * ld] = s4[1];
-    }
-    if (g < G) {
-        _mm_storeu_ps(s4, dotq_avx512(q + g * D, k, bf16, D, 1));
-        scores[g * ld] = s4[0];
-    }
-}
-
-/* out[0:D] = sum_t p[t] v_t over t < n, v_t = the row of head offset off_h (elements) at position t,
- * read through the block table from an fp32 or (bf16) bf16 cache; the accumulator stays in registers
- * (NV = D / 16 of them). */
-static inline __attribute__((always_inline)) void wsum_avx512(float *out, const float *p, const void *cache, int bf16,
-                                                              const int32_t *blocks, int64_t bt_s1, int64_t block_size,
-                                                              int64_t sb, int64_t sr, int64_t off_h, int64_t n,
-                                                              const int NV) {
-    const int64_t elem = kind_elem(bf16);
+/* Scores of GB query heads (q: the first one's row, heads D = 16 NV apart) against KB = 16 / GB key rows
+ * of one block at once (k: the first row, rows sr bytes apart), of which the first m (<= KB) are keys:
+ * the rest repeat the last key and are not stored. Written to scores[g * ld + j], j < m. Each key row is
+ * read (and widened) once for the GB heads; the 16 (head, key) dot products, each one FMA chain,
+ * are summed together (sum16_avx512) instead of one shuffle network per product. */
+static inline __attribute__((always_inline)) void score_tile_avx512(const float *q, const char *k, int64_t sr,
+                                                                    int kind, float *scores, int64_t ld, int m,
+                                                                    const int NV, const int GB) {
+    const int KB = 16 / GB;
+    const char *row[16];
+    for (int j = 0; j < KB; ++j) row[j] = k + (j < m ? j : m - 1) * sr;
     __m512 acc[16];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c)
+        for (int j = 0; j < KB; ++j) {
+            const __m512 kv = cache16_ps(row[j], 16 * c, kind);
+            for (int g = 0; g < GB; ++g)
+                acc[SUM16_SLOT(g * KB + j)] =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(q + (g * NV + c) * 16), kv, acc[SUM16_SLOT(g * KB + j)]);
+        }
+    const __m512 s = sum16_avx512(acc);      /* lane g KB + j: head g, key j */
+    const __mmask16 keys = (__mmask16)((1u << m) - 1u);
+    _mm512_mask_storeu_ps(scores, keys, s);
+    for (int g = 1; g < GB; ++g)
+        _mm512_mask_storeu_ps(scores + g * ld, keys,
+                              _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), _mm512_castps_si512(s),
+                                                                      g * KB)));
+}
+
+/* score_tile_avx512 over the rows rows of one block, with NV (D / 16) and GB as constants where they are
+ * 2, 4, 8 or 16 and 1, 2, 4, 8 or 16. */
+static inline __attribute__((always_inline)) void score_block_nv(const float *q, const char *k, int64_t sr, int kind,
+                                                                 float *scores, int64_t ld, int64_t rows, const int NV,
+                                                                 int GB) {
+#define SCORE_TILES(G_)                                                                                   \
+    for (int64_t r = 0; r < rows; r += 16 / (G_))                                                     \
+        score_tile_avx512(q, k + r * sr, sr, kind, scores + r, ld,                                     \
+                          (int)(rows - r < 16 / (G_) ? rows - r : 16 / (G_)), NV, (G_));              \
+    return;
+    switch (GB) {
+        case 1: SCORE_TILES(1)
+        case 2: SCORE_TILES(2)
+        case 4: SCORE_TILES(4)
+        case 8: SCORE_TILES(8)
+        default: SCORE_TILES(16)
+    }
+#undef SCORE_TILES
+}
+
+/* scores[g * ld + r] = q_g . k_r for the G query heads sharing one kv head (q: the first one's row) and the
+ * rows rows of one block (k: the first, rows sr bytes apart), in head groups of 16, 8, 4, 2, 1. */
+static void score_block_avx512(const float *q, const char *k, int64_t sr, int kind, int64_t D, int64_t G,
+                               float *scores, int64_t ld, int64_t rows) {
+    for (int64_t g0 = 0; g0 < G;) {
+        int GB = 16;
+        while (GB > G - g0) GB /= 2;
+        const float *qg = q + g0 * D;
+        float *sg = scores + g0 * ld;
+        switch (D) {
+            case 32: score_block_nv(qg, k, sr, kind, sg, ld, rows, 2, GB); break;
+            case 64: score_block_nv(qg, k, sr, kind, sg, ld, rows, 4, GB); break;
+            case 128: score_block_nv(qg, k, sr, kind, sg, ld, rows, 8, GB); break;
+            case 256: score_block_nv(qg, k, sr, kind, sg, ld, rows, 16, GB); break;
+            default: score_block_nv(qg, k, sr, kind, sg, ld, rows, (int)(D / 16), GB); break;
+        }
+        g0 += GB;
+    }
+}
+
+/* out[g * D ..] = sum_t p[g * ld + t] v_t over t < n for GB heads sharing a kv head, v_t = the row of head
+ * offset off_h (elements) at position t, read through the block table from a cache16_ps kind of cache:
+ * each value row is read (and widened) once for the GB heads; the GB * NV (<= 16) accumulators stay in
+ * registers. */
+static inline __attribute__((always_inline)) void wsum_group_avx512(float *out, const float *p, int64_t ld,
+                                                                    const void *cache, int kind,
+                                                                    const int32_t *blocks, int64_t bt_s1,
+                                                                    int64_t block_size, int64_t sb, int64_t sr,
+                                                                    int64_t off_h, int64_t n, const int NV,
+                                                                    const int GB) {
+    const int64_t elem = kind_elem(kind);
+    __m512 acc[16];
+    for (int i = 0; i < GB * NV; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
         const int64_t rows = rows_in_block(n, t, block_size);
         for (int64_t r = 0; r < rows; ++r, ++t) {
             const void *v = base + r * sr * elem;
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(pt, cache16_ps(v, 16 * c, bf16), acc[c]);
+            __m512 pt[16];
+            for (int g = 0; g < GB; ++g) pt[g] = _mm512_set1_ps(p[g * ld + t]);
+            for (int c = 0; c < NV; ++c) {
+                const __m512 vc = cache16_ps(v, 16 * c, kind);
+                for (int g = 0; g < GB; ++g) acc[g * NV + c] = _mm512_fmadd_ps(pt[g], vc, acc[g * NV + c]);
+            }
         }
     }
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * NV * 16 + 16 * c, acc[g * NV + c]);
 }
 
-static void wsum_any_avx512(float *out, const float *p, const void *cache, int bf16, const int32_t *blocks,
-                            int64_t bt_s1, int64_t block_size, int64_t sb, int64_t sr, int64_t off_h, int64_t n,
-                            int64_t D) {
+/* wsum_group_avx512 for the G heads of one kv head (out: their G rows of D, p: their G score rows ld
+ * apart), in groups of up to 16 / NV heads for head dims 32 .. 256; other head dims of 16s head by head,
+ * with the accumulator in memory. */
+static void wsum_heads_avx512(float *out, const float *p, int64_t ld, const void *cache, int kind,
+                              const int32_t *blocks, int64_t bt_s1, int64_t block_size, int64_t sb, int64_t sr,
+                              int64_t off_h, int64_t n, int64_t D, int64_t G) {
+#define WSUM_GROUPS(NV_)                                                                                  \
+    for (int64_t g0 = 0; g0 < G;) {                                                                   \
+        int GB = 16 / (NV_);                                                                          \
+        while (GB > G - g0) GB /= 2;                                                                  \
+        float *o = out + g0 * D;                                                                      \
+        const float *pg = p + g0 * ld;                                                                \
+        switch (GB) {                                                                                 \
+            case 8: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 8); break; \
+            case 4: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 4); break; \
+            case 2: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 2); break; \
+            default: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 1); break; \
+        }                                                                                             \
+        g0 += GB;                                                                                     \
+    }                                                                                                 \
+    return;
     switch (D) {   /* constant trip counts: the accumulators are registers */
-        case 32: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 2); return;
-        case 64: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 4); return;
-        case 128: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 8); return;
-        case 256: wsum_avx512(out, p, cache, bf16, blocks, bt_s1, block_size, sb, sr, off_h, n, 16); return;
+        case 32: WSUM_GROUPS(2)
+        case 64: WSUM_GROUPS(4)
+        case 128: WSUM_GROUPS(8)
+        case 256: WSUM_GROUPS(16)
         default: break;
     }
-    memset(out, 0, sizeof(float) * (size_t)D);
-    const int64_t elem = kind_elem(bf16);
+#undef WSUM_GROUPS
+    memset(out, 0, sizeof(float) * (size_t)(G * D));
+    const int64_t elem = kind_elem(kind);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
         const int64_t rows = rows_in_block(n, t, block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t) {
-            if (!bf16) {
-                axpy_n(out, p[t], (const float *)(const void *)(base + r * sr * elem), D);
-                continue;
+        for (int64_t r = 0; r < rows; ++r, ++t)
+            for (int64_t g = 0; g < G; ++g) {
+                const __m512 pt = _mm512_set1_ps(p[g * ld + t]);
+                for (int64_t c = 0; c < D; c += 16)
+                    _mm512_storeu_ps(out + g * D + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, kind),
+                                                                      _mm512_loadu_ps(out + g * D + c)));
             }
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            for (int64_t c = 0; c < D; c += 16)
-                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, bf16),
-                                                          _mm512_loadu_ps(out + c)));
-        }
     }
 }
 #define QWEN_AVX512 1
@@ -465,8 +539,9 @@ typedef struct {
  * query heads of kv heads kh0 .. kh1 - 1. scratch: scores [H][max_len], q [H][D], acc [H][D] and one
  * converted row [D], of which the row touches only its heads' parts.
  *
- * One pass over the keys computes the scores of those heads (each cache row's heads read once), a
- * softmax per head, then one pass over the values. */
+ * One pass over the keys, a block at a time, computes the scores of those heads (score_block_avx512:
+ * tiles of keys x the query heads of a kv head, each key row read once per tile), a softmax per head,
+ * then one pass over the values (wsum_heads_avx512: each value row read once per group of heads). */
 static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32_t *blocks, int64_t kh0, int64_t kh1,
                        float *scratch) {
     const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype, kvd = a->kv_dtype;
@@ -492,24 +567,26 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
     for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t) {
-            if (t + ATTN_AHEAD < n)
-                prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, a->k_sb, a->k_sr, a->v_sb,
+        for (int64_t r = 0; r < rows; ++r)       /* this block's keys ATTN_AHEAD positions ahead */
+            if (t + r + ATTN_AHEAD < n)
+                prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->k_sb, a->k_sr, a->v_sb,
                                 a->v_sr, head_bytes, elem);
-            for (int64_t kh = kh0; kh < kh1; ++kh) {
-                const int64_t at = block * a->k_sb + r * a->k_sr + kh * a->k_sh;
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
+            const int64_t at = block * a->k_sb + kh * a->k_sh;
 #if QWEN_AVX512
-                if (fast) {
-                    scores_avx512(q + kh * G * D, (const char *)a->key_cache + at * elem, bf16, D, G,
-                                  scores + kh * G * max_len + t, max_len);
-                    continue;
-                }
+            if (fast) {       /* the block's rows at once */
+                score_block_avx512(q + kh * G * D, (const char *)a->key_cache + at * elem, a->k_sr * elem, bf16, D, G,
+                                   scores + kh * G * max_len + t, max_len, rows);
+                continue;
+            }
 #endif
-                const float *k = cache_row(a->key_cache, at, (int)kvd, D, row);
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *k = cache_row(a->key_cache, at + r * a->k_sr, (int)kvd, D, row);
                 for (int64_t g = 0; g < G; ++g)
-                    scores[(kh * G + g) * max_len + t] = dot(q + (kh * G + g) * D, k, D);
+                    scores[(kh * G + g) * max_len + t + r] = dot(q + (kh * G + g) * D, k, D);
             }
         }
+        t += rows;
     }
     /* softmax per head, in place */
     for (int64_t h = h0; h < h1; ++h) {
@@ -531,9 +608,9 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
     /* acc[h] = sum_t p[h][t] v_t */
 #if QWEN_AVX512
     if (fast) {
-        for (int64_t h = h0; h < h1; ++h)
-            wsum_any_avx512(acc + h * D, scores + h * max_len, a->value_cache, bf16, blocks, a->bt_s1, a->block_size,
-                            a->v_sb, a->v_sr, (h / G) * a->v_sh, n, D);
+        for (int64_t kh = kh0; kh < kh1; ++kh)
+            wsum_heads_avx512(acc + kh * G * D, scores + kh * G * max_len, max_len, a->value_cache, bf16, blocks,
+                              a->bt_s1, a->block_size, a->v_sb, a->v_sr, kh * a->v_sh, n, D, G);
         goto weighted_sum_done;
     }
 #endif
