@@ -75,6 +75,22 @@ def cuda_device() -> torch.device:
     return torch.device("cuda")
 
 
+@pytest.fixture(scope="session")
+def portable_library(tmp_path_factory):
+    """The CPU library built without AVX-512 (``QWEN_OPS_CPU_CFLAGS=-mno-avx512f``: the portable loops),
+    once per session into a directory of its own (each build takes about half a minute); the test is
+    skipped where the kernels cannot be built. Tests swap it in with
+    ``monkeypatch.setattr(cpu, "library", lambda: portable_library)``."""
+    from qwen_ops.ops.kernels import cpu
+
+    if cpu.why_unavailable() is not None:
+        pytest.skip(f"cpu backend unavailable: {cpu.why_unavailable()}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path_factory.mktemp("portable")))
+        mp.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
+        return cpu.library.__wrapped__()
+
+
 @pytest.fixture
 def cpu_fast_ops(monkeypatch):
     """The CPU backend's fast ops registered (the test is skipped where its kernels cannot be built),

@@ -161,19 +161,24 @@ def registered_kernels(lib):
         lib.qwen_unregister_cpu_kernels(handle)
 
 
-def fresh_library(tmp_path, monkeypatch, bf16_products: str):
+def fresh_library(tmp_path, monkeypatch, **settings: str):
     """The package's CPU library loaded again from a copy of its build (no compile), so that its
-    once-per-process choice of bf16 products is made afresh, under ``QWEN_OPS_BF16_PRODUCTS`` =
-    ``bf16_products`` (amx | dot | widening; a path the CPU lacks falls back to widening: check
-    ``qwen_bf16_products()``). Its C functions have the package's ctypes signatures."""
+    once-per-process choices (``cpu.PRODUCT_SETTINGS``) are made afresh under ``settings``, e.g.
+    ``QWEN_OPS_BF16_PRODUCTS="widening"`` (amx | dot | widening; a path the CPU lacks falls back to
+    widening: check ``qwen_bf16_products()``) or ``QWEN_OPS_INT8_PRODUCTS="vnni"``; the settings not
+    given are unset (the CPU's own choice). Its C functions have the package's ctypes signatures."""
     import ctypes
     import shutil
 
     from qwen_ops.ops.kernels import cpu
 
-    copy_path = tmp_path / f"qwen_cpu_{bf16_products}.so"
+    for name in cpu.PRODUCT_SETTINGS:
+        if name in settings:
+            monkeypatch.setenv(name, settings[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    copy_path = tmp_path / f"qwen_cpu_{'_'.join(settings.values()) or 'default'}.so"
     shutil.copy(cpu.library()._name, copy_path)
-    monkeypatch.setenv("QWEN_OPS_BF16_PRODUCTS", bf16_products)
     lib = ctypes.CDLL(str(copy_path))
     for name, (argtypes, restype) in cpu._SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype

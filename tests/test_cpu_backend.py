@@ -132,7 +132,7 @@ def test_flash_path_without_tiles_matches_the_reference(tmp_path, monkeypatch):
         pytest.skip("no C compiler here")
     from qwen_tiny import fresh_library
 
-    lib = fresh_library(tmp_path, monkeypatch, "widening")
+    lib = fresh_library(tmp_path, monkeypatch, QWEN_OPS_BF16_PRODUCTS="widening")
     assert lib.qwen_bf16_products() == 0
     monkeypatch.setattr(cpu, "library", lambda: lib)
     for seqs, group in (((Seq(0, 0, 130),), 2), ((Seq(1, 70, 67), Seq(0, 5, 1), Seq(2, 0, 16)), 8)):
@@ -145,14 +145,9 @@ def test_flash_path_without_tiles_matches_the_reference(tmp_path, monkeypatch):
 # The packed product under linear_packed, and sampling's argmax (the fast ops: test_ops_fused.py)
 # --------------------------------------------------------------------------------------------
 
-def test_portable_build_without_avx512_matches_the_reference(tmp_path, monkeypatch):
+def test_portable_build_without_avx512_matches_the_reference(portable_library, monkeypatch):
     """The C file has AVX-512 paths for fp32; a build without AVX-512 runs the portable loops."""
-    if cpu._compiler() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
-    portable = cpu.library.__wrapped__()
-    monkeypatch.setattr(cpu, "library", lambda: portable)
+    monkeypatch.setattr(cpu, "library", lambda: portable_library)
     # a long prompt too: without AVX-512 there is no flash path, its rows take the row-by-row loop
     for scenario, dtype in (("decode", torch.float32), ("mixed", torch.float32), ("chunk", torch.bfloat16),
                             ((Seq(0, 7, 70),), torch.float32)):

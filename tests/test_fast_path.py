@@ -97,17 +97,13 @@ def test_fast_path_matches_the_op_path(model_type, tmp_path):
     _assert_same_steps(got, got_caches, want, want_caches)
 
 
-def test_portable_build_matches(tmp_path, monkeypatch):
+def test_portable_build_matches(portable_library, monkeypatch):
     """The C file's AVX-512 paths off: the portable loops (a build of their own, its kernels
     registered for this test's lifetime) against the references."""
-    if cpu.why_unavailable() is not None:
-        pytest.skip(cpu.why_unavailable())
     from qwen_ops.ops.kernels import reference_fused as R
     from qwen_tiny import registered_kernels
 
-    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
-    portable = cpu.library.__wrapped__()
+    portable = portable_library
     monkeypatch.setattr(cpu, "library", lambda: portable)
     gen = torch.Generator().manual_seed(0)
     with registered_kernels(portable):

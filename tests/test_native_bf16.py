@@ -160,12 +160,10 @@ def test_native_bf16_matches_transformers(model_type, tmp_path):
     assert_within_flash_bound(got, exact, hf_bf16)
 
 
-def test_portable_build_matches(tmp_path, monkeypatch):
+def test_portable_build_matches(tmp_path, monkeypatch, portable_library):
     """The C file's AVX-512 paths off (the scalar bf16 products), on shapes off the vector widths
     and an odd inner dim (a bf16 pair without a partner): a build of its own, its kernels registered
     for this test's lifetime."""
-    if cpu.why_unavailable() is not None:
-        pytest.skip(cpu.why_unavailable())
     from qwen_tiny import registered_kernels
 
     path = _save(tmp_path, "qwen3", hidden_size=40, intermediate_size=57, head_dim=16)
@@ -174,9 +172,7 @@ def test_portable_build_matches(tmp_path, monkeypatch):
     with qwen_ops.use_backend("reference"):
         op_path, op_caches = _run_steps(model, model.config, STEPS, table, torch.bfloat16)
         exact, exact_caches = _run_steps(_load(path, torch.float32), model.config, STEPS, table, torch.float32)
-    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
-    portable = cpu.library.__wrapped__()
+    portable = portable_library
     monkeypatch.setattr(cpu, "library", lambda: portable)
     assert cpu.bf16_products() == "widening"
     with registered_kernels(portable):
@@ -237,7 +233,7 @@ def test_every_bf16_product_path_matches_float64(tmp_path, monkeypatch, rows):
     has = {"amx": 2 if " amx_bf16" in flags and " amx_tile" in flags else 0,
            "dot": 1 if " avx512_bf16" in flags else 0, "widening": 0}
     for mode, code in has.items():
-        lib = fresh_library(tmp_path, monkeypatch, mode)
+        lib = fresh_library(tmp_path, monkeypatch, QWEN_OPS_BF16_PRODUCTS=mode)
         assert lib.qwen_bf16_products() == code, mode
         for threads in (1, 2):
             y = torch.full((rows, n), float("nan"))

@@ -381,7 +381,7 @@ def test_slot_attention_cpu_flash_every_bf16_path(tmp_path, monkeypatch, mode):
     reason = backend_mod.why_unavailable("cpu", torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
-    lib = fresh_library(tmp_path, monkeypatch, mode)
+    lib = fresh_library(tmp_path, monkeypatch, QWEN_OPS_BF16_PRODUCTS=mode)
     if lib.qwen_bf16_products() != {"amx": 2, "dot": 1, "widening": 0}[mode]:
         pytest.skip(f"this CPU has no {mode} bf16 products")
     monkeypatch.setattr(cpu, "library", lambda: lib)      # slot_attention's CPU kernel calls library()

@@ -152,16 +152,11 @@ def test_kernel_error_is_at_or_below_the_references(kind):
         assert errs[rows][0] <= 1.5 * errs[rows][1] + 1e-9, errs
 
 
-def test_portable_build_matches_the_reference(tmp_path, monkeypatch):
+def test_portable_build_matches_the_reference(portable_library):
     """A build without AVX-512 runs the portable loop of qwen_linear_quant for every kind."""
     import ctypes
 
-    from qwen_ops.ops.kernels import cpu
-    if cpu._compiler() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("QWEN_OPS_CPU_CFLAGS", "-mno-avx512f")
-    lib = cpu.library.__wrapped__()
+    lib = portable_library
     g = torch.Generator().manual_seed(2)
     x, q, s = _int8_case(g, 3, 20, 64, 4)
     _, q4, _, z = _int4_case(g, 3, 20, 64, 4)

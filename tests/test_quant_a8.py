@@ -18,6 +18,7 @@ from qwen_ops.models.loader import load_model
 from qwen_ops.ops import validation as V
 from qwen_ops.ops.kernels import cpu
 from qwen_ops.ops.kernels import reference_quant as RQ
+from qwen_tiny import fresh_library
 
 pytest.importorskip("transformers", reason="the quantized checkpoints' twins load in transformers")
 
@@ -392,10 +393,7 @@ def test_a8_amx_and_vnni_panels_compute_the_same_bits(kind, tmp_path, monkeypatc
     want = RQ.REFERENCES[f"{kind}_a8"](x, *w, bias)
     flags = f" {cpu._cpu_flags()} "
     for mode in ("default", "vnni"):
-        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
-        if mode == "vnni":
-            monkeypatch.setenv("QWEN_OPS_INT8_PRODUCTS", "vnni")
-        lib = cpu.library.__wrapped__()
+        lib = fresh_library(tmp_path, monkeypatch, **({"QWEN_OPS_INT8_PRODUCTS": "vnni"} if mode == "vnni" else {}))
         assert lib.qwen_int8_amx() == (mode == "default" and " amx_int8" in flags and " amx_tile" in flags)
         for threads in (1, 2):
             out = torch.full((21, n), float("nan"))
@@ -427,10 +425,7 @@ def test_a8_panels_compute_the_rows_products_bits_on_every_path(kind, tmp_path, 
     flags = f" {cpu._cpu_flags()} "
     modes = ("default", "vnni") if cpu.int8_dot_products() else ("default",)
     for mode in modes:
-        monkeypatch.setenv("QWEN_OPS_CACHE_DIR", str(tmp_path / mode))
-        if mode == "vnni":
-            monkeypatch.setenv("QWEN_OPS_INT8_PRODUCTS", "vnni")
-        lib = cpu.library.__wrapped__()
+        lib = fresh_library(tmp_path, monkeypatch, **({"QWEN_OPS_INT8_PRODUCTS": "vnni"} if mode == "vnni" else {}))
         assert lib.qwen_int8_amx() == (mode == "default" and cpu.int8_dot_products() and " amx_int8" in flags
                                        and " amx_tile" in flags)
         for seed, (rows, n, k, groups) in enumerate([(1, 200, 256, 2), (2, 70, 512, 16), (3, 128, 384, 1),
