@@ -31,7 +31,7 @@ def direct(self, h, residual, cos, sin, positions32, attn, kv_cache):
     """The layer forward before issue 43: the parts' chosen forwards, not their ``__call__``."""
     calls = self.__dict__.get("_direct_calls")
     if calls is None:
-        calls = self._direct_calls = tuple(m.__dict__.get("_forward_method", m) for m in (
+        calls = self._direct_calls = tuple(m.__dict__.get("forward", m) for m in (
             self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp))
     norm_in, attention, norm_post, mlp = calls
     if residual is None:

@@ -34,6 +34,8 @@ from qwen_ops.ops.metadata import AttentionMetadata
 # torch.ops.qwen.linear_packed / rms_norm / add_rms_norm / qk_norm_rope / silu_mul on weights
 # packed into panels (q|k|v and gate|up fused into one product each). The packed copies are what
 # those forwards read: after changing a weight, call ``process_weights_after_loading()`` again.
+# The choice is the instance's ``forward`` attribute (``self.forward = self.forward_cpu``), which
+# nn.Module.__call__ runs, hooks and all: no per-call hop through a dispatching class forward.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -87,8 +89,8 @@ def forward_choices(model: nn.Module) -> dict[str, str]:
     """``{module name: "cpu" | "native" | "int8" | "int4" | "fp8" | "int8_a8" | "int4_a8"}``: the forward each layer of
     ``model`` chose (the CPU fast path's ops, or its plain-torch forward), and the scheme of each
     quantized projection; the gate and the tests read it."""
-    choices = {name: m._forward_method.__name__.removeprefix("forward_")
-               for name, m in model.named_modules() if "_forward_method" in m.__dict__}
+    choices = {name: m.forward.__name__.removeprefix("forward_")
+               for name, m in model.named_modules() if "forward" in m.__dict__}
     choices.update({name: m.kernel for name, m in model.named_modules() if isinstance(m, QuantLinear)})
     head = getattr(model, "_lm_head", None)
     if head is not None and not isinstance(getattr(model, "lm_head", None), QuantLinear):   # a QuantLinear: its kernel
@@ -187,10 +189,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self._forward_method = self.forward_native
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return self._forward_method(x, residual)
+        self.forward = self.forward_native
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None:
@@ -204,7 +203,7 @@ class RMSNorm(nn.Module):
         return ADD_RMS_NORM(x, residual, self.weight, self.eps)
 
     def process_weights_after_loading(self) -> None:
-        self._forward_method = self.forward_cpu if uses_cpu_kernels(self.weight) else self.forward_native
+        self.forward = self.forward_cpu if uses_cpu_kernels(self.weight) else self.forward_native
 
 
 class OffsetRMSNorm(nn.Module):
@@ -304,10 +303,7 @@ class QwenMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
-        self._forward_method = self.forward_native
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward_method(x)
+        self.forward = self.forward_native
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         if "_lora" in self.__dict__:     # LoRA enabled (once, models/lora.py): each token's adapter's deltas
@@ -332,7 +328,7 @@ class QwenMLP(nn.Module):
         return self._down_product(SILU_MUL(gate_up))
 
     def process_weights_after_loading(self) -> None:
-        self._forward_method = self.forward_native
+        self.forward = self.forward_native
         if uses_cpu_kernels(weight_like(self.gate_proj)):
             gate_up = fused_product(self, "gate_up", self.gate_proj, self.up_proj)
             down = fused_product(self, "down", self.down_proj)
@@ -348,7 +344,7 @@ class QwenMLP(nn.Module):
                     self._silu_mul_down = self.down_proj.forward_silu_mul
                     self.product_kinds["down"] += "; silu_mul in the same call"
                 self._skipped_hooks = forward_hooks(self.gate_proj, self.up_proj, self.down_proj)
-                self._forward_method = self.forward_cpu
+                self.forward = self.forward_cpu
 
 
 class SlotAttention(nn.Module):
@@ -387,11 +383,7 @@ class SlotAttention(nn.Module):
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False
-        self._forward_method = self.forward_native
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions32: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self._forward_method(x, cos, sin, positions32, attn, kv_cache)
+        self.forward = self.forward_native
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """The fp8 cache's scales (values > 0), as fp32 scalar buffers on the layer's device."""
@@ -417,7 +409,7 @@ class SlotAttention(nn.Module):
         table) rotating the whole head; q|k|v become one packed product."""
         fits = (not self.output_gate and type(self.q_norm) in (RMSNorm, type(None)) and rope_table is not None
                 and rope_table.shape[1] == self.head_dim and rope_table.dtype == torch.float32)
-        self._forward_method = self.forward_native
+        self.forward = self.forward_native
         if fits and uses_cpu_kernels(weight_like(self.q_proj)):
             qkv = fused_product(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
             o = fused_product(self, "o", self.o_proj)
@@ -431,7 +423,7 @@ class SlotAttention(nn.Module):
                 self._gather_block_weights()
                 self._skipped_hooks = forward_hooks(self.q_proj, self.k_proj, self.v_proj, self.o_proj,
                                                     self.q_norm, self.k_norm)
-                self._forward_method = self.forward_cpu
+                self.forward = self.forward_cpu
 
     def enable_lora(self, ctx) -> None:
         """LoRA slots for q|k|v and o (models/lora.py ``enable_lora``)."""
@@ -441,7 +433,7 @@ class SlotAttention(nn.Module):
 
     def reads_rope_table(self) -> bool:
         """Whether the forward reads its RoPE rows itself (the CPU fast path: the model passes no cos / sin)."""
-        return self._forward_method == self.forward_cpu
+        return self.forward == self.forward_cpu
 
     def _gather_block_weights(self) -> None:
         """attention_block's weights, gathered once (not three module lookups per call)."""

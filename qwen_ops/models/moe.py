@@ -69,11 +69,7 @@ class MoeExperts(nn.Module):
         E, H, I = moe.num_experts, config.hidden_size, moe.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(_init_normal(torch.empty(E, 2 * I, H)))   # w13: gate rows, then up rows
         self.down_proj = nn.Parameter(_init_normal(torch.empty(E, H, I)))          # w2
-
-        self._forward_method = self.forward_native
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self._forward_method(x, weights, ids)
+        self.forward = self.forward_native
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.qwen.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
@@ -90,9 +86,9 @@ class MoeExperts(nn.Module):
                                                                 for w in self.gate_up_proj]), persistent=False)
                 self.register_buffer("w2_packed", torch.stack([host.pack_panels(w.detach().contiguous())
                                                                for w in self.down_proj]), persistent=False)
-            self._forward_method = self.forward_cpu
+            self.forward = self.forward_cpu
         else:
-            self._forward_method = self.forward_native
+            self.forward = self.forward_native
 
 
 class SparseMoeBlock(nn.Module):

@@ -276,10 +276,13 @@ class ParallelMoeExperts(MoeExperts):
                                          [(start, start + per), (I + start, I + start + per)], 2 * I)
         self.down_proj = _mark(nn.Parameter(torch.empty(E, H, per)), 2, start, start + per, I)
         self.tp = tp
-        self._forward_method = self.forward_native
+        self.forward = self.forward_native
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(super().forward(x, weights, ids), self.tp)
+    def forward_native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().forward_native(x, weights, ids), self.tp)
+
+    def forward_cpu(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().forward_cpu(x, weights, ids), self.tp)
 
 
 def _shard_moe(block: SparseMoeBlock, config: QwenConfig, tp: TPGroup) -> None:
