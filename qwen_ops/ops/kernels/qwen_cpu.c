@@ -290,26 +290,35 @@ static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
     return n - t < block_size ? n - t : block_size;
 }
 
-/* Positions ahead of the one being read whose key and value rows slot_attention prefetches. */
+/* Positions ahead of the one being read whose key (and value) rows slot_attention prefetches. */
 #ifndef ATTN_AHEAD
-#define ATTN_AHEAD 4
+#define ATTN_AHEAD 32
 #endif
 
-/* Prefetch position t's key and value rows (bytes each; rows with their heads packed) through the block
- * table: a block is the unit of contiguity in a paged cache, and a decode step reads many short
- * sequences' blocks scattered over the cache, which the hardware prefetcher cannot guess across.
- * Measured on the AMX Xeon VM, a layer's decode attention_block at 64 positions after 11 MB of other
- * reads (as in a model step): 77-80 us rolling 4 positions ahead, 80-90 us prefetching a whole block
- * at each block's start; 46 us of it at one position (the call's code and metadata are cold too). */
-static inline void prefetch_kv_row(const void *key_cache, const void *value_cache, const int32_t *blocks, int64_t bt_s1,
-                                   int64_t block_size, int64_t t, int64_t k_sb, int64_t k_sr, int64_t v_sb,
-                                   int64_t v_sr, int64_t bytes, int64_t elem) {
+/* A query row's value rows up to this many bytes are prefetched with its keys, ahead of the pass over
+ * the values, which then finds them in L2; a longer row's would be evicted before that pass reads
+ * them, so that pass prefetches its own. */
+#ifndef ATTN_V_EARLY_BYTES
+#define ATTN_V_EARLY_BYTES (256 << 10)
+#endif
+
+/* Prefetch position t's row (its first bytes: rows with their heads packed) of a paged cache through the
+ * block table, into L1 (locality 3) or L2 (2): a block is the unit of contiguity in a paged cache, and a
+ * decode step reads many short sequences' blocks scattered over the cache, which the hardware
+ * prefetcher cannot guess across. Measured on the AMD EPYC VM, the embedded model's six layers of
+ * decode attention (16 rows of 300 keys, fp32, each layer's cache cold): 400 us a layer rolling 4
+ * positions ahead, 342 at 32 (two blocks of 16), 441 without prefetching. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *cache, const int32_t *blocks,
+                                                               int64_t bt_s1, int64_t block_size, int64_t t,
+                                                               int64_t sb, int64_t sr, int64_t bytes, int64_t elem,
+                                                               const int locality) {
     const int64_t block = blocks[(t / block_size) * bt_s1], r = t % block_size;
-    const char *k = (const char *)key_cache + (block * k_sb + r * k_sr) * elem;
-    const char *v = (const char *)value_cache + (block * v_sb + r * v_sr) * elem;
+    const char *row = (const char *)cache + (block * sb + r * sr) * elem;
     for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k + b, 0, 3);
-        __builtin_prefetch(v + b, 0, 2);
+        if (locality == 3)
+            __builtin_prefetch(row + b, 0, 3);
+        else
+            __builtin_prefetch(row + b, 0, 2);
     }
 }
 
@@ -437,78 +446,70 @@ static void score_block_avx512(const float *q, const char *k, int64_t sr, int ki
     }
 }
 
-/* out[g * D ..] = sum_t p[g * ld + t] v_t over t < n for GB heads sharing a kv head, v_t = the row of head
- * offset off_h (elements) at position t, read through the block table from a cache16_ps kind of cache:
- * each value row is read (and widened) once for the GB heads; the GB * NV (<= 16) accumulators stay in
- * registers. */
-static inline __attribute__((always_inline)) void wsum_group_avx512(float *out, const float *p, int64_t ld,
-                                                                    const void *cache, int kind,
-                                                                    const int32_t *blocks, int64_t bt_s1,
-                                                                    int64_t block_size, int64_t sb, int64_t sr,
-                                                                    int64_t off_h, int64_t n, const int NV,
-                                                                    const int GB) {
-    const int64_t elem = kind_elem(kind);
+/* out[g * D ..] += sum_r p[g * ld + r] v_r over the rows rows of one block (v: the first row of this kv
+ * head, rows sr bytes apart), for GB heads sharing the kv head, from a cache16_ps kind of cache: each
+ * value row is read (and widened) once for the GB heads; the GB * NV (<= 16) accumulators are
+ * registers for the block. */
+static inline __attribute__((always_inline)) void wsum_tile_avx512(float *out, const float *p, int64_t ld,
+                                                                   const char *v, int64_t sr, int64_t rows, int kind,
+                                                                   const int NV, const int GB) {
     __m512 acc[16];
-    for (int i = 0; i < GB * NV; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0, b = 0; t < n; ++b) {
-        const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
-        const int64_t rows = rows_in_block(n, t, block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t) {
-            const void *v = base + r * sr * elem;
-            __m512 pt[16];
-            for (int g = 0; g < GB; ++g) pt[g] = _mm512_set1_ps(p[g * ld + t]);
-            for (int c = 0; c < NV; ++c) {
-                const __m512 vc = cache16_ps(v, 16 * c, kind);
-                for (int g = 0; g < GB; ++g) acc[g * NV + c] = _mm512_fmadd_ps(pt[g], vc, acc[g * NV + c]);
-            }
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < NV; ++c) acc[g * NV + c] = _mm512_loadu_ps(out + (g * NV + c) * 16);
+    for (int64_t r = 0; r < rows; ++r) {
+        __m512 pt[16];
+        for (int g = 0; g < GB; ++g) pt[g] = _mm512_set1_ps(p[g * ld + r]);
+        for (int c = 0; c < NV; ++c) {
+            const __m512 vc = cache16_ps(v + r * sr, 16 * c, kind);
+            for (int g = 0; g < GB; ++g) acc[g * NV + c] = _mm512_fmadd_ps(pt[g], vc, acc[g * NV + c]);
         }
     }
     for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * NV * 16 + 16 * c, acc[g * NV + c]);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + (g * NV + c) * 16, acc[g * NV + c]);
 }
 
-/* wsum_group_avx512 for the G heads of one kv head (out: their G rows of D, p: their G score rows ld
- * apart), in groups of up to 16 / NV heads for head dims 32 .. 256; other head dims of 16s head by head,
- * with the accumulator in memory. */
-static void wsum_heads_avx512(float *out, const float *p, int64_t ld, const void *cache, int kind,
-                              const int32_t *blocks, int64_t bt_s1, int64_t block_size, int64_t sb, int64_t sr,
-                              int64_t off_h, int64_t n, int64_t D, int64_t G) {
-#define WSUM_GROUPS(NV_)                                                                                  \
-    for (int64_t g0 = 0; g0 < G;) {                                                                   \
-        int GB = 16 / (NV_);                                                                          \
-        while (GB > G - g0) GB /= 2;                                                                  \
-        float *o = out + g0 * D;                                                                      \
-        const float *pg = p + g0 * ld;                                                                \
-        switch (GB) {                                                                                 \
-            case 8: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 8); break; \
-            case 4: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 4); break; \
-            case 2: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 2); break; \
-            default: wsum_group_avx512(o, pg, ld, cache, kind, blocks, bt_s1, block_size, sb, sr, off_h, n, (NV_), 1); break; \
-        }                                                                                             \
-        g0 += GB;                                                                                     \
-    }                                                                                                 \
-    return;
+/* wsum_tile_avx512 for the G heads of one kv head (out: their G rows of D, p: their G score rows ld
+ * apart, from the block's first position) over one block, in groups of up to 16 / NV heads. */
+static inline __attribute__((always_inline)) void wsum_block_nv(float *out, const float *p, int64_t ld, const char *v,
+                                                                int64_t sr, int64_t rows, int kind, int64_t G,
+                                                                const int NV) {
+    const int most = NV >= 16 ? 1 : 16 / NV;
+    for (int64_t g0 = 0; g0 < G;) {
+        int GB = most < 8 ? most : 8;
+        while (GB > G - g0) GB /= 2;
+        float *o = out + g0 * NV * 16;
+        const float *pg = p + g0 * ld;
+        /* (the NV conditions are constants: no instance with more than 16 accumulators) */
+        if (GB == 8 && NV <= 2)
+            wsum_tile_avx512(o, pg, ld, v, sr, rows, kind, NV, 8);
+        else if (GB == 4 && NV <= 4)
+            wsum_tile_avx512(o, pg, ld, v, sr, rows, kind, NV, 4);
+        else if (GB == 2 && NV <= 8)
+            wsum_tile_avx512(o, pg, ld, v, sr, rows, kind, NV, 2);
+        else
+            wsum_tile_avx512(o, pg, ld, v, sr, rows, kind, NV, 1);
+        g0 += GB;
+    }
+}
+
+/* out[g * D ..] += sum_r p[g * ld + r] v_r for the G query heads of one kv head over the rows rows of one
+ * block (v: the first row of the kv head, rows sr bytes apart); head dims of 16s, constant for 32 .. 256. */
+static void wsum_block_avx512(float *out, const float *p, int64_t ld, const char *v, int64_t sr, int64_t rows,
+                              int kind, int64_t D, int64_t G) {
     switch (D) {   /* constant trip counts: the accumulators are registers */
-        case 32: WSUM_GROUPS(2)
-        case 64: WSUM_GROUPS(4)
-        case 128: WSUM_GROUPS(8)
-        case 256: WSUM_GROUPS(16)
+        case 32: wsum_block_nv(out, p, ld, v, sr, rows, kind, G, 2); return;
+        case 64: wsum_block_nv(out, p, ld, v, sr, rows, kind, G, 4); return;
+        case 128: wsum_block_nv(out, p, ld, v, sr, rows, kind, G, 8); return;
+        case 256: wsum_block_nv(out, p, ld, v, sr, rows, kind, G, 16); return;
         default: break;
     }
-#undef WSUM_GROUPS
-    memset(out, 0, sizeof(float) * (size_t)(G * D));
-    const int64_t elem = kind_elem(kind);
-    for (int64_t t = 0, b = 0; t < n; ++b) {
-        const char *base = (const char *)cache + (blocks[b * bt_s1] * sb + off_h) * elem;
-        const int64_t rows = rows_in_block(n, t, block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t)
-            for (int64_t g = 0; g < G; ++g) {
-                const __m512 pt = _mm512_set1_ps(p[g * ld + t]);
-                for (int64_t c = 0; c < D; c += 16)
-                    _mm512_storeu_ps(out + g * D + c, _mm512_fmadd_ps(pt, cache16_ps(base + r * sr * elem, c, kind),
-                                                                      _mm512_loadu_ps(out + g * D + c)));
-            }
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const __m512 pt = _mm512_set1_ps(p[g * ld + r]);
+            for (int64_t c = 0; c < D; c += 16)
+                _mm512_storeu_ps(out + g * D + c, _mm512_fmadd_ps(pt, cache16_ps(v + r * sr, c, kind),
+                                                                  _mm512_loadu_ps(out + g * D + c)));
+        }
 }
 #define QWEN_AVX512 1
 #else
@@ -541,7 +542,8 @@ typedef struct {
  *
  * One pass over the keys, a block at a time, computes the scores of those heads (score_block_avx512:
  * tiles of keys x the query heads of a kv head, each key row read once per tile), a softmax per head,
- * then one pass over the values (wsum_heads_avx512: each value row read once per group of heads). */
+ * then one pass over the values, a block at a time (wsum_block_avx512: each value row read once per group
+ * of heads). */
 static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32_t *blocks, int64_t kh0, int64_t kh1,
                        float *scratch) {
     const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype, kvd = a->kv_dtype;
@@ -556,21 +558,26 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
         load_row(a->query, token * a->q_s0 + h * a->q_s1, (int)dtype, D, q + h * D);
         for (int64_t d = 0; d < D; ++d) q[h * D + d] *= a->scale;
     }
-    /* scores[h][t] = q_h . k_t, with these heads' key and value rows ATTN_AHEAD positions ahead
-     * prefetched (the values for the pass after the softmax): in a model step the caches come from DRAM */
+    /* scores[h][t] = q_h . k_t, with these heads' key rows ATTN_AHEAD positions ahead prefetched, and
+     * their value rows too while the row's values are few (ATTN_V_EARLY_BYTES; else the pass over
+     * the values prefetches them): in a model step the caches come from DRAM */
     const int64_t head_bytes = (kh1 - kh0) * D * elem;
     const void *kc = (const char *)a->key_cache + kh0 * a->k_sh * elem;
     const void *vc = (const char *)a->value_cache + kh0 * a->v_sh * elem;
-    for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t)
-        prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t, a->k_sb, a->k_sr, a->v_sb, a->v_sr, head_bytes,
-                        elem);
+    const int v_early = n * head_bytes <= ATTN_V_EARLY_BYTES;
+    for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t) {
+        prefetch_row(kc, blocks, a->bt_s1, a->block_size, t, a->k_sb, a->k_sr, head_bytes, elem, 3);
+        if (v_early) prefetch_row(vc, blocks, a->bt_s1, a->block_size, t, a->v_sb, a->v_sr, head_bytes, elem, 2);
+    }
     for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        for (int64_t r = 0; r < rows; ++r)       /* this block's keys ATTN_AHEAD positions ahead */
-            if (t + r + ATTN_AHEAD < n)
-                prefetch_kv_row(kc, vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->k_sb, a->k_sr, a->v_sb,
-                                a->v_sr, head_bytes, elem);
+        for (int64_t r = 0; r < rows && t + r + ATTN_AHEAD < n; ++r) {    /* this block's keys ATTN_AHEAD ahead */
+            prefetch_row(kc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->k_sb, a->k_sr, head_bytes, elem, 3);
+            if (v_early)
+                prefetch_row(vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->v_sb, a->v_sr, head_bytes,
+                             elem, 2);
+        }
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->k_sb + kh * a->k_sh;
 #if QWEN_AVX512
@@ -605,31 +612,36 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
 #pragma omp simd
         for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
     }
-    /* acc[h] = sum_t p[h][t] v_t */
-#if QWEN_AVX512
-    if (fast) {
-        for (int64_t kh = kh0; kh < kh1; ++kh)
-            wsum_heads_avx512(acc + kh * G * D, scores + kh * G * max_len, max_len, a->value_cache, bf16, blocks,
-                              a->bt_s1, a->block_size, a->v_sb, a->v_sr, kh * a->v_sh, n, D, G);
-        goto weighted_sum_done;
-    }
-#endif
+    /* acc[h] = sum_t p[h][t] v_t, block by block as the keys (each block's rows of these heads read once),
+     * prefetching the value rows ATTN_AHEAD positions ahead unless the pass over the keys did */
     memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
+    if (!v_early)
+        for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t)
+            prefetch_row(vc, blocks, a->bt_s1, a->block_size, t, a->v_sb, a->v_sr, head_bytes, elem, 3);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        for (int64_t r = 0; r < rows; ++r, ++t) {
-            for (int64_t kh = kh0; kh < kh1; ++kh) {
-                const float *v = cache_row(a->value_cache, block * a->v_sb + r * a->v_sr + kh * a->v_sh, (int)kvd,
-                                           D, row);
+        if (!v_early)
+            for (int64_t r = 0; r < rows && t + r + ATTN_AHEAD < n; ++r)
+                prefetch_row(vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->v_sb, a->v_sr, head_bytes,
+                             elem, 3);
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
+            const int64_t at = block * a->v_sb + kh * a->v_sh;
+#if QWEN_AVX512
+            if (fast) {
+                wsum_block_avx512(acc + kh * G * D, scores + kh * G * max_len + t, max_len,
+                                  (const char *)a->value_cache + at * elem, a->v_sr * elem, rows, bf16, D, G);
+                continue;
+            }
+#endif
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *v = cache_row(a->value_cache, at + r * a->v_sr, (int)kvd, D, row);
                 for (int64_t g = 0; g < G; ++g)
-                    axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t], v, D);
+                    axpy(acc + (kh * G + g) * D, scores[(kh * G + g) * max_len + t + r], v, D);
             }
         }
+        t += rows;
     }
-#if QWEN_AVX512
-weighted_sum_done:
-#endif
     for (int64_t h = h0; h < h1; ++h) {
         float *o = acc + h * D;
         if (a->v_scale != 1.0f)
