@@ -557,7 +557,7 @@ def test_a8_layers_on_panels_keep_one_copy_and_the_checkpoint_layout(ckpt, monke
     from qwen_ops.models.layers import product_choices
 
     mlp = panels.get_submodule("model.layers.0.mlp")
-    assert mlp._silu_mul_down == mlp.down_proj.forward_silu_mul
+    assert mlp._down_of_gate_up == mlp.down_proj.forward_silu_mul
     assert product_choices(panels)["model.layers.0.mlp.down"].endswith("; silu_mul in the same call")
     assert not product_choices(rows)["model.layers.0.mlp.down"].endswith("; silu_mul in the same call")
     # every layer's panels in one arena (2 MB pages), in the order a step reads them

@@ -322,9 +322,9 @@ class QwenMLP(nn.Module):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if any(self._skipped_hooks) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS:   # a hook: call them
             return self.forward_native(x)
-        return self._silu_mul_down(self._gate_up_product(x))
-
-    def _silu_mul_then_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = self._gate_up_product(x)
+        if self._down_of_gate_up is not None:      # int8-activation panels: silu_mul inside the down product
+            return self._down_of_gate_up(gate_up)
         return self._down_product(SILU_MUL(gate_up))
 
     def process_weights_after_loading(self) -> None:
@@ -339,9 +339,9 @@ class QwenMLP(nn.Module):
                     down = with_delta(self, lora, self._lora_groups["down"], down)
                 self._gate_up_product, self._down_product = gate_up, down
                 # a down product on int8-activation panels takes the gate | up rows itself (one op call less)
-                self._silu_mul_down = self._silu_mul_then_down
+                self._down_of_gate_up = None
                 if isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up() and lora is None:
-                    self._silu_mul_down = self.down_proj.forward_silu_mul
+                    self._down_of_gate_up = self.down_proj.forward_silu_mul
                     self.product_kinds["down"] += "; silu_mul in the same call"
                 self._skipped_hooks = forward_hooks(self.gate_proj, self.up_proj, self.down_proj)
                 self.forward = self.forward_cpu
