@@ -399,11 +399,11 @@ static inline __attribute__((always_inline)) void score_tile_avx512(const float 
         }
     const __m512 s = sum16_avx512(acc);      /* lane g KB + j: head g, key j */
     const __mmask16 keys = (__mmask16)((1u << m) - 1u);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     _mm512_mask_storeu_ps(scores, keys, s);
-    for (int g = 1; g < GB; ++g)
+    for (int g = 1; g < GB; ++g)   /* head g's lanes moved down to lane 0 (a lane index: no immediate needed) */
         _mm512_mask_storeu_ps(scores + g * ld, keys,
-                              _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), _mm512_castps_si512(s),
-                                                                      g * KB)));
+                              _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(g * KB)), s));
 }
 
 /* score_tile_avx512 over the rows rows of one block, with NV (D / 16) and GB as constants where they are
