@@ -322,6 +322,16 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *cache
     }
 }
 
+/* prefetch_row for positions from .. to - 1 that are below n (a pass's first ATTN_AHEAD at its start, then
+ * at each block's start, its rows' positions ATTN_AHEAD ahead). */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *blocks,
+                                                                int64_t bt_s1, int64_t block_size, int64_t from,
+                                                                int64_t to, int64_t n, int64_t sb, int64_t sr,
+                                                                int64_t bytes, int64_t elem, const int locality) {
+    for (int64_t t = from; t < to && t < n; ++t)
+        prefetch_row(cache, blocks, bt_s1, block_size, t, sb, sr, bytes, elem, locality);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512 paths for fp32 and bf16 caches with head_dim a multiple of 16 (every Qwen head dim). */
@@ -565,19 +575,17 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
     const void *kc = (const char *)a->key_cache + kh0 * a->k_sh * elem;
     const void *vc = (const char *)a->value_cache + kh0 * a->v_sh * elem;
     const int v_early = n * head_bytes <= ATTN_V_EARLY_BYTES;
-    for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t) {
-        prefetch_row(kc, blocks, a->bt_s1, a->block_size, t, a->k_sb, a->k_sr, head_bytes, elem, 3);
-        if (v_early) prefetch_row(vc, blocks, a->bt_s1, a->block_size, t, a->v_sb, a->v_sr, head_bytes, elem, 2);
-    }
+    prefetch_rows(kc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->k_sb, a->k_sr, head_bytes, elem, 3);
+    if (v_early)
+        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->v_sb, a->v_sr, head_bytes, elem, 2);
     for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        for (int64_t r = 0; r < rows && t + r + ATTN_AHEAD < n; ++r) {    /* this block's keys ATTN_AHEAD ahead */
-            prefetch_row(kc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->k_sb, a->k_sr, head_bytes, elem, 3);
-            if (v_early)
-                prefetch_row(vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->v_sb, a->v_sr, head_bytes,
-                             elem, 2);
-        }
+        prefetch_rows(kc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->k_sb, a->k_sr,
+                      head_bytes, elem, 3);
+        if (v_early)
+            prefetch_rows(vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->v_sb,
+                          a->v_sr, head_bytes, elem, 2);
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->k_sb + kh * a->k_sh;
 #if QWEN_AVX512
@@ -616,15 +624,13 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
      * prefetching the value rows ATTN_AHEAD positions ahead unless the pass over the keys did */
     memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
     if (!v_early)
-        for (int64_t t = 0; t < n && t < ATTN_AHEAD; ++t)
-            prefetch_row(vc, blocks, a->bt_s1, a->block_size, t, a->v_sb, a->v_sr, head_bytes, elem, 3);
+        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->v_sb, a->v_sr, head_bytes, elem, 3);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
         if (!v_early)
-            for (int64_t r = 0; r < rows && t + r + ATTN_AHEAD < n; ++r)
-                prefetch_row(vc, blocks, a->bt_s1, a->block_size, t + r + ATTN_AHEAD, a->v_sb, a->v_sr, head_bytes,
-                             elem, 3);
+            prefetch_rows(vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->v_sb,
+                          a->v_sr, head_bytes, elem, 3);
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->v_sb + kh * a->v_sh;
 #if QWEN_AVX512
