@@ -55,7 +55,7 @@ def test_seed_must_be_an_int(seed):
 
 
 def _noise(seed: int, n: int = 64) -> torch.Tensor:
-    return SamplingParams(seed=seed, temperature=1.0).make_generator(torch.device("cpu")).exponential_(torch.empty(n))
+    return SamplingParams(seed=seed, temperature=1.0).make_generator(torch.device("cpu")).uniform(n)
 
 
 @pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, 2 ** 32, SEED_MAX])
@@ -85,6 +85,83 @@ def test_seeded_noise_samples_the_distribution():
     for _ in range(6000):
         counts[sample(logits, [params], [g]).item()] += 1
     assert 0.5 * (counts / counts.sum() - probs).abs().sum().item() < 0.03
+
+
+def _first_past(weights: list[float], u: float) -> int:
+    """The oracle of an inverse-CDF pick: a plain float64 loop over the row (index order)."""
+    total = 0.0
+    for w in weights:
+        total += w
+    target, run = u * total, 0.0
+    for i, w in enumerate(weights):
+        run += w
+        if run > target:
+            return i
+    raise AssertionError("u * total reached the total")
+
+
+def test_cdf_pick_matches_a_float64_loop():
+    from qwen_ops.engine.sampling import cdf_pick
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.rand(6, 300, generator=g) ** 4
+    w[w < 0.05] = 0.0                                    # zeros are never picked
+    w[5, :] = 0.0
+    w[5, 123] = 0.25                                     # one positive entry
+    w[1, 250:] = 0.0                                     # trailing zeros, with u just below 1
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2.0 ** -53                   # both ends of [0, 1)
+    got = cdf_pick(w, u).tolist()
+    want = [_first_past(w[i].double().tolist(), float(u[i])) for i in range(6)]
+    assert got == want and got[5] == 123 and got[1] < 250
+    assert all(w[i, t] > 0 for i, t in enumerate(got))
+
+
+def test_sampled_rows_pick_by_their_seeded_uniform():
+    # Unbounded rows (temperature only) and bounded ones (top-k) against the loop above, fed the
+    # float32 probabilities softmax gives and the uniform each row's own seed draws.
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 500, generator=g) * 2
+    for params in ([SamplingParams(temperature=t, seed=s) for t, s in ((1.0, 3), (0.7, -9), (1.3, 2 ** 40), (1.0, 0))],
+                   [SamplingParams(temperature=0.9, top_k=40, seed=s) for s in (5, 6, 7, 8)]):
+        gens = [p.make_generator(torch.device("cpu")) for p in params]
+        got = sample(logits, params, gens).tolist()
+        for i, p in enumerate(params):
+            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+            if p.top_k > 0:
+                probs = probs.masked_fill(probs < probs.topk(p.top_k).values[-1], 0.0)
+            u = float(p.make_generator(torch.device("cpu")).uniform(1)[0])
+            assert got[i] == _first_past(probs.double().tolist(), u), (params[i], i)
+
+
+def test_host_sample_rows_matches_a_float64_oracle():
+    # The C pass (softmax, running sum and pick without a probability tensor) against the loop
+    # above over float64 softmax probabilities: fresh random logits, temperatures, -inf entries,
+    # and uniforms at both ends. A pick may differ only where u * total lies within rounding of a
+    # boundary of the running sum, which none of these inputs does.
+    from qwen_ops.ops import host
+
+    if host.why_unavailable() is not None:
+        pytest.skip(host.why_unavailable())
+    g = torch.Generator().manual_seed(21)
+    rows, vocab = 12, 1000
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x[x > 7] = -math.inf                                 # masked tokens (bad words, logit bias, grammars)
+    x[3, :] = -math.inf
+    x[3, 517] = 2.0                                      # one finite logit: always that token
+    temps = torch.rand(rows, generator=g) * 1.5 + 0.2
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
+    got = host.sample_rows(x, temps, u).tolist()
+    for r in range(rows):
+        probs = torch.softmax(x[r].double() / float(temps[r]), dim=-1).tolist()
+        want = _first_past(probs, float(u[r]))
+        assert got[r] == want, (r, got[r], want)
+        assert x[r, got[r]] > -math.inf
+    assert got[3] == 517
+    nan_row = x[:2].clone()
+    nan_row[1, 5] = math.nan
+    assert host.sample_rows(nan_row, temps[:2], u[:2]).tolist()[1] == -1
 
 
 def test_no_generator_without_seed_or_when_greedy():

@@ -159,8 +159,8 @@ def test_prefix_caching_has_no_collisions_on_ordinary_traffic(tmp_path):
 
 
 def test_seeded_rows_draw_the_same_tokens_in_any_batch():
-    """A seeded row races over its own kept tokens (bounded filters) or the vocabulary (none), one noise
-    stream per request: the same tokens alone, beside an unbounded row, and beside a bounded one."""
+    """A seeded row picks among its own kept tokens (bounded filters) or the vocabulary (none), one
+    uniform stream per request: the same tokens alone, beside an unbounded row, and beside a bounded one."""
     from qwen_ops.engine.sampling import sample
 
     g = torch.Generator().manual_seed(3)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.pooling import reduce_rows
-from qwen_ops.engine.sampling import apply_logits_processing, bounded, filtered_probs, sample, token_logprobs
+from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.models.lora import write_adapter
 from qwen_ops.ops.metadata import AttentionMetadata
@@ -364,7 +364,7 @@ class ModelRunner:
         """The tokens each task with drafts emits (``speculative.py``): greedy rows keep the drafts
         that equal the target's argmax; sampled rows, against the target's distribution after
         temperature, top-k and top-p and with the request's own noise when seeded, keep n-gram's
-        deterministic drafts by the plain sampler's own race (``race_accept``: the same tokens as
+        deterministic drafts by the plain sampler's own pick (``race_accept``: the same tokens as
         without speculation) and a draft model's by rejection sampling with its ``q``."""
         out: list[Optional[list[int]]] = [None] * len(tasks)
         start = 0
@@ -377,8 +377,7 @@ class ModelRunner:
             if t.sampling.greedy:
                 out[i] = greedy_accept(rows, drafts)
             elif t.draft_probs is None:
-                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator,
-                                     bounded(t.sampling, rows.shape[1]))
+                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator)
             else:
                 probs = filtered_probs(rows.float(), [t.sampling] * len(rows))
                 out[i] = rejection_sample(probs / probs.sum(dim=-1, keepdim=True), drafts, t.draft_probs, t.generator)

@@ -1,9 +1,10 @@
 """Sampling parameters (vLLM's vocabulary) and batched sampling on the device.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw with
-the exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A request
-with a ``seed`` draws its noise from its own ``SeededNoise`` (all 64 bits of the seed, on every
-device), so its tokens do not depend on which other requests share the batch.
+Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw by the
+inverse CDF: one uniform u per row, and the first token, in index order, whose float64 running
+sum of kept probabilities passes u times their total (``cdf_pick``). A request with a ``seed``
+draws its u from its own ``SeededNoise`` (all 64 bits of the seed, on every device), so its
+tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -316,9 +317,9 @@ class SeededNoise:
 
     One ``torch.Generator`` is not enough on the CPU: its Mersenne Twister is seeded from the
     low 32 bits only, so ``seed=1`` and ``seed=2**32 + 1`` drew the same tokens. Here the seed's
-    two 32-bit halves seed two generators, and a uniform draw is ``frac(a + 2 b)`` of one draw
-    ``a``, ``b`` of each: uniform whenever ``a`` is (so sampling stays exact), and a function of
-    both halves in which they cannot trade places. The exponential noise is ``-log`` of it.
+    two 32-bit halves seed two generators, and a uniform draw is ``frac(a + 2 b)`` of one float64
+    draw ``a``, ``b`` of each: uniform whenever ``a`` is (so sampling stays exact), and a function
+    of both halves in which they cannot trade places. A sampled token costs one draw.
     """
 
     __slots__ = ("seed", "_low", "_high")
@@ -332,17 +333,10 @@ class SeededNoise:
         self._high = torch.Generator(device=device).manual_seed(bits >> 32)
 
     def uniform(self, n: int) -> torch.Tensor:
-        """``n`` fp32 uniform draws in [0, 1) from this stream (speculative decoding's acceptance tests)."""
+        """``n`` float64 uniform draws in [0, 1) from this stream."""
         device = self._low.device
-        u = torch.rand(n, generator=self._low, device=device)
-        return u.add_(torch.rand(n, generator=self._high, device=device), alpha=2.0).frac_()
-
-    def exponential_(self, out: torch.Tensor) -> torch.Tensor:
-        """Fill fp32 ``out`` with Exp(1) noise from this stream (``-log u``, u uniform in [0, 1):
-        u = 0 gives inf, whose token can never win the race; u = 1 never occurs)."""
-        u = torch.rand(out.shape, generator=self._low, device=out.device)
-        u.add_(torch.rand(out.shape, generator=self._high, device=out.device), alpha=2.0).frac_()
-        return out.copy_(u.log_().neg_())
+        u = torch.rand(n, generator=self._low, device=device, dtype=torch.float64)
+        return u.add_(torch.rand(n, generator=self._high, device=device, dtype=torch.float64), alpha=2.0).frac_()
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -353,61 +347,47 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
     logits = logits.float()
-    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
-            and not torch.compiler.is_compiling() and host.why_unavailable() is None):
-        greedy_tokens = host.argmax_rows(logits)
-    else:
-        greedy_tokens = logits.argmax(dim=-1)
+    host_ok = (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+               and not torch.compiler.is_compiling() and host.why_unavailable() is None)
+    greedy_tokens = host.argmax_rows(logits) if host_ok else logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
+    # One uniform per row; seeded rows draw theirs from their own stream.
+    u = torch.rand(len(params), generator=default_generator, dtype=torch.float64, device=logits.device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = g.uniform(1)[0]
+    vocab = logits.shape[1]
+    if host_ok and all(p.greedy or (p.min_p <= 0 and not 0 < p.top_k < vocab and p.top_p >= 1.0) for p in params):
+        # No row filtered: softmax, running sum and pick in one C pass per row (a -1 row: NaN logits)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        sampled = host.sample_rows(logits, temps, u)
+        take_greedy = torch.tensor([p.greedy for p in params]) | (sampled < 0)
+        return torch.where(take_greedy, greedy_tokens, sampled)
     probs, cand = _filter(logits, params, full=False)
-    # Exponential race: argmax of p / Exp(1) noise is a draw from p; seeded rows draw from their own
-    # generator. Where the filters bound every row (top-k, top-p), the race runs over the candidates
-    # they kept (most likely first), and a row draws as many noise values as it keeps tokens: its draws
-    # depend on its own row alone, whatever else is in the batch.
     if cand is not None:
+        # Every row bounded (top-k, top-p): the pick runs over its kept tokens in index order (the
+        # others after them, probability 0), which is the same pick as over the whole masked row.
         cand_i, cand_p = cand
-        # the kept tokens in index order (the others after them, probability 0): the order race_pick uses
         key = torch.where(cand_p > 0, cand_i, probs.shape[1])
         cand_i, perm = key.sort(dim=-1)
-        cand_p = cand_p.gather(1, perm)
-        kept = (cand_p > 0).sum(dim=-1).tolist()
-        noise = torch.empty_like(cand_p).exponential_(generator=default_generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                g.exponential_(noise[i, :kept[i]])
-        sampled = cand_i.gather(1, (cand_p / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        sampled = cand_i.gather(1, cdf_pick(cand_p.gather(1, perm), u)[:, None]).squeeze(1)
     else:
-        # unbounded rows race over the vocabulary; a bounded one among them over its kept tokens, alone
-        vocab = probs.shape[1]
-        own = [bounded(p, vocab) for p in params]
-        noise = torch.empty_like(probs).exponential_(generator=default_generator)
-        for i, g in enumerate(generators):
-            if g is not None and not own[i]:
-                g.exponential_(noise[i])
-        sampled = (probs / noise).argmax(dim=-1)
-        for i in (i for i, b in enumerate(own) if b):
-            g = generators[i]
-            draw = ((lambda n, g=g: g.exponential_(torch.empty(n, device=probs.device))) if g is not None else
-                    (lambda n: torch.empty(n, device=probs.device).exponential_(generator=default_generator)))
-            sampled[i] = race_pick(probs[i], True, draw)
+        sampled = cdf_pick(probs, u)
     is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(is_greedy, greedy_tokens, sampled)
 
 
-def bounded(params: SamplingParams, vocab: int) -> bool:
-    """Whether a row's filters bound the tokens it can sample (top-k or top-p): then ``sample`` races
-    over the kept tokens only, one noise draw each, in index order (``race_pick``)."""
-    return 0 < params.top_k < vocab or params.top_p < 1.0
-
-
-def race_pick(probs: torch.Tensor, bounded_row: bool, draw) -> int:
-    """One row's exponential race exactly as ``sample`` runs it for a batch of rows that are all
-    ``bounded`` (or not): ``draw(n)`` gives n Exp(1) values from the row's stream."""
-    if bounded_row:
-        idx = torch.nonzero(probs > 0).squeeze(1)
-        return int(idx[(probs[idx] / draw(idx.shape[0])).argmax()])
-    return int((probs / draw(probs.shape[0])).argmax())
+def cdf_pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: for each row of ``weights`` [N, W] (non-negative, each row with a
+    positive entry; not normalized) and uniform ``u`` [N] in [0, 1), the first index whose float64
+    running sum exceeds ``u`` times the row's total. An index is picked with probability its weight
+    over the total; a zero weight is never picked. Zeros do not change the running sum, so a row's
+    pick is the same over its positive entries alone (in the same order)."""
+    run = weights.cumsum(dim=-1, dtype=torch.float64)
+    # u < 1 keeps u * total below the total in float64 (for u = 1 - 2**-53 too), so some running
+    # sum exceeds it: the first is at a positive weight, at or before the last one
+    return torch.searchsorted(run, u.to(torch.float64)[:, None] * run[:, -1:], right=True).squeeze(1)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -25,8 +25,8 @@ distribution after the context and drafts ``1..i``. Then:
   ``p_k``. Each emitted token then has the target's distribution given those before it.
 
 Random numbers come from a source the caller owns: a ``torch.Generator``, a seeded request's
-``SeededNoise``, or None (torch's default generator). Draws from a distribution use the exponential
-race (``argmax(p / E)``), as the plain sampler does.
+``SeededNoise``, or None (torch's default generator). A draw from a distribution is an inverse-CDF
+pick with one uniform (``sampling.cdf_pick``), as the plain sampler's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from qwen_ops.engine.sampling import race_pick
+from qwen_ops.engine.sampling import cdf_pick
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The speculative_config keys each method takes (vLLM's names).
@@ -188,41 +188,28 @@ def _uniform(generator, n: int, device) -> torch.Tensor:
     """``n`` uniform fp64 draws in [0, 1) from ``generator`` (module docstring)."""
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
-    return generator.uniform(n).to(device=device, dtype=torch.float64)
+    return generator.uniform(n).to(device=device)
 
 
 def _draw(dist: torch.Tensor, generator) -> int:
-    """One token from ``dist`` [V] (non-negative, not all zero) by the exponential race."""
-    u = _uniform(generator, dist.shape[0], dist.device)
-    return int((dist / -torch.log(u)).argmax())    # u = 0: E = inf, a score of 0
+    """One token from ``dist`` [V] (non-negative, not all zero): an inverse-CDF pick with one uniform."""
+    return int(cdf_pick(dist[None], _uniform(generator, 1, dist.device))[0])
 
 
-def _exponential(generator, n: int, device) -> torch.Tensor:
-    """Exp(1) noise [n] drawn exactly as the plain sampler draws one row's (``sampling.sample``)."""
-    noise = torch.empty(n, device=device)
-    if generator is None or isinstance(generator, torch.Generator):
-        return noise.exponential_(generator=generator)
-    return generator.exponential_(noise)
-
-
-def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator, bounded: bool = False
-                ) -> list[int]:
+def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator) -> list[int]:
     """Sampled verification of deterministic drafts (n-gram's point masses) that emits exactly the
-    tokens the plain sampler would: row i's token is the exponential race ``argmax(p_i / E_i)``
-    with the request's next noise row E_i (one row per emitted token, as plain decoding draws),
-    and draft i is kept iff it is that token. The draft is kept with probability p_i(d_i), as
-    rejection sampling keeps a point mass, and a rejected row emits the race winner, which given
-    "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same law, and for a
-    seeded request the same tokens as without speculation, whatever the batch. ``bounded``: the
-    request's filters bound its tokens (``sampling.bounded``), so its race runs over the kept ones,
-    as the plain sampler's does (``sampling.race_pick``)."""
+    tokens the plain sampler would: row i's token is the plain sampler's pick (``sampling.cdf_pick``
+    over the filtered row, in index order) with the request's next uniform u_i (one per emitted
+    token, as plain decoding draws), and draft i is kept iff it is that token. The draft is kept with
+    probability p_i(d_i), as rejection sampling keeps a point mass, and a rejected row emits the
+    pick, which given "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same
+    law, and for a seeded request the same tokens as without speculation, whatever the batch."""
     k = len(draft_tokens)
     if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
     out = []
     for i in range(k + 1):
-        row = target_probs[i]
-        t = race_pick(row, bounded, lambda n: _exponential(generator, n, row.device))
+        t = int(cdf_pick(target_probs[i:i + 1], _uniform(generator, 1, target_probs.device))[0])
         out.append(t)
         if i == k or t != draft_tokens[i]:
             break

@@ -785,6 +785,75 @@ void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, in
     }
 }
 
+/* Sampling by the inverse CDF of softmax(x / T) over whole rows (sampling.py's cdf_pick of a row
+ * with no top-k, top-p or min-p): w_t = exp(x_t / T - max), 0 where that exponent is below -87 (so
+ * a -inf logit is never picked), summed in float64 per block of 64; out[r] is the first t whose
+ * float64 running sum passes u[r] times the total (u[r] in [0, 1)): the blocks' sums find the block,
+ * a walk inside it the token (the last positive one of the block if rounding leaves the walk
+ * short). -1 where a row has no finite maximum or a NaN (the caller takes the argmax there).
+ * w: cols floats of scratch; bsum: ceil(cols / 64) doubles. */
+void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, const float *temps, const double *u,
+                      int64_t *out, float *w, double *bsum) {
+    enum { BLOCK = 64 };
+    const int64_t nb = (cols + BLOCK - 1) / BLOCK;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * s0;
+        const float temp = temps[r];
+        float m = -__builtin_inff();
+        const float *s = row;                         /* x / T: the row itself at T = 1 */
+        if (temp == 1.0f) {
+#pragma omp simd reduction(max : m)
+            for (int64_t t = 0; t < cols; ++t) m = row[t] > m ? row[t] : m;
+        } else {
+#pragma omp simd reduction(max : m)
+            for (int64_t t = 0; t < cols; ++t) {
+                w[t] = row[t] / temp;
+                m = w[t] > m ? w[t] : m;
+            }
+            s = w;
+        }
+        out[r] = -1;
+        if (!(m > -__builtin_inff()) || m == __builtin_inff())
+            continue;
+#pragma omp simd
+        for (int64_t t = 0; t < cols; ++t) {
+            const float d = s[t] - m;
+            const float e = exp_nonpositive(d);
+            w[t] = d < -87.0f ? 0.0f : e;
+        }
+        double total = 0.0;
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
+            double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = b * BLOCK; t < hi; ++t)
+                sum += (double)w[t];
+            bsum[b] = sum;
+            total += sum;
+        }
+        if (!(total > 0.0))                           /* NaN */
+            continue;
+        const double target = u[r] * total;
+        double run = 0.0;
+        for (int64_t b = 0; b < nb; ++b) {
+            if (!(run + bsum[b] > target)) {
+                run += bsum[b];
+                continue;
+            }
+            const int64_t lo = b * BLOCK, hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
+            for (int64_t t = lo; t < hi && out[r] < 0; ++t) {
+                run += (double)w[t];
+                if (run > target)
+                    out[r] = t;
+            }
+            for (int64_t t = hi - 1; t >= lo && out[r] < 0; --t)
+                if (w[t] > 0.0f)
+                    out[r] = t;
+            break;
+        }
+    }
+}
+
 /* Structured outputs: rows[r] of logits [*, cols] (row stride s0) keep the tokens whose bit is set
  * in mask[r] (int32 words, bit b of word w = token 32 w + b, words_per_row words); every other
  * token, and every token past the mask's bits, becomes -inf. A word of all ones (allowed) is
