@@ -30,7 +30,7 @@ SCHEMA = {
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                      "zip": {"type": "integer"}},
+                                                      "zip": {"type": "integer", "minimum": 0, "maximum": 99999}},
                     "required": ["city"], "additionalProperties": False},
         "active": {"type": "boolean"},
     },

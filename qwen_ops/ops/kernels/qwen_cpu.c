@@ -1290,6 +1290,11 @@ static void linear_packed_avx512(const float *x, int64_t xs, int64_t M, const vo
                 for (; m + PANEL_WIDE_MR <= M; m += PANEL_WIDE_MR)
                     wide(x + m * xs, xs, w + p * panel_bytes, K, kb, ke, bias == NULL ? NULL : bias + p * 32,
                          y + m * ys + p * 32, ys, N - p * 32);
+            if (np == 2 && m < M && M - m <= PANEL_PAIR_MAX_ROWS) {   /* a few rows left: both panels at once */
+                PANEL_PAIR[bf16][M - m](x + m * xs, xs, w + p * panel_bytes, K, kb, ke,
+                                        bias == NULL ? NULL : bias + p * 32, y + m * ys + p * 32, ys, N - p * 32);
+                m = M;
+            }
             for (; m < M; m += PANEL_MR) {   /* the rows left over (all of them for an odd last panel) */
                 const int64_t rows = M - m < PANEL_MR ? M - m : PANEL_MR;
                 for (int64_t pn = p; pn < p + np; ++pn)
