@@ -315,13 +315,15 @@ def test_slot_attention_vector_paths(backend, dtype, group, head_dim, block_size
 
 
 # The CPU kernel's flash path (qwen_cpu_flash.c: sequences of FLASH_MIN_QUERY = 2 query rows or more):
-# whole prompts and chunks whose lengths cross the 64-key blocks, the query blocks (64 rows of
-# positions x heads) and the pages, a chunk starting off the diagonal, next to decode rows (the row
+# whole prompts and chunks whose lengths cross the 64-key blocks, the 256-key softmax blocks of the
+# tiles' path, the query blocks (64 rows of positions x heads) and the pages, a chunk starting off the diagonal, next to decode rows (the row
 # path), a padding sequence and short queries (2 and 15 rows).
 FLASH_CASES = {
     "prompt": (Seq(0, 0, 130),),
     "chunk": (Seq(1, 70, 67), Seq(2, 128, 64)),
     "mixed": (Seq(0, 5, 1), Seq(1, 0, 100), Seq(-1, 0, 3), Seq(2, 33, 2), Seq(3, 40, 15)),
+    # past the AMX path's softmax blocks of 256 keys: a prompt of 300 and a chunk across key 256
+    "long": (Seq(0, 0, 300), Seq(1, 230, 90)),
 }
 
 
@@ -385,7 +387,7 @@ def test_slot_attention_cpu_flash_every_bf16_path(tmp_path, monkeypatch, mode):
     if lib.qwen_bf16_products() != {"amx": 2, "dot": 1, "widening": 0}[mode]:
         pytest.skip(f"this CPU has no {mode} bf16 products")
     monkeypatch.setattr(cpu, "library", lambda: lib)      # slot_attention's CPU kernel calls library()
-    cases = [("chunk", 2, 80, False), ("mixed", 8, 64, True), ("prompt", 1, 128, False)]
+    cases = [("chunk", 2, 80, False), ("mixed", 8, 64, True), ("prompt", 1, 128, False), ("long", 2, 64, True)]
     before = torch.get_num_threads()
     try:
         for name, group, head_dim, gate in cases:

@@ -29,7 +29,13 @@
 
 #if QWEN_AVX512
 
-#define FLASH_BK 64          /* keys per key block */
+#define FLASH_BK 64          /* keys per key block of the packed K / V and of a scores product */
+/* Keys per softmax block on the tiles' path: the scores of up to 4 key blocks, one softmax over them,
+ * then one P V pass, so the output tiles make one round trip through memory per 256 keys instead of
+ * per 64 (the other paths: one key block). */
+#ifndef FLASH_AMX_KEYS
+#define FLASH_AMX_KEYS 256
+#endif
 enum { FLASH_F32 = 0, FLASH_DOT = 1, FLASH_AMX = 2 };   /* the products' path (flash_run) */
 #ifndef FLASH_ROWS
 #define FLASH_ROWS 64        /* query rows per query block: positions x the query heads of one kv head */
@@ -224,9 +230,10 @@ static QWEN_AMX_TARGET void flash_amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* S rows 16 i .. 16 i + 15 [16][64] = Q tile row i (qt[i][s][16][32] bf16) times a key block's K^T. */
+/* S rows 16 i .. 16 i + 15 [16][64] (rows W floats apart) = Q tile row i (qt[i][s][16][32] bf16) times a
+ * key block's K^T. */
 static QWEN_AMX_TARGET void flash_scores_amx(const uint16_t *qt, int64_t S, int64_t Mp, const uint32_t *kt,
-                                             float *s) {
+                                             float *s, int64_t W) {
     AMX_MEMORY();
     for (int64_t i = 0; i < Mp / 16; ++i) {
         _tile_zero(0);
@@ -245,17 +252,19 @@ static QWEN_AMX_TARGET void flash_scores_amx(const uint16_t *qt, int64_t S, int6
             _tile_loadd(5, b + 768, 64);
             _tile_dpbf16ps(3, 4, 5);
         }
-        float *si = s + i * 16 * FLASH_BK;
-        _tile_stored(0, si, FLASH_BK * 4);
-        _tile_stored(1, si + 16, FLASH_BK * 4);
-        _tile_stored(2, si + 32, FLASH_BK * 4);
-        _tile_stored(3, si + 48, FLASH_BK * 4);
+        float *si = s + i * 16 * W;
+        _tile_stored(0, si, W * 4);
+        _tile_stored(1, si + 16, W * 4);
+        _tile_stored(2, si + 32, W * 4);
+        _tile_stored(3, si + 48, W * 4);
     }
     AMX_MEMORY();
 }
 
-/* O [Mp][Dp] fp32 += P (pt[i][h][16][32] bf16: rows 16 i.., keys 32 h..) times a key block's V tiles. */
-static QWEN_AMX_TARGET void flash_pv_amx(const uint16_t *pt, const uint16_t *vv, int64_t Dp, int64_t Mp, float *o) {
+/* O [Mp][Dp] fp32 += P (pt[i][h][16][32] bf16: rows 16 i.., keys 32 h.., NH groups of keys a row tile)
+ * times the V tiles of keys 0 .. 32 nh - 1 (consecutive key blocks' tiles follow each other). */
+static QWEN_AMX_TARGET void flash_pv_amx(const uint16_t *pt, const uint16_t *vv, int64_t Dp, int64_t Mp, float *o,
+                                         int64_t NH, int64_t nh) {
     const int64_t C = Dp / 16;
     AMX_MEMORY();
     for (int64_t i = 0; i < Mp / 16; ++i) {
@@ -267,9 +276,9 @@ static QWEN_AMX_TARGET void flash_pv_amx(const uint16_t *pt, const uint16_t *vv,
             _tile_loadd(1, oi + 16 * (c0 + 1), Dp * 4);
             if (nc > 2) _tile_loadd(2, oi + 16 * (c0 + 2), Dp * 4);
             if (nc > 3) _tile_loadd(3, oi + 16 * (c0 + 3), Dp * 4);
-            for (int64_t h = 0; h < 2; ++h) {
+            for (int64_t h = 0; h < nh; ++h) {
                 const uint16_t *b = vv + (h * C + c0) * 512;
-                _tile_loadd(4, pt + (i * 2 + h) * 512, 64);
+                _tile_loadd(4, pt + (i * NH + h) * 512, 64);
                 _tile_loadd(5, b, 64);
                 _tile_dpbf16ps(0, 4, 5);
                 _tile_loadd(6, b + 512, 64);
@@ -409,23 +418,24 @@ static inline __attribute__((always_inline)) __m512i flash_bf16_pair(__m512 hi, 
 }
 #endif
 
-/* The online softmax of 16 rows' block of 64 scores (s: rows of 64; row j sees keys 0 .. lim[j] - 1,
- * lim[j] <= 0: none, its p all 0 and its state untouched). Updates the running max m[16] (of score
- * x scale) and sum l[16], rescales the rows' outputs o (row stride Dp) where their max moved, and
- * writes p = exp(score x scale - m) to pb (bf16 tile rows: keys 0-31, then 512 words on, 32-63) or,
- * when pb is NULL, back to s. The reductions and the state updates run on all 16 rows at once. */
-static inline void flash_softmax16(float *s, const int32_t *lim, float scale, float *m, float *l, uint16_t *pb,
-                                   float *o, int64_t Dp) {
+/* The online softmax of 16 rows' block of 16 nv scores (s: rows of W; row j sees keys 0 .. lim[j] - 1,
+ * lim[j] <= 0: none, its p all 0 and its state untouched; nv <= W / 16, even where pb is given).
+ * Updates the running max m[16] (of score x scale) and sum l[16], rescales the rows' outputs o (row
+ * stride Dp) where their max moved, and writes p = exp(score x scale - m) to pb (bf16 tile rows: keys
+ * 0-31, then 512 words on, 32-63, ...) or, when pb is NULL, back to s. The reductions and the state
+ * updates run on all 16 rows at once. */
+static inline void flash_softmax16(float *s, int64_t W, int nv, const int32_t *lim, float scale, float *m, float *l,
+                                   uint16_t *pb, float *o, int64_t Dp) {
     const float log2e = 1.44269504088896341f;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512 part[16];
-    __mmask16 live[16][4];
+    __mmask16 live[16][FLASH_AMX_KEYS / 16 > 4 ? FLASH_AMX_KEYS / 16 : 4];
     for (int j = 0; j < 16; ++j) {
         const __m512i lj = _mm512_set1_epi32(lim[j]);
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int v = 0; v < 4; ++v) {
+        for (int v = 0; v < nv; ++v) {
             live[j][v] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * v)), lj);
-            mx = _mm512_mask_max_ps(mx, live[j][v], mx, _mm512_loadu_ps(s + j * FLASH_BK + 16 * v));
+            mx = _mm512_mask_max_ps(mx, live[j][v], mx, _mm512_loadu_ps(s + j * W + 16 * v));
         }
         part[j] = mx;
     }
@@ -442,9 +452,9 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
     const __m512 c = _mm512_set1_ps(scale * log2e);
     for (int j = 0; j < 16; ++j) {
         const __m512 off = _mm512_set1_ps(-mn[j] * log2e);
-        __m512 sum = _mm512_setzero_ps(), x[4];
-        for (int v = 0; v < 4; ++v) {
-            const __m512 t = _mm512_min_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j * FLASH_BK + 16 * v), c, off),
+        __m512 sum = _mm512_setzero_ps(), x[FLASH_AMX_KEYS / 16 > 4 ? FLASH_AMX_KEYS / 16 : 4];
+        for (int v = 0; v < nv; ++v) {
+            const __m512 t = _mm512_min_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j * W + 16 * v), c, off),
                                            _mm512_setzero_ps());
             x[v] = _mm512_maskz_mov_ps(live[j][v], flash_exp2(t));
             sum = _mm512_add_ps(sum, x[v]);
@@ -457,12 +467,12 @@ static inline void flash_softmax16(float *s, const int32_t *lim, float scale, fl
         }
 #if QWEN_AMX || QWEN_DPBF16
         if (pb != NULL) {   /* P rounded to bf16 for the tiles, as the products' outputs are */
-            _mm512_storeu_si512((void *)(pb + j * 32), flash_bf16_pair(x[1], x[0]));
-            _mm512_storeu_si512((void *)(pb + j * 32 + 512), flash_bf16_pair(x[3], x[2]));
+            for (int v = 0; v < nv; v += 2)
+                _mm512_storeu_si512((void *)(pb + j * 32 + (v / 2) * 512), flash_bf16_pair(x[v + 1], x[v]));
             continue;
         }
 #endif
-        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + j * FLASH_BK + 16 * v, x[v]);
+        for (int v = 0; v < nv; ++v) _mm512_storeu_ps(s + j * W + 16 * v, x[v]);
     }
     _mm512_storeu_ps(l, _mm512_mask_fmadd_ps(_mm512_loadu_ps(l), any, alpha, flash_sum16(part)));
     _mm512_storeu_ps(m, m_new);
@@ -476,9 +486,11 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
                               uint16_t *pb, float *m, float *l) {
     const int tiled = mode != FLASH_F32;
     const int64_t G = a->G, D = a->D, H = a->H, M = nq * G, Mp = round_up(M, 16), S = Dp / 32;
-    const int64_t nkeys = pos0 + nq, nkb = (nkeys + FLASH_BK - 1) / FLASH_BK;
+    /* W keys per softmax block (a multiple of FLASH_BK), NH groups of 32 keys in it */
+    const int64_t W = mode == FLASH_AMX ? FLASH_AMX_KEYS : FLASH_BK, NH = W / 32;
+    const int64_t nkeys = pos0 + nq, nkb = (nkeys + W - 1) / W;
     const float scale = a->scale;
-    float *s_next[2] = {scores, scores + Mp * FLASH_BK};
+    float *s_next[2] = {scores, scores + Mp * W};
     /* Q rows: bf16 tiles qt[i][s][16][32] (zero padding), or fp32 [Mp][Dp] */
     memset(q, 0, (size_t)(Mp * Dp * (tiled ? 2 : 4)));
     for (int64_t r = 0; r < M; ++r) {
@@ -495,8 +507,8 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
         }
     }
     memset(o, 0, sizeof(float) * (size_t)(Mp * Dp));
-    if (tiled) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * FLASH_BK));
-    else memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * FLASH_BK));
+    if (tiled) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * W));
+    else memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * W));
     for (int64_t r = 0; r < Mp; ++r) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -505,9 +517,12 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
      * have only just written (measured: docs/design.md, "Long prompts") */
 #define FLASH_SCORES(KB, DST)                                                                                   \
     do {                                                                                                       \
-        if (mode == FLASH_AMX) flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                  \
-                                                    (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST);    \
-        else if (mode == FLASH_DOT) flash_scores_dot_any((const uint16_t *)(const void *)q, S, Mp,            \
+        if (mode == FLASH_AMX) {   /* the key blocks of softmax block KB that hold keys before nkeys */        \
+            const int64_t kbe = ((KB) * W + W < nkeys ? (KB) * W + W : nkeys);                                 \
+            for (int64_t k64 = (KB) * W; k64 < kbe; k64 += FLASH_BK)                                           \
+                flash_scores_amx_any((const uint16_t *)(const void *)q, S, Mp,                                 \
+                                     (const uint32_t *)kt + k64 * Dp / 2, (DST) + (k64 - (KB) * W), W);       \
+        } else if (mode == FLASH_DOT) flash_scores_dot_any((const uint16_t *)(const void *)q, S, Mp,            \
                                                          (const uint32_t *)kt + (KB) * FLASH_BK * Dp / 2, DST); \
         else flash_scores_f32(q, Dp, round_up(M, 4), (const float *)kt + (KB) * FLASH_BK * Dp, DST);          \
     } while (0)
@@ -516,30 +531,32 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
     for (int64_t r = 0; r < Mp; ++r) row_end[r] = (int32_t)(r < M ? pos0 + r / G + 1 : 0);
     FLASH_SCORES(0, s_next[0]);
     for (int64_t kb = 0; kb < nkb; ++kb) {
-        const int64_t k0 = kb * FLASH_BK;
+        const int64_t k0 = kb * W;
         float *s = s_next[kb & 1];
         if (kb + 1 < nkb) FLASH_SCORES(kb + 1, s_next[(kb + 1) & 1]);
+        /* vectors of 16 scores the softmax reads: whole groups of 32 keys up to the last row's key */
+        const int nv = mode == FLASH_AMX ? (int)(((nkeys - k0 < W ? nkeys - k0 : W) + 31) / 32 * 2) : 4;
         int64_t nk_used = 0;   /* keys of this block some row sees */
         for (int64_t r0 = 0; r0 < Mp; r0 += 16) {
             /* keys k0 .. k0 + lim - 1 are at or before a row's position (padding rows: none) */
             int32_t lim[16] __attribute__((aligned(64)));
             for (int j = 0; j < 16; ++j) {
                 const int64_t n = row_end[r0 + j] - k0;
-                lim[j] = (int32_t)(n > FLASH_BK ? FLASH_BK : n < 0 ? 0 : n);
+                lim[j] = (int32_t)(n > W ? W : n < 0 ? 0 : n);
                 if (lim[j] > nk_used) nk_used = lim[j];
             }
-            flash_softmax16(s + r0 * FLASH_BK, lim, scale, m + r0, l + r0, tiled ? pb + (r0 / 16) * 2 * 512 : NULL,
+            flash_softmax16(s + r0 * W, W, nv, lim, scale, m + r0, l + r0, tiled ? pb + (r0 / 16) * NH * 512 : NULL,
                             o + r0 * Dp, Dp);
         }
 #if QWEN_AMX
-        if (mode == FLASH_AMX) flash_pv_amx(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o);
+        if (mode == FLASH_AMX) flash_pv_amx(pb, (const uint16_t *)vv + k0 * Dp, Dp, Mp, o, NH, (nk_used + 31) / 32);
         else
 #endif
 #if QWEN_DPBF16
-        if (mode == FLASH_DOT) flash_pv_dot(pb, (const uint16_t *)vv + kb * FLASH_BK * Dp, Dp, Mp, o, nk_used);
+        if (mode == FLASH_DOT) flash_pv_dot(pb, (const uint16_t *)vv + k0 * Dp, Dp, Mp, o, nk_used);
         else
 #endif
-            flash_pv_f32(s, (const float *)vv + kb * FLASH_BK * Dp, Dp, round_up(M, 2), o, nk_used);
+            flash_pv_f32(s, (const float *)vv + k0 * Dp, Dp, round_up(M, 2), o, nk_used);
     }
 #undef FLASH_SCORES
     float *s = s_next[0];
@@ -608,7 +625,8 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
     const int64_t Dp = round_up(a->D, 32), Mp = round_up(FLASH_ROWS > a->G ? FLASH_ROWS : a->G, 16);
     const int64_t kv_floats = round_up(max_keys, FLASH_BK) * Dp / (tiled ? 2 : 1);   /* kt or vv, in floats */
     /* per thread: kt, vv, q, o, s (2 x Mp x 64), pb (Mp x 64 bf16), m, l; each 64-byte aligned */
-    const int64_t per_thread = 2 * kv_floats + 2 * Mp * Dp + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2 + 2 * Mp + 6 * 16;
+    const int64_t W = mode == FLASH_AMX ? FLASH_AMX_KEYS : FLASH_BK;   /* keys per softmax block */
+    const int64_t per_thread = 2 * kv_floats + 2 * Mp * Dp + 2 * Mp * W + Mp * W / 2 + 2 * Mp + 6 * 16;
     if (threads > n_tasks) threads = n_tasks;
     float *scratch = aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(float));
     if (scratch == NULL) {
@@ -624,8 +642,8 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
 #endif
         float *kt = mine, *vv = kt + kv_floats, *q = vv + kv_floats;
         float *o = q + Mp * Dp, *s = o + Mp * Dp;
-        uint16_t *pb = (uint16_t *)(void *)(s + 2 * Mp * FLASH_BK);
-        float *m = s + 2 * Mp * FLASH_BK + Mp * FLASH_BK / 2, *l = m + Mp;
+        uint16_t *pb = (uint16_t *)(void *)(s + 2 * Mp * W);
+        float *m = s + 2 * Mp * W + Mp * W / 2, *l = m + Mp;
 #if QWEN_AMX
         if (mode == FLASH_AMX) flash_amx_configure();
 #endif
