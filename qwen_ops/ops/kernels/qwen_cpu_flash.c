@@ -56,6 +56,34 @@ typedef struct {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+/* r[d] lane k <- r[k] lane d: a 16 x 16 transpose of dwords (unpacks within 128-bit lanes, then two
+ * rounds of 128-bit lane shuffles). */
+static inline __attribute__((always_inline)) void flash_transpose16(__m512i r[16]) {
+    __m512i t[16], u[16], w[4][4];
+    for (int i = 0; i < 8; ++i) {   /* lane L of t[2i]: rows 2i, 2i + 1 of dwords 4L, 4L + 1; t[2i + 1]: 4L + 2, + 3 */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {   /* lane L of u[4i + j]: rows 4i .. 4i + 3 of dword 4L + j */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {   /* w[j][0]: rows 0-3 dword j, rows 0-3 dword 8 + j, rows 4-7 j, rows 4-7 8 + j */
+        w[j][0] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        w[j][1] = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        w[j][2] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        w[j][3] = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm512_shuffle_i32x4(w[j][0], w[j][2], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(w[j][0], w[j][2], 0xDD);
+        r[4 + j] = _mm512_shuffle_i32x4(w[j][1], w[j][3], 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(w[j][1], w[j][3], 0xDD);
+    }
+}
+
 /* Keys 0 .. n - 1 of kv head kvh read from their pages into the products' layouts, zero-padded to
  * whole key blocks and Dp head dims. tiled (AMX and dot products): K^T as B tiles kt[kb][s][t][p][k] (dword = head dims
  * 32 s + 2 p, +1 of key 64 kb + 16 t + k; each tile 1 KB) and V as B tiles vv[kb][h][c][p][d][e]
@@ -83,20 +111,21 @@ static void flash_pack_kv(const attn_args *a, const int32_t *blocks, int64_t kvh
             voff[kk] = block * a->v_sb + r * a->v_sr + kvh * a->v_sh;
         }
         if (tiled) {
-            /* K^T: tile row (s, t, p) = dword 16 s + p of keys 16 t .. 16 t + 15 */
-            const int *kbase = (const int *)a->key_cache;
+            /* K^T: tile row (s, t, p) = dword 16 s + p of keys 16 t .. 16 t + 15: 16 keys' rows of 16
+             * dwords transposed in registers (gathers were about 4x slower) */
+            const uint16_t *kbase = (const uint16_t *)a->key_cache;
             uint32_t *kdst = (uint32_t *)kt + kb * S * 4 * 256;
             for (int64_t tt = 0; tt < 4 && 16 * tt < nk; ++tt) {
-                const __m512i o0 = _mm512_srli_epi64(_mm512_load_si512(koff + 16 * tt), 1);   /* in dwords */
-                const __m512i o1 = _mm512_srli_epi64(_mm512_load_si512(koff + 16 * tt + 8), 1);
-                const __mmask16 live = nk - 16 * tt >= 16 ? 0xffff : (__mmask16)((1u << (nk - 16 * tt)) - 1);
-                for (int64_t dd = 0; dd < D / 2; ++dd) {
-                    const __m512i step = _mm512_set1_epi64(dd);
-                    const __m256i g0 = _mm512_i64gather_epi32(_mm512_add_epi64(o0, step), kbase, 4);
-                    const __m256i g1 = _mm512_i64gather_epi32(_mm512_add_epi64(o1, step), kbase, 4);
-                    const __m512i row = _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
-                    _mm512_store_si512(kdst + ((dd / 16) * 4 + tt) * 256 + (dd % 16) * 16,
-                                       _mm512_maskz_mov_epi32(live, row));
+                const int64_t nkt = nk - 16 * tt < 16 ? nk - 16 * tt : 16;
+                for (int64_t c = 0; c < (D / 2 + 15) / 16; ++c) {   /* dwords 16 c .. 16 c + 15 of each key */
+                    const int64_t nd = D / 2 - 16 * c < 16 ? D / 2 - 16 * c : 16;
+                    const __mmask16 dm = nd >= 16 ? 0xffff : (__mmask16)((1u << nd) - 1);
+                    __m512i r[16];
+                    for (int k = 0; k < 16; ++k)
+                        r[k] = k < nkt ? _mm512_maskz_loadu_epi32(dm, (const int *)(const void *)(kbase + koff[16 * tt + k]) + 16 * c)
+                                       : _mm512_setzero_si512();
+                    flash_transpose16(r);
+                    for (int64_t d = 0; d < nd; ++d) _mm512_store_si512(kdst + (c * 4 + tt) * 256 + d * 16, r[d]);
                 }
             }
             /* V: tile row (h, c, p) = head dims 16 c .. of keys 32 h + 2 p, + 1, interleaved */
@@ -454,8 +483,8 @@ static inline void flash_softmax16(float *s, int64_t W, int nv, const int32_t *l
         const __m512 off = _mm512_set1_ps(-mn[j] * log2e);
         __m512 sum = _mm512_setzero_ps(), x[FLASH_AMX_KEYS / 16 > 4 ? FLASH_AMX_KEYS / 16 : 4];
         for (int v = 0; v < nv; ++v) {
-            const __m512 t = _mm512_min_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + j * W + 16 * v), c, off),
-                                           _mm512_setzero_ps());
+            /* t <= 0 up to rounding (m is the max of the live scores); other lanes are dropped */
+            const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(s + j * W + 16 * v), c, off);
             x[v] = _mm512_maskz_mov_ps(live[j][v], flash_exp2(t));
             sum = _mm512_add_ps(sum, x[v]);
         }
@@ -492,23 +521,24 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
     const float scale = a->scale;
     float *s_next[2] = {scores, scores + Mp * W};
     /* Q rows: bf16 tiles qt[i][s][16][32] (zero padding), or fp32 [Mp][Dp] */
-    memset(q, 0, (size_t)(Mp * Dp * (tiled ? 2 : 4)));
-    for (int64_t r = 0; r < M; ++r) {
-        const int64_t at = (token0 + r / G) * a->q_s0 + (kvh * G + r % G) * a->q_s1;
-        if (tiled) {
-            const uint16_t *src = (const uint16_t *)a->query + at;
+    if (!tiled) memset(q, 0, (size_t)(Mp * Dp * 4));
+    for (int64_t r = 0; r < (tiled ? Mp : M); ++r) {
+        if (tiled) {   /* a tile row of 32 head dims at a time, zeros past D and in the padding rows */
+            const uint16_t *src = (const uint16_t *)a->query +
+                                  (r < M ? (token0 + r / G) * a->q_s0 + (kvh * G + r % G) * a->q_s1 : 0);
             uint16_t *dst = (uint16_t *)(void *)q + ((r / 16) * S) * 512 + (r % 16) * 32;
             for (int64_t st = 0; st < S; ++st) {
-                const int64_t n = D - 32 * st < 32 ? D - 32 * st : 32;
-                memcpy(dst + st * 512, src + 32 * st, (size_t)n * 2);
+                const int64_t n = r >= M ? 0 : D - 32 * st < 32 ? D - 32 * st : 32;
+                const __mmask32 k = n >= 32 ? 0xffffffffu : (__mmask32)((1u << n) - 1);
+                _mm512_storeu_si512((void *)(dst + st * 512), _mm512_maskz_loadu_epi16(k, src + 32 * st));
             }
         } else {
-            load_row(a->query, at, a->dtype, D, q + r * Dp);
+            load_row(a->query, (token0 + r / G) * a->q_s0 + (kvh * G + r % G) * a->q_s1, a->dtype, D, q + r * Dp);
         }
     }
     memset(o, 0, sizeof(float) * (size_t)(Mp * Dp));
-    if (tiled) memset(pb, 0, sizeof(uint16_t) * (size_t)(Mp * W));
-    else memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * W));
+    /* (P needs no clearing on the tiled paths: the softmax writes every group of keys that P V reads) */
+    if (!tiled) memset(scores, 0, sizeof(float) * (size_t)(2 * Mp * W));
     for (int64_t r = 0; r < Mp; ++r) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
