@@ -60,6 +60,22 @@ def test_add_rms_norm_bf16_rows(dim):
     _assert_matches(torch.ops.qwen.rms_norm(x, w, 1e-6), _rms_oracle(x, w, 1e-6), f"rms_norm dim {dim}")
 
 
+def test_add_rms_norm_keeps_subnormal_sums():
+    """Residual sums in the subnormal range (and next to ordinary values in the same vector) come out
+    as torch's bf16(x + r), bit for bit: a rounding instruction that takes subnormals as zeros (as
+    VCVTNEPS2BF16 does) must not be used on them."""
+    gen = torch.Generator().manual_seed(12)
+    tiny = torch.randint(1, 127, (8, 64), generator=gen, dtype=torch.int16)       # bf16 subnormal bit patterns
+    sign = torch.randint(0, 2, (8, 64), generator=gen, dtype=torch.int16) * -32768
+    x = (tiny | sign).view(torch.bfloat16)
+    res = (torch.randint(1, 127, (8, 64), generator=gen, dtype=torch.int16)).view(torch.bfloat16)
+    x[::2, ::7] = _randn(4, 10, seed=13)                                          # some ordinary lanes
+    _, total = torch.ops.qwen.add_rms_norm(x, res, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    want = (x.float() + res.float()).to(torch.bfloat16)
+    assert (want.float().abs() < 2.0 ** -126).sum() > 100 and (want != 0).sum() > 100
+    assert torch.equal(total.view(torch.int16), want.view(torch.int16)), "a subnormal residual sum was not kept"
+
+
 @pytest.mark.parametrize("dim", [3072, 1000, 37])
 def test_silu_mul_bf16_rows(dim):
     gate_up = _randn(48, 2 * dim, scale=3.0, seed=4)
