@@ -164,6 +164,54 @@ def test_host_sample_rows_matches_a_float64_oracle():
     assert host.sample_rows(nan_row, temps[:2], u[:2]).tolist()[1] == -1
 
 
+def _top_p_kept(probs: list[float], p: float) -> list[float]:
+    """Top-p from its definition in float64: tokens by probability (ties: lower id first) are kept
+    while the mass strictly before them is at most p; the others' weights become 0."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    kept, before = [0.0] * len(probs), 0.0
+    for i in order:
+        if before > p:
+            break
+        kept[i] = probs[i]
+        before += probs[i]
+    return kept
+
+
+def test_host_sample_rows_top_p_matches_a_float64_oracle():
+    # The C pass's top-p (a histogram of the weights finds the bucket of the cut; only that bucket is
+    # sorted) against the definition in float64, then the same float64 inverse-CDF loop: fresh random
+    # logits, temperatures and p (the crossing token kept), -inf entries, a row whose cut falls in a
+    # bucket of many tokens, ties broken by token id, 40 uniforms a row.
+    from qwen_ops.ops import host
+
+    if host.why_unavailable() is not None:
+        pytest.skip(host.why_unavailable())
+    g = torch.Generator().manual_seed(22)
+    rows, vocab = 10, 1000
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[x > 6.5] = -math.inf
+    x[4] = torch.randn(vocab, generator=g) * 0.01               # nearly flat: the cut's bucket holds hundreds
+    x[5] = 0.0                                                  # all tied: the lowest ids are kept
+    x[5, 700:] = -math.inf
+    temps = torch.rand(rows, generator=g) * 1.5 + 0.3
+    top_p = torch.rand(rows, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    top_p[5] = 0.4507                                           # 0.4507 x 700 = 315.5 tied tokens: ids 0 .. 315 kept
+    checked = 0
+    for k in range(40):
+        u = torch.rand(rows, generator=g, dtype=torch.float64)
+        if k == 0:
+            u[:] = 0.0
+        got = host.sample_rows(x, temps, u, top_p).tolist()
+        for r in range(rows):
+            probs = torch.softmax(x[r].double() / float(temps[r]), dim=-1).tolist()
+            kept = _top_p_kept(probs, float(top_p[r]))
+            assert got[r] == _first_past(kept, float(u[r])), (r, k, got[r])
+            checked += 1
+    assert checked == 400
+    assert max(host.sample_rows(x[5:6].expand(50, vocab).contiguous(), temps[5:6].expand(50), torch.rand(50, generator=g,
+               dtype=torch.float64), top_p[5:6].expand(50)).tolist()) <= 315
+
+
 def test_no_generator_without_seed_or_when_greedy():
     assert SamplingParams(temperature=1.0).make_generator(torch.device("cpu")) is None
     assert SamplingParams(seed=3, temperature=0.0).make_generator(torch.device("cpu")) is None

@@ -358,24 +358,37 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         if g is not None:
             u[i] = g.uniform(1)[0]
     vocab = logits.shape[1]
-    if host_ok and all(p.greedy or (p.min_p <= 0 and not 0 < p.top_k < vocab and p.top_p >= 1.0) for p in params):
-        # No row filtered: softmax, running sum and pick in one C pass per row (a -1 row: NaN logits)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-        sampled = host.sample_rows(logits, temps, u)
-        take_greedy = torch.tensor([p.greedy for p in params]) | (sampled < 0)
-        return torch.where(take_greedy, greedy_tokens, sampled)
+    # Rows with no top-k or min-p (top-p or none): softmax, the top-p cut, running sum and pick in
+    # one C pass per row, without a sort (a -1 row: NaN logits, which takes the argmax). The path a
+    # row takes depends on its own parameters only, so a seeded row draws the same token in any batch.
+    in_c = [host_ok and not p.greedy and p.min_p <= 0 and not 0 < p.top_k < vocab for p in params]
+    rest = [i for i, (c, p) in enumerate(zip(in_c, params)) if not c and not p.greedy]
+    sampled = greedy_tokens.clone()
+    if any(in_c):
+        rows = [i for i, c in enumerate(in_c) if c]
+        picked = host.sample_rows(logits if len(rows) == len(params) else logits[rows],
+                                  torch.tensor([params[i].temperature for i in rows], dtype=torch.float32),
+                                  u[rows], torch.tensor([params[i].top_p for i in rows], dtype=torch.float64))
+        sampled[rows] = torch.where(picked < 0, greedy_tokens[rows], picked)
+    if rest:
+        whole = len(rest) == len(params)
+        sampled[rest] = _sample_filtered(logits if whole else logits[rest], [params[i] for i in rest],
+                                         u if whole else u[rest])
+    return sampled
+
+
+def _sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """``sample``'s torch path (no row greedy): the rows' filters (min-p, top-k, top-p) as
+    ``filtered_probs``, then ``cdf_pick`` with each row's uniform ``u``."""
     probs, cand = _filter(logits, params, full=False)
-    if cand is not None:
-        # Every row bounded (top-k, top-p): the pick runs over its kept tokens in index order (the
-        # others after them, probability 0), which is the same pick as over the whole masked row.
-        cand_i, cand_p = cand
-        key = torch.where(cand_p > 0, cand_i, probs.shape[1])
-        cand_i, perm = key.sort(dim=-1)
-        sampled = cand_i.gather(1, cdf_pick(cand_p.gather(1, perm), u)[:, None]).squeeze(1)
-    else:
-        sampled = cdf_pick(probs, u)
-    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    return torch.where(is_greedy, greedy_tokens, sampled)
+    if cand is None:
+        return cdf_pick(probs, u)
+    # Every row bounded (top-k, top-p): the pick runs over its kept tokens in index order (the
+    # others after them, probability 0), which is the same pick as over the whole masked row.
+    cand_i, cand_p = cand
+    key = torch.where(cand_p > 0, cand_i, probs.shape[1])
+    cand_i, perm = key.sort(dim=-1)
+    return cand_i.gather(1, cdf_pick(cand_p.gather(1, perm), u)[:, None]).squeeze(1)
 
 
 def cdf_pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ _SIGNATURES = {
     "qwen_kv_write_fp8": (_KV_WRITE_FP8_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
     "qwen_argmax_rows": ([_p, _i64, _i64, _i64, _p], None),
-    "qwen_sample_rows": ([_p, _i64, _i64, _i64, _p, _p, _p, _p, _p], None),
+    "qwen_sample_rows": ([_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p], None),
     "qwen_apply_token_bitmask": ([_p, _i64, _i64, _p, _i64, _p, _i64], None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
@@ -313,21 +313,28 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_rows(x: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_rows(x: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
+                top_p: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One token per row of fp32 ``x [rows, cols]`` (contiguous rows) drawn from softmax(x / temps)
-    by the inverse CDF with float64 uniforms ``u [rows]`` in [0, 1) (``sampling.cdf_pick`` of an
-    unfiltered row, one pass in C: no probability tensor, no float64 copy); int64, -1 where a row
-    has no finite maximum or a NaN."""
+    by the inverse CDF with float64 uniforms ``u [rows]`` in [0, 1) (``sampling.cdf_pick`` of a row
+    with no top-k or min-p, one pass in C: no probability tensor, no float64 copy, no sort); where
+    ``top_p [rows]`` is below 1, over the tokens its top-p keeps (most likely first, ties by token,
+    while the mass before them is at most p: the token crossing p stays). int64, -1 where a row has
+    no finite maximum or a NaN."""
     rows, cols = x.shape
     temps = temps.to(torch.float32).contiguous()
     u = u.to(torch.float64).contiguous()
-    if temps.shape != (rows,) or u.shape != (rows,):
-        raise ValueError(f"temps {tuple(temps.shape)} and u {tuple(u.shape)}, expected [{rows}] each")
+    top_p = torch.ones(rows, dtype=torch.float64) if top_p is None else top_p.to(torch.float64).contiguous()
+    if temps.shape != (rows,) or u.shape != (rows,) or top_p.shape != (rows,):
+        raise ValueError(f"temps {tuple(temps.shape)}, u {tuple(u.shape)} and top_p {tuple(top_p.shape)}, "
+                         f"expected [{rows}] each")
     out = torch.empty(rows, dtype=torch.int64)
     w = torch.empty(cols, dtype=torch.float32)
     bsum = torch.empty((cols + 63) // 64, dtype=torch.float64)
-    library().qwen_sample_rows(x.data_ptr(), rows, cols, x.stride(0), temps.data_ptr(), u.data_ptr(),
-                               out.data_ptr(), w.data_ptr(), bsum.data_ptr())
+    library().qwen_sample_rows(x.data_ptr(), rows, cols, x.stride(0), temps.data_ptr(), top_p.data_ptr(),
+                               u.data_ptr(), out.data_ptr(), w.data_ptr(), bsum.data_ptr())
+    if bool((out == -2).any()):
+        raise MemoryError("qwen_sample_rows could not allocate its top-p scratch")
     return out
 
 

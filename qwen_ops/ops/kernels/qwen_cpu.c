@@ -785,15 +785,77 @@ void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, in
     }
 }
 
+/* (weight, token) pairs of top_p_cut's crossing bucket, most likely first, ties by token. */
+typedef struct {
+    float w;
+    int32_t t;
+} weighted_token;
+
+static int weighted_token_order(const void *pa, const void *pb) {
+    const weighted_token *a = pa, *b = pb;
+    if (a->w != b->w) return a->w > b->w ? -1 : 1;
+    return a->t < b->t ? -1 : a->t > b->t;
+}
+
+/* Top-p over weights w[0 .. cols) (>= 0, not normalized, total their float64 sum): the tokens in
+ * order of weight (ties: lower token first) are kept while the mass strictly before them is at most
+ * p x total, so the token that crosses p stays. Zeroes the weights of the others in place and returns
+ * the kept weights' float64 sum, or -1 when memory ran out. No sort of the row: a histogram of the
+ * weights' top 11 bits (monotone in the value for non-negative floats) with each bucket's mass finds
+ * the bucket the cut falls in; only that bucket's tokens are sorted. */
+static double top_p_cut(float *w, int64_t cols, double total, double p) {
+    enum { BUCKETS = 2048 };
+    const double limit = p * total;
+    double mass[BUCKETS];
+    int32_t count[BUCKETS];
+    memset(mass, 0, sizeof mass);
+    memset(count, 0, sizeof count);
+    for (int64_t t = 0; t < cols; ++t) {
+        uint32_t bits;
+        memcpy(&bits, &w[t], 4);
+        mass[bits >> 20] += (double)w[t];
+        count[bits >> 20] += 1;
+    }
+    double before = 0.0;   /* the mass of the buckets above b */
+    int b = BUCKETS - 1;
+    for (; b > 0; --b) {
+        if (count[b] == 0) continue;
+        if (before + mass[b] > limit) break;
+        before += mass[b];
+    }
+    if (b == 0) return total;   /* the cut passes every positive weight: all kept */
+    weighted_token *bucket = malloc(sizeof(weighted_token) * (size_t)count[b]);
+    if (bucket == NULL) return -1.0;
+    int64_t n = 0;
+    for (int64_t t = 0; t < cols; ++t) {
+        uint32_t bits;
+        memcpy(&bits, &w[t], 4);
+        if ((int)(bits >> 20) == b) bucket[n++] = (weighted_token){w[t], (int32_t)t};
+    }
+    qsort(bucket, (size_t)n, sizeof *bucket, weighted_token_order);
+    int64_t last = 0;   /* the bucket's first token is kept: the mass before it is at most the limit */
+    for (double run = before + (double)bucket[0].w; last + 1 < n && run <= limit; run += (double)bucket[last].w) ++last;
+    const float cut_w = bucket[last].w;
+    const int32_t cut_t = bucket[last].t;
+    free(bucket);
+    double kept = 0.0;
+    for (int64_t t = 0; t < cols; ++t) {
+        if (w[t] > cut_w || (w[t] == cut_w && t <= cut_t)) kept += (double)w[t];
+        else w[t] = 0.0f;
+    }
+    return kept;
+}
+
 /* Sampling by the inverse CDF of softmax(x / T) over whole rows (sampling.py's cdf_pick of a row
- * with no top-k, top-p or min-p): w_t = exp(x_t / T - max), 0 where that exponent is below -87 (so
- * a -inf logit is never picked), summed in float64 per block of 64; out[r] is the first t whose
- * float64 running sum passes u[r] times the total (u[r] in [0, 1)): the blocks' sums find the block,
- * a walk inside it the token (the last positive one of the block if rounding leaves the walk
- * short). -1 where a row has no finite maximum or a NaN (the caller takes the argmax there).
+ * with no top-k or min-p): w_t = exp(x_t / T - max), 0 where that exponent is below -87 (so a -inf
+ * logit is never picked), then, where top_p[r] < 1, the tokens past its cut zeroed (top_p_cut);
+ * summed in float64 per block of 64; out[r] is the first t whose float64 running sum passes u[r]
+ * times the total (u[r] in [0, 1)): the blocks' sums find the block, a walk inside it the token (the
+ * last positive one of the block if rounding leaves the walk short). -1 where a row has no finite
+ * maximum or a NaN (the caller takes the argmax there); -2 when memory ran out.
  * w: cols floats of scratch; bsum: ceil(cols / 64) doubles. */
-void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, const float *temps, const double *u,
-                      int64_t *out, float *w, double *bsum) {
+void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, const float *temps, const double *top_p,
+                      const double *u, int64_t *out, float *w, double *bsum) {
     enum { BLOCK = 64 };
     const int64_t nb = (cols + BLOCK - 1) / BLOCK;
     for (int64_t r = 0; r < rows; ++r) {
@@ -833,6 +895,25 @@ void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, co
         }
         if (!(total > 0.0))                           /* NaN */
             continue;
+        if (top_p[r] < 1.0) {
+            const double kept = top_p_cut(w, cols, total, top_p[r]);
+            if (kept < 0.0) {
+                out[r] = -2;
+                continue;
+            }
+            if (kept != total) {   /* the blocks' sums again, over the kept weights */
+                total = 0.0;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const int64_t hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
+                    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t t = b * BLOCK; t < hi; ++t)
+                        sum += (double)w[t];
+                    bsum[b] = sum;
+                    total += sum;
+                }
+            }
+        }
         const double target = u[r] * total;
         double run = 0.0;
         for (int64_t b = 0; b < nb; ++b) {
