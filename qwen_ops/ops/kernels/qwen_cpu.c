@@ -785,65 +785,97 @@ void qwen_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, in
     }
 }
 
-/* (weight, token) pairs of top_p_cut's crossing bucket, most likely first, ties by token. */
-typedef struct {
-    float w;
-    int32_t t;
-} weighted_token;
-
-static int weighted_token_order(const void *pa, const void *pb) {
-    const weighted_token *a = pa, *b = pb;
-    if (a->w != b->w) return a->w > b->w ? -1 : 1;
-    return a->t < b->t ? -1 : a->t > b->t;
+/* The bucket, from the highest down, whose mass carries the running sum *before past limit; the
+ * masses of the buckets above it are added to *before. Rounding aside one always does (the caller's
+ * buckets hold more than limit - *before); else the lowest non-empty bucket. */
+static int top_p_crossing(const double *mass, const int32_t *count, int buckets, double limit, double *before) {
+    int lowest = 0;
+    for (int b = buckets - 1; b >= 0; --b) {
+        if (count[b] == 0) continue;
+        if (*before + mass[b] > limit) return b;
+        *before += mass[b];
+        lowest = b;
+    }
+    *before -= mass[lowest];
+    return lowest;
 }
 
 /* Top-p over weights w[0 .. cols) (>= 0, not normalized, total their float64 sum): the tokens in
  * order of weight (ties: lower token first) are kept while the mass strictly before them is at most
- * p x total, so the token that crosses p stays. Zeroes the weights of the others in place and returns
- * the kept weights' float64 sum, or -1 when memory ran out. No sort of the row: a histogram of the
- * weights' top 11 bits (monotone in the value for non-negative floats) with each bucket's mass finds
- * the bucket the cut falls in; only that bucket's tokens are sorted. */
-static double top_p_cut(float *w, int64_t cols, double total, double p) {
-    enum { BUCKETS = 2048 };
+ * p x total, so the token that crosses p stays. Zeroes the weights of the others in place; returns 0,
+ * or -1 when memory ran out. No sort: the weights' bits (monotone in
+ * the value for non-negative floats) are read 11, 11 and 9 at a time; each level's histogram of masses
+ * finds the bucket the cut falls in, the next level looks inside that bucket only, and the last one
+ * names the cut's value exactly; its ties are taken in token order. */
+static int top_p_cut(float *w, int64_t cols, double total, double p) {
     const double limit = p * total;
-    double mass[BUCKETS];
-    int32_t count[BUCKETS];
+    double mass[2048], part[4][2048];
+    int32_t count[2048];
+    /* level 1 in four histograms (tokens t mod 4): runs of tokens in one bucket do not wait on each
+     * other's sums */
+    memset(part, 0, sizeof part);
+    const uint32_t *wb = (const uint32_t *)(const void *)w;
+    int64_t t0 = 0;
+    for (; t0 + 4 <= cols; t0 += 4)
+        for (int j = 0; j < 4; ++j) part[j][wb[t0 + j] >> 20] += (double)w[t0 + j];
+    for (; t0 < cols; ++t0) part[0][wb[t0] >> 20] += (double)w[t0];
+    for (int b = 0; b < 2048; ++b) {
+        mass[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+        count[b] = mass[b] > 0.0;   /* zero-mass buckets hold nothing the cut could keep */
+    }
+    double before = 0.0;   /* the mass of the tokens above the current bucket */
+    const int b1 = top_p_crossing(mass, count, 2048, limit, &before);
+    if (b1 == 0) return 0;   /* the cut is among zeros and subnormals: keep every weight */
+    int32_t n = 0;
+#pragma omp simd reduction(+ : n)
+    for (int64_t t = 0; t < cols; ++t) n += (int)(wb[t] >> 20) == b1;
+    /* the bucket's bits, then its tokens (one slot more: every token is written, the bucket's kept) */
+    uint32_t *bits1 = malloc(sizeof(uint32_t) * 2 * (size_t)(n + 1));
+    if (bits1 == NULL) return -1;
+    uint32_t *tok1 = bits1 + n + 1;
+    int32_t k = 0;
+    for (int64_t t = 0; t < cols && k < n; ++t) {   /* no branch on the bucket: it would mispredict */
+        uint32_t bits;
+        memcpy(&bits, &w[t], 4);
+        bits1[k] = bits;
+        tok1[k] = (uint32_t)t;
+        k += (int)(bits >> 20) == b1;
+    }
     memset(mass, 0, sizeof mass);
     memset(count, 0, sizeof count);
-    for (int64_t t = 0; t < cols; ++t) {
-        uint32_t bits;
-        memcpy(&bits, &w[t], 4);
-        mass[bits >> 20] += (double)w[t];
-        count[bits >> 20] += 1;
+    for (int32_t i = 0; i < n; ++i) {
+        float v;
+        memcpy(&v, &bits1[i], 4);
+        mass[(bits1[i] >> 9) & 2047] += (double)v;
+        count[(bits1[i] >> 9) & 2047] += 1;
     }
-    double before = 0.0;   /* the mass of the buckets above b */
-    int b = BUCKETS - 1;
-    for (; b > 0; --b) {
-        if (count[b] == 0) continue;
-        if (before + mass[b] > limit) break;
-        before += mass[b];
+    const int b2 = top_p_crossing(mass, count, 2048, limit, &before);
+    memset(mass, 0, sizeof(double) * 512);
+    memset(count, 0, sizeof(int32_t) * 512);
+    for (int32_t i = 0; i < n; ++i) {
+        if ((int)((bits1[i] >> 9) & 2047) != b2) continue;
+        float v;
+        memcpy(&v, &bits1[i], 4);
+        mass[bits1[i] & 511] += (double)v;
+        count[bits1[i] & 511] += 1;
     }
-    if (b == 0) return total;   /* the cut passes every positive weight: all kept */
-    weighted_token *bucket = malloc(sizeof(weighted_token) * (size_t)count[b]);
-    if (bucket == NULL) return -1.0;
-    int64_t n = 0;
-    for (int64_t t = 0; t < cols; ++t) {
-        uint32_t bits;
-        memcpy(&bits, &w[t], 4);
-        if ((int)(bits >> 20) == b) bucket[n++] = (weighted_token){w[t], (int32_t)t};
-    }
-    qsort(bucket, (size_t)n, sizeof *bucket, weighted_token_order);
-    int64_t last = 0;   /* the bucket's first token is kept: the mass before it is at most the limit */
-    for (double run = before + (double)bucket[0].w; last + 1 < n && run <= limit; run += (double)bucket[last].w) ++last;
-    const float cut_w = bucket[last].w;
-    const int32_t cut_t = bucket[last].t;
-    free(bucket);
-    double kept = 0.0;
-    for (int64_t t = 0; t < cols; ++t) {
-        if (w[t] > cut_w || (w[t] == cut_w && t <= cut_t)) kept += (double)w[t];
-        else w[t] = 0.0f;
-    }
-    return kept;
+    const int b3 = top_p_crossing(mass, count, 512, limit, &before);
+    const uint32_t cut_bits = ((uint32_t)b1 << 20) | ((uint32_t)b2 << 9) | (uint32_t)b3;
+    float cut_w;
+    memcpy(&cut_w, &cut_bits, 4);
+    /* the ties at the cut's value, in token order: kept while the mass before them is at most limit
+     * (the first always: the mass above the value is) */
+    int64_t cut_t = -1;
+    double run = before;
+    for (int32_t i = 0; i < n && run <= limit; ++i)
+        if (bits1[i] == cut_bits) {
+            cut_t = tok1[i];
+            run += (double)cut_w;
+        }
+    free(bits1);
+#pragma omp simd
+    for (int64_t t = 0; t < cols; ++t) w[t] = (w[t] > cut_w) | ((w[t] == cut_w) & (t <= cut_t)) ? w[t] : 0.0f;
+    return 0;
 }
 
 /* Sampling by the inverse CDF of softmax(x / T) over whole rows (sampling.py's cdf_pick of a row
@@ -896,12 +928,11 @@ void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, co
         if (!(total > 0.0))                           /* NaN */
             continue;
         if (top_p[r] < 1.0) {
-            const double kept = top_p_cut(w, cols, total, top_p[r]);
-            if (kept < 0.0) {
+            if (top_p_cut(w, cols, total, top_p[r]) < 0) {
                 out[r] = -2;
                 continue;
             }
-            if (kept != total) {   /* the blocks' sums again, over the kept weights */
+            {   /* the blocks' sums again, over the kept weights */
                 total = 0.0;
                 for (int64_t b = 0; b < nb; ++b) {
                     const int64_t hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
