@@ -203,7 +203,9 @@ def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generat
     token, as plain decoding draws), and draft i is kept iff it is that token. The draft is kept with
     probability p_i(d_i), as rejection sampling keeps a point mass, and a rejected row emits the
     pick, which given "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same
-    law, and for a seeded request the same tokens as without speculation, whatever the batch."""
+    law, and for a seeded request the same tokens as without speculation, whatever the batch (against
+    the CPU's one-pass sampler, ``host.sample_rows``, except where rounding decides: its weights and
+    torch's softmax round apart)."""
     k = len(draft_tokens)
     if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
