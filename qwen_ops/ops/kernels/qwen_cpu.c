@@ -878,6 +878,21 @@ static int top_p_cut(float *w, int64_t cols, double total, double p) {
     return 0;
 }
 
+/* bsum[b] = the float64 sum of w's block b of `block` weights; returns their total. */
+static double block_sums(const float *w, int64_t cols, int64_t block, double *bsum) {
+    double total = 0.0;
+    for (int64_t b = 0; b * block < cols; ++b) {
+        const int64_t hi = (b + 1) * block < cols ? (b + 1) * block : cols;
+        double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = b * block; t < hi; ++t)
+            sum += (double)w[t];
+        bsum[b] = sum;
+        total += sum;
+    }
+    return total;
+}
+
 /* Sampling by the inverse CDF of softmax(x / T) over whole rows (sampling.py's cdf_pick of a row
  * with no top-k or min-p): w_t = exp(x_t / T - max), 0 where that exponent is below -87 (so a -inf
  * logit is never picked), then, where top_p[r] < 1, the tokens past its cut zeroed (top_p_cut);
@@ -915,16 +930,7 @@ void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, co
             const float e = exp_nonpositive(d);
             w[t] = d < -87.0f ? 0.0f : e;
         }
-        double total = 0.0;
-        for (int64_t b = 0; b < nb; ++b) {
-            const int64_t hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
-            double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = b * BLOCK; t < hi; ++t)
-                sum += (double)w[t];
-            bsum[b] = sum;
-            total += sum;
-        }
+        double total = block_sums(w, cols, BLOCK, bsum);
         if (!(total > 0.0))                           /* NaN */
             continue;
         if (top_p[r] < 1.0) {
@@ -932,18 +938,7 @@ void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, co
                 out[r] = -2;
                 continue;
             }
-            {   /* the blocks' sums again, over the kept weights */
-                total = 0.0;
-                for (int64_t b = 0; b < nb; ++b) {
-                    const int64_t hi = (b + 1) * BLOCK < cols ? (b + 1) * BLOCK : cols;
-                    double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t t = b * BLOCK; t < hi; ++t)
-                        sum += (double)w[t];
-                    bsum[b] = sum;
-                    total += sum;
-                }
-            }
+            total = block_sums(w, cols, BLOCK, bsum);   /* over the kept weights */
         }
         const double target = u[r] * total;
         double run = 0.0;
