@@ -56,6 +56,9 @@ typedef struct {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+/* Keys per softmax block (W) of a products' path. */
+static inline int64_t flash_softmax_keys(int mode) { return mode == FLASH_AMX ? FLASH_AMX_KEYS : FLASH_BK; }
+
 /* r[d] lane k <- r[k] lane d: a 16 x 16 transpose of dwords (unpacks within 128-bit lanes, then two
  * rounds of 128-bit lane shuffles). */
 static inline __attribute__((always_inline)) void flash_transpose16(__m512i r[16]) {
@@ -544,7 +547,7 @@ static void flash_query_block(const attn_args *a, int mode, int64_t Dp, int64_t 
     const int tiled = mode != FLASH_F32;
     const int64_t G = a->G, D = a->D, H = a->H, M = nq * G, Mp = round_up(M, 16), S = Dp / 32;
     /* W keys per softmax block (a multiple of FLASH_BK), NH groups of 32 keys in it */
-    const int64_t W = mode == FLASH_AMX ? FLASH_AMX_KEYS : FLASH_BK, NH = W / 32;
+    const int64_t W = flash_softmax_keys(mode), NH = W / 32;
     const int64_t nkeys = pos0 + nq, nkb = (nkeys + W - 1) / W;
     const float scale = a->scale;
     float *s_next[2] = {scores, scores + Mp * W};
@@ -683,7 +686,7 @@ static int flash_run(const attn_args *a, const int32_t *seq_slots, const int32_t
     const int64_t Dp = round_up(a->D, 32), Mp = round_up(FLASH_ROWS > a->G ? FLASH_ROWS : a->G, 16);
     const int64_t kv_floats = round_up(max_keys, FLASH_BK) * Dp / (tiled ? 2 : 1);   /* kt or vv, in floats */
     /* per thread: kt, vv, q, o, s (2 x Mp x 64), pb (Mp x 64 bf16), m, l; each 64-byte aligned */
-    const int64_t W = mode == FLASH_AMX ? FLASH_AMX_KEYS : FLASH_BK;   /* keys per softmax block */
+    const int64_t W = flash_softmax_keys(mode);
     const int64_t per_thread = 2 * kv_floats + 2 * Mp * Dp + 2 * Mp * W + Mp * W / 2 + 2 * Mp + 6 * 16;
     if (threads > n_tasks) threads = n_tasks;
     float *scratch = aligned_alloc(64, (size_t)(per_thread * threads) * sizeof(float));
