@@ -332,6 +332,29 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *cach
         prefetch_row(cache, blocks, bt_s1, block_size, t, sb, sr, bytes, elem, locality);
 }
 
+/* prefetch_row for kv head kh's rows (bytes each) of the block a pass reads `ahead` blocks after block b, the
+ * one that starts at position t of n. Called once per kv head of the block being read, so the prefetches
+ * are spread among the products (a block's whole rows at once filled the load queue with prefetches,
+ * and the products waited behind them: a step's K and V streamed at ~8 GB/s against 12.8 the same
+ * reads reach alone; benchmarks/README.md, "The decode row path's prefetches"). */
+static inline __attribute__((always_inline)) void prefetch_head_ahead(const void *cache, const int32_t *blocks,
+                                                                      int64_t bt_s1, int64_t block_size, int64_t b,
+                                                                      int64_t t, int64_t n, int64_t ahead,
+                                                                      int64_t sb, int64_t sr, int64_t head_at,
+                                                                      int64_t bytes, int64_t elem, const int locality) {
+    const int64_t tf = t + ahead * block_size;
+    if (tf >= n) return;
+    const int64_t rows = rows_in_block(n, tf, block_size);
+    const char *base = (const char *)cache + (blocks[(b + ahead) * bt_s1] * sb + head_at) * elem;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t o = 0; o < bytes; o += 64) {
+            if (locality == 3)
+                __builtin_prefetch(base + r * sr * elem + o, 0, 3);
+            else
+                __builtin_prefetch(base + r * sr * elem + o, 0, 2);
+        }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512 paths for fp32 and bf16 caches with head_dim a multiple of 16 (every Qwen head dim). */
@@ -401,8 +424,10 @@ static inline __attribute__((always_inline)) void score_tile_avx512(const float 
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int c = 0; c < NV; ++c)
+#pragma GCC unroll 16
         for (int j = 0; j < KB; ++j) {
             const __m512 kv = cache16_ps(row[j], 16 * c, kind);
+#pragma GCC unroll 16
             for (int g = 0; g < GB; ++g)
                 acc[SUM16_SLOT(g * KB + j)] =
                     _mm512_fmadd_ps(_mm512_loadu_ps(q + (g * NV + c) * 16), kv, acc[SUM16_SLOT(g * KB + j)]);
@@ -468,9 +493,12 @@ static inline __attribute__((always_inline)) void wsum_tile_avx512(float *out, c
         for (int c = 0; c < NV; ++c) acc[g * NV + c] = _mm512_loadu_ps(out + (g * NV + c) * 16);
     for (int64_t r = 0; r < rows; ++r) {
         __m512 pt[16];
+#pragma GCC unroll 16
         for (int g = 0; g < GB; ++g) pt[g] = _mm512_set1_ps(p[g * ld + r]);
+#pragma GCC unroll 16
         for (int c = 0; c < NV; ++c) {
             const __m512 vc = cache16_ps(v + r * sr, 16 * c, kind);
+#pragma GCC unroll 16
             for (int g = 0; g < GB; ++g) acc[g * NV + c] = _mm512_fmadd_ps(pt[g], vc, acc[g * NV + c]);
         }
     }
@@ -575,19 +603,22 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
     const void *kc = (const char *)a->key_cache + kh0 * a->k_sh * elem;
     const void *vc = (const char *)a->value_cache + kh0 * a->v_sh * elem;
     const int v_early = n * head_bytes <= ATTN_V_EARLY_BYTES;
-    prefetch_rows(kc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->k_sb, a->k_sr, head_bytes, elem, 3);
+    const int64_t ahead = ATTN_AHEAD / a->block_size > 0 ? ATTN_AHEAD / a->block_size : 1;   /* blocks */
+    prefetch_rows(kc, blocks, a->bt_s1, a->block_size, 0, ahead * a->block_size, n, a->k_sb, a->k_sr, head_bytes,
+                  elem, 3);
     if (v_early)
-        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->v_sb, a->v_sr, head_bytes, elem, 2);
+        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ahead * a->block_size, n, a->v_sb, a->v_sr, head_bytes,
+                      elem, 2);
     for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        prefetch_rows(kc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->k_sb, a->k_sr,
-                      head_bytes, elem, 3);
-        if (v_early)
-            prefetch_rows(vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->v_sb,
-                          a->v_sr, head_bytes, elem, 2);
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->k_sb + kh * a->k_sh;
+            prefetch_head_ahead(a->key_cache, blocks, a->bt_s1, a->block_size, b, t, n, ahead, a->k_sb, a->k_sr,
+                                kh * a->k_sh, D * elem, elem, 3);
+            if (v_early)
+                prefetch_head_ahead(a->value_cache, blocks, a->bt_s1, a->block_size, b, t, n, ahead, a->v_sb,
+                                    a->v_sr, kh * a->v_sh, D * elem, elem, 2);
 #if QWEN_AVX512
             if (fast) {       /* the block's rows at once */
                 score_block_avx512(q + kh * G * D, (const char *)a->key_cache + at * elem, a->k_sr * elem, bf16, D, G,
@@ -624,15 +655,16 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
      * prefetching the value rows ATTN_AHEAD positions ahead unless the pass over the keys did */
     memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
     if (!v_early)
-        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ATTN_AHEAD, n, a->v_sb, a->v_sr, head_bytes, elem, 3);
+        prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ahead * a->block_size, n, a->v_sb, a->v_sr, head_bytes,
+                      elem, 3);
     for (int64_t t = 0, b = 0; t < n; ++b) {
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        if (!v_early)
-            prefetch_rows(vc, blocks, a->bt_s1, a->block_size, t + ATTN_AHEAD, t + rows + ATTN_AHEAD, n, a->v_sb,
-                          a->v_sr, head_bytes, elem, 3);
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->v_sb + kh * a->v_sh;
+            if (!v_early)
+                prefetch_head_ahead(a->value_cache, blocks, a->bt_s1, a->block_size, b, t, n, ahead, a->v_sb,
+                                    a->v_sr, kh * a->v_sh, D * elem, elem, 3);
 #if QWEN_AVX512
             if (fast) {
                 wsum_block_avx512(acc + kh * G * D, scores + kh * G * max_len + t, max_len,
