@@ -1,5 +1,5 @@
-"""The CPU fast path's ops (torch.ops.qwen.linear_packed, rms_norm, add_rms_norm, qk_norm_rope,
-silu_mul, attention_block, moe_packed) against their plain-torch references
+"""The CPU fast path's ops (torch.ops.qwen.linear_packed, linear_silu_mul_packed, rms_norm, add_rms_norm,
+qk_norm_rope, silu_mul, attention_block, moe_packed) against their plain-torch references
 (qwen_ops/ops/kernels/reference_fused.py), on fresh random inputs, with every output poisoned
 (NaN) before the kernel writes it (QWEN_OPS_POISON_OUTPUTS for the C++ kernels); opcheck on each;
 the panel layout against a torch packing; errors that name the argument.
@@ -65,6 +65,34 @@ def test_linear_packed(rows, shape, dtype, bias):
     got = torch.ops.qwen.linear_packed(*args)
     assert got.dtype == dtype and got.shape == (rows, shape[0])
     _close(got, R.linear_packed_reference(*args), dtype)
+
+
+# (intermediate, in): gate | up panels in pairs (I a multiple of 32) with odd K, K2 over the AMX path's
+# 128-pair parts, and an I off the panels (the product's rows, then silu_mul)
+SILU_SHAPES = [(32, 37), (64, 512), (40, 24)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+@pytest.mark.parametrize("rows", [1, 13, 40])
+def test_linear_silu_mul_packed(rows, shape, dtype, bias):
+    inter, k = shape
+    x, _, b, n = _linear_case(rows, (2 * inter, k), dtype, bias)
+    packed = cpu.pack_panels((_randn(n, k, seed=rows) * k ** -0.5).to(dtype))     # gate, up of unit scale
+    got = torch.ops.qwen.linear_silu_mul_packed(x, packed, b, n)
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    _close(got, R.linear_silu_mul_packed_reference(x, packed, b, n), dtype)
+    # the fused epilogue rounds the sums as linear_packed does, then silu_mul's steps: the same bits
+    assert torch.equal(got, torch.ops.qwen.silu_mul(torch.ops.qwen.linear_packed(x, packed, b, n)))
+
+
+def test_linear_silu_mul_packed_streams_a_prefill_sized_output():
+    """Rows x intermediate over 1 MB: the AMX path's streaming stores, row blocks past one chunk."""
+    x, packed, b, n = _linear_case(600, (2 * 1024, 64), torch.bfloat16, True)
+    got = torch.ops.qwen.linear_silu_mul_packed(x, packed, b, n)
+    _close(got, R.linear_silu_mul_packed_reference(x, packed, b, n), torch.bfloat16)
+    assert torch.equal(got, torch.ops.qwen.silu_mul(torch.ops.qwen.linear_packed(x, packed, b, n)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,6 +206,7 @@ def _samples():
     p2 = torch.stack([cpu.pack_panels(_randn(24, 16, seed=i)) for i in range(e)])
     return {
         "linear_packed": (x.contiguous(), packed, bias, n),
+        "linear_silu_mul_packed": (x.contiguous(), packed, bias, n),
         "rms_norm": (norm_x, _randn(24, seed=1), 1e-6),
         "add_rms_norm": (norm_x, _randn(3, 24, seed=2), _randn(24, seed=1), 1e-6),
         "qk_norm_rope": (q, k, _randn(16), None, 1e-6, _randn(8, 16), torch.tensor([0, 5, 7], dtype=torch.int32)),
@@ -188,8 +217,8 @@ def _samples():
     }
 
 
-@pytest.mark.parametrize("name", ["linear_packed", "rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul",
-                                  "attention_block", "moe_packed"])
+@pytest.mark.parametrize("name", ["linear_packed", "linear_silu_mul_packed", "rms_norm", "add_rms_norm",
+                                  "qk_norm_rope", "silu_mul", "attention_block", "moe_packed"])
 def test_opcheck(name, monkeypatch):
     monkeypatch.delenv("QWEN_OPS_POISON_OUTPUTS")      # opcheck compares runs; NaN never equals NaN
     torch.library.opcheck(getattr(torch.ops.qwen, name).default, _samples()[name])
@@ -202,6 +231,8 @@ def test_errors_name_the_argument_value_and_expectation():
         torch.ops.qwen.linear_packed(x, packed, bias, 20)
     with pytest.raises(ValueError, match="bias has shape"):
         torch.ops.qwen.linear_packed(x, packed, bias[:10], n)
+    with pytest.raises(ValueError, match="out_features is 39, expected a positive even count"):
+        torch.ops.qwen.linear_silu_mul_packed(x, packed, bias, 39)
     args = list(_attention_case(torch.float32))
     bad_slots = args[8].clone()
     bad_slots[0] = 3

@@ -144,9 +144,6 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, params: StructuredOutputsParams):
-        return _xgrammar().GrammarMatcher(self.compile(params))
-
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """A future of ``compile(params)`` on this backend's worker thread (done at once on a cache
         hit; one compile per spec however many requests wait for it). Nothing waits for it here:

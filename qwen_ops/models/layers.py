@@ -31,9 +31,10 @@ from qwen_ops.ops.metadata import AttentionMetadata
 # from ``QwenEngine.refresh_weights()``) picks the layer's forward from its device, dtype and the
 # backend setting, read then, and packs the weights that forward reads: on CPU tensors in fp32 or
 # bf16 with the cpu backend selected (QWEN_OPS_BACKEND=auto|cpu and a C compiler), the ops
-# torch.ops.qwen.linear_packed / rms_norm / add_rms_norm / qk_norm_rope / silu_mul on weights
-# packed into panels (q|k|v and gate|up fused into one product each). The packed copies are what
-# those forwards read: after changing a weight, call ``process_weights_after_loading()`` again.
+# torch.ops.qwen.linear_packed / linear_silu_mul_packed / rms_norm / add_rms_norm / qk_norm_rope /
+# silu_mul on weights packed into panels (q|k|v and gate|up fused into one product each, gate|up's with
+# its SiLU). The packed copies are what those forwards read: after changing a weight, call
+# ``process_weights_after_loading()`` again.
 # The choice is the instance's ``forward`` attribute (``self.forward = self.forward_cpu``), which
 # nn.Module.__call__ runs, hooks and all: no per-call hop through a dispatching class forward.
 # ----------------------------------------------------------------------------------------------
@@ -46,6 +47,7 @@ RMS_NORM = torch.ops.qwen.rms_norm.default
 ADD_RMS_NORM = torch.ops.qwen.add_rms_norm.default
 QK_NORM_ROPE = torch.ops.qwen.qk_norm_rope.default
 SILU_MUL = torch.ops.qwen.silu_mul.default
+LINEAR_SILU_MUL_PACKED = torch.ops.qwen.linear_silu_mul_packed.default
 ATTENTION_BLOCK = torch.ops.qwen.attention_block.default
 
 
@@ -154,6 +156,23 @@ def fused_product(owner: nn.Module, name: str, *linears: nn.Module):
     def product_reduced(x: torch.Tensor) -> torch.Tensor:
         return finish(LINEAR_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features))
     return product_reduced
+
+
+def with_silu_mul(owner: nn.Module, name: str, product, features: int):
+    """``x -> silu_mul(product(x))`` for the product ``fused_product(owner, name, ...)`` made (an MLP's
+    gate | up, ``features`` in all): on panels one op, ``linear_silu_mul_packed`` (on the AMX tiles the
+    product's rows are never stored); else the product, then ``silu_mul``."""
+    packed_name, bias_name = f"{name}_packed", f"{name}_bias"
+    if packed_name in owner._buffers:
+        owner.product_kinds[name] += "; silu_mul in the same call"
+
+        def product_silu_mul(x: torch.Tensor) -> torch.Tensor:
+            return LINEAR_SILU_MUL_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)
+        return product_silu_mul
+
+    def then_silu_mul(x: torch.Tensor) -> torch.Tensor:
+        return SILU_MUL(product(x))
+    return then_silu_mul
 
 
 def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
@@ -322,10 +341,9 @@ class QwenMLP(nn.Module):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if any(self._skipped_hooks) or _GLOBAL_FORWARD_HOOKS or _GLOBAL_FORWARD_PRE_HOOKS:   # a hook: call them
             return self.forward_native(x)
-        gate_up = self._gate_up_product(x)
         if self._down_of_gate_up is not None:      # int8-activation panels: silu_mul inside the down product
-            return self._down_of_gate_up(gate_up)
-        return self._down_product(SILU_MUL(gate_up))
+            return self._down_of_gate_up(self._gate_up_product(x))
+        return self._down_product(self._gate_up_silu_mul(x))
 
     def process_weights_after_loading(self) -> None:
         self.forward = self.forward_native
@@ -334,15 +352,20 @@ class QwenMLP(nn.Module):
             down = fused_product(self, "down", self.down_proj)
             if gate_up is not None and down is not None:
                 lora = self.__dict__.get("_lora")
-                if lora is not None:      # the deltas after each product (models/lora.py)
+                self._down_of_gate_up = None
+                if lora is not None:      # the deltas after each product (models/lora.py), silu_mul between
                     gate_up = with_delta(self, lora, self._lora_groups["gate_up"], gate_up)
                     down = with_delta(self, lora, self._lora_groups["down"], down)
-                self._gate_up_product, self._down_product = gate_up, down
-                # a down product on int8-activation panels takes the gate | up rows itself (one op call less)
-                self._down_of_gate_up = None
-                if isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up() and lora is None:
+                    self._gate_up_silu_mul = lambda x, gate_up=gate_up: SILU_MUL(gate_up(x))
+                elif isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up():
+                    # a down product on int8-activation panels takes the gate | up rows itself
+                    self._gate_up_product = gate_up
                     self._down_of_gate_up = self.down_proj.forward_silu_mul
                     self.product_kinds["down"] += "; silu_mul in the same call"
+                else:             # the gate | up product returns silu_mul's rows (one op on panels)
+                    self._gate_up_silu_mul = with_silu_mul(self, "gate_up", gate_up,
+                                                           self.gate_proj.out_features + self.up_proj.out_features)
+                self._down_product = down
                 self._skipped_hooks = forward_hooks(self.gate_proj, self.up_proj, self.down_proj)
                 self.forward = self.forward_cpu
 
@@ -384,15 +407,6 @@ class SlotAttention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.calculate_kv_scales = False
         self.forward = self.forward_native
-
-    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
-        """The fp8 cache's scales (values > 0), as fp32 scalar buffers on the layer's device."""
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
-                raise ValueError(f"{name} = {value!r}, expected a finite float > 0")
-        device = self.o_proj.weight.device
-        self.k_scale = torch.tensor(float(k_scale), dtype=torch.float32, device=device)
-        self.v_scale = torch.tensor(float(v_scale), dtype=torch.float32, device=device)
 
     def _measure_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         from qwen_ops.ops.kv_quant import K_SCALE_CONSTANT, V_SCALE_CONSTANT

@@ -17,9 +17,9 @@ B; a row-parallel one (o, down) its columns of A and B whole, and the rank-R par
 summed across the ranks before the expand (one all-reduce of ``[tokens, R]``), as vLLM shards them.
 
 Adapters are PEFT's format (:func:`load_peft_adapter`): ``adapter_config.json`` and
-``adapter_model.safetensors`` (or ``.bin``), ``r``, ``lora_alpha``, ``use_rslora``,
-``target_modules`` (names or a regex) and ``layers_to_transform``; what is not supported says which
-field.
+``adapter_model.safetensors`` (or ``.bin``), ``r``, ``lora_alpha``, ``use_rslora``; the modules and
+layers an adapter adapts are those its file holds weights for (what PEFT saved for its
+``target_modules`` and ``layers_to_transform``); what is not supported says which field.
 """
 
 from __future__ import annotations
@@ -139,11 +139,6 @@ def with_delta(layer: nn.Module, ctx: LoRAContext, g: LoRAGroup, product):
     return product_lora
 
 
-def lora_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules that hold LoRA groups (attention layers and dense MLPs), in model order."""
-    return [m for m in model.modules() if "_lora_groups" in m.__dict__]
-
-
 def enable_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int) -> LoRAContext:
     """Give ``model`` its LoRA context and every layer's zero slots (module docstring: each layer
     that has an ``enable_lora(ctx)`` method attaches its groups with :func:`attach_group`); the
@@ -180,21 +175,6 @@ class LoRAAdapter:
 
 
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layer_replication": "layer_replication"}
-
-
-def _target(name: str, config: dict, layer_count: int) -> bool:
-    """Whether PEFT's ``target_modules`` / ``layers_to_transform`` select module ``name``."""
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        hit = re.fullmatch(targets, name) is not None
-    else:
-        hit = any(name == t or name.endswith("." + t) for t in targets or ())
-    layers = config.get("layers_to_transform")
-    if hit and layers is not None:
-        m = re.search(r"\.layers\.(\d+)\.", name)
-        layers = [layers] if isinstance(layers, int) else layers
-        hit = m is not None and int(m.group(1)) in layers
-    return hit
 
 
 def load_peft_adapter(path: str | Path, module_names, max_rank: int,

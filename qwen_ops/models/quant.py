@@ -615,7 +615,6 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
         return {"qweight": pack_int4(q.T.contiguous()), "scales": sc.float().T.contiguous(),
                 "zeros": z.T.to(torch.uint8).contiguous()}
     bits = quant.bits
-    per = 32 // bits
     qw, qz, sc, gi = (tensors[prefix + s] for s in (".qweight", ".qzeros", ".scales", ".g_idx"))
     q = _unpack_rows(qw, bits)                                 # [K, N]
     z = _unpack_cols(qz, bits) + 1                             # [G, N]: the format stores z - 1

@@ -11,11 +11,11 @@ one-element tensors; ``None`` means 1.0.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
-from qwen_ops.ops.kernels.kv_fp8 import FP8_DTYPES, dequantize, fp8_max, is_fp8, quantize  # noqa: F401
+from qwen_ops.ops.kernels.kv_fp8 import FP8_DTYPES
 
 # vLLM's spellings ("fp8" is e4m3, as in vLLM's CUDA and CPU backends).
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,

@@ -225,7 +225,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU fast path: linear_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed
+# The CPU fast path: linear_packed, linear_silu_mul_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed
 # --------------------------------------------------------------------------------------------
 # A layer chooses these once, when its weights are packed (qwen_ops/models/layers.py: on the CPU,
 # fp32 or bf16, the cpu backend selected and its C kernels built); nothing is chosen per call.
@@ -242,7 +242,8 @@ def _cpu():
 
 
 _REFERENCES = {
-    "linear_packed": R.linear_packed_reference, "rms_norm": R.rms_norm_reference,
+    "linear_packed": R.linear_packed_reference, "linear_silu_mul_packed": R.linear_silu_mul_packed_reference,
+    "rms_norm": R.rms_norm_reference,
     "add_rms_norm": R.add_rms_norm_reference, "qk_norm_rope": R.qk_norm_rope_reference,
     "silu_mul": R.silu_mul_reference, "attention_block": R.attention_block_reference,
     "moe_packed": R.moe_packed_reference,
@@ -280,6 +281,12 @@ for _name in _REFERENCES:
 def _linear_packed_fake(x, packed, bias, out_features):
     V.check_linear_packed(x, packed, bias, out_features)
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::linear_silu_mul_packed", lib=_LIB)
+def _linear_silu_mul_packed_fake(x, packed, bias, out_features):
+    V.check_linear_silu_mul_packed(x, packed, bias, out_features)
+    return x.new_empty((x.shape[0], out_features // 2))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::rms_norm", lib=_LIB)

@@ -456,7 +456,8 @@ def check_fused_moe_values(topk_ids, num_experts: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The CPU fast path's ops (linear_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed)
+# The CPU fast path's ops (linear_packed, linear_silu_mul_packed, rms_norm, add_rms_norm, qk_norm_rope,
+# silu_mul, moe_packed)
 # --------------------------------------------------------------------------------------------
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
@@ -494,6 +495,13 @@ def check_linear_packed(x, packed, bias, out_features) -> None:
                          f"float32 [{out_features}]")
 
 
+def check_linear_silu_mul_packed(x, packed, bias, out_features) -> None:
+    """linear_silu_mul_packed: linear_packed's arguments, out_features the gate and up features (even)."""
+    if out_features <= 0 or out_features % 2:
+        raise ValueError(f"out_features is {out_features}, expected a positive even count (gate | up features)")
+    check_linear_packed(x, packed, bias, out_features)
+
+
 def check_rms_norm(x, weight, residual=None) -> None:
     if weight.device != x.device or (residual is not None and residual.device != x.device):
         _same_device(x=x, weight=weight, residual=residual)
@@ -528,12 +536,6 @@ def check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions) -> None:
     _index("positions", positions, 1, "[num_tokens]")
     if positions.shape[0] != T:
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [{T}] (q's tokens)")
-
-
-def check_qk_norm_rope_values(cos_sin, positions) -> None:
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
-        raise ValueError(f"positions span [{int(positions.min())}, {int(positions.max())}], expected "
-                         f"0 <= position < {cos_sin.shape[0]} (cos_sin's rows)")
 
 
 def check_silu_mul(gate_up) -> None:

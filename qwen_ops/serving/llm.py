@@ -34,9 +34,7 @@ from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.serving.engine_core import EngineCore
-from qwen_ops.serving.outputs import (CompletionDelta, CompletionOutput, CompletionState, Logprob,  # noqa: F401
-                                      RequestDelta, RequestMetrics,
-                                      RequestOutput)
+from qwen_ops.serving.outputs import CompletionOutput, RequestOutput  # noqa: F401  (qwen_ops re-exports them)
 from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                                       EmbeddingRequestOutput, PoolingParams,  # noqa: F401
                                       ScoringRequestOutput, check_hf_overrides, classifier_probs,
@@ -161,12 +159,6 @@ def _default_kv_budget(device: torch.device, utilization: Optional[float] = None
 # generation_config.json keys that vLLM takes as sampling defaults, and their SamplingParams names.
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def default_sampling_params(model_path: Path, generation_config: Union[str, Path] = "auto") -> SamplingParams:
-    """vLLM's ``get_default_sampling_params``: ``"vllm"``: ``SamplingParams()``; ``"auto"``: the
-    checkpoint's ``generation_config.json`` sampling fields over those; a directory: its file."""
-    return SamplingParams(**sampling_overrides(model_path, generation_config))
 
 
 def sampling_overrides(model_path: Path, generation_config: Union[str, Path] = "auto") -> dict:

@@ -1922,6 +1922,34 @@ static inline void amx_put(const float *c, int64_t ldc, int64_t rows, int64_t co
     }
 }
 
+static void silu_mul_bf16_row(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t dim);   /* below */
+
+/* y[m, j] = silu(gate) * up for m < rows, j < 32, of a gate block cg and its up block cu (fp32 sums, row
+ * stride ldc): each sum (+ bias) rounded to bf16 as amx_put rounds it, then silu_mul_bf16_row on those
+ * values, so linear_packed then silu_mul, bit for bit. y bf16; streaming stores where stream (every row
+ * on a cache line, amx_streams). */
+static inline void amx_put_silu(const float *cg, const float *cu, int64_t ldc, int64_t rows, const float *bias_g,
+                                const float *bias_u, uint16_t *y, int64_t ys, int stream) {
+    const __m512 bg0 = bias_g == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias_g);
+    const __m512 bg1 = bias_g == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias_g + 16);
+    const __m512 bu0 = bias_u == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias_u);
+    const __m512 bu1 = bias_u == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias_u + 16);
+    uint16_t g[32] __attribute__((aligned(64))), u[32] __attribute__((aligned(64))), o[32] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < rows; ++m) {
+        _mm256_store_si256((__m256i *)(void *)g, amx_round_bf16(_mm512_add_ps(_mm512_loadu_ps(cg + m * ldc), bg0)));
+        _mm256_store_si256((__m256i *)(void *)(g + 16),
+                           amx_round_bf16(_mm512_add_ps(_mm512_loadu_ps(cg + m * ldc + 16), bg1)));
+        _mm256_store_si256((__m256i *)(void *)u, amx_round_bf16(_mm512_add_ps(_mm512_loadu_ps(cu + m * ldc), bu0)));
+        _mm256_store_si256((__m256i *)(void *)(u + 16),
+                           amx_round_bf16(_mm512_add_ps(_mm512_loadu_ps(cu + m * ldc + 16), bu1)));
+        silu_mul_bf16_row(g, u, o, 32);
+        if (stream)
+            _mm512_stream_si512((__m512i *)(void *)(y + m * ys), _mm512_load_si512((const void *)o));
+        else
+            _mm512_storeu_si512((void *)(y + m * ys), _mm512_load_si512((const void *)o));
+    }
+}
+
 /* dst[0 .. n) = row m of x from k0 as bf16 (x fp32 holding bf16 values when x_f32: exact), 0 past
  * M or K. */
 static inline void amx_x_row(const void *x, int x_f32, int64_t xs, int64_t M, int64_t K, int64_t m, int64_t k0,
@@ -1945,12 +1973,17 @@ static inline void amx_x_row(const void *x, int x_f32, int64_t xs, int64_t M, in
 #define AMX_CHUNK_BYTES (1 << 20)
 #endif
 
+/* silu != 0 (y bf16, N / 2 a multiple of 32): y [M, N / 2] = silu(gate) * up of the product's gate | up
+ * halves instead (amx_put_silu: the same bits as the product, then silu_mul), each gate panel with its up
+ * panel, the product's rows never stored. */
 static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t xs, int64_t M, const uint16_t *wp,
                                              const float *bias, int64_t N, int64_t K, void *y, int y_bf16, int64_t ys,
-                                             int threads) {
+                                             int threads, int silu) {
     char *yc = (char *)y;
+    uint16_t *yh = (uint16_t *)y;
     const int64_t y_size = y_bf16 ? 2 : 4;
     const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32, nkb = (K2 + 15) / 16;
+    const int64_t half = N / 2, P2 = P / 2;   /* silu: the up features' first, the gate panels */
     (void)threads;   /* without OpenMP */
     if (M <= 16) {
         /* xb: the rows as they are, zero-padded to nkb * 32 k (row stride ldx) */
@@ -1962,9 +1995,15 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
         {
             float c[16 * 64] __attribute__((aligned(64)));
             amx_configure((int)M);
-            const int64_t pairs = (P + 1) / 2;
+            const int64_t pairs = silu ? P2 : (P + 1) / 2;
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < pairs; ++q) {
+                if (silu) {   /* gate panel q with its up panel: c's columns 0 .. 31 and 32 .. 63 */
+                    amx_block16(xb, ldx, wp + q * K2 * 64, wp + (q + P2) * K2 * 64, K2, c, 64);
+                    amx_put_silu(c, c + 32, 64, M, bias == NULL ? NULL : bias + 32 * q,
+                                 bias == NULL ? NULL : bias + half + 32 * q, yh + 32 * q, ys, 0);
+                    continue;
+                }
                 const int64_t p = 2 * q, n0 = p * 32, cols = N - n0 < 64 ? N - n0 : 64;
                 const uint16_t *panel = wp + p * K2 * 64;
                 amx_block16(xb, ldx, panel, p + 1 < P ? panel + K2 * 64 : NULL, K2, c, 64);
@@ -1989,11 +2028,11 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
      * (prefetched into L2 by the chunk's previous panel, a share per pair of blocks) and from L2 for
      * the chunk's other pairs of blocks. */
     const int64_t chunk = AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 > 32 ? AMX_CHUNK_BYTES / (nkb * 64 * 32) * 32 : 32;
-    const int stream = amx_streams(y, ys, M, N, y_size);
+    const int stream = amx_streams(y, ys, M, silu ? half : N, y_size);
     /* Panels longer than a part run part by part (amx_block32_part), each part over all the chunk's
      * blocks of rows, whose sums wait in cbuf (4 KB a block, per thread) between parts. */
     const int parts = K2 % 16 == 0 && K2 > AMX_K_PART;
-    const int64_t cb_floats = (chunk / 32) * 1024;
+    const int64_t cb_floats = (chunk / 32) * 1024 * (silu ? 2 : 1);   /* silu: the gate blocks', then the up's */
     float *cbuf = parts ? aligned_alloc(64, (size_t)(threads * cb_floats) * sizeof(float)) : NULL;
     if (parts && cbuf == NULL) {
         free(xt);
@@ -2001,7 +2040,7 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float c[32 * 32] __attribute__((aligned(64)));
+        float c[32 * 32] __attribute__((aligned(64))), c2[32 * 32] __attribute__((aligned(64)));
 #ifdef _OPENMP
         float *cb = parts ? cbuf + cb_floats * omp_get_thread_num() : NULL;
 #else
@@ -2012,6 +2051,29 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
             const int64_t m1 = m0 + chunk < M ? m0 + chunk : M, block_pairs = (m1 - m0 + 31) / 32;
             const int64_t steps = nkb > 1 ? nkb - 1 : 1;
             const int64_t pf_step = (K2 * 128 / block_pairs / steps + 63) / 64 * 64;
+            if (parts && silu) {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < P2; ++p) {
+                    for (int h = 0; h < 2; ++h) {    /* the gate panel's sums, then the up panel's */
+                        const uint16_t *panel = wp + (p + h * P2) * K2 * 64;
+                        for (int64_t k0 = 0; k0 < K2; k0 += AMX_K_PART) {
+                            const int64_t k1 = k0 + AMX_K_PART < K2 ? k0 + AMX_K_PART : K2;
+                            for (int64_t m = m0; m < m1; m += 32) {
+                                const uint16_t *a0 = xt + (m / 16) * nkb * 512;
+                                amx_block32_part(a0, a0 + nkb * 512, panel, k0, k1,
+                                                 cb + h * (cb_floats / 2) + ((m - m0) / 32) * 1024, k0 > 0);
+                            }
+                        }
+                    }
+                    for (int64_t m = m0; m < m1; m += 32) {
+                        const float *cg = cb + ((m - m0) / 32) * 1024;
+                        amx_put_silu(cg, cg + cb_floats / 2, 32, m1 - m < 32 ? m1 - m : 32,
+                                     bias == NULL ? NULL : bias + 32 * p, bias == NULL ? NULL : bias + half + 32 * p,
+                                     yh + m * ys + 32 * p, ys, stream);
+                    }
+                }
+                continue;
+            }
             if (parts) {
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < P; ++p) {
@@ -2031,6 +2093,23 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
                                 amx_put(cm, 32, m1 - m < 32 ? m1 - m : 32, cols, bias == NULL ? NULL : bias + n0,
                                         yc + (m * ys + n0) * y_size, ys, y_bf16);
                         }
+                    }
+                }
+                continue;
+            }
+            if (silu) {
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < P2; ++p) {
+                    const uint16_t *gate = wp + p * K2 * 64, *up = wp + (p + P2) * K2 * 64;
+                    const char *next = p + 1 < P2 ? (const char *)(gate + K2 * 64) : NULL;
+                    for (int64_t m = m0; m < m1; m += 32) {
+                        const uint16_t *a0 = xt + (m / 16) * nkb * 512;
+                        const int64_t share = (m - m0) / 32 * pf_step * steps;   /* of the next pair's panels */
+                        amx_block32(a0, a0 + nkb * 512, gate, K2, c, 32, next == NULL ? NULL : next + share, pf_step);
+                        amx_block32(a0, a0 + nkb * 512, up, K2, c2, 32,
+                                    next == NULL ? NULL : next + P2 * K2 * 128 + share, pf_step);
+                        amx_put_silu(c, c2, 32, m1 - m < 32 ? m1 - m : 32, bias == NULL ? NULL : bias + 32 * p,
+                                     bias == NULL ? NULL : bias + half + 32 * p, yh + m * ys + 32 * p, ys, stream);
                     }
                 }
                 continue;
@@ -2099,7 +2178,7 @@ int qwen_bf16_products(void) {
 void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16_t *wp, const float *bias,
                              int64_t N, int64_t K, float *y, int64_t ys, int64_t threads) {
 #if QWEN_AMX
-    if (qwen_bf16_products() == 2 && linear_packed_amx(x, 1, xs, M, wp, bias, N, K, y, 0, ys, (int)threads) == 0) return;
+    if (qwen_bf16_products() == 2 && linear_packed_amx(x, 1, xs, M, wp, bias, N, K, y, 0, ys, (int)threads, 0) == 0) return;
 #endif
 #if QWEN_DPBF16
     if (qwen_bf16_products() == 1 && linear_packed_dpbf16(x, xs, M, wp, bias, N, K, y, ys, (int)threads) == 0) return;
@@ -2149,7 +2228,7 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
     }
 #if QWEN_AMX
     if (qwen_bf16_products() == 2)   /* the fp32 sums (+ bias) rounded once to bf16, as torch */
-        return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, y, 1, ys, (int)threads);
+        return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, y, 1, ys, (int)threads, 0);
 #endif
 #if QWEN_DPBF16
     /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. Rows whose
@@ -2388,6 +2467,25 @@ int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, 
     }
     free(buf);
     return 0;
+}
+
+/* out [M, N / 2] (contiguous) = silu_mul(linear_packed(x)): an MLP's gate | up product and its SiLU in one
+ * call (torch.ops.qwen.linear_silu_mul_packed). On the AMX tiles (bf16, N / 2 a multiple of 32) the sums
+ * go through amx_put_silu and the product's rows are never stored; elsewhere the product's rows, then
+ * qwen_silu_mul. The same bits either way. Returns -1 when scratch memory could not be allocated. */
+int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
+                         void *out, int dtype, int64_t threads) {
+#if QWEN_AMX
+    if (dtype == 2 && qwen_bf16_products() == 2 && N % 64 == 0)
+        return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, out, 1, N / 2, (int)threads, 1);
+#endif
+    const size_t elem = dtype == 0 ? 4 : 2;
+    char *gate_up = malloc(elem * (size_t)(M * N > 0 ? M * N : 1));
+    if (gate_up == NULL) return -1;
+    int status = qwen_linear(x, xs, M, wp, bias, N, K, gate_up, N, dtype, threads);
+    if (status == 0) status = qwen_silu_mul(gate_up, N, gate_up + elem * (size_t)(N / 2), N, out, M, N / 2, dtype);
+    free(gate_up);
+    return status;
 }
 
 /* A mixture-of-experts layer's routed experts on packed fp32 weights (torch.ops.qwen.moe_packed): out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j],

@@ -1,6 +1,6 @@
 // The CPU fast path's ops as dispatcher kernels (the qwen namespace's CPU key) for linear_packed,
-// rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block, moe_packed and the quantized
-// products linear_int8 / linear_int4 / linear_fp8 (schemas in
+// linear_silu_mul_packed, rms_norm, add_rms_norm, qk_norm_rope, silu_mul, attention_block, moe_packed and
+// the quantized products linear_int8 / linear_int4 / linear_fp8 (schemas in
 // torch_library/qwen.schema, defined by Python; references in kernels/reference_fused.py).
 //
 // Why C++: these ops run ~50 times in a CPU decode step of the embedded model, and a Python kernel
@@ -34,6 +34,8 @@ int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq, con
                       int dtype);
 int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, void *out, int64_t rows,
                   int64_t dim, int dtype);
+int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
+                         void *out, int dtype, int64_t threads);
 void qwen_kv_write(const void *key, const void *value, void *key_cache, void *value_cache, const int32_t *slot_ids,
                    const int32_t *positions, const int32_t *block_table, int64_t num_tokens, int64_t num_kv_heads,
                    int64_t head_dim, int64_t elem_size, int64_t k_s0, int64_t k_s1, int64_t v_s0, int64_t v_s1,
@@ -100,29 +102,48 @@ std::vector<int64_t> packed_shape(int64_t n, int64_t k, bool bf16) {
   return {(n + 31) / 32, k, 32};
 }
 
-at::Tensor linear_packed(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
-                         int64_t out_features) {
+// linear_packed's arguments checked (validation.py's check_linear_packed); returns the bias's data (or null).
+const float *check_linear_packed(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                                 int64_t out_features, int code) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x has shape ", x.sizes(), " (rank ", x.dim(), "), expected rank 2: [rows, in_features]");
-  const int code = dtype_code(x, "x");
   check_rows(x, "x");
-  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t k = x.size(1);
   const auto want = packed_shape(out_features, k, code == 2);
   TORCH_CHECK_VALUE(packed.scalar_type() == x.scalar_type() && packed.sizes() == at::IntArrayRef(want) &&
                         packed.is_contiguous(),
                     "packed has shape ", packed.sizes(), " and dtype ", packed.scalar_type(), ", expected a contiguous ",
                     at::IntArrayRef(want), " ", x.scalar_type(), " tensor (pack_panels of a [", out_features, ", ", k,
                     "] weight of x's dtype)");
-  const float *b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features &&
-                          bias->is_contiguous(),
-                      "bias has shape ", bias->sizes(), " and dtype ", bias->scalar_type(), ", expected contiguous float32 [",
-                      out_features, "]");
-    b = bias->const_data_ptr<float>();
-  }
-  at::Tensor out = fresh({rows, out_features}, x.options());
-  check_alloc(qwen_linear(x.const_data_ptr(), x.stride(0), rows, packed.const_data_ptr(), b, out_features, k,
-                          out.mutable_data_ptr(), out_features, code, at::get_num_threads()), "linear_packed");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features &&
+                        bias->is_contiguous(),
+                    "bias has shape ", bias->sizes(), " and dtype ", bias->scalar_type(), ", expected contiguous float32 [",
+                    out_features, "]");
+  return bias->const_data_ptr<float>();
+}
+
+at::Tensor linear_packed(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                         int64_t out_features) {
+  const int code = dtype_code(x, "x");
+  const float *b = check_linear_packed(x, packed, bias, out_features, code);
+  at::Tensor out = fresh({x.size(0), out_features}, x.options());
+  check_alloc(qwen_linear(x.const_data_ptr(), x.stride(0), x.size(0), packed.const_data_ptr(), b, out_features,
+                          x.size(1), out.mutable_data_ptr(), out_features, code, at::get_num_threads()),
+              "linear_packed");
+  return out;
+}
+
+// silu_mul(linear_packed(x, ...)): an MLP's gate | up product and its SiLU in one call.
+at::Tensor linear_silu_mul_packed(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                                  int64_t out_features) {
+  const int code = dtype_code(x, "x");
+  TORCH_CHECK_VALUE(out_features > 0 && out_features % 2 == 0, "out_features is ", out_features,
+                    ", expected a positive even count (gate | up features)");
+  const float *b = check_linear_packed(x, packed, bias, out_features, code);
+  at::Tensor out = fresh({x.size(0), out_features / 2}, x.options());
+  check_alloc(qwen_linear_silu_mul(x.const_data_ptr(), x.stride(0), x.size(0), packed.const_data_ptr(), b,
+                                   out_features, x.size(1), out.mutable_data_ptr(), code, at::get_num_threads()),
+              "linear_silu_mul_packed");
   return out;
 }
 
@@ -724,6 +745,7 @@ extern "C" void *qwen_register_cpu_kernels() {
   m->impl("linear_int4_a8", &linear_int4_a8);
   m->impl("linear_fp8", &linear_fp8);
   m->impl("linear_packed", &linear_packed);
+  m->impl("linear_silu_mul_packed", &linear_silu_mul_packed);
   m->impl("rms_norm", &rms_norm);
   m->impl("add_rms_norm", &add_rms_norm);
   m->impl("qk_norm_rope", &qk_norm_rope);

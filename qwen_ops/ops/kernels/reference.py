@@ -55,7 +55,7 @@ def _attend(query, out, key_cache, value_cache, block_table, slots, starts, q_le
     slots, starts, q_lens, seq_lens: int64 tensors [S]. Query row j of a sequence with q query
     tokens and seq_len keys sits at position seq_len - q + j and sees keys <= that.
     """
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads = key_cache.shape[2]
     num_heads = query.shape[1]
     block_size = key_cache.shape[1]
     device = query.device

@@ -97,6 +97,11 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear_silu_mul_packed_reference(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                                     out_features: int) -> torch.Tensor:
+    return silu_mul_reference(linear_packed_reference(x, packed, bias, out_features))
+
+
 def moe_packed_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     hidden, inter = hidden_states.shape[1], w2.shape[2]
