@@ -178,8 +178,8 @@ def _top_p_kept(probs: list[float], p: float) -> list[float]:
 
 
 def test_host_sample_rows_top_p_matches_a_float64_oracle():
-    # The C pass's top-p (a histogram of the weights finds the bucket of the cut; only that bucket is
-    # sorted) against the definition in float64, then the same float64 inverse-CDF loop: fresh random
+    # The C pass's top-p (three levels of mass histograms over the weights' bits find the cut's exact
+    # value; no sort) against the definition in float64, then the same float64 inverse-CDF loop: fresh random
     # logits, temperatures and p (the crossing token kept), -inf entries, a row whose cut falls in a
     # bucket of many tokens, ties broken by token id, 40 uniforms a row.
     from qwen_ops.ops import host

@@ -170,9 +170,14 @@ def with_silu_mul(owner: nn.Module, name: str, product, features: int):
             return LINEAR_SILU_MUL_PACKED(x, getattr(owner, packed_name), getattr(owner, bias_name), features)
         return product_silu_mul
 
-    def then_silu_mul(x: torch.Tensor) -> torch.Tensor:
+    return then_silu_mul(product)
+
+
+def then_silu_mul(product):
+    """``x -> silu_mul(product(x))``: the op after the product, where they cannot be one."""
+    def product_then_silu_mul(x: torch.Tensor) -> torch.Tensor:
         return SILU_MUL(product(x))
-    return then_silu_mul
+    return product_then_silu_mul
 
 
 def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor], int, object]:
@@ -356,7 +361,7 @@ class QwenMLP(nn.Module):
                 if lora is not None:      # the deltas after each product (models/lora.py), silu_mul between
                     gate_up = with_delta(self, lora, self._lora_groups["gate_up"], gate_up)
                     down = with_delta(self, lora, self._lora_groups["down"], down)
-                    self._gate_up_silu_mul = lambda x, gate_up=gate_up: SILU_MUL(gate_up(x))
+                    self._gate_up_silu_mul = then_silu_mul(gate_up)
                 elif isinstance(self.down_proj, QuantLinear) and self.down_proj.takes_gate_up():
                     # a down product on int8-activation panels takes the gate | up rows itself
                     self._gate_up_product = gate_up

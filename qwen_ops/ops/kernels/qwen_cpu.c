@@ -290,7 +290,8 @@ static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
     return n - t < block_size ? n - t : block_size;
 }
 
-/* Positions ahead of the one being read whose key (and value) rows slot_attention prefetches. */
+/* Positions ahead of the one being read whose key (and value) rows slot_attention prefetches, in whole
+ * blocks (at least one) once the pass has started. */
 #ifndef ATTN_AHEAD
 #define ATTN_AHEAD 32
 #endif
@@ -301,6 +302,16 @@ static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
 #ifndef ATTN_V_EARLY_BYTES
 #define ATTN_V_EARLY_BYTES (256 << 10)
 #endif
+
+/* The cache lines of bytes from row, into L1 (locality 3) or L2 (2). */
+static inline __attribute__((always_inline)) void prefetch_bytes(const char *row, int64_t bytes, const int locality) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        if (locality == 3)
+            __builtin_prefetch(row + b, 0, 3);
+        else
+            __builtin_prefetch(row + b, 0, 2);
+    }
+}
 
 /* Prefetch position t's row (its first bytes: rows with their heads packed) of a paged cache through the
  * block table, into L1 (locality 3) or L2 (2): a block is the unit of contiguity in a paged cache, and a
@@ -313,17 +324,10 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *cache
                                                                int64_t sb, int64_t sr, int64_t bytes, int64_t elem,
                                                                const int locality) {
     const int64_t block = blocks[(t / block_size) * bt_s1], r = t % block_size;
-    const char *row = (const char *)cache + (block * sb + r * sr) * elem;
-    for (int64_t b = 0; b < bytes; b += 64) {
-        if (locality == 3)
-            __builtin_prefetch(row + b, 0, 3);
-        else
-            __builtin_prefetch(row + b, 0, 2);
-    }
+    prefetch_bytes((const char *)cache + (block * sb + r * sr) * elem, bytes, locality);
 }
 
-/* prefetch_row for positions from .. to - 1 that are below n (a pass's first ATTN_AHEAD at its start, then
- * at each block's start, its rows' positions ATTN_AHEAD ahead). */
+/* prefetch_row for positions from .. to - 1 that are below n (a pass's first blocks, at its start). */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int32_t *blocks,
                                                                 int64_t bt_s1, int64_t block_size, int64_t from,
                                                                 int64_t to, int64_t n, int64_t sb, int64_t sr,
@@ -346,13 +350,7 @@ static inline __attribute__((always_inline)) void prefetch_head_ahead(const void
     if (tf >= n) return;
     const int64_t rows = rows_in_block(n, tf, block_size);
     const char *base = (const char *)cache + (blocks[(b + ahead) * bt_s1] * sb + head_at) * elem;
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t o = 0; o < bytes; o += 64) {
-            if (locality == 3)
-                __builtin_prefetch(base + r * sr * elem + o, 0, 3);
-            else
-                __builtin_prefetch(base + r * sr * elem + o, 0, 2);
-        }
+    for (int64_t r = 0; r < rows; ++r) prefetch_bytes(base + r * sr * elem, bytes, locality);
 }
 
 #if defined(__AVX512F__)
@@ -596,7 +594,7 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
         load_row(a->query, token * a->q_s0 + h * a->q_s1, (int)dtype, D, q + h * D);
         for (int64_t d = 0; d < D; ++d) q[h * D + d] *= a->scale;
     }
-    /* scores[h][t] = q_h . k_t, with these heads' key rows ATTN_AHEAD positions ahead prefetched, and
+    /* scores[h][t] = q_h . k_t, with these heads' key rows of the block(s) ATTN_AHEAD ahead prefetched, and
      * their value rows too while the row's values are few (ATTN_V_EARLY_BYTES; else the pass over
      * the values prefetches them): in a model step the caches come from DRAM */
     const int64_t head_bytes = (kh1 - kh0) * D * elem;
@@ -652,7 +650,7 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
         for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
     }
     /* acc[h] = sum_t p[h][t] v_t, block by block as the keys (each block's rows of these heads read once),
-     * prefetching the value rows ATTN_AHEAD positions ahead unless the pass over the keys did */
+     * prefetching the value rows of the block(s) ATTN_AHEAD ahead unless the pass over the keys did */
     memset(acc + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
     if (!v_early)
         prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ahead * a->block_size, n, a->v_sb, a->v_sr, head_bytes,
