@@ -2022,10 +2022,20 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
     const int64_t Mp = (M + 31) / 32 * 32;
     uint16_t *xt = aligned_alloc(64, (size_t)(Mp * nkb * 64 + 64));
     if (xt == NULL) return -1;
-    for (int64_t mb = 0; mb < Mp / 16; ++mb)
-        for (int64_t kb = 0; kb < nkb; ++kb)
-            for (int r = 0; r < 16; ++r)
-                amx_x_row(x, x_f32, xs, M, K, 16 * mb + r, 32 * kb, 32, xt + ((mb * nkb + kb) * 16 + r) * 32);
+    if (!x_f32 && K % 32 == 0) {    /* bf16 rows of whole 64-byte pieces (every Qwen width): vector copies */
+        for (int64_t m = 0; m < Mp; ++m) {
+            uint16_t *dst = xt + ((m / 16) * nkb * 16 + m % 16) * 32;
+            const uint16_t *src = (const uint16_t *)x + m * xs;
+            for (int64_t kb = 0; kb < nkb; ++kb)
+                _mm512_storeu_si512((void *)(dst + kb * 512),
+                                    m < M ? _mm512_loadu_si512((const void *)(src + kb * 32)) : _mm512_setzero_si512());
+        }
+    } else {
+        for (int64_t mb = 0; mb < Mp / 16; ++mb)
+            for (int64_t kb = 0; kb < nkb; ++kb)
+                for (int r = 0; r < 16; ++r)
+                    amx_x_row(x, x_f32, xs, M, K, 16 * mb + r, 32 * kb, 32, xt + ((mb * nkb + kb) * 16 + r) * 32);
+    }
     /* Rows in chunks whose A stays within about 1 MB of L2; each panel is read from DRAM once a chunk
      * (prefetched into L2 by the chunk's previous panel, a share per pair of blocks) and from L2 for
      * the chunk's other pairs of blocks. */
