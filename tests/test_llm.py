@@ -334,3 +334,21 @@ def test_kv_sizes_beyond_memory_are_refused_by_name(ckpt, kwargs, named):
     with pytest.raises(ValueError) as info:
         LLM(ckpt, max_model_len=64, **kwargs)
     assert named in str(info.value) and "is available" in str(info.value)
+
+
+def test_chunked_prefill_runs_the_lm_head_only_on_rows_that_are_sampled(ckpt, prompts, expected):
+    """A prompt chunk that does not reach its prompt's end has no token to sample: the LM head skips
+    its row (a hook on ``lm_head`` counts the rows it sees), and greedy tokens still equal transformers'.
+    Prompts of up to 19 tokens under a budget of 7 take up to three chunks; three sequences share
+    steps, so a skipped row can sit between rows that are sampled."""
+    llm = make_llm(ckpt, max_num_seqs=3, max_num_batched_tokens=7)
+    rows = []
+    handle = llm.engine.model.lm_head.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        handle.remove()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # one row per sampled token: each prompt's last chunk, then each decode step's rows
+    assert sum(rows) == len(prompts) * GREEDY.max_new_tokens
+    assert 0 in rows                   # a step of partial chunks only: no row for the LM head

@@ -105,7 +105,8 @@ class Request:
                                   lora_slot=lora, pooling=self.pooling, pool_rows=tuple(rows))
         if start + n < self.num_tokens or not sample:
             return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
-                                  prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora)
+                                  prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora,
+                                  needs_logits=bool(scored) or not sample)
         banned = self.stop_ids if self.stop_ids and len(self.output_token_ids) < sampling.min_tokens else ()
         if drafts:
             tokens = list(tokens) + list(drafts)

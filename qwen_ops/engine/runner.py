@@ -102,10 +102,28 @@ def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = 
     raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
 
 
+def spread_rows(logits: torch.Tensor, keep: Sequence[int], n: int) -> torch.Tensor:
+    """fp32 ``[n, vocab]`` whose row ``keep[j]`` is ``logits[j]``; the other rows (chunks whose logits
+    nobody reads: ``BatchedRequest.needs_logits``) NaN. Runs of consecutive rows are copied (and
+    widened) in one go."""
+    out = torch.empty((n, logits.shape[-1]), dtype=torch.float32, device=logits.device)
+    kept = set(keep)
+    out[[i for i in range(n) if i not in kept]] = float("nan")
+    j = 0
+    while j < len(keep):
+        e = j + 1
+        while e < len(keep) and keep[e] == keep[e - 1] + 1:
+            e += 1
+        out[keep[j]:keep[j] + e - j].copy_(logits[j:e])
+        j = e
+    return out
+
+
 @dataclass
 class RunnerOutput:
     """What one step produced, row for row with the plan's tasks: fp32 ``logits`` [rows, vocab]
-    of each task's last token (and of its drafts, before it, for a task with drafts), the
+    of each task's last token (and of its drafts, before it, for a task with drafts; NaN for a
+    prompt chunk that samples nothing, ``BatchedRequest.needs_logits``), the
     ``sampled`` token of each task that samples (else None), and its ``(logprob, rank, top ids,
     top logprobs)`` when its request asked for logprobs. ``emitted``: for a task with drafts,
     the 1 to k + 1 tokens its verification emitted (the accepted drafts, then the target's
@@ -882,10 +900,13 @@ class ModelRunner:
                     for j in range(c.num_logit_rows)]
             logits_indices = torch.tensor(rows, dtype=torch.long).to(dev)
         else:
-            logits_indices = torch.tensor(query_start_loc[1:], dtype=torch.long).to(dev) - 1
+            keep = [i for i, c in enumerate(chunks) if c.needs_logits]
+            logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in keep], dtype=torch.long).to(dev)
         # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
         with trusted_metadata(), bound_backends(self.op_backends):
             logits = self._run_uncompiled(input_ids, pos, attn, logits_indices)
         # A scored prompt's rows stay in the model's dtype: step() widens the rows it samples from,
         # and prompt_logprobs a chunk at a time (all of them at once: 1.2 GB at 2,000 x 151,936).
-        return logits if scoring else logits.float()
+        if scoring or any(c.draft_token_ids for c in chunks):
+            return logits if scoring else logits.float()
+        return logits.float() if len(keep) == len(chunks) else spread_rows(logits, keep, len(chunks))
