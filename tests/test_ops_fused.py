@@ -87,6 +87,17 @@ def test_linear_silu_mul_packed(rows, shape, dtype, bias):
     assert torch.equal(got, torch.ops.qwen.silu_mul(torch.ops.qwen.linear_packed(x, packed, b, n)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_of_no_rows(dtype):
+    """A step whose every chunk skips the LM head gives it zero rows: an empty result, as the reference's."""
+    x, packed, b, n = _linear_case(3, (64, 40), dtype, True)
+    for op, ref, width in ((torch.ops.qwen.linear_packed, R.linear_packed_reference, n),
+                           (torch.ops.qwen.linear_silu_mul_packed, R.linear_silu_mul_packed_reference, n // 2)):
+        got = op(x[:0], packed, b, n)
+        assert got.shape == (0, width) and got.dtype == dtype
+        assert ref(x[:0], packed, b, n).shape == got.shape
+
+
 def test_linear_silu_mul_packed_streams_a_prefill_sized_output():
     """Rows x intermediate over 1 MB: the AMX path's streaming stores, row blocks past one chunk."""
     x, packed, b, n = _linear_case(600, (2 * 1024, 64), torch.bfloat16, True)

@@ -127,6 +127,7 @@ at::Tensor linear_packed(const at::Tensor &x, const at::Tensor &packed, const st
   const int code = dtype_code(x, "x");
   const float *b = check_linear_packed(x, packed, bias, out_features, code);
   at::Tensor out = fresh({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;   // no rows: nothing to compute (the kernels assume at least one)
   check_alloc(qwen_linear(x.const_data_ptr(), x.stride(0), x.size(0), packed.const_data_ptr(), b, out_features,
                           x.size(1), out.mutable_data_ptr(), out_features, code, at::get_num_threads()),
               "linear_packed");
@@ -141,6 +142,7 @@ at::Tensor linear_silu_mul_packed(const at::Tensor &x, const at::Tensor &packed,
                     ", expected a positive even count (gate | up features)");
   const float *b = check_linear_packed(x, packed, bias, out_features, code);
   at::Tensor out = fresh({x.size(0), out_features / 2}, x.options());
+  if (x.size(0) == 0) return out;
   check_alloc(qwen_linear_silu_mul(x.const_data_ptr(), x.stride(0), x.size(0), packed.const_data_ptr(), b,
                                    out_features, x.size(1), out.mutable_data_ptr(), code, at::get_num_threads()),
               "linear_silu_mul_packed");
