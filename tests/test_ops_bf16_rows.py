@@ -101,6 +101,61 @@ def test_silu_mul_every_bf16_gate():
     assert (got[g < -88] == 0).all(), "silu of a gate below -88 is not zero"
 
 
+def _with_special_values(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with one element in 400 replaced by a NaN, an infinity, a bf16 subnormal or a signed zero (a
+    normed row holding a NaN or an infinity becomes NaNs and zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = x.clone().view(-1)
+    idx = torch.randint(0, flat.numel(), (flat.numel() // 400,), generator=gen)
+    vals = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-39, -3e-40, 0.0, -0.0])
+    flat[idx] = vals[torch.randint(0, len(vals), (len(idx),), generator=gen)].to(torch.bfloat16)
+    return flat.view(x.shape)
+
+
+def _assert_matches_special(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """NaN exactly where the oracle has NaN, the same infinities, and the finite rest as _assert_matches."""
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN where the oracle has none, or none where it has"
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[got.isinf()], want[want.isinf()]), \
+        f"{what}: infinities differ from the oracle's"
+    fin = want.isfinite()
+    _assert_matches(got[fin], want[fin], what)
+
+
+def _rope_oracle(x: torch.Tensor, w, table: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    x = _rms_oracle(x, w, 1e-6) if w is not None else x
+    x1, x2 = x[..., :half].double(), x[..., half:].double()
+    return torch.cat((_bf16(_bf16(x1 * cos).double() - _bf16(x2 * sin).double()),
+                      _bf16(_bf16(x2 * cos).double() + _bf16(x1 * sin).double())), dim=-1)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256, 80])
+def test_norms_and_rope_on_nan_inf_and_subnormal_inputs(head_dim):
+    """The bf16 rows round their values in fewer operations than round_bf16 because every NaN of bf16
+    math is quiet with its low bits clear: NaNs, infinities and subnormals in the inputs still give
+    what IEEE arithmetic in float64 gives (NaN where it has NaN, its infinities, the rest as before)."""
+    T, nq, nk = 40, 4, 2
+    q = _with_special_values(_randn(T, nq, head_dim, scale=2.0, seed=20), 21)
+    k = _with_special_values(_randn(T, nk, head_dim, scale=2.0, seed=22), 23)
+    w = (_randn(head_dim, scale=0.3, seed=24) + 1, _randn(head_dim, scale=0.3, seed=25) + 1)
+    cos_sin = torch.randn(96, head_dim, generator=torch.Generator().manual_seed(26))
+    positions = torch.randint(0, 96, (T,), generator=torch.Generator().manual_seed(27), dtype=torch.int32)
+    table = cos_sin[positions.long()].to(torch.bfloat16).double()
+    for weights in (w, (None, None)):
+        got_q, got_k = torch.ops.qwen.qk_norm_rope(q, k, *weights, 1e-6, cos_sin, positions)
+        assert got_q.isnan().any() and (got_q.isfinite() & (got_q != 0)).float().mean() > 0.5
+        _assert_matches_special(got_q, _rope_oracle(q, weights[0], table), f"qk_norm_rope q, head dim {head_dim}")
+        _assert_matches_special(got_k, _rope_oracle(k, weights[1], table), f"qk_norm_rope k, head dim {head_dim}")
+    x = _with_special_values(_randn(256, head_dim, scale=2.0, seed=28), 29)
+    res = _with_special_values(_randn(256, head_dim, seed=30), 31)
+    normed, total = torch.ops.qwen.add_rms_norm(x, res, w[0], 1e-6)
+    want_total = _bf16(x.double() + res.double())
+    assert total.isnan().any() and normed.isnan().any()
+    _assert_matches_special(total, want_total, "add_rms_norm's residual sum")
+    _assert_matches_special(normed, _rms_oracle(want_total, w[0], 1e-6), "add_rms_norm")
+
+
 @pytest.mark.parametrize("norms", [True, False], ids=["norms", "no_norms"])
 @pytest.mark.parametrize("head_dim", [128, 64, 256, 80])
 def test_qk_norm_rope_bf16_rows(head_dim, norms):
