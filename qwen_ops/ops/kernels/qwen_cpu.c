@@ -1819,11 +1819,14 @@ static QWEN_AMX_TARGET void amx_block32(const uint16_t *a0, const uint16_t *a1, 
     AMX_MEMORY();
 }
 
-/* Pairs of k a part of a panel holds in amx_block32_part: 16 KB of weights, which stay in L1 while a
- * chunk's blocks of rows run over them (the A tiles from L2); measured in benchmarks/README.md
- * "Products at prefill sizes" against parts of 64, 96, 160 and 384 pairs and against whole panels. */
+/* Pairs of k a part of a panel holds in amx_block32_part: 32 KB of weights, which stay in L1 while a
+ * chunk's blocks of rows run over them; the A tiles come from L2 by TILELOADDT1, which does not keep
+ * them in L1, so they do not push the weights out. Each part costs a store and a reload of the 32 x 32
+ * sums, whose wait for the tiles to drain was a quarter of the product's time at 128 pairs (measured in
+ * benchmarks/README.md "Prefill's third pass"; 128 pairs and plain loads before: "Products at prefill
+ * sizes", against 64, 96, 160 and 384 pairs and whole panels). */
 #ifndef AMX_K_PART
-#define AMX_K_PART 128
+#define AMX_K_PART 256
 #endif
 
 /* c [32, 32] (row stride 32, fp32) = (c if load_c, else 0) + pairs kk0 .. kk1 - 1 (multiples of 16) of
@@ -1846,10 +1849,10 @@ static QWEN_AMX_TARGET void amx_block32_part(const uint16_t *a0, const uint16_t 
         _tile_zero(2);
         _tile_zero(3);
     }
-    _tile_loadd(4, a0 + kk0 * 32, 64);
+    _tile_stream_loadd(4, a0 + kk0 * 32, 64);
     _tile_loadd(6, panel + kk0 * 64, 128);
     _tile_loadd(7, panel + kk0 * 64 + 32, 128);
-    _tile_loadd(5, a1 + kk0 * 32, 64);
+    _tile_stream_loadd(5, a1 + kk0 * 32, 64);
     const int64_t steps = (kk1 - kk0) / 16 - 1, per = steps > 0 ? (b_lines + steps - 1) / steps : 0;
     for (int64_t kk = kk0 + 16; kk < kk1; kk += 16) {   /* software-pipelined as amx_block32 */
         if (b_next != NULL) {   /* b_lines lines of the next part's weights into L2, spread over the steps */
@@ -1858,11 +1861,11 @@ static QWEN_AMX_TARGET void amx_block32_part(const uint16_t *a0, const uint16_t 
         }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(4, a0 + kk * 32, 64);
+        _tile_stream_loadd(4, a0 + kk * 32, 64);
         _tile_dpbf16ps(2, 5, 6);
         _tile_loadd(6, panel + kk * 64, 128);
         _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(5, a1 + kk * 32, 64);
+        _tile_stream_loadd(5, a1 + kk * 32, 64);
         _tile_loadd(7, panel + kk * 64 + 32, 128);
     }
     _tile_dpbf16ps(0, 4, 6);
@@ -2051,7 +2054,7 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
     const int stream = amx_streams(y, ys, M, silu ? half : N, y_size);
     /* Panels longer than a part run part by part (amx_block32_part), each part over all the chunk's
      * blocks of rows, whose sums wait in cbuf (4 KB a block, per thread) between parts. */
-    const int parts = K2 % 16 == 0 && K2 > AMX_K_PART;
+    const int parts = K2 % 16 == 0 && K2 > AMX_K_PART / 2;
     const int64_t cb_floats = (chunk / 32) * 1024 * (silu ? 2 : 1);   /* silu: the gate blocks', then the up's */
     float *cbuf = parts ? aligned_alloc(64, (size_t)(threads * cb_floats) * sizeof(float)) : NULL;
     if (parts && cbuf == NULL) {
@@ -2073,14 +2076,17 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
             const int64_t pf_step = (K2 * 128 / block_pairs / steps + 63) / 64 * 64;
             /* parts: bytes of the next part's weights (the same panel's, or the next panel's first: they
              * follow in memory) that each pair of blocks prefetches */
-            const int64_t b_share = (AMX_K_PART * 128 / block_pairs + 63) / 64 * 64;
+            /* parts of AMX_K_PART pairs where at least 8 pairs of blocks share each part's weights, else
+             * of half as many (fewer pairs of blocks repay the larger part's weights less: 1.2x slower at 64 rows) */
+            const int64_t kpart = block_pairs >= 8 ? AMX_K_PART : AMX_K_PART / 2;
+            const int64_t b_share = (kpart * 128 / block_pairs + 63) / 64 * 64;
             if (parts && silu) {
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < P2; ++p) {
                     for (int h = 0; h < 2; ++h) {    /* the gate panel's sums, then the up panel's */
                         const uint16_t *panel = wp + (p + h * P2) * K2 * 64;
-                        for (int64_t k0 = 0; k0 < K2; k0 += AMX_K_PART) {
-                            const int64_t k1 = k0 + AMX_K_PART < K2 ? k0 + AMX_K_PART : K2;
+                        for (int64_t k0 = 0; k0 < K2; k0 += kpart) {
+                            const int64_t k1 = k0 + kpart < K2 ? k0 + kpart : K2;
                             /* the part after this one: this panel's next, else the up panel's first, else
                              * the next gate panel's first */
                             const char *next = (const char *)(k1 < K2 ? panel + k1 * 64
@@ -2107,8 +2113,8 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
                 for (int64_t p = 0; p < P; ++p) {
                     const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
                     const uint16_t *panel = wp + p * K2 * 64;
-                    for (int64_t k0 = 0; k0 < K2; k0 += AMX_K_PART) {
-                        const int64_t k1 = k0 + AMX_K_PART < K2 ? k0 + AMX_K_PART : K2;
+                    for (int64_t k0 = 0; k0 < K2; k0 += kpart) {
+                        const int64_t k1 = k0 + kpart < K2 ? k0 + kpart : K2;
                         for (int64_t m = m0; m < m1; m += 32) {
                             const uint16_t *a0 = xt + (m / 16) * nkb * 512;
                             float *cm = cb + ((m - m0) / 32) * 1024;
