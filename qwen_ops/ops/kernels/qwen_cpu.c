@@ -1073,8 +1073,17 @@ static void silu_mul_rows(const float *gate, int64_t g_s0, const float *up, int6
  * accumulators taking 16-element groups in turn, then a fixed reduction), so that every caller gets the
  * same bits wherever the compiler inlines it (a vectorized `omp simd` reduction may order its sums
  * differently in different callers). */
+#if QWEN_AVX512
+/* inv_rms's end: 1 / rms of a row of dim from its four accumulators of squares (vector i of the row added
+ * into acc[i % 4]), summed in one fixed order; norm_rope_bf16_head accumulates its registers the same way,
+ * so both give the same bits. */
+static inline __attribute__((always_inline)) float inv_rms_of_squares(const __m512 acc[4], int64_t dim, float eps) {
+    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+#endif
+
 static inline float inv_rms(const float *x, int64_t dim, float eps) {
-    float ss = 0.0f;
 #if QWEN_AVX512
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t d = 0; d < dim; d += 16) {
@@ -1082,12 +1091,13 @@ static inline float inv_rms(const float *x, int64_t dim, float eps) {
         const __m512 v = _mm512_maskz_loadu_ps(k, x + d);
         acc[(d / 16) % 4] = _mm512_add_ps(acc[(d / 16) % 4], _mm512_mul_ps(v, v));
     }
-    ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    return inv_rms_of_squares(acc, dim, eps);
 #else
+    float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < dim; ++d) ss += x[d] * x[d];
-#endif
     return 1.0f / sqrtf(ss / (float)dim + eps);
+#endif
 }
 
 /* out[r] = w * (s / rms(s)), s = x[r] + add[r] when add is given (s is then written to sum[r]),
@@ -2074,10 +2084,9 @@ static QWEN_AMX_TARGET int linear_packed_amx(const void *x, int x_f32, int64_t x
             const int64_t m1 = m0 + chunk < M ? m0 + chunk : M, block_pairs = (m1 - m0 + 31) / 32;
             const int64_t steps = nkb > 1 ? nkb - 1 : 1;
             const int64_t pf_step = (K2 * 128 / block_pairs / steps + 63) / 64 * 64;
-            /* parts: bytes of the next part's weights (the same panel's, or the next panel's first: they
-             * follow in memory) that each pair of blocks prefetches */
             /* parts of AMX_K_PART pairs where at least 8 pairs of blocks share each part's weights, else
-             * of half as many (fewer pairs of blocks repay the larger part's weights less: 1.2x slower at 64 rows) */
+             * of half as many (fewer pairs of blocks repay the larger part's weights less: 1.2x slower at 64 rows);
+             * b_share: bytes of the next part's weights that each pair of blocks prefetches */
             const int64_t kpart = block_pairs >= 8 ? AMX_K_PART : AMX_K_PART / 2;
             const int64_t b_share = (kpart * 128 / block_pairs + 63) / 64 * 64;
             if (parts && silu) {
@@ -2381,7 +2390,7 @@ static void rms_norm_bf16_row(const uint16_t *x, const uint16_t *add, uint16_t *
 /* norm_rope_row (bf16) of one bf16 head row, D a multiple of 32 up to 256, held in registers: w (fp32
  * holding bf16 values, NULL: no norm), cs the position's cos | sin rounded to bf16. Its values are bf16
  * values and what arithmetic makes of them, so round_bf16x16_of_bf16_math rounds them. The sum of squares
- * runs as inv_rms's (four accumulators, the same order), so the same bits as the row through scratch. */
+ * runs as inv_rms's (four accumulators, inv_rms_of_squares), so the same bits as the row through scratch. */
 static inline __attribute__((always_inline)) void norm_rope_bf16_head(const uint16_t *x, const float *w, float eps,
                                                                       const float *cs, int64_t D, uint16_t *out) {
     __m512 v[16];
@@ -2392,8 +2401,7 @@ static inline __attribute__((always_inline)) void norm_rope_bf16_head(const uint
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 16
         for (int64_t i = 0; i < nv; ++i) acc[i % 4] = _mm512_add_ps(acc[i % 4], _mm512_mul_ps(v[i], v[i]));
-        const float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)D + eps));
+        const __m512 inv = _mm512_set1_ps(inv_rms_of_squares(acc, D, eps));
 #pragma GCC unroll 16
         for (int64_t i = 0; i < nv; ++i)
             v[i] = round_bf16x16_of_bf16_math(
