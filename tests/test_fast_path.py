@@ -97,6 +97,36 @@ def test_fast_path_matches_the_op_path(model_type, tmp_path):
     _assert_same_steps(got, got_caches, want, want_caches)
 
 
+def test_panels_lie_in_step_order_on_huge_pages_and_so_do_kv_caches(tmp_path):
+    """``process_weights_after_loading`` moves every packed product's panels into one buffer on 2 MB pages:
+    one after another in module order (the order a step reads them), the LM head's last, the first on a
+    2 MB boundary (Linux), each panel's values unchanged. ``allocate_caches`` puts each KV tensor on 2 MB
+    pages, zero-filled. (The fast-path tests around this one run on such panels and caches.)"""
+    import platform
+    from qwen_ops.models.layers import pack_linears
+
+    model = _tiny_dense(tmp_path, "qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512)
+    fast = _packed(model)
+    panels = [(name, b) for name, b in fast.named_buffers() if name.endswith("_packed")]
+    in_memory = [name for name, b in sorted(panels, key=lambda nb: nb[1].data_ptr())]
+    layer_order = [name for name, _ in panels if name != "lm_head_packed"]
+    assert in_memory == layer_order + ["lm_head_packed"] and len(layer_order) == 8
+    by_address = sorted((b for _, b in panels), key=lambda b: b.data_ptr())
+    for before, after in zip(by_address, by_address[1:]):
+        gap = after.data_ptr() - (before.data_ptr() + before.numel() * before.element_size())
+        assert 0 <= gap < 64
+    if platform.system() == "Linux":
+        assert by_address[0].data_ptr() % cpu.HUGE_PAGE == 0
+    assert torch.equal(fast.lm_head_packed, pack_linears(model.lm_head)[0])
+    caches = fast.allocate_caches(2048, 16, 1, torch.float32, torch.device("cpu"))
+    assert len(caches) == 2
+    for kc, vc in caches:
+        for t in (kc, vc):
+            assert t.shape == (2048, 16, 2, 16) and not t.any()
+            if platform.system() == "Linux":
+                assert t.data_ptr() % cpu.HUGE_PAGE == 0
+
+
 def test_portable_build_matches(portable_library, monkeypatch):
     """The C file's AVX-512 paths off: the portable loops (a build of their own, its kernels
     registered for this test's lifetime) against the references."""

@@ -30,7 +30,7 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.layers import (RMSNorm, RotaryEmbedding, LINEAR_PACKED, SlotAttention, forward_hooks, hooked,
-                                    pack_linears, uses_cpu_kernels)
+                                    kv_cache_zeros, pack_linears, panels_on_huge_pages, uses_cpu_kernels)
 from qwen_ops.models.moe import make_mlp
 from qwen_ops.models.quant import QuantLinear, attach_panel_arena
 from qwen_ops.ops.backend import use_backend
@@ -145,6 +145,10 @@ class QwenForCausalLM(nn.Module):
             elif module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         self.model.choose_rope()
+        self._choose_lm_head()
+        panels_on_huge_pages(self)
+
+    def _choose_lm_head(self) -> None:
         self._lm_head = self._lm_head_native
         if self.lm_head is None:                      # an embedding model's load without one (models/loader.py)
             return
@@ -182,8 +186,7 @@ class QwenForCausalLM(nn.Module):
         dtype = kv_dtype or dtype
         # The heads this model holds (fewer than the config's under tensor parallelism).
         shape = (num_blocks, block_size, self.model.layers[0].self_attn.num_kv_heads, self.config.head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in self.model.layers]
+        return [(kv_cache_zeros(shape, dtype, device), kv_cache_zeros(shape, dtype, device)) for _ in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[KVCache], logits_indices: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from torch import nn
 from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.models.config import ARCHITECTURES, FULL_ATTENTION, QwenConfig
-from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, RotaryEmbedding, SlotAttention
+from qwen_ops.models.layers import GatedRMSNorm, OffsetRMSNorm, RotaryEmbedding, SlotAttention, kv_cache_zeros
 from qwen_ops.models.moe import make_mlp
 
 Cache = tuple[torch.Tensor, torch.Tensor]
@@ -210,8 +210,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         for kind, layer in zip(self.layer_kinds, self.model.layers):
             if kind == ATTENTION:
                 shape = (num_blocks, block_size, layer.self_attn.num_kv_heads, c.head_dim)
-                caches.append((torch.zeros(shape, dtype=kv_dtype or dtype, device=device),
-                               torch.zeros(shape, dtype=kv_dtype or dtype, device=device)))
+                caches.append((kv_cache_zeros(shape, kv_dtype or dtype, device),
+                               kv_cache_zeros(shape, kv_dtype or dtype, device)))
             else:
                 gdn = layer.linear_attn
                 caches.append((torch.zeros((max_slots, gdn.conv1d.weight.shape[0], lin.conv_kernel_dim - 1),

@@ -197,6 +197,28 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tens
         return host.pack_panels(weight), bias, weight.shape[0], finish or _identity
 
 
+def panels_on_huge_pages(model: nn.Module) -> None:
+    """Moves the fp32 / bf16 panels of every packed product of ``model`` (buffers ``*_packed`` on the CPU)
+    into one buffer on 2 MB pages (``host.move_to_huge_pages``), in the order a step reads them (the
+    layers, then the model's own: its LM head). A decode step streams every panel once; on 4 KB pages
+    each 4 KB of it costs a TLB miss. The products read the buffers by name, so they find the moved ones."""
+    owned = [(m, name, t) for path, m in model.named_modules() for name, t in m._buffers.items()
+             if name.endswith("_packed") and t is not None and t.device.type == "cpu"
+             and t.dtype in (torch.float32, torch.bfloat16)]
+    owned.sort(key=lambda entry: entry[0] is model)     # stable: the model's own (its LM head) last
+    if owned:
+        for (m, name, _), moved in zip(owned, host.move_to_huge_pages([t for _, _, t in owned])):
+            m._buffers[name] = moved
+
+
+def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One zero-filled KV cache tensor (``allocate_caches``): on the CPU on 2 MB pages
+    (``host.huge_page_zeros``), since a step reads its blocks scattered over the whole cache."""
+    if torch.device(device).type == "cpu":
+        return host.huge_page_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x)`` over the last dim, in fp32 (the part every Qwen norm variant shares)."""
     h = x.float()

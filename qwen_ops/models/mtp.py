@@ -24,7 +24,7 @@ from torch import nn
 
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
 from qwen_ops.models.hybrid import HybridDecoderLayer
-from qwen_ops.models.layers import OffsetRMSNorm
+from qwen_ops.models.layers import OffsetRMSNorm, kv_cache_zeros
 from qwen_ops.ops.metadata import AttentionMetadata
 
 
@@ -75,7 +75,7 @@ class MTPModel(nn.Module):
         attn = self.target.mtp.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, self.config.head_dim)
         dtype = kv_dtype or dtype
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+        return [(kv_cache_zeros(shape, dtype, device), kv_cache_zeros(shape, dtype, device))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list, logits_indices: torch.Tensor) -> torch.Tensor:

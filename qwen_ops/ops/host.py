@@ -1,7 +1,7 @@
 """The ops layer's public functions for the CPU fast path, for the model and engine layers (which
 never import a kernel module): whether the C library runs here, the fast ops' registration (once),
 weight packing into the panels ``torch.ops.qwen.linear_packed`` reads, what this CPU's products run
-on, huge-page memory for packed weights, and the two host kernels the engine calls on logits
+on, huge-page memory for packed weights and KV caches, and the two host kernels the engine calls on logits
 (greedy argmax, a sampled row's inverse-CDF pick, a grammar's token bitmask); and the quantized layers' weight layouts (int4 pairs
 in a byte, int8-activation panels) and their ops' references (the oracle twin of a layer). The
 functions are ``kernels/cpu.py``'s and ``kernels/reference_quant.py``'s, named here.
@@ -10,8 +10,8 @@ functions are ``kernels/cpu.py``'s and ``kernels/reference_quant.py``'s, named h
 from __future__ import annotations
 
 from qwen_ops.ops.kernels.cpu import (HugePageArena, apply_token_bitmask, argmax_rows, bf16_products,  # noqa: F401
-                                      huge_page_empty, int8_dot_products, int8_products, pack_panels,
-                                      sample_rows, why_unavailable)
+                                      huge_page_empty, huge_page_zeros, int8_dot_products, int8_products,
+                                      move_to_huge_pages, pack_panels, sample_rows, why_unavailable)
 from qwen_ops.ops.kernels import reference_quant as _RQ
 from qwen_ops.ops.kernels.reference_quant import pack_int4, unpack_a8_panels  # noqa: F401
 from qwen_ops.ops.registry import cpu_fast_ops as fast_ops  # noqa: F401
@@ -23,5 +23,5 @@ def quant_reference(kernel: str, panels: bool):
 
 
 __all__ = ["HugePageArena", "apply_token_bitmask", "argmax_rows", "bf16_products", "fast_ops", "huge_page_empty",
-           "int8_dot_products", "int8_products", "pack_int4", "pack_panels", "quant_reference", "sample_rows", "unpack_a8_panels",
+           "huge_page_zeros", "int8_dot_products", "int8_products", "move_to_huge_pages", "pack_int4", "pack_panels", "quant_reference", "sample_rows", "unpack_a8_panels",
            "why_unavailable"]

@@ -398,6 +398,25 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``huge_page_empty`` filled with zeros (every page made resident now, as ``torch.zeros`` does): a
+    paged KV cache, whose blocks a step reads scattered over the whole cache, one TLB miss a block on
+    4 KB pages."""
+    return huge_page_empty(shape, dtype).zero_()
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` laid out one after another, in that order, in one ``HugePageArena``: weights
+    that a step streams in turn. Each copy is made just before its original can be dropped, and the
+    arena's pages become resident as they are written, so moving costs one tensor's bytes at a time."""
+    arena = HugePageArena(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors))
+    moved = []
+    for t in tensors:
+        copy = arena.take(tuple(t.shape), t.dtype)
+        moved.append(copy.copy_(t))
+    return moved
+
+
 class HugePageArena:
     """One ``huge_page_empty`` buffer of ``nbytes`` handed out in order (``take``): the weights a model's
     step streams one after another, laid out in that order on 2 MB pages, small layers included (a
