@@ -199,16 +199,20 @@ def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tens
 
 def panels_on_huge_pages(model: nn.Module) -> None:
     """Moves the fp32 / bf16 panels of every packed product of ``model`` (buffers ``*_packed`` on the CPU)
-    into one buffer on 2 MB pages (``host.move_to_huge_pages``), in the order a step reads them (the
-    layers, then the model's own: its LM head). A decode step streams every panel once; on 4 KB pages
-    each 4 KB of it costs a TLB miss. The products read the buffers by name, so they find the moved ones."""
-    owned = [(m, name, t) for path, m in model.named_modules() for name, t in m._buffers.items()
+    into one ``host.HugePageArena`` (2 MB pages), in the order a step reads them (the layers, then the
+    model's own: its LM head). A decode step streams every panel once; on 4 KB pages each 4 KB of it costs
+    a TLB miss. Each buffer is replaced as soon as it is copied, and the arena's pages become resident as
+    they are written, so the move costs one tensor's bytes at a time. The products read the buffers by
+    name, so they find the moved ones."""
+    owned = [(m, name) for m in model.modules() for name, t in m._buffers.items()
              if name.endswith("_packed") and t is not None and t.device.type == "cpu"
              and t.dtype in (torch.float32, torch.bfloat16)]
     owned.sort(key=lambda entry: entry[0] is model)     # stable: the model's own (its LM head) last
-    if owned:
-        for (m, name, _), moved in zip(owned, host.move_to_huge_pages([t for _, _, t in owned])):
-            m._buffers[name] = moved
+    if not owned:
+        return
+    arena = host.HugePageArena(sum(m._buffers[name].nbytes + 64 for m, name in owned))
+    for m, name in owned:
+        m._buffers[name] = arena.copy(m._buffers[name])
 
 
 def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

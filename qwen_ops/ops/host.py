@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from qwen_ops.ops.kernels.cpu import (HugePageArena, apply_token_bitmask, argmax_rows, bf16_products,  # noqa: F401
                                       huge_page_empty, huge_page_zeros, int8_dot_products, int8_products,
-                                      move_to_huge_pages, pack_panels, sample_rows, why_unavailable)
+                                      pack_panels, sample_rows, why_unavailable)
 from qwen_ops.ops.kernels import reference_quant as _RQ
 from qwen_ops.ops.kernels.reference_quant import pack_int4, unpack_a8_panels  # noqa: F401
 from qwen_ops.ops.registry import cpu_fast_ops as fast_ops  # noqa: F401
@@ -23,5 +23,5 @@ def quant_reference(kernel: str, panels: bool):
 
 
 __all__ = ["HugePageArena", "apply_token_bitmask", "argmax_rows", "bf16_products", "fast_ops", "huge_page_empty",
-           "huge_page_zeros", "int8_dot_products", "int8_products", "move_to_huge_pages", "pack_int4", "pack_panels", "quant_reference", "sample_rows", "unpack_a8_panels",
+           "huge_page_zeros", "int8_dot_products", "int8_products", "pack_int4", "pack_panels", "quant_reference", "sample_rows", "unpack_a8_panels",
            "why_unavailable"]

@@ -405,18 +405,6 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return huge_page_empty(shape, dtype).zero_()
 
 
-def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` laid out one after another, in that order, in one ``HugePageArena``: weights
-    that a step streams in turn. Each copy is made just before its original can be dropped, and the
-    arena's pages become resident as they are written, so moving costs one tensor's bytes at a time."""
-    arena = HugePageArena(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors))
-    moved = []
-    for t in tensors:
-        copy = arena.take(tuple(t.shape), t.dtype)
-        moved.append(copy.copy_(t))
-    return moved
-
-
 class HugePageArena:
     """One ``huge_page_empty`` buffer of ``nbytes`` handed out in order (``take``): the weights a model's
     step streams one after another, laid out in that order on 2 MB pages, small layers included (a
@@ -427,6 +415,11 @@ class HugePageArena:
     def __init__(self, nbytes: int) -> None:
         self.buffer = huge_page_empty((max(1, nbytes),), torch.uint8)
         self.used = 0
+
+    def copy(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of ``t`` in the next bytes (``take``), or None when they do not fit."""
+        out = self.take(tuple(t.shape), t.dtype)
+        return None if out is None else out.copy_(t)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
         """An uninitialized tensor of the next bytes (64-byte aligned), or None when they do not fit."""
