@@ -304,15 +304,6 @@ static inline int64_t rows_in_block(int64_t n, int64_t t, int64_t block_size) {
 #define ATTN_V_EARLY_BYTES (256 << 10)
 #endif
 
-/* Up to this many bytes of the next piece's key and value rows (its first blocks) are prefetched into
- * L2 while a piece computes (attend_row's `next`): a decode step's pieces are short rows of scattered
- * blocks, and each one started from DRAM. On the AMD EPYC VM, 16 rows of 300 keys (fp32, the embedded
- * model's heads, blocks scattered over an 8,192-block cache on 2 MB pages, the cache evicted before
- * each call): 539 -> 388 us; with the cache in L2/L3, 158 -> 161 us (the extra prefetches). */
-#ifndef ATTN_NEXT_BYTES
-#define ATTN_NEXT_BYTES (256 << 10)
-#endif
-
 /* The cache lines of bytes from row, into L2 (prefetcht1). Every prefetch of the attention goes to L2, none
  * to L1: on the AMD EPYC VM (Zen 4), prefetcht0 of the rows ahead held the core up (the L1's misses in
  * flight are few), and K and V streamed at 7.5 GB/s; into L2, at 13.5. Qwen3-0.6B's heads in bf16, caches
@@ -566,13 +557,6 @@ static inline const float *cache_row(const void *cache, int64_t offset, int dtyp
     return buf;
 }
 
-/* The piece a thread runs after the current one: the block-table row, key count and kv heads of a query
- * row (blocks NULL: none). */
-typedef struct {
-    const int32_t *blocks;
-    int64_t n, kh0, kh1;
-} attn_next;
-
 /* The arguments of slot_attention that every query row shares (attend_row below). */
 typedef struct {
     const void *query, *key_cache, *value_cache, *gate;
@@ -586,19 +570,6 @@ typedef struct {
     float v_scale;   /* 1, or an fp8 cache's value scale */
 } attn_args;
 
-/* Into L2: the key and value rows (bytes from kv head next->kh0 on) of block nbk of the piece next. */
-static inline void prefetch_block_rows(const attn_args *a, const attn_next *next, int64_t nbk, int64_t bytes,
-                                       int64_t elem) {
-    const int64_t rows = rows_in_block(next->n, nbk * a->block_size, a->block_size);
-    const int64_t block = next->blocks[nbk * a->bt_s1];
-    const char *k = (const char *)a->key_cache + (block * a->k_sb + next->kh0 * a->k_sh) * elem;
-    const char *v = (const char *)a->value_cache + (block * a->v_sb + next->kh0 * a->v_sh) * elem;
-    for (int64_t r = 0; r < rows; ++r) {
-        prefetch_bytes(k + r * a->k_sr * elem, bytes);
-        prefetch_bytes(v + r * a->v_sr * elem, bytes);
-    }
-}
-
 /* One query row (token, over keys 0 .. n - 1 of the slot whose block-table row is blocks) for the
  * query heads of kv heads kh0 .. kh1 - 1. scratch: scores [H][max_len], q [H][D], acc [H][D] and one
  * converted row [D], of which the row touches only its heads' parts.
@@ -606,9 +577,9 @@ static inline void prefetch_block_rows(const attn_args *a, const attn_next *next
  * One pass over the keys, a block at a time, computes the scores of those heads (score_block_avx512:
  * tiles of keys x the query heads of a kv head, each key row read once per tile), a softmax per head,
  * then one pass over the values, a block at a time (wsum_block_avx512: each value row read once per group
- * of heads). The pass over the keys also prefetches the piece `next` into L2 (ATTN_NEXT_BYTES). */
+ * of heads). */
 static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32_t *blocks, int64_t kh0, int64_t kh1,
-                       const attn_next *next, float *scratch) {
+                       float *scratch) {
     const int64_t H = a->H, G = a->G, D = a->D, max_len = a->max_len, dtype = a->dtype, kvd = a->kv_dtype;
     const int64_t elem = dtype_elem((int)kvd), h0 = kh0 * G, h1 = kh1 * G;
     float *scores = scratch, *q = scores + H * max_len, *acc = q + H * D, *row = acc + H * D;
@@ -634,20 +605,9 @@ static void attend_row(const attn_args *a, int64_t token, int64_t n, const int32
     if (v_early)
         prefetch_rows(vc, blocks, a->bt_s1, a->block_size, 0, ahead * a->block_size, n, a->v_sb, a->v_sr, head_bytes,
                       elem);
-    /* the next piece's first next_nb blocks into L2, spread over this pass's nb blocks (ATTN_NEXT_BYTES) */
-    const int64_t nb = (n + a->block_size - 1) / a->block_size;
-    const int64_t next_head_bytes = next->blocks == NULL ? 0 : (next->kh1 - next->kh0) * D * elem;
-    int64_t next_nb = 0;
-    if (next_head_bytes > 0) {
-        const int64_t cap = ATTN_NEXT_BYTES / (2 * a->block_size * next_head_bytes);
-        next_nb = (next->n + a->block_size - 1) / a->block_size;
-        if (next_nb > cap) next_nb = cap;
-    }
     for (int64_t t = 0, b = 0; t < n; ++b) {       /* block by block: no division per key */
         const int64_t block = blocks[b * a->bt_s1];
         const int64_t rows = rows_in_block(n, t, a->block_size);
-        for (int64_t nbk = b * next_nb / nb; nbk < (b + 1) * next_nb / nb; ++nbk)
-            prefetch_block_rows(a, next, nbk, next_head_bytes, elem);
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const int64_t at = block * a->k_sb + kh * a->k_sh;
             prefetch_head_ahead(a->key_cache, blocks, a->bt_s1, a->block_size, b, t, n, ahead, a->k_sb, a->k_sr,
@@ -815,14 +775,8 @@ int qwen_slot_attention(const void *query, void *out, const void *key_cache, con
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < pieces; ++w) {
             const int64_t r = w / chunks, c = w % chunks;
-            attn_next next = {NULL, 0, 0, 0};   /* w + 1: this thread's next piece, but at its range's end */
-            if (w + 1 < pieces) {
-                const int64_t r1 = (w + 1) / chunks, c1 = (w + 1) % chunks;
-                next = (attn_next){block_table + row_slot[r1] * bt_s0, row_n[r1], num_kv_heads * c1 / chunks,
-                                   num_kv_heads * (c1 + 1) / chunks};
-            }
             attend_row(&ar, row_token[r], row_n[r], block_table + row_slot[r] * bt_s0, num_kv_heads * c / chunks,
-                       num_kv_heads * (c + 1) / chunks, &next, mine);
+                       num_kv_heads * (c + 1) / chunks, mine);
         }
     }
     free(scratch);
