@@ -299,13 +299,13 @@ def test_slot_attention_gqa_and_gate(backend, scenario, group, gate, device):
 
 
 @pytest.mark.parametrize("block_size", [3, 16], ids=str)
-@pytest.mark.parametrize("head_dim", [32, 80, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("group", [2, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_slot_attention_vector_paths(backend, dtype, group, head_dim, block_size, device):
     """The CPU kernel's vector paths on fp32 and bf16 caches as stored: query heads per kv head in
     groups of 16, 4, 2 and 1 (7 = 4 + 2 + 1; Qwen3-0.6B has 2, the embedded model 4), head dims
-    with register accumulators (32, 128) and one without (80), and key tiles (16 / heads keys) that
+    with register accumulators (32 .. 256) and one without (80), and key tiles (16 / heads keys) that
     fill a block of 16 or are cut short by the block's or the sequence's end."""
     # with blocks of 16: decode rows over 3 full blocks, 1 block and 5 keys, 31 keys; a padding row; a chunk
     seqs = (Seq(0, 47, 1), Seq(1, 20, 1), Seq(-1, 0, 1), Seq(2, 5, 4), Seq(3, 30, 1)) if block_size == 16 else "mixed"
