@@ -2287,6 +2287,82 @@ void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16
  * Each returns 0, or -1 when scratch memory could not be allocated (nothing written).
  * ---------------------------------------------------------------------------------------------- */
 
+#if QWEN_DPBF16
+/* panel_block_dpbf16 for mr (1 .. PANEL_MR) rows. */
+static QWEN_DPBF16_TARGET void dpbf16_block(const uint32_t *xp, int64_t xps, const uint16_t *panel, int64_t K2,
+                                           const float *bias, float *y, int64_t ys, int64_t cols, int64_t mr) {
+    if (mr == PANEL_MR) {
+        panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, PANEL_MR);
+        return;
+    }
+#define DP_BLOCK(MR_) panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, MR_)
+    PANEL_ROWS_SWITCH(mr, DP_BLOCK)
+#undef DP_BLOCK
+}
+
+/* dpbf16_panels with bf16 results and no [M, N] fp32 buffer: each block of rows x a panel's 32 features sums
+ * into a tile that stays in L1 (the k blocks and order of dpbf16_panels), then is rounded to bf16 into y (row
+ * stride ys) as store_row rounds. silu (N / 2 a multiple of 32; QWEN_AMX, whose amx_put_silu it shares): y
+ * [M, N / 2] = silu_mul of the gate and up halves, each gate panel's tile with its up panel's, so
+ * linear_packed then silu_mul, bit for bit, without the product's rows. The buffer's first touch (fresh
+ * pages at prefill sizes) and its extra pass were the gap to oneDNN's GEMM on the AMD EPYC VM
+ * (bench_prefill_products.py, 512 rows, Qwen3-0.6B's four products): 1.09x its time -> 1.03x; a 2,000-token
+ * bf16 prompt's first token 11.6 -> 11.1 s; 8-request decode 75.7 -> 79 tok/s. */
+static QWEN_DPBF16_TARGET void dpbf16_panels_bf16(const uint32_t *xp, int64_t xps, int64_t M, const uint16_t *wp,
+                                                  const float *bias, int64_t N, int64_t K, uint16_t *y, int64_t ys,
+                                                  int silu, int threads) {
+    (void)threads;   /* without OpenMP */
+    const int64_t K2 = (K + 1) / 2, P = (N + 31) / 32, PO = silu ? P / 2 : P;
+#if QWEN_AMX
+    const uint16_t *table = silu ? silu_table() : NULL;
+#endif
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < PO; ++p) {
+        float tile[2][PANEL_MR * 32] __attribute__((aligned(64)));
+        const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t m = 0; m < M; m += PANEL_MR) {
+            const int64_t mr = M - m < PANEL_MR ? M - m : PANEL_MR;
+#if QWEN_AMX
+            if (silu) {
+                dpbf16_block(xp + m * xps, xps, wp + p * K2 * 64, K2, NULL, tile[0], 32, 32, mr);
+                dpbf16_block(xp + m * xps, xps, wp + (p + PO) * K2 * 64, K2, NULL, tile[1], 32, 32, mr);
+                amx_put_silu(tile[0], tile[1], 32, mr, bias == NULL ? NULL : bias + n0,
+                             bias == NULL ? NULL : bias + N / 2 + n0, y + m * ys + n0, ys, 0, table);
+                continue;
+            }
+#endif
+            dpbf16_block(xp + m * xps, xps, wp + p * K2 * 64, K2, bias == NULL ? NULL : bias + n0, tile[0], 32, cols,
+                         mr);
+            for (int64_t r = 0; r < mr; ++r) f32_row_to_bf16(tile[0] + r * 32, cols, y + (m + r) * ys + n0);
+        }
+    }
+}
+
+/* Whether bf16 rows x (stride xs) are VDPBF16PS's pairs as they are: K even, pairs aligned. */
+#define DP_ROWS_AS_PAIRS(x, xs, K) ((K) % 2 == 0 && (xs) % 2 == 0 && ((uintptr_t)(x) & 3u) == 0)
+
+/* qwen_linear (silu: qwen_linear_silu_mul) on bf16 rows by VDPBF16PS, rows as pairs (DP_ROWS_AS_PAIRS). Rows
+ * whose stride is a multiple of 1 KB are copied to rows of dpbf16_stride first: a block's 12 rows would
+ * otherwise share 4 or fewer of L1's 64 sets (at K = 2048, one set for 12 lines of 8 ways: the products ran
+ * at 0.78x the speed). Returns -1 when that copy's memory could not be allocated. */
+static int linear_dpbf16_bf16(const void *x, int64_t xs, int64_t M, const uint16_t *wp, const float *bias, int64_t N,
+                              int64_t K, uint16_t *y, int64_t ys, int silu, int threads) {
+    const int copy = M > 1 && (xs * 2) % 1024 == 0;
+    const int64_t K2 = K / 2, xps = copy ? dpbf16_stride(K2) : xs / 2;
+    const uint32_t *xp = (const uint32_t *)x;
+    uint32_t *xc = NULL;
+    if (copy) {
+        xc = malloc(sizeof(uint32_t) * (size_t)(M * xps));
+        if (xc == NULL) return -1;
+        for (int64_t m = 0; m < M; ++m) memcpy(xc + m * xps, (const uint16_t *)x + m * xs, sizeof(uint32_t) * (size_t)K2);
+        xp = xc;
+    }
+    dpbf16_panels_bf16(xp, xps, M, wp, bias, N, K, y, ys, silu, threads);
+    free(xc);
+    return 0;
+}
+#endif
+
 /* y [M, N] = x [M, K] w^T (+ bias, fp32) from packed weights of x's dtype; rows of strides xs, ys. */
 int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
                 void *y, int64_t ys, int dtype, int64_t threads) {
@@ -2299,26 +2375,9 @@ int qwen_linear(const void *x, int64_t xs, int64_t M, const void *wp, const floa
         return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, y, 1, ys, (int)threads, 0);
 #endif
 #if QWEN_DPBF16
-    /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x. Rows whose
-     * stride is a multiple of 1 KB are copied to rows of dpbf16_stride first: a block's 12 rows would
-     * otherwise share 4 or fewer of L1's 64 sets (at K = 2048, one set for 12 lines of 8 ways: the
-     * products ran at 0.78x the speed). */
-    if (qwen_bf16_products() == 1 && K % 2 == 0 && xs % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
-        const int copy = M > 1 && (xs * 2) % 1024 == 0;
-        const int64_t K2 = K / 2, xps = copy ? dpbf16_stride(K2) : xs / 2;
-        float *yf = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1) + (copy ? sizeof(uint32_t) * (size_t)(M * xps) : 0));
-        if (yf == NULL) return -1;
-        const uint32_t *xp = (const uint32_t *)x;
-        if (copy) {
-            uint32_t *xc = (uint32_t *)(void *)(yf + M * N);
-            for (int64_t m = 0; m < M; ++m) memcpy(xc + m * xps, (const uint16_t *)x + m * xs, sizeof(uint32_t) * (size_t)K2);
-            xp = xc;
-        }
-        dpbf16_panels(xp, xps, M, (const uint16_t *)wp, bias, N, K, yf, N, (int)threads);
-        for (int64_t m = 0; m < M; ++m) store_row(y, m * ys, 2, N, yf + m * N);
-        free(yf);
-        return 0;
-    }
+    /* A bf16 row with an even K already is the bf16 pairs VDPBF16PS reads: no conversion of x */
+    if (qwen_bf16_products() == 1 && DP_ROWS_AS_PAIRS(x, xs, K))
+        return linear_dpbf16_bf16(x, xs, M, (const uint16_t *)wp, bias, N, K, (uint16_t *)y, ys, 0, (int)threads);
 #endif
     float *buf = malloc(sizeof(float) * (size_t)(M * (K + N) > 0 ? M * (K + N) : 1));
     if (buf == NULL) return -1;
@@ -2595,14 +2654,20 @@ int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, 
 }
 
 /* out [M, N / 2] (contiguous) = silu_mul(linear_packed(x)): an MLP's gate | up product and its SiLU in one
- * call (torch.ops.qwen.linear_silu_mul_packed). On the AMX tiles (bf16, N / 2 a multiple of 32) the sums
- * go through amx_put_silu and the product's rows are never stored; elsewhere the product's rows, then
- * qwen_silu_mul. The same bits either way. Returns -1 when scratch memory could not be allocated. */
+ * call (torch.ops.qwen.linear_silu_mul_packed). On the AMX tiles, and by VDPBF16PS from PANEL_MR rows (bf16,
+ * N / 2 a multiple of 32), the sums go through amx_put_silu and the product's rows are never stored;
+ * elsewhere the product's rows, then qwen_silu_mul. The same bits either way. Returns -1 when scratch memory could not be allocated. */
 int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
                          void *out, int dtype, int64_t threads) {
 #if QWEN_AMX
     if (dtype == 2 && qwen_bf16_products() == 2 && N % 64 == 0)
         return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, out, 1, N / 2, (int)threads, 1);
+#endif
+#if QWEN_DPBF16 && QWEN_AMX
+    /* AVX512-BF16 without AMX, from a block of rows: below, the weights stream from DRAM once, and gate and
+     * up panels in turn made two streams of them (one request's bf16 decode 1.5-2% slower) */
+    if (dtype == 2 && qwen_bf16_products() == 1 && (N / 2) % 32 == 0 && DP_ROWS_AS_PAIRS(x, xs, K) && M >= PANEL_MR)
+        return linear_dpbf16_bf16(x, xs, M, (const uint16_t *)wp, bias, N, K, (uint16_t *)out, N / 2, 1, (int)threads);
 #endif
     const size_t elem = dtype == 0 ? 4 : 2;
     char *gate_up = malloc(elem * (size_t)(M * N > 0 ? M * N : 1));
