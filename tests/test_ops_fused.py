@@ -82,7 +82,7 @@ SILU_SHAPES = [(32, 37), (64, 512), (40, 24)]
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SILU_SHAPES)
-@pytest.mark.parametrize("rows", [1, 13, 40])
+@pytest.mark.parametrize("rows", [1, 13, 40, 260])     # 260: the dot-product path's fused SiLU (DP_SILU_MIN_ROWS)
 def test_linear_silu_mul_packed(rows, shape, dtype, bias, pad):
     inter, k = shape
     x, _, b, n = _linear_case(rows, (2 * inter, k), dtype, bias, pad)

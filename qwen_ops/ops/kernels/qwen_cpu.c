@@ -2338,6 +2338,13 @@ static QWEN_DPBF16_TARGET void dpbf16_panels_bf16(const uint32_t *xp, int64_t xp
     }
 }
 
+/* Rows from which qwen_linear_silu_mul on VDPBF16PS pairs each gate panel's tile with its up panel's
+ * (dpbf16_panels_bf16's silu) rather than storing the product's rows and then qwen_silu_mul. Below, the
+ * weights come from DRAM about once per product and gate and up panels in turn read two streams of them:
+ * Qwen3-0.6B's gate|up (6,144 x 1,024), weights cold, AMD EPYC, fused / unfused time: 1 row 1.02, 12-16 rows
+ * 1.05-1.13, 32-128 rows 1.01-1.05, 192 rows level, 256 0.98-1.00, 384-512 0.97-0.99. */
+#define DP_SILU_MIN_ROWS 256
+
 /* Whether bf16 rows x (stride xs) are VDPBF16PS's pairs as they are: K even, pairs aligned. */
 #define DP_ROWS_AS_PAIRS(x, xs, K) ((K) % 2 == 0 && (xs) % 2 == 0 && ((uintptr_t)(x) & 3u) == 0)
 
@@ -2654,7 +2661,7 @@ int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, 
 }
 
 /* out [M, N / 2] (contiguous) = silu_mul(linear_packed(x)): an MLP's gate | up product and its SiLU in one
- * call (torch.ops.qwen.linear_silu_mul_packed). On the AMX tiles, and by VDPBF16PS from PANEL_MR rows (bf16,
+ * call (torch.ops.qwen.linear_silu_mul_packed). On the AMX tiles, and by VDPBF16PS from DP_SILU_MIN_ROWS rows (bf16,
  * N / 2 a multiple of 32), the sums go through amx_put_silu and the product's rows are never stored;
  * elsewhere the product's rows, then qwen_silu_mul. The same bits either way. Returns -1 when scratch memory could not be allocated. */
 int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
@@ -2664,9 +2671,9 @@ int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, c
         return linear_packed_amx(x, 0, xs, M, (const uint16_t *)wp, bias, N, K, out, 1, N / 2, (int)threads, 1);
 #endif
 #if QWEN_DPBF16 && QWEN_AMX
-    /* AVX512-BF16 without AMX, from a block of rows: below, the weights stream from DRAM once, and gate and
-     * up panels in turn made two streams of them (one request's bf16 decode 1.5-2% slower) */
-    if (dtype == 2 && qwen_bf16_products() == 1 && (N / 2) % 32 == 0 && DP_ROWS_AS_PAIRS(x, xs, K) && M >= PANEL_MR)
+    /* AVX512-BF16 without AMX, from DP_SILU_MIN_ROWS rows */
+    if (dtype == 2 && qwen_bf16_products() == 1 && (N / 2) % 32 == 0 && DP_ROWS_AS_PAIRS(x, xs, K) &&
+        M >= DP_SILU_MIN_ROWS)
         return linear_dpbf16_bf16(x, xs, M, (const uint16_t *)wp, bias, N, K, (uint16_t *)out, N / 2, 1, (int)threads);
 #endif
     const size_t elem = dtype == 0 ? 4 : 2;
