@@ -1620,6 +1620,18 @@ static inline __attribute__((always_inline)) QWEN_DPBF16_TARGET void panel_block
     }
 }
 
+/* panel_block_dpbf16 for mr (1 .. PANEL_MR) rows. */
+static QWEN_DPBF16_TARGET void dpbf16_block(const uint32_t *xp, int64_t xps, const uint16_t *panel, int64_t K2,
+                                           const float *bias, float *y, int64_t ys, int64_t cols, int64_t mr) {
+    if (mr == PANEL_MR) {
+        panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, PANEL_MR);
+        return;
+    }
+#define DP_BLOCK(MR_) panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, MR_)
+    PANEL_ROWS_SWITCH(mr, DP_BLOCK)
+#undef DP_BLOCK
+}
+
 /* The panels of y [M, N] = x w^T by VDPBF16PS from xp, the input rows as bf16 pairs (row stride xps). */
 static QWEN_DPBF16_TARGET void dpbf16_panels(const uint32_t *xp, int64_t xps, int64_t M, const uint16_t *wp,
                                              const float *bias, int64_t N, int64_t K, float *y, int64_t ys,
@@ -1631,14 +1643,9 @@ static QWEN_DPBF16_TARGET void dpbf16_panels(const uint32_t *xp, int64_t xps, in
         const uint16_t *panel = wp + p * K2 * 64;
         const int64_t n0 = p * 32, cols = N - n0 < 32 ? N - n0 : 32;
         const float *b = bias == NULL ? NULL : bias + n0;
-        int64_t m = 0;
-        for (; m + PANEL_MR <= M; m += PANEL_MR)
-            panel_block_dpbf16(xp + m * xps, xps, panel, K2, b, y + m * ys + n0, ys, cols, PANEL_MR);
-        const uint32_t *xm = xp + m * xps;
-        float *ym = y + m * ys + n0;
-#define DP_BLOCK(MR_) panel_block_dpbf16(xm, xps, panel, K2, b, ym, ys, cols, MR_)
-        PANEL_ROWS_SWITCH(M - m, DP_BLOCK)
-#undef DP_BLOCK
+        for (int64_t m = 0; m < M; m += PANEL_MR)
+            dpbf16_block(xp + m * xps, xps, panel, K2, b, y + m * ys + n0, ys, cols,
+                         M - m < PANEL_MR ? M - m : PANEL_MR);
     }
 }
 
@@ -2288,25 +2295,13 @@ void qwen_linear_packed_bf16(const float *x, int64_t xs, int64_t M, const uint16
  * ---------------------------------------------------------------------------------------------- */
 
 #if QWEN_DPBF16
-/* panel_block_dpbf16 for mr (1 .. PANEL_MR) rows. */
-static QWEN_DPBF16_TARGET void dpbf16_block(const uint32_t *xp, int64_t xps, const uint16_t *panel, int64_t K2,
-                                           const float *bias, float *y, int64_t ys, int64_t cols, int64_t mr) {
-    if (mr == PANEL_MR) {
-        panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, PANEL_MR);
-        return;
-    }
-#define DP_BLOCK(MR_) panel_block_dpbf16(xp, xps, panel, K2, bias, y, ys, cols, MR_)
-    PANEL_ROWS_SWITCH(mr, DP_BLOCK)
-#undef DP_BLOCK
-}
-
 /* dpbf16_panels with bf16 results and no [M, N] fp32 buffer: each block of rows x a panel's 32 features sums
  * into a tile that stays in L1 (the k blocks and order of dpbf16_panels), then is rounded to bf16 into y (row
  * stride ys) as store_row rounds. silu (N / 2 a multiple of 32; QWEN_AMX, whose amx_put_silu it shares): y
  * [M, N / 2] = silu_mul of the gate and up halves, each gate panel's tile with its up panel's, so
  * linear_packed then silu_mul, bit for bit, without the product's rows. The buffer's first touch (fresh
  * pages at prefill sizes) and its extra pass were the gap to oneDNN's GEMM on the AMD EPYC VM
- * (bench_prefill_products.py, 512 rows, Qwen3-0.6B's four products): 1.09x its time -> 1.03x; a 2,000-token
+ * (bench_prefill_products.py, 512 rows, Qwen3-0.6B's four products): 1.09x its time -> 1.01-1.03x; a 2,000-token
  * bf16 prompt's first token 11.6 -> 11.1 s; 8-request decode 75.7 -> 79 tok/s. */
 static QWEN_DPBF16_TARGET void dpbf16_panels_bf16(const uint32_t *xp, int64_t xps, int64_t M, const uint16_t *wp,
                                                   const float *bias, int64_t N, int64_t K, uint16_t *y, int64_t ys,
