@@ -100,6 +100,10 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
                           default_head_dim=None, default_attention_bias=True),
     "qwen3": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
                           default_head_dim=128, default_attention_bias=False),
+    # Llama (LlamaConfig: SmolLM2, and what GGUF files of Llama-architecture models hold): Qwen2's layers
+    # with ``attention_bias`` (default False) on all four projections, head_dim hidden / heads by default.
+    "llama": Architecture(qk_norm=False, qkv_bias=None, o_bias_follows_attention_bias=True,
+                          default_head_dim=None, default_attention_bias=False),
     # Qwen3.5 text model (Qwen3_5TextConfig): attention_bias on all four projections, head_dim 256,
     # partial_rotary_factor 0.25 by default. "qwen3_5" is the multimodal wrapper: its text_config is
     # read and only the language model (checkpoint names model.language_model.*) is loaded.
@@ -114,6 +118,11 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
     "qwen3_moe": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
                               default_head_dim=None, default_attention_bias=False,
                               moe=MoeDefaults(128, 8, 768, None, norm_topk_prob=False, sparse_step=True)),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q/k/v biases) and sparse MoE MLPs with a
+    # sigmoid-gated shared expert (transformers' Qwen2MoeConfig defaults).
+    "qwen2_moe": Architecture(qk_norm=False, qkv_bias=True, o_bias_follows_attention_bias=False,
+                              default_head_dim=None, default_attention_bias=True,
+                              moe=MoeDefaults(60, 4, 1408, 5632, norm_topk_prob=False, sparse_step=True)),
     # Qwen3-Next: the Qwen3.5 hybrid layout with fused Gated DeltaNet input projections, and MoE MLPs
     # with a sigmoid-gated shared expert.
     "qwen3_next": Architecture(qk_norm=True, qkv_bias=None, o_bias_follows_attention_bias=True,
@@ -297,7 +306,12 @@ class QwenConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "QwenConfig":
-        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        """Read ``config.json`` from a checkpoint directory (or the file itself), or a GGUF file's metadata."""
+        from qwen_ops.models.gguf import gguf_of
+
+        gguf = gguf_of(path)
+        if gguf is not None:            # a GGUF file: its metadata as a config.json would hold it
+            return cls.from_dict(gguf.config_dict(), source=str(gguf.path))
         path = Path(path)
         file = path / CONFIG_FILE if path.is_dir() else path
         if not file.is_file():

@@ -16,13 +16,17 @@ SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"
 
 def resolve_model_path(model) -> Path:
     """A checkpoint directory from vLLM's ``model`` argument: None is the embedded model; an
-    existing path is itself; otherwise a Hugging Face model id (``"Qwen/Qwen3-0.6B"``), looked
+    existing path is itself (a GGUF file: a ``GGUFPath`` carrying the file, read once); otherwise a Hugging Face model id (``"Qwen/Qwen3-0.6B"``), looked
     up in the local Hugging Face cache first (all that ``HF_HUB_OFFLINE=1`` allows), downloaded
     with ``huggingface_hub`` if not there. A ValueError names the id when neither works."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     text = str(model)
+    if path.is_file():                  # a GGUF file: read once here, carried by the path (models/gguf.py)
+        from qwen_ops.models.gguf import open_path
+
+        return open_path(path)
     if path.exists() or text.count("/") != 1 or text.startswith((".", "/", "~")) or text.endswith("/"):
         return path                     # a path (the loader says what is wrong with it), not an id
     try:

@@ -232,6 +232,8 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_quantized(files, quantized, model, quant, device)
     if qexperts:
         _copy_quantized_experts(files, qexperts, model, quant, device)
+    if isinstance(model.model.embed_tokens, Q.QuantEmbedding) and config.tie_word_embeddings and model.lm_head is not None:
+        model.model.embed_tokens.tied_head(model.lm_head)
     if config.tie_word_embeddings and model.lm_head is not None and not isinstance(model.lm_head, Q.QuantLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant is not None and quant.online and quant.method == "int8":
@@ -244,6 +246,13 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
                            "the products run a portable loop, correct but tens of times slower than the "
                            "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)
     _load_kv_scales(model, files, config, device)
+    gguf = getattr(next(iter(files.values()), None), "gguf", None)
+    if gguf is not None:        # which tensors run as stored, which were dequantized
+        native = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)} if quantized else set()
+        if isinstance(model.lm_head, Q.QuantLinear) and config.tie_word_embeddings:
+            native.add("model.embed_tokens.weight")
+        model.gguf_summary = gguf.summary(native)
+        logger.info("GGUF %s", model.gguf_summary)
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
 
@@ -289,9 +298,22 @@ _LAYER_NAME = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 def _check_layer_count(path: Path, files: dict[str, Path], config: QwenConfig) -> None:
     """``num_hidden_layers`` against the decoder layers the tensor names hold (from the index or
-    the header alone: no data is read), before a module of that many layers is built."""
-    held = {int(m.group(1)) for name in files if (m := _LAYER_NAME.match(name))}
-    if held and held != set(range(config.num_hidden_layers)):
+    the header alone: no data is read), before a module of that many layers is built.
+
+    A layer index counts only if it holds a tensor a layer of this checkpoint really has: a name
+    whose part after ``layers.N.`` the fullest layer of the files (the most tensors) also holds.
+    Every kind of decoder layer (attention or linear attention, dense or MoE) shares its norms
+    with the others, so all real layers count; a stray tensor (``model.layers.7.bogus.weight``)
+    makes no layer, and ``_check_tensors`` names it as unexpected."""
+    names: dict[int, set[str]] = defaultdict(set)       # layer index -> the names after "layers.N."
+    for name in files:
+        if m := _LAYER_NAME.match(name):
+            names[int(m.group(1))].add(name[m.end():])
+    if not names:
+        return
+    fullest = max(names.values(), key=len)
+    held = {i for i, suffixes in names.items() if not suffixes.isdisjoint(fullest)}
+    if held != set(range(config.num_hidden_layers)):
         found = f"layers 0..{max(held)}" if held == set(range(max(held) + 1)) else f"{len(held)} layer indices"
         raise CheckpointError(f"{path / 'config.json'}: num_hidden_layers = {config.num_hidden_layers}, but the "
                               f"checkpoint's weights hold {found} ({len(held)} layers)")
@@ -351,7 +373,14 @@ def _expert_pieces(params: dict[str, nn.Parameter], files: dict[str, Path]) -> l
 
 
 def weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (from the index, or the single file's header)."""
+    """Tensor name -> the safetensors file holding it (from the index, or the single file's header); for a
+    GGUF file, its tensors' Hugging Face names -> the file (a ``GGUFPath``, which ``_open`` reads through)."""
+    from qwen_ops.models.gguf import gguf_of, weight_path
+
+    gguf = gguf_of(path)
+    if gguf is not None:
+        file = weight_path(gguf)
+        return {name: file for name in gguf.names()}
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a checkpoint directory")
     index = path / INDEX_FILE
@@ -580,11 +609,13 @@ def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", file
         if not Q.is_quantized_in_files(quant, prefix, files):
             continue
         try:
-            layer = Q.QuantLinear.like(module, quant, dtype)
+            layer = Q.QuantLinear.like(module, quant, dtype, prefix + ".weight")
         except ValueError as e:
             raise CheckpointError(f"{path}: layer {prefix!r}: {e}") from None
         setattr(model.get_submodule(parent_name), attr, layer)
         quantized[prefix] = name
+    if quant.method == "gguf":
+        _quantize_gguf_embeddings(path, model, quant, config, dtype, quantized)
     if quant.lm_head:           # gptq lm_head: true (untied from the embedding, which stays in full precision)
         if not Q.is_quantized_in_files(quant, "lm_head", files):
             raise CheckpointError(f"{path}: quantization_config.lm_head = true, but the checkpoint has no "
@@ -601,10 +632,29 @@ def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", file
             raise CheckpointError(f"{path}: quantized tensors of layers that qwen_ops does not quantize "
                                   f"({quant.method}): {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} "
                                   "(an LM head is read quantized only with quantization_config.lm_head true)")
-    if not quantized and not experts:
+    if not quantized and not experts and quant.method != "gguf":
         raise CheckpointError(f"{path}: quantization {quant.method!r} but no layer of the checkpoint is stored "
                               f"quantized (expected tensors such as {Q.checkpoint_tensors(quant, 'model.layers.0.self_attn.q_proj')})")
     return quantized, experts
+
+
+def _quantize_gguf_embeddings(path: Path, model: nn.Module, quant: "Q.QuantConfig", config: QwenConfig,
+                              dtype: torch.dtype, quantized: dict[str, str]) -> None:
+    """A GGUF file's token table (and its own output table, if untied) held as stored where a product
+    serves the type: the embedding a ``QuantEmbedding``, the LM head a ``QuantLinear``; a tied head shares
+    the table's buffers (``QuantEmbedding.tied_head``, after loading), as llama.cpp holds it once."""
+    embed_name = "model.embed_tokens.weight"
+    try:
+        if embed_name in quant.types and isinstance(model.model.embed_tokens, nn.Embedding):
+            model.model.embed_tokens = Q.QuantEmbedding.like(model.model.embed_tokens, quant, dtype, embed_name)
+            quantized["model.embed_tokens"] = "model.embed_tokens"
+            if config.tie_word_embeddings and model.lm_head is not None:
+                model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype, embed_name)
+        if "lm_head.weight" in quant.types and not config.tie_word_embeddings and model.lm_head is not None:
+            model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype, "lm_head.weight")
+            quantized["lm_head"] = "lm_head"
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _quantized_tensors(quant: "Q.QuantConfig", quantized: dict[str, str], experts: dict[str, str], model: nn.Module,
@@ -644,6 +694,13 @@ class _MappedFiles:
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._read(name, lambda h: h.get_tensor(name))
+
+    def raw(self, name: str):
+        """A GGUF tensor's stored blocks and type (``gguf.GGUFHandle.raw``)."""
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = _open(file).__enter__()
+        return self.handles[file].raw(name)
 
     def row(self, name: str, index: int) -> torch.Tensor:
         """``name[index]`` (one expert of a stacked tensor), reading only that row of the file."""
@@ -700,7 +757,8 @@ def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn
     with _MappedFiles(files) as mapped:
         for prefix, module_name in quantized.items():
             layer = model.get_submodule(module_name)
-            tensors = {name: mapped.tensor(name) for name in Q.checkpoint_tensors(quant, prefix)}
+            read = mapped.raw if quant.method == "gguf" else mapped.tensor
+            tensors = {name: read(name) for name in Q.checkpoint_tensors(quant, prefix)}
             try:
                 buffers = Q.convert_layer(quant, prefix, tensors, layer.out_features, layer.in_features,
                                           layer.scales.shape[1])
@@ -713,8 +771,15 @@ def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn
 
 
 def _open(file: Path):
-    """``safe_open`` of ``file`` (memory-mapped), its errors rewritten to name the file."""
+    """``safe_open`` of ``file`` (memory-mapped), its errors rewritten to name the file; a GGUF file's
+    tensors through the same interface (``gguf.GGUFHandle``)."""
     from safetensors import SafetensorError, safe_open
+
+    carried = getattr(file, "gguf", None)
+    if carried is not None:
+        from qwen_ops.models.gguf import GGUFHandle
+
+        return GGUFHandle(carried)
 
     try:
         return safe_open(str(file), framework="pt", device="cpu")

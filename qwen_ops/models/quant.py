@@ -41,7 +41,8 @@ in the model dtype, as do the KV cache and activations. GPTQ act order is not su
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from pathlib import Path
 from typing import Any, Optional
 
@@ -79,6 +80,8 @@ class QuantConfig:
     block: tuple[int, int] = (0, 0)  # fp8 checkpoints: weight_block_size
     source: str = "<config>"
     lm_head: bool = False           # gptq ``lm_head: true``: the checkpoint stores the LM head quantized
+    # gguf: {tensor name: block type} of the tensors held as stored (models/gguf.py NATIVE_LAYOUT)
+    types: Any = field(default=None, compare=False, hash=False)
 
     @property
     def kernel(self) -> str:
@@ -90,6 +93,8 @@ class QuantConfig:
         """The weights' layout: ``int8``, ``int4`` or ``fp8``."""
         if self.method == "fp8":
             return "fp8"
+        if self.method == "gguf":
+            return "gguf"           # per tensor: int8 or int4 by its block type
         if self.method == "awq" or (self.method == "gptq" and self.bits == 4):
             return "int4"
         return "int8"
@@ -159,9 +164,38 @@ def online_config(quantization: str, source: str = "quantization") -> QuantConfi
     return QuantConfig(quantization, online=True, bits=8, source=source)
 
 
+GGUF_CHOICES = ("gguf", "dequantize")
+
+
+def gguf_quant_config(file, quantization: Optional[str]) -> Optional[QuantConfig]:
+    """A GGUF file's quantization: None or ``"gguf"`` (vLLM's name): the tensors a product serves exactly
+    as stored (``models/gguf.py`` NATIVE) stay quantized, the rest are dequantized at load;
+    ``"dequantize"``: every tensor dequantized to the model dtype; an online method (``int8``, ``w8a8``,
+    ``fp8``): quantized afresh from the dequantized weights."""
+    from qwen_ops.models.gguf import NATIVE
+
+    if quantization == "dequantize":
+        return None
+    if quantization not in (None, "gguf"):
+        if quantization in ONLINE_METHODS:
+            return online_config(quantization)
+        raise ValueError(f"quantization = {quantization!r} for the GGUF file {file.path}; expected None or 'gguf' "
+                         f"(its quantized blocks as stored), 'dequantize', or one of {', '.join(ONLINE_METHODS)}")
+    types = {name: file.type_of(name) for name in file.tensors if file.type_of(name) in NATIVE}
+    if not types:
+        return None
+    return QuantConfig("gguf", bits=4, group_size=32, source=str(file.path), types=MappingProxyType(types))
+
+
 def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[QuantConfig]:
-    """The checkpoint's own quantization (config.json's ``quantization_config``) or the online
-    ``quantization`` asked for; both at once is an error unless they agree."""
+    """The checkpoint's own quantization (config.json's ``quantization_config``; a GGUF file's blocks,
+    ``gguf_quant_config``) or the online ``quantization`` asked for; both at once is an error unless
+    they agree."""
+    from qwen_ops.models.gguf import gguf_of
+
+    gguf = gguf_of(path)
+    if gguf is not None:
+        return gguf_quant_config(gguf, quantization)
     file = Path(path) / "config.json"
     try:
         data = json.loads(file.read_text())
@@ -191,7 +225,7 @@ _OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linea
 LINEAR_A8_PANELS = torch.ops.qwen.linear_a8_panels.default
 SILU_MUL_LINEAR_A8_PANELS = torch.ops.qwen.silu_mul_linear_a8_panels.default
 # QuantLinear's attributes that its built op call (_make_call) holds.
-_CALL_INPUTS = frozenset({"qweight", "scales", "zeros", "bias", "perm", "_bias32", "_op", "panels", "block"})
+_CALL_INPUTS = frozenset({"qweight", "scales", "zeros", "mins", "bias", "perm", "_bias32", "_op", "panels", "block"})
 
 
 class QuantLinear(nn.Module):
@@ -199,6 +233,8 @@ class QuantLinear(nn.Module):
     fp32 ``[N, G]``), int4 (``qweight`` uint8 ``[N, K / 2]``, ``scales`` fp32, ``zeros`` uint8 ``[N, G]``)
     or fp8 (``qweight`` float8_e4m3fn ``[N, K]``, ``scales`` fp32 ``[N, ceil(K / bk)]``: block ``(1, bk)``,
     a checkpoint's ``[bn, bk]`` blocks held one scale row per output feature).
+    ``mins`` (fp32 ``[N, G]`` or None; GGUF's Q4_1, Q5_1, Q4_K, Q5_K): ``w = (q - z) * s + m`` per group, the
+    ``m`` part added as ``(x summed per group) @ mins^T``, a product of K / g columns.
     The buffers are filled by the loader. ``dtype`` is the activations' (the model's) dtype. The
     forward is one op call, the same on every device (the op picks its kernel by device)."""
 
@@ -232,6 +268,7 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"scheme = {scheme!r}, expected int8, int4 or fp8")
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device)) if bias else None
+        self.register_buffer("mins", None)
         # GPTQ act order (desc_act): the input features' order that makes each group contiguous;
         # x is gathered by it before the product (None: natural order).
         self.register_buffer("perm", None)
@@ -244,10 +281,23 @@ class QuantLinear(nn.Module):
         self._silu_op = None      # forward_silu_mul's op, with the panels
 
     @classmethod
-    def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype) -> "QuantLinear":
-        """A meta-device QuantLinear of ``linear``'s shape for ``quant`` (the loader fills it)."""
+    def like(cls, linear: nn.Linear, quant: QuantConfig, dtype: torch.dtype, tensor: Optional[str] = None
+             ) -> "QuantLinear":
+        """A meta-device QuantLinear of ``linear``'s shape for ``quant`` (the loader fills it); ``tensor``:
+        the file tensor it holds, for a GGUF file, whose block type sets the layout."""
         n, k = linear.out_features, linear.in_features
         scheme = quant.scheme
+        if quant.method == "gguf":
+            from qwen_ops.models.gguf import NATIVE_LAYOUT
+
+            scheme, g, mins = NATIVE_LAYOUT[quant.types[tensor]]
+            if k % g:
+                raise ValueError(f"in_features = {k} is not a multiple of {quant.types[tensor]}'s group of {g}")
+            with torch.device("meta"):
+                layer = cls(k, n, linear.bias is not None, scheme, k // g, (0, 0), dtype)
+                if mins:
+                    layer.mins = torch.empty((n, k // g), dtype=torch.float32)
+            return layer
         if quant.online:
             groups, block = 1, (1, k)
         elif scheme == "fp8":       # block-wise scales are held one row per output feature (convert_layer)
@@ -297,6 +347,10 @@ class QuantLinear(nn.Module):
         if perm is not None:
             x2 = x2.index_select(1, perm)
         y = op(x2, *args)
+        if self.mins is not None:       # + m per group: the inputs' sums over each group times the minimums
+            groups = self.mins.shape[1]
+            sums = x2.float().reshape(x2.shape[0], groups, -1).sum(-1)
+            y = (y.float() + sums @ self.mins.T).to(y.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def takes_gate_up(self) -> bool:
@@ -410,6 +464,8 @@ class QuantLinear(nn.Module):
         if any(not isinstance(m, QuantLinear) or m.kernel != first.kernel or m.in_features != first.in_features
                or m.scales.shape[1] != first.scales.shape[1] or m.block != first.block for m in layers):
             return False
+        if any((m.mins is None) != (first.mins is None) for m in layers):
+            return False
         if any((m.perm is None) != (first.perm is None) or (m.perm is not None and not torch.equal(m.perm, first.perm))
                for m in layers):
             return False                           # act-order layers fuse only with one order of x
@@ -431,6 +487,8 @@ class QuantLinear(nn.Module):
             fused.scales = torch.cat([m.scales for m in layers]).contiguous()
             if first.zeros is not None:
                 fused.zeros = torch.cat([m.zeros for m in layers]).contiguous()
+            if first.mins is not None:
+                fused.mins = torch.cat([m.mins for m in layers]).contiguous()
             if first.perm is not None:
                 fused.perm = first.perm
             if has_bias:
@@ -451,6 +509,8 @@ class QuantLinear(nn.Module):
                 m.scales = fused.scales[rows]
                 if first.zeros is not None:
                     m.zeros = fused.zeros[rows]
+                if first.mins is not None:
+                    m.mins = fused.mins[rows]
                 start += m.out_features
         for key in fused._buffers:      # the layers' own buffers hold the state dict
             fused._non_persistent_buffers_set.add(key)
@@ -520,7 +580,7 @@ class QuantMoeExperts(nn.Module):
 
 def checkpoint_tensors(quant: QuantConfig, prefix: str) -> tuple[str, ...]:
     """The file tensors that hold a quantized layer's weight (besides its bias)."""
-    if quant.online:
+    if quant.online or quant.method == "gguf":
         return (prefix + ".weight",)
     if quant.method == "fp8":
         return (prefix + ".weight", prefix + ".weight_scale_inv")
@@ -546,6 +606,8 @@ def experts_quantized_in_files(quant: QuantConfig, prefix: str, files: dict) -> 
     """Whether the checkpoint stores the routed experts ``prefix`` quantized (online: always)."""
     if quant.online:
         return prefix + ".gate_up_proj" in files or prefix + ".0.gate_proj.weight" in files
+    if quant.method == "gguf":     # a GGUF file's stacked experts are dequantized at load
+        return False
     return is_quantized_in_files(quant, prefix + ".0.gate_proj", files)
 
 
@@ -553,6 +615,8 @@ def is_quantized_in_files(quant: QuantConfig, prefix: str, files: dict) -> bool:
     """Whether the checkpoint stores layer ``prefix`` quantized (online: every layer is quantized)."""
     if quant.online:
         return prefix + ".weight" in files
+    if quant.method == "gguf":
+        return prefix + ".weight" in quant.types
     if quant.method == "fp8":
         return prefix + ".weight_scale_inv" in files
     return prefix + ".qweight" in files
@@ -591,6 +655,8 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
     """QuantLinear buffers (``qweight``, ``scales``, ``zeros``) of layer ``prefix`` (``out_features`` n,
     ``in_features`` k, ``groups`` scale columns) from its file tensors (``checkpoint_tensors``), checked
     against that shape; errors name the tensor."""
+    if quant.method == "gguf":      # (blocks [n, bytes], type) from gguf.GGUFHandle.raw
+        return convert_gguf(prefix + ".weight", *tensors[prefix + ".weight"], n, k)
     if quant.online:
         (w,) = (tensors[prefix + ".weight"],)
         _expect(prefix + ".weight", w, (n, k), (torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -770,3 +836,91 @@ def describe(model: nn.Module) -> dict[str, str]:
     ``int4``, ``fp8``, or ``int8_a8`` / ``int4_a8`` with int8 activations)."""
     return {name: m.kernel for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantMoeExperts))}
 
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF blocks (models/gguf.py): QuantLinear / QuantEmbedding buffers, exactly the file's weights
+# ----------------------------------------------------------------------------------------------
+
+def convert_gguf(name: str, raw, kind: str, n: int, k: int) -> dict[str, torch.Tensor]:
+    """The buffers of a layer whose weight ``name`` a GGUF file stores in ``kind`` blocks (``raw``: ``[n,
+    bytes a row]`` uint8): int8 ``qweight`` or packed int4 with ``zeros``, fp32 ``scales``, and ``mins``
+    where the type has them (``gguf.unpack_blocks``)."""
+    from qwen_ops.models.gguf import NATIVE_LAYOUT, unpack_blocks
+
+    if tuple(raw.shape[:1]) != (n,):
+        raise ValueError(f"tensor {name!r} ({kind}) has {raw.shape[0]} rows, expected {n}")
+    parts = unpack_blocks(raw, kind, n, k)
+    scheme = NATIVE_LAYOUT[kind][0]
+    q = torch.from_numpy(parts["q"])
+    out = {"scales": torch.from_numpy(parts["scales"]).float().contiguous()}
+    if scheme == "int4":
+        out["qweight"] = pack_int4(q.to(torch.uint8).contiguous())
+        out["zeros"] = torch.from_numpy(parts["zeros"]).to(torch.uint8).contiguous()
+    else:
+        out["qweight"] = q.to(torch.int8).contiguous()
+    if "mins" in parts:
+        out["mins"] = torch.from_numpy(parts["mins"]).float().contiguous()
+    return out
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table held as a GGUF file stores it (``qweight``, ``scales``, ``zeros`` / ``mins`` as
+    QuantLinear's, one row a token): the lookup dequantizes the rows it gathers. A tied LM head is a
+    QuantLinear over the same buffers (``tied_head``), as llama.cpp runs it: the table is held once."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scheme: str, groups: int, mins: bool,
+                 dtype: torch.dtype, device: Any = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.scheme, self.dtype = num_embeddings, embedding_dim, scheme, dtype
+        # QuantLinear's names, which the loader's conversion fills (rows: tokens)
+        self.out_features, self.in_features = num_embeddings, embedding_dim
+        n, k = num_embeddings, embedding_dim
+        if scheme == "int4":
+            self.register_buffer("qweight", torch.empty((n, k // 2), dtype=torch.uint8, device=device))
+            self.register_buffer("zeros", torch.empty((n, groups), dtype=torch.uint8, device=device))
+        else:
+            self.register_buffer("qweight", torch.empty((n, k), dtype=torch.int8, device=device))
+            self.register_buffer("zeros", None)
+        self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float32, device=device))
+        self.register_buffer("mins", torch.empty((n, groups), dtype=torch.float32, device=device) if mins else None)
+
+    @classmethod
+    def like(cls, embedding: nn.Embedding, quant: QuantConfig, dtype: torch.dtype, tensor: str) -> "QuantEmbedding":
+        from qwen_ops.models.gguf import NATIVE_LAYOUT
+
+        scheme, g, mins = NATIVE_LAYOUT[quant.types[tensor]]
+        n, k = embedding.num_embeddings, embedding.embedding_dim
+        if k % g:
+            raise ValueError(f"embedding_dim = {k} is not a multiple of {quant.types[tensor]}'s group of {g}")
+        with torch.device("meta"):
+            return cls(n, k, scheme, k // g, mins, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme}, scales={list(self.scales.shape)}, "
+                f"mins={self.mins is not None}")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        q = self.qweight.index_select(0, ids)
+        if self.scheme == "int4":
+            q = torch.stack([q & 15, q >> 4], dim=-1).reshape(ids.shape[0], self.embedding_dim)
+        groups = self.scales.shape[1]
+        w = q.float().view(ids.shape[0], groups, -1)
+        if self.zeros is not None:
+            w = w - self.zeros.index_select(0, ids).float()[..., None]
+        w = w * self.scales.index_select(0, ids)[..., None]
+        if self.mins is not None:
+            w = w + self.mins.index_select(0, ids)[..., None]
+        return w.reshape(*input_ids.shape, self.embedding_dim).to(self.dtype)
+
+    def tied_head(self, head: "QuantLinear") -> None:
+        """Point the tied LM head ``head`` (built ``QuantLinear.like`` this table) at this table's buffers."""
+        head.qweight, head.scales = self.qweight, self.scales
+        if self.zeros is not None:
+            head.zeros = self.zeros
+        if self.mins is not None:
+            head.mins = self.mins
+        for key in ("qweight", "scales", "zeros", "mins"):   # the table's buffers hold the state dict
+            head._non_persistent_buffers_set.add(key)
+        head.process_weights_after_loading()

@@ -64,6 +64,13 @@ class QwenTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Optional[QwenTokenizer]:
-    """The tokenizer of the checkpoint directory ``path``, or None when it has no tokenizer.json."""
+    """The tokenizer of the checkpoint directory ``path``, or None when it has no tokenizer.json; of a
+    GGUF file, built from its ``tokenizer.ggml.*`` metadata (``models/gguf.py``)."""
+    from qwen_ops.models.gguf import build_tokenizer, gguf_of
+
+    gguf = gguf_of(path)
+    if gguf is not None:
+        backend = build_tokenizer(gguf)
+        return None if backend is None else QwenTokenizer(backend, gguf.path)
     file = Path(path) / TOKENIZER_FILE
     return QwenTokenizer.from_file(file) if file.is_file() else None
