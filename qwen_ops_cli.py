@@ -9,6 +9,7 @@ live in ``qwen_ops.serving.commands``.
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
     qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
     qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
+    qwen-ops perplexity /path/to/Qwen3-0.6B --file wiki.test.raw --ctx-size 512
 
 An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
 ``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
@@ -88,9 +89,14 @@ def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's, else 1.0)")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
-                   "default: the embedded model")
+def _add_model_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """The model and engine flags of generate, bench and perplexity (``positional_model``: MODEL, as serve's)."""
+    if positional_model:
+        p.add_argument("model", nargs="?", default=None,
+                       help="checkpoint directory (Hugging Face layout); default: the embedded model")
+    else:
+        p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
+                       "default: the embedded model")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
@@ -179,6 +185,26 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func="serve")
 
 
+def _add_perplexity_parser(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp's llama-perplexity",
+                       description="Perplexity of a text under MODEL, as llama.cpp's llama-perplexity computes it: "
+                                   "consecutive --ctx-size chunks, the second half of each scored (a BOS first in "
+                                   "every chunk where the tokenizer adds one). Prints the running value after each "
+                                   "chunk, then 'Final estimate: PPL = x +/- y'.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", "-f", default=None, metavar="TEXT", help="the text file (UTF-8) to score")
+    source.add_argument("--text", choices=("pydoc",), default=None,
+                        help="a built-in text instead of --file: pydoc, Python's help topics "
+                             "(pydoc_data.topics, shipped with Python; English prose with code)")
+    p.add_argument("--ctx-size", "-c", type=int, default=512, help="tokens per chunk (default: 512)")
+    p.add_argument("--max-chunks", type=int, default=None,
+                   help="score at most this many chunks, as llama.cpp's --chunks (default: all)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON to OUT")
+    _add_model_args(p, positional_model=True)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    p.set_defaults(func="perplexity")
+
+
 _DEBUG_HELP = "on an error, raise it with its traceback instead of printing one line (also: QWEN_OPS_DEBUG=1)"
 
 
@@ -209,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     b.set_defaults(func="bench")
     _add_serve_parser(sub)
+    _add_perplexity_parser(sub)
     return parser
 
 

@@ -313,7 +313,9 @@ class QwenEngine:
             return cls(ckpt.model, ckpt.config, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids, **kwargs)
         check_tp_config(config, tensor_parallel_size)
         from qwen_ops.models.quant import read_quant_config
-        quant = read_quant_config(Path(path), quantization)
+        from qwen_ops.models.gguf import as_path
+
+        quant = read_quant_config(as_path(path), quantization)
         if quant is not None:
             raise ValueError(f"tensor_parallel_size = {tensor_parallel_size} with quantized weights ({quant.method}) "
                              "is not supported yet; expected tensor_parallel_size = 1")

@@ -625,3 +625,8 @@ def gguf_of(path: Any) -> Optional[GGUFFile]:
     if carried is not None:
         return carried
     return GGUFFile(path) if is_gguf(path) else None
+
+
+def as_path(path: Any) -> Path:
+    """``Path(path)``, keeping a ``GGUFPath`` that carries its file (``Path()`` of one makes a plain path)."""
+    return path if getattr(path, "gguf", None) is not None else Path(path)

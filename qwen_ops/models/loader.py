@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from qwen_ops.models.gguf import as_path
 from qwen_ops.models.config import ARCHITECTURES, QwenConfig, token_ids
 from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
@@ -109,7 +110,7 @@ def load_checkpoint(path: str | Path, dtype: Any = "float32", device: Any = "cpu
     ``config``: ``path``'s config when the caller has read it already; ``quantization``: online
     quantization of a full-precision checkpoint (``load_model``); ``pooling``: an embedding model's
     load, where the LM head may be absent (``load_model``)."""
-    path = Path(path)
+    path = as_path(path)
     config = config or QwenConfig.from_pretrained(path)
     model = load_model(path, dtype, device, config=config, tp=tp, max_positions=max_positions,
                        quantization=quantization, mtp=mtp, pooling=pooling)
@@ -178,7 +179,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     ``pooling``: the model will only pool hidden states (``runner="pooling"``), so an untied
     checkpoint without ``lm_head.weight`` loads with ``model.lm_head`` None, and a sequence
     classifier's ``score.weight`` (``Qwen3ForSequenceClassification``) loads as ``model.score``."""
-    path = Path(path)
+    path = as_path(path)
     config = config or QwenConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)

@@ -1,5 +1,6 @@
 """The ``qwen-ops`` commands: ``generate`` streams a completion, ``bench`` measures serving,
-``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra). The parser and ``main``
+``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra), ``perplexity`` scores a
+text as llama.cpp's ``llama-perplexity`` (``serving/perplexity.py``). The parser and ``main``
 are in the top-level ``qwen_ops_cli`` (importable without torch, so ``--help`` is instant), with
 the usage examples and the error convention; ``main`` calls each command here as ``_<name>(args)``.
 This module never imports ``qwen_ops_cli`` (``qwen_ops/serving/cli.py`` is the ``python -m`` entry).
@@ -145,3 +146,72 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise RuntimeError(f"qwen-ops serve needs the serve extra (pip install 'qwen_ops[serve]'): {e}") from e
     return run_server(args)
+
+
+def _perplexity_text(args: argparse.Namespace) -> tuple[str, str]:
+    """The text to score and how to name it in messages (``--file PATH`` or ``--text pydoc``)."""
+    from pathlib import Path
+
+    from qwen_ops.serving.perplexity import pydoc_topics_text
+
+    if args.text == "pydoc":
+        # Python's help topics: held-out real English with code, on every machine with Python.
+        return pydoc_topics_text(), "--text pydoc"
+    name = f"--file {args.file}"
+    try:
+        return Path(args.file).read_text(encoding="utf-8"), name
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name}: no such file") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}: expected a UTF-8 text file ({e})") from None
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    import json
+
+    from qwen_ops.serving.perplexity import perplexity, text_token_ids
+
+    if args.ctx_size < 3:
+        raise ValueError(f"--ctx-size = {args.ctx_size}, expected >= 3 (each chunk scores its tokens "
+                         "ctx-size/2 + 1 .. ctx-size - 1)")
+    if args.max_chunks is not None:
+        _check_at_least_one(args, "--max-chunks")
+    text, source = _perplexity_text(args)      # before the (slow) load: a missing file fails at once
+    llm = _llm(args)
+    if llm.tokenizer is None:
+        raise ValueError(f"{llm.model_path} has no tokenizer.json, so {source} cannot be tokenized")
+    ids, bos = text_token_ids(llm.tokenizer, text)
+    if len(ids) < args.ctx_size:
+        raise ValueError(f"{source} tokenizes to {len(ids)} tokens, but --ctx-size {args.ctx_size} needs at "
+                         f"least {args.ctx_size} (one chunk)")
+    num_chunks = len(ids) // args.ctx_size
+    if args.max_chunks is not None:
+        num_chunks = min(num_chunks, args.max_chunks)
+    batch = llm.scheduler.config.max_num_seqs
+    print(f"perplexity: {source}: {len(ids)} tokens (BOS {'id ' + str(bos) if bos is not None else 'none'}); "
+          f"calculating perplexity over {num_chunks} chunks, n_ctx={args.ctx_size}, {batch} chunks a pass",
+          file=sys.stderr)
+    start = time.perf_counter()
+
+    def on_chunk(i: int, running_ppl: float) -> None:
+        if i == 0:       # the first pass (one generate call) is done: llama.cpp's timing line
+            per_pass = time.perf_counter() - start
+            eta = per_pass * (-(-num_chunks // batch) - 1)
+            print(f"perplexity: {per_pass:.2f} seconds per pass - ETA {eta / 60:.2f} minutes", file=sys.stderr)
+        sys.stdout.write(f"[{i + 1}]{running_ppl:.4f},")
+        sys.stdout.flush()
+
+    result = perplexity(llm, ids, args.ctx_size, batch, max_chunks=args.max_chunks, bos_token_id=bos,
+                        on_chunk=on_chunk)
+    print()
+    print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}")
+    print(f"perplexity: {result.num_tokens} tokens scored in {result.seconds:.2f} s "
+          f"({result.num_chunks * args.ctx_size / max(result.seconds, 1e-9):.1f} tokens/s through the model)",
+          file=sys.stderr)
+    if args.json:
+        record = {"model": str(llm.model_path), "text": source, "num_text_tokens": len(ids), "dtype": args.dtype,
+                  "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, **result.as_dict()}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return 0

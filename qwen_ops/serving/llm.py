@@ -501,7 +501,9 @@ class LLM:
             check_invariants=check_invariants), spec)
         self.core.max_grammar_compile_s = max_grammar_compile_seconds
         self.scheduler = self.core.scheduler
-        self.model_path = Path(path)
+        from qwen_ops.models.gguf import as_path
+
+        self.model_path = as_path(path)      # a GGUF file's path carries the file, read once
         self._chat_template = None      # LLM.chat's, compiled on first use
         self.sampling_overrides = sampling_overrides(self.model_path, generation_config)
         self._default_sampling = SamplingParams(**self.sampling_overrides)
@@ -756,6 +758,10 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if self._chat_template is None:
             self._chat_template = ChatTemplate.for_checkpoint(self.model_path)
+        try:                    # before **chat_template_kwargs below collides with add_generation_prompt=
+            self._chat_template.check_kwargs(chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise ValueError(str(e)) from None
         prompts = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, Sequence) or not all(isinstance(m, dict) for m in conv):

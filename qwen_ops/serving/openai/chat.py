@@ -89,6 +89,14 @@ class ChatTemplate:
     def for_checkpoint(cls, model_path: Union[str, Path, None]) -> "ChatTemplate":
         """The checkpoint's template if it has one, else ChatML."""
         config: dict = {}
+        from qwen_ops.models.gguf import chat_template, gguf_of
+
+        gguf = gguf_of(model_path)
+        if gguf is not None:            # a GGUF file: tokenizer.chat_template and its BOS / EOS tokens
+            source, bos, eos = chat_template(gguf)
+            if source is not None:
+                return cls(source, bos_token=bos, eos_token=eos, origin=f"{gguf.path} tokenizer.chat_template")
+            return cls(bos_token=bos, eos_token=eos)
         if model_path is not None:
             path = Path(model_path)
             cfg_file = path / "tokenizer_config.json"
@@ -108,6 +116,19 @@ class ChatTemplate:
                            eos_token=_token_text(config.get("eos_token")), origin=origin)
         return cls(bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
 
+    def reserved(self) -> frozenset[str]:
+        """The variables ``render`` itself passes to the template: ``chat_template_kwargs`` may not set them."""
+        return frozenset({"messages", "add_generation_prompt", "tools", *self._specials})
+
+    def check_kwargs(self, template_kwargs: Optional[dict]) -> None:
+        """A ChatTemplateError naming ``chat_template_kwargs`` and its keys that ``render`` sets itself
+        (``reserved``). Callers that unpack the kwargs into ``render`` beside ``add_generation_prompt=``
+        / ``tools=`` call it first: Python would refuse the duplicated keyword with a TypeError."""
+        clash = self.reserved().intersection(template_kwargs or ())
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(clash)}: the template's own "
+                                    f"variables ({', '.join(sorted(self.reserved()))})")
+
     def render(self, messages: Sequence[dict], /, *, add_generation_prompt: bool = True,
                tools: Optional[list] = None, **template_kwargs) -> str:
         """The prompt text of ``messages`` (and ``tools``: OpenAI's function objects, for templates
@@ -115,9 +136,7 @@ class ChatTemplate:
         are more variables for the template, never replacing its own."""
         from jinja2 import TemplateError
 
-        reserved = {"messages", "add_generation_prompt", "tools", *self._specials}.intersection(template_kwargs)
-        if reserved:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}: the template's own variables")
+        self.check_kwargs(template_kwargs)
         try:
             return self._template.render(**template_kwargs, messages=[_flat_tool_calls(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt, tools=tools or None,

@@ -466,6 +466,7 @@ class _Serving:
                     tools: Optional[list] = None) -> str:
         """The chat template's text of ``messages`` (a 400 naming the field it cannot render)."""
         try:
+            self.chat_template.check_kwargs(template_kwargs)    # before the ** below collides with its keywords
             return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                              **(template_kwargs or {}))
         except ChatTemplateError as e:

@@ -1,0 +1,288 @@
+"""GGUF files (models/gguf.py) against outside oracles: ggml's own ``gguf.quants.dequantize`` for every
+block type held as stored, a float64 product for the quantized layers, and transformers loading the same
+file (its own GGUF reader, dequantized) for whole models: tiny qwen2, qwen3 and llama files written here
+with ggml's ``gguf.GGUFWriter`` in F32, Q8_0 and Q4_1 (llama's q / k rows permuted as llama.cpp's
+converter writes them)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="ggml's gguf package reads and writes the files")
+transformers = pytest.importorskip("transformers", reason="transformers' GGUF loader is the oracle")
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from qwen_ops import LLM, SamplingParams  # noqa: E402
+from qwen_ops.models import quant as Q  # noqa: E402
+from qwen_ops.models.gguf import NATIVE, GGUFError, dequantize_unpacked, unpack_blocks  # noqa: E402
+from qwen_ops.models.loader import CheckpointError  # noqa: E402
+
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ARCHS = ("qwen2", "qwen3", "llama")
+FILE_TYPES = (T.F32, T.Q8_0, T.Q4_1)
+PROMPTS = [[5, 17, 200, 33, 9], [1, 2, 3, 250, 100, 7, 8, 44, 12]]
+NEW_TOKENS = 12
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks: each native type's unpacking against gguf.quants.dequantize
+# ----------------------------------------------------------------------------------------------
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random stored blocks of ``kind`` ``[rows, bytes]``: quantized from random weights where the gguf package
+    quantizes the type, else random bytes with sane fp16 scale fields (the K-quants only dequantize)."""
+    qtype = T[kind]
+    if kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        return gguf.quants.quantize(rng.normal(0, 0.5, (rows, cols)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = lambda shape: rng.uniform(0.001, 0.05, shape).astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind in ("Q4_K", "Q5_K"):         # d, dmin first
+        raw[..., 0:4] = scale((rows, cols // block, 2)).reshape(rows, cols // block, 4)
+    else:                                # Q6_K: d last
+        raw[..., 208:210] = scale((rows, cols // block, 1)).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+def test_unpacked_blocks_are_the_files_weights(kind):
+    rng = np.random.default_rng(sum(map(ord, kind)))
+    rows, cols = 6, 512
+    raw = random_blocks(kind, rows, cols, rng)
+    want = gguf.quants.dequantize(raw, T[kind]).astype(np.float64)
+    got = dequantize_unpacked(unpack_blocks(raw, kind, rows, cols), kind).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+def test_quantized_product_equals_the_dequantized_weights(kind):
+    """QuantLinear on the stored blocks (int8 / int4 products, mins added per group) against x @ W^T in float64,
+    W from gguf's dequantize; the output poisoned first."""
+    rng = np.random.default_rng(7 + sum(map(ord, kind)))
+    n, k = 96, 512
+    raw = random_blocks(kind, n, k, rng)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]).astype(np.float64))
+    quant = Q.QuantConfig("gguf", types={"w.weight": kind})
+    layer = Q.QuantLinear.like(torch.nn.Linear(k, n, bias=False, device="meta"), quant, torch.float32, "w.weight")
+    for key, value in Q.convert_gguf("w.weight", raw, kind, n, k).items():
+        layer._buffers[key] = value
+    layer.process_weights_after_loading()
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        out = torch.full((rows, n), float("nan"))
+        out.copy_(layer(x))
+        want = x.double() @ w.T
+        scale = (x.double().abs() @ w.abs().T).max()
+        assert (out.double() - want).abs().max() <= 1e-5 * scale, kind
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q6_K"])
+def test_quantized_embedding_rows_are_the_files(kind):
+    rng = np.random.default_rng(3)
+    vocab, dim = 40, 256
+    raw = random_blocks(kind, vocab, dim, rng)
+    quant = Q.QuantConfig("gguf", types={"e.weight": kind})
+    table = Q.QuantEmbedding.like(torch.nn.Embedding(vocab, dim, device="meta"), quant, torch.float32, "e.weight")
+    for key, value in Q.convert_gguf("e.weight", raw, kind, vocab, dim).items():
+        table._buffers[key] = value
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    want = torch.from_numpy(gguf.quants.dequantize(raw, T[kind]))[ids]
+    torch.testing.assert_close(table(ids), want, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny files written here, against transformers loading the same file
+# ----------------------------------------------------------------------------------------------
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q / k permutation (each head's rotary halves interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path, arch: str, qtype, *, drop: str = "", add_bogus_type=None, architecture=None) -> None:
+    """``model`` (transformers) as a GGUF file of llama.cpp's names; 2-D weights in ``qtype`` blocks."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), architecture or arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([chr(0x100 + i) for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_merges([])
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    for name, t in model.state_dict().items():
+        t = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            g = "output.weight"
+        else:
+            parts = name.split(".")
+            inner = ".".join(parts[3:-1])
+            g = f"blk.{parts[2]}.{HF_TO_GGUF[inner]}.{parts[-1]}"
+            if arch == "llama" and inner in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = _permute(t, cfg.num_attention_heads if "q_proj" in inner else cfg.num_key_value_heads)
+        if g == drop:
+            continue
+        if t.ndim == 2 and qtype != T.F32:
+            w.add_tensor(g, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(t))
+    if add_bogus_type is not None:
+        w.add_tensor("blk.0.extra.weight", np.zeros((4, 32), dtype=np.int32), raw_dtype=add_bogus_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_model(arch: str):
+    torch.manual_seed({"qwen2": 0, "qwen3": 1, "llama": 2}[arch])
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=arch != "qwen2")
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "qwen3":       # transformers' qwen3 GGUF mapping reads no key_length: head_dim 128 (MACHINE_NOTES)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch in ARCHS:
+        model = tiny_model(arch)
+        for qtype in FILE_TYPES:
+            path = root / f"{arch}-{qtype.name}.gguf"
+            write_gguf(model, path, arch, qtype)
+            out[arch, qtype.name] = path
+    return out
+
+
+def transformers_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("qtype", [t.name for t in FILE_TYPES])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_file_matches_transformers(files, arch, qtype):
+    """Greedy tokens and every prompt token's log-probability against transformers on the same file, with
+    the quantized blocks run as stored (the default)."""
+    path = files[arch, qtype]
+    hf = transformers_model(path)
+    llm = LLM(str(path), kv_cache_bytes=1 << 24)
+    if qtype != "F32":
+        assert llm.engine.model.gguf_summary.split(": ", 1)[1].startswith(f"quantized as stored: {qtype} x")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, len(prompt):].tolist()
+            logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+        assert list(out.outputs[0].token_ids) == ref
+        for j in range(1, len(prompt)):
+            got = out.prompt_logprobs[j][prompt[j]].logprob
+            assert math.isclose(got, float(logp[j - 1, prompt[j]]), abs_tol=2e-4), (j, got)
+
+
+def test_dequantize_and_online_int8_load_the_same_file(files):
+    path = files["llama", "Q4_1"]
+    hf = transformers_model(path)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(path), quantization="dequantize", kv_cache_bytes=1 << 24)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                      ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref
+    assert Q.describe(llm.engine.model) == {}
+    assert "dequantized at load: Q4_1 x" in llm.engine.model.gguf_summary
+    assert "quantized as stored" not in llm.engine.model.gguf_summary
+    int8 = LLM(str(path), quantization="int8", kv_cache_bytes=1 << 24)
+    assert set(Q.describe(int8.engine.model).values()) == {"int8"}
+
+
+def test_quantized_file_is_held_quantized(files):
+    """A Q4_1 file's projections on the int4 product with mins, Q8_0's on int8; nothing dequantized."""
+    for qtype, kernel in (("Q4_1", "int4"), ("Q8_0", "int8")):
+        llm = LLM(str(files["qwen3", qtype]), kv_cache_bytes=1 << 24)
+        model = llm.engine.model
+        kinds = Q.describe(model)
+        assert set(kinds.values()) == {kernel} and len(kinds) >= 2 * 4
+        assert isinstance(model.model.embed_tokens, Q.QuantEmbedding)
+        assert "dequantized" not in model.gguf_summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad files: a clear error at load naming the file and what is wrong
+# ----------------------------------------------------------------------------------------------
+
+def test_bad_files_are_clear_errors(files, tmp_path):
+    good = files["qwen2", "Q8_0"].read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises((GGUFError, CheckpointError), match="truncated.gguf"):
+        LLM(str(truncated))
+    magic = tmp_path / "magic.gguf"
+    magic.write_bytes(b"GGUX" + good[4:])
+    with pytest.raises(GGUFError, match=r"magic.gguf: not a GGUF file .*b'GGUX'"):
+        LLM(str(magic))
+    model = tiny_model("qwen2")
+    arch = tmp_path / "arch.gguf"
+    write_gguf(model, arch, "qwen2", T.F32, architecture="gpt2")
+    with pytest.raises(GGUFError, match=r"arch.gguf: general.architecture = 'gpt2' is not supported; supported: qwen2"):
+        LLM(str(arch))
+    kind = tmp_path / "kind.gguf"
+    write_gguf(model, kind, "qwen2", T.F32, add_bogus_type=T.I32)
+    with pytest.raises(GGUFError, match=r"kind.gguf: unsupported tensor types: tensor 'blk.0.extra.weight' has type "
+                                        r"I32; supported: F32, F16, BF16, Q8_0"):
+        LLM(str(kind))
+    missing = tmp_path / "missing.gguf"
+    write_gguf(model, missing, "qwen2", T.Q8_0, drop="blk.1.ffn_up.weight")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        LLM(str(missing))
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0])
+def test_wrong_size_tensor_names_the_tensor(tmp_path, qtype):
+    model = tiny_model("llama")
+    with torch.no_grad():       # one projection narrower than the config says
+        model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.randn(96, 64))
+    path = tmp_path / "size.gguf"
+    write_gguf(model, path, "llama", qtype)
+    want = (r"tensor 'model.layers.1.mlp.up_proj.weight' .*has shape \[96, 64\], expected \[128, 64\]" if qtype == T.F32
+            else r"size.gguf: tensor 'model.layers.1.mlp.up_proj.weight' \(Q8_0\) has 96 rows, expected 128")
+    with pytest.raises(CheckpointError, match=want):
+        LLM(str(path))
