@@ -57,7 +57,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # The decoder layers' projections that may be quantized (dense, MoE shared experts, hybrid layers).
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
-ONLINE_METHODS = ("int8", "fp8", "w8a8")
+ONLINE_METHODS = ("int8", "int4", "fp8", "w8a8")
+INT4_ONLINE_GROUP = 32      # online int4: asymmetric groups of 32 inputs (Q4_1's blocks; llama.cpp's Q4_0 is symmetric)
 CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
 # ``quantization`` values that load a checkpoint format with int8 activations (W4A8 / W8A8), as vLLM's
 # ``awq_marlin`` names another kernel for an awq checkpoint.
@@ -95,6 +96,8 @@ class QuantConfig:
             return "fp8"
         if self.method == "gguf":
             return "gguf"           # per tensor: int8 or int4 by its block type
+        if self.method == "int4":
+            return "int4"
         if self.method == "awq" or (self.method == "gptq" and self.bits == 4):
             return "int4"
         return "int8"
@@ -161,10 +164,12 @@ def online_config(quantization: str, source: str = "quantization") -> QuantConfi
                          f"quantization of a full-precision checkpoint), or None{hint}")
     if quantization == "w8a8":      # int8 weights as "int8", and int8 activations
         return QuantConfig("int8", online=True, bits=8, activations="int8", source=source)
+    if quantization == "int4":
+        return QuantConfig("int4", online=True, bits=4, group_size=INT4_ONLINE_GROUP, source=source)
     return QuantConfig(quantization, online=True, bits=8, source=source)
 
 
-GGUF_CHOICES = ("gguf", "dequantize")
+GGUF_CHOICES = ("gguf", "gguf_a8", "dequantize")
 
 
 def gguf_quant_config(file, quantization: Optional[str]) -> Optional[QuantConfig]:
@@ -176,7 +181,7 @@ def gguf_quant_config(file, quantization: Optional[str]) -> Optional[QuantConfig
 
     if quantization == "dequantize":
         return None
-    if quantization not in (None, "gguf"):
+    if quantization not in (None, "gguf", "gguf_a8"):
         if quantization in ONLINE_METHODS:
             return online_config(quantization)
         raise ValueError(f"quantization = {quantization!r} for the GGUF file {file.path}; expected None or 'gguf' "
@@ -184,7 +189,8 @@ def gguf_quant_config(file, quantization: Optional[str]) -> Optional[QuantConfig
     types = {name: file.type_of(name) for name in file.tensors if file.type_of(name) in NATIVE}
     if not types:
         return None
-    return QuantConfig("gguf", bits=4, group_size=32, source=str(file.path), types=MappingProxyType(types))
+    return QuantConfig("gguf", bits=4, group_size=32, source=str(file.path), types=MappingProxyType(types),
+                       activations="int8" if quantization == "gguf_a8" else None)
 
 
 def read_quant_config(path: Path, quantization: Optional[str]) -> Optional[QuantConfig]:
@@ -294,11 +300,16 @@ class QuantLinear(nn.Module):
             if k % g:
                 raise ValueError(f"in_features = {k} is not a multiple of {quant.types[tensor]}'s group of {g}")
             with torch.device("meta"):
-                layer = cls(k, n, linear.bias is not None, scheme, k // g, (0, 0), dtype)
+                layer = cls(k, n, linear.bias is not None, scheme, k // g, (0, 0), dtype,
+                            activations=quant.activations)
                 if mins:
                     layer.mins = torch.empty((n, k // g), dtype=torch.float32)
             return layer
-        if quant.online:
+        if quant.online and scheme == "int4":
+            if k % quant.group_size:
+                raise ValueError(f"in_features = {k} is not a multiple of online int4's group of {quant.group_size}")
+            groups, block = k // quant.group_size, (0, 0)
+        elif quant.online:
             groups, block = 1, (1, k)
         elif scheme == "fp8":       # block-wise scales are held one row per output feature (convert_layer)
             groups, block = 0, (1, quant.block[1])
@@ -356,7 +367,7 @@ class QuantLinear(nn.Module):
     def takes_gate_up(self) -> bool:
         """Whether ``forward_silu_mul`` runs as one op here: a product on panels (``use_panels``) in natural
         input order, computing in fp32 or bf16 (silu_mul's dtypes)."""
-        return (self.panels and self._silu_op is not None and self.perm is None
+        return (self.panels and self._silu_op is not None and self.perm is None and self.mins is None
                 and self.dtype in (torch.float32, torch.bfloat16))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -551,6 +562,9 @@ class QuantMoeExperts(nn.Module):
     @classmethod
     def like(cls, experts: nn.Module, quant: QuantConfig) -> "QuantMoeExperts":
         """A meta-device QuantMoeExperts of ``experts``' (a ``MoeExperts``) shape for ``quant``."""
+        if quant.online and quant.scheme == "int4":
+            raise ValueError("quantization = 'int4' (online) does not cover mixture-of-experts layers yet; use "
+                             "'int8' or 'fp8'")
         e, two_inter, hidden = experts.gate_up_proj.shape
         with torch.device("meta"):
             return cls(e, hidden, two_inter // 2, quant)
@@ -660,7 +674,7 @@ def convert_layer(quant: QuantConfig, prefix: str, tensors: dict[str, torch.Tens
     if quant.online:
         (w,) = (tensors[prefix + ".weight"],)
         _expect(prefix + ".weight", w, (n, k), (torch.float32, torch.bfloat16, torch.float16, torch.float64))
-        return quantize_online(w, quant.method)
+        return quantize_online(w, quant.method, quant.group_size)
     if quant.method == "fp8":
         bn, bk = quant.block
         w, s = tensors[prefix + ".weight"], tensors[prefix + ".weight_scale_inv"]
@@ -816,10 +830,21 @@ def attach_panel_arena(model: nn.Module) -> None:
         m.__dict__["panel_arena"] = arena
 
 
-def quantize_online(w: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
+def quantize_online(w: torch.Tensor, method: str, group_size: int = INT4_ONLINE_GROUP) -> dict[str, torch.Tensor]:
     """A full-precision weight ``[N, K]`` as QuantLinear buffers (module docstring: int8 per channel,
-    fp8 per tensor). Computed in fp32, one output-row block at a time where it matters."""
+    fp8 per tensor; int4 per group of ``group_size`` inputs, asymmetric: ``s = (max - min) / 15``,
+    ``z = round(-min / s)``, ``q = round(w / s) + z`` in 0..15). Computed in fp32."""
     w = w.float()
+    if method == "int4":
+        n, k = w.shape
+        g = w.reshape(n, k // group_size, group_size)
+        lo = g.amin(-1).clamp(max=0)                   # the range holds 0, so z is a valid 0..15 code
+        hi = g.amax(-1).clamp(min=0)
+        scales = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+        zeros = torch.clamp(torch.round(-lo / scales), 0, 15)
+        q = torch.clamp(torch.round(g / scales[..., None]) + zeros[..., None], 0, 15).to(torch.uint8)
+        return {"qweight": pack_int4(q.reshape(n, k).contiguous()), "scales": scales.contiguous(),
+                "zeros": zeros.to(torch.uint8).contiguous()}
     if method == "int8":
         amax = w.abs().amax(dim=1, keepdim=True)                       # [N, 1]
         scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))

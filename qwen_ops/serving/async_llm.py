@@ -98,6 +98,7 @@ class AsyncLLM:
             self.vocab_size = int(llm.engine.vocab_size)
             self.max_model_len = int(llm.scheduler.config.max_model_len)
             self.model_path: Optional[Path] = getattr(llm, "model_path", None)
+            self.tokenizer_path: Optional[Path] = getattr(llm, "tokenizer_path", self.model_path)
             self.eos_token_ids = tuple(llm.engine.eos_token_ids)
             self.sampling_overrides = dict(llm.sampling_overrides)     # generation_config's defaults
             self.max_loras = None if llm.engine.lora is None else llm.engine.lora.config.max_loras
@@ -108,8 +109,12 @@ class AsyncLLM:
             info = self._core.info
             self.vocab_size = info["vocab_size"]
             self.max_model_len = info["max_model_len"]
+            from qwen_ops.models.gguf import open_path
+
             self.model_path = Path(info["model_path"])
-            self.tokenizer = load_tokenizer(self.model_path)
+            # the tokenizer's source (a GGUF file read here once more: the engine's process has its own copy)
+            self.tokenizer_path = open_path(info.get("tokenizer_path") or self.model_path)
+            self.tokenizer = load_tokenizer(self.tokenizer_path)
             self.eos_token_ids = tuple(info["eos_token_ids"])
             self.sampling_overrides = dict(info["sampling_overrides"])
             self.max_loras = info["max_loras"]            # None: LoRA is not enabled

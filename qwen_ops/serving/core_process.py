@@ -64,7 +64,8 @@ def core_main(conn) -> None:
     try:
         send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
-                             "model_path": str(llm.model_path), "stats": core.stats(),
+                             "model_path": str(llm.model_path), "tokenizer_path": str(llm.tokenizer_path),
+                             "stats": core.stats(),
                              "eos_token_ids": list(llm.engine.eos_token_ids),
                              "sampling_overrides": llm.sampling_overrides,
                              "max_loras": None if llm.engine.lora is None else llm.engine.lora.config.max_loras,

@@ -290,8 +290,11 @@ class LLM:
                  generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: Optional[int] = None, runner: str = "auto", task: Optional[str] = None,
-                 hf_overrides: Optional[dict] = None):
-        """``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
+                 hf_overrides: Optional[dict] = None, tokenizer: Union[str, Path, None] = None):
+        """``tokenizer`` (vLLM's): a checkpoint directory with a ``tokenizer.json``, or a GGUF file, whose
+        tokenizer and chat template are used instead of ``model``'s (None: ``model``'s own).
+
+        ``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
         ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
         ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
         ``k_scale`` / ``v_scale``: the checkpoint's where it carries them, else 1.0, or measured on the
@@ -420,6 +423,18 @@ class LLM:
                              "tensor_parallel_size = 1 or no speculative_config")
         resolve_runner(runner, task, False)       # the names, before anything is read
         path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
+        if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+            raise ValueError(f"tokenizer = {tokenizer!r}, expected a checkpoint directory with a tokenizer.json, a "
+                             "GGUF file or a Hugging Face model id (str or Path), or None")
+        tokenizer_path = None if tokenizer is None else resolve_model_path(tokenizer)
+        own_tokenizer = None
+        if tokenizer_path is not None:
+            from qwen_ops.models.tokenizer import load_tokenizer
+
+            own_tokenizer = load_tokenizer(tokenizer_path)
+            if own_tokenizer is None:
+                raise ValueError(f"tokenizer = {str(tokenizer)!r}: {tokenizer_path} has no tokenizer.json (nor is it a "
+                                 "GGUF file with a tokenizer)")
         reranker = hf_overrides is not None
         if reranker:
             check_hf_overrides(hf_overrides)
@@ -477,12 +492,14 @@ class LLM:
         if lora is not None:
             engine_kwargs["lora"] = lora
         if tensor_parallel_size == 1:
-            self.engine = QwenEngine(ckpt.model, cfg, tokenizer=ckpt.tokenizer, eos_token_ids=ckpt.eos_token_ids,
-                                     **engine_kwargs)
+            self.engine = QwenEngine(ckpt.model, cfg, tokenizer=own_tokenizer or ckpt.tokenizer,
+                                     eos_token_ids=ckpt.eos_token_ids, **engine_kwargs)
         else:
             self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
                                                      tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
                                                      quantization=quantization, **engine_kwargs)
+            if own_tokenizer is not None:
+                self.engine.tokenizer = own_tokenizer
         if spec is not None:
             self.engine.runner.set_verify_rows(spec.num_speculative_tokens + 1)
             if spec.method == "draft_model":
@@ -504,6 +521,8 @@ class LLM:
         from qwen_ops.models.gguf import as_path
 
         self.model_path = as_path(path)      # a GGUF file's path carries the file, read once
+        # where the tokenizer and the chat template come from (``tokenizer``, else the model)
+        self.tokenizer_path = as_path(tokenizer_path) if tokenizer_path is not None else self.model_path
         self._chat_template = None      # LLM.chat's, compiled on first use
         self.sampling_overrides = sampling_overrides(self.model_path, generation_config)
         self._default_sampling = SamplingParams(**self.sampling_overrides)
@@ -746,6 +765,13 @@ class LLM:
         checkpoint's chat template (ChatML if it has none), the same ``ChatTemplate`` as
         ``/v1/chat/completions``, and tokenized without special tokens, as the server does;
         ``chat_template_kwargs`` go to the template (e.g. ``enable_thinking``)."""
+        prompts = self._chat_prompts(messages, add_generation_prompt, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompts(self, messages, add_generation_prompt: bool = True,
+                      chat_template_kwargs: Optional[dict] = None) -> list[dict]:
+        """The ``{"prompt_token_ids": [...]}`` prompts ``chat`` sends, one per conversation; ``qwen-ops
+        chat`` streams them through ``stream``, so its prompt is exactly ``chat``'s."""
         from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
 
         if self.tokenizer is None:
@@ -757,7 +783,7 @@ class LLM:
                              "such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.for_checkpoint(self.model_path)
+            self._chat_template = ChatTemplate.for_checkpoint(self.tokenizer_path)
         try:                    # before **chat_template_kwargs below collides with add_generation_prompt=
             self._chat_template.check_kwargs(chat_template_kwargs)
         except ChatTemplateError as e:
@@ -772,7 +798,7 @@ class LLM:
             except ChatTemplateError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:
         """Abort a request by the id ``add_request`` returned (all its completions)."""

@@ -369,7 +369,7 @@ class _Serving:
         self.heartbeat_timeout = heartbeat_timeout
         self.request_timeout = request_timeout
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
-        self.chat_template = ChatTemplate.for_checkpoint(engine.model_path)
+        self.chat_template = ChatTemplate.for_checkpoint(getattr(engine, "tokenizer_path", None) or engine.model_path)
         self.metrics = ServerMetrics(engine.stats, served_names[0], is_up=self.engine_up,
                                      max_model_len=getattr(engine, "max_model_len", None))
         self.created = int(time.time())
@@ -1327,6 +1327,7 @@ def run_server(args) -> int:
                                           calculate_kv_scales=args.calculate_kv_scales,
                                           max_grammar_compile_seconds=args.max_grammar_compile_seconds,
                                           runner=getattr(args, "runner", "auto"),
+                                          tokenizer=getattr(args, "tokenizer", None),
                                           **lora_kwargs)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
