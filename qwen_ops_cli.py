@@ -7,6 +7,8 @@ live in ``qwen_ops.serving.commands``.
 
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
+    qwen-ops chat model.Q4_1.gguf "What is the capital of France?"   # one answer, streamed
+    qwen-ops chat /path/to/Qwen3-0.6B --system "Be brief."            # a conversation on stdin
     qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
     qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
     qwen-ops perplexity /path/to/Qwen3-0.6B --file wiki.test.raw --ctx-size 512
@@ -97,6 +99,9 @@ def _add_model_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     else:
         p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
                        "default: the embedded model")
+    p.add_argument("--tokenizer", default=None,
+                   help="a checkpoint directory with a tokenizer.json, or a GGUF file, whose tokenizer and chat "
+                        "template to use instead of the model's (vLLM's flag)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
@@ -131,6 +136,9 @@ def _add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY); an empty or "
                         "blank key is an error. To serve without authentication, leave out both --api-key and "
                         "QWEN_OPS_API_KEY")
+    s.add_argument("--tokenizer", default=None,
+                   help="a checkpoint directory with a tokenizer.json, or a GGUF file, whose tokenizer and chat "
+                        "template to use instead of MODEL's (vLLM's flag; default: MODEL's own)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the checkpoint directory's name, or "
                         "qwen-ops-default for the embedded model)")
@@ -185,6 +193,32 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func="serve")
 
 
+def _add_chat_parser(sub) -> None:
+    c = sub.add_parser("chat", help="chat with an instruct model, its answers streamed",
+                       description="Chat with MODEL, each prompt rendered by the model's chat template (as LLM.chat "
+                                   "renders it) and each answer streamed to stdout as it is generated, then its "
+                                   "speed on stderr. With MESSAGE: one answer. Without: a conversation read from "
+                                   "stdin, a line a turn ('> ' prompts on a terminal); the model sees the whole "
+                                   "conversation. /reset clears it, /exit, /quit or end of input ends it. Ctrl-C "
+                                   "stops an answer (the request is aborted) and that turn is left out of the "
+                                   "conversation.")
+    _add_model_args(c, positional_model=True)
+    c.add_argument("message", nargs="?", default=None,
+                   help="one message to answer, then exit (default: a conversation on stdin); one positional "
+                        "argument is MODEL, so for the embedded model use --message")
+    c.add_argument("--message", "-m", dest="message_flag", default=None, metavar="TEXT",
+                   help="the same as MESSAGE, e.g. with the embedded model: qwen-ops chat -m 'Hello'")
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system prompt, first in every conversation "
+                   "(default: none, so the chat template's own default if it has one)")
+    c.add_argument("--max-tokens", type=int, default=256, help="most tokens of an answer (default 256)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-k", type=int, default=-1)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    c.set_defaults(func="chat")
+
+
 def _add_perplexity_parser(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp's llama-perplexity",
                        description="Perplexity of a text under MODEL, as llama.cpp's llama-perplexity computes it: "
@@ -225,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     g.set_defaults(func="generate")
+    _add_chat_parser(sub)
     b = sub.add_parser("bench", help="serve synthetic requests and print latency/throughput",
                        description="Run N synthetic greedy requests through the scheduler and print a table.")
     _add_model_args(b)

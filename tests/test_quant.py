@@ -556,8 +556,8 @@ def test_bad_group_assignment_and_misshaped_tensors_are_named(fp32_ckpt, tmp_pat
 
 
 def test_online_quantization_argument_errors(fp32_ckpt, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization = 'int4'; expected one of int8, fp8"):
-        load_model(fp32_ckpt, quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization = 'int3'; expected one of int8, int4, fp8"):
+        load_model(fp32_ckpt, quantization="int3")
     path, _, _ = write_quantized(fp32_ckpt, tmp_path / "q", "awq", 4)
     with pytest.raises(ValueError, match=r"quantization = 'int8', but .* holds a 'awq' checkpoint"):
         load_model(path, quantization="int8")

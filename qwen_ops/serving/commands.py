@@ -1,4 +1,5 @@
-"""The ``qwen-ops`` commands: ``generate`` streams a completion, ``bench`` measures serving,
+"""The ``qwen-ops`` commands: ``generate`` streams a completion, ``chat`` streams a model's answers
+to a conversation, ``bench`` measures serving,
 ``serve`` runs the OpenAI-compatible HTTP server (the ``serve`` extra), ``perplexity`` scores a
 text as llama.cpp's ``llama-perplexity`` (``serving/perplexity.py``). The parser and ``main``
 are in the top-level ``qwen_ops_cli`` (importable without torch, so ``--help`` is instant), with
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -23,7 +26,7 @@ def _llm(args: argparse.Namespace):
                max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                preemption_mode=args.preemption_mode, swap_space=args.swap_space, quantization=args.quantization,
                speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-               calculate_kv_scales=args.calculate_kv_scales)
+               calculate_kv_scales=args.calculate_kv_scales, tokenizer=getattr(args, "tokenizer", None))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -54,6 +57,128 @@ def _generate(args: argparse.Namespace) -> int:
     rate = n_tokens / elapsed if elapsed > 0 else float("inf")
     print(f"\n\n[{n_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s; "
           f"first token after {1000 * ((first or start) - start):.0f} ms]")
+    return 0
+
+
+class _StopOnCtrlC:
+    """While entered, Ctrl-C (SIGINT) sets ``stopped`` instead of raising ``KeyboardInterrupt``, so the
+    caller stops its stream between engine steps (closing it aborts the request) rather than in the
+    middle of one; a second Ctrl-C raises as usual. Only the main thread receives signals, so
+    elsewhere this changes nothing."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.stopped:
+            raise KeyboardInterrupt
+        self.stopped = True
+
+    def __enter__(self) -> "_StopOnCtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _chat_turn(llm, messages: list[dict], params) -> Optional[str]:
+    """Stream the answer to ``messages`` to stdout as it is generated, then a newline, and the speed
+    line to stderr. Returns the answer, or None when Ctrl-C stopped it (the request is aborted).
+
+    The prompt is ``LLM.chat``'s (the model's chat template, ``LLM._chat_prompts``), streamed by
+    ``LLM.stream``; a conversation too long for --max-model-len raises ValueError before any output."""
+    (prompt,) = llm._chat_prompts(messages)
+    start = time.perf_counter()
+    updates = llm.stream([prompt], params)
+    out = sys.stdout
+    first: Optional[float] = None
+    text = ""
+    n_tokens = 0
+    finish_reason = None
+    with _StopOnCtrlC() as ctrl_c:
+        for update in updates:
+            first = first or time.perf_counter()
+            completion = update.outputs[0]
+            out.write(completion.text[len(text):])     # the text only grows: write what is new
+            out.flush()
+            text, n_tokens, finish_reason = completion.text, len(completion.token_ids), completion.finish_reason
+            if ctrl_c.stopped:
+                updates.close()                         # aborts the request, frees its KV blocks
+                break
+    out.write("\n")
+    out.flush()
+    elapsed = time.perf_counter() - start
+    rate = n_tokens / elapsed if elapsed > 0 else float("inf")
+    note = ("; stopped by Ctrl-C" if ctrl_c.stopped else
+            "; stopped at --max-tokens" if finish_reason == "length" else "")
+    print(f"[{n_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s; "
+          f"first token after {1000 * ((first or start) - start):.0f} ms{note}]", file=sys.stderr)
+    return None if ctrl_c.stopped else text
+
+
+CHAT_COMMANDS = ("/exit", "/quit", "/reset")
+
+
+def _read_line(tty: bool) -> Optional[str]:
+    """The next line of stdin without its newline; None at the end (EOF, or Ctrl-C at the prompt)."""
+    if not tty:
+        line = sys.stdin.readline()
+        return line.rstrip("\r\n") if line else None
+    try:
+        return input("> ")
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return None
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from qwen_ops.engine.sampling import SamplingParams
+
+    if args.message is not None and args.message_flag is not None:
+        raise ValueError(f"MESSAGE = {args.message!r} and --message = {args.message_flag!r}; expected one of them")
+    message = args.message if args.message is not None else args.message_flag
+    _check_at_least_one(args, "--max-tokens")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = _llm(args)
+    if llm.tokenizer is None:
+        raise ValueError(f"{llm.model_path} has no tokenizer.json, so chat messages cannot be encoded")
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    if message is not None:                     # one turn
+        return 0 if _chat_turn(llm, system + [{"role": "user", "content": message}], params) is not None else 130
+    tty = sys.stdin.isatty()
+    if tty:
+        print("Chatting with the model: /reset clears the conversation, /exit or Ctrl-D ends it, Ctrl-C stops "
+              "an answer.", file=sys.stderr)
+    history: list[dict] = []                    # user and assistant turns, in order (the system prompt apart)
+    while (line := _read_line(tty)) is not None:
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            history = []
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; expected one of {', '.join(CHAT_COMMANDS)}", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        user = {"role": "user", "content": line}
+        try:
+            answer = _chat_turn(llm, system + history + [user], params)
+        except ValueError as e:                 # e.g. the conversation outgrew --max-model-len
+            print(f"error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        if answer is None:
+            # A stopped answer is not a reply: the turn is left out, as if it had not been asked.
+            print("[answer stopped; this turn is left out of the conversation]", file=sys.stderr)
+            continue
+        history += [user, {"role": "assistant", "content": answer}]
     return 0
 
 
