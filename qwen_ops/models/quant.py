@@ -275,6 +275,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"scheme = {scheme!r}, expected int8, int4 or fp8")
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device)) if bias else None
         self.register_buffer("mins", None)
+        self._mins_t: Optional[torch.Tensor] = None     # mins^T [G, N], contiguous (process_weights_after_loading)
         # GPTQ act order (desc_act): the input features' order that makes each group contiguous;
         # x is gathered by it before the product (None: natural order).
         self.register_buffer("perm", None)
@@ -335,6 +336,8 @@ class QuantLinear(nn.Module):
             self.__dict__["_call"] = None
             if name == "bias":          # and its fp32 copy, made from the old bias
                 self.__dict__["_bias32"] = None
+            if name == "mins":
+                self.__dict__["_mins_t"] = None
 
     def _make_call(self) -> tuple:
         """``(op, perm, args)``: the forward's op call, ``op(x[:, perm], *args)``, for this layer's scheme
@@ -359,9 +362,12 @@ class QuantLinear(nn.Module):
             x2 = x2.index_select(1, perm)
         y = op(x2, *args)
         if self.mins is not None:       # + m per group: the inputs' sums over each group times the minimums
-            groups = self.mins.shape[1]
-            sums = x2.float().reshape(x2.shape[0], groups, -1).sum(-1)
-            y = (y.float() + sums @ self.mins.T).to(y.dtype)
+            mins_t = self._mins_t if self._mins_t is not None else self.mins.t()
+            sums = x2.reshape(x2.shape[0], mins_t.shape[0], -1).sum(-1, dtype=torch.float32)
+            if y.dtype == torch.float32:
+                y.addmm_(sums, mins_t)
+            else:
+                y = torch.addmm(y.float(), sums, mins_t).to(y.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def takes_gate_up(self) -> bool:
@@ -382,6 +388,10 @@ class QuantLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """The bias as the op takes it (fp32), and the forward's op call (``_make_call``), once."""
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        self._mins_t = None
+        if self.mins is not None:       # held once, transposed: mins is a view of it
+            self._mins_t = self.mins.t().contiguous()
+            self._buffers["mins"] = self._mins_t.t()
         self._call = self._make_call()
 
     def _apply(self, fn, recurse=True):
