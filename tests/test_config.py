@@ -114,11 +114,11 @@ def test_missing_theta_is_an_error_naming_the_file(tmp_path):
 
 
 def test_unsupported_model_type_names_it_and_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": "llama", "rope_theta": 1e4}))
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": "gemma", "rope_theta": 1e4}))
     with pytest.raises(ValueError) as e:
         QwenConfig.from_pretrained(tmp_path)
     msg = str(e.value)
-    assert "'llama'" in msg and "config.json" in msg
+    assert "'gemma'" in msg and "config.json" in msg
     assert all(t in msg for t in ARCHITECTURES)
 
 

@@ -308,3 +308,17 @@ def test_online_int4_is_round_to_nearest_per_group():
         layer._buffers[key] = value
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x).double(), x.double() @ deq.T, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_safetensors_checkpoint_matches_transformers(tmp_path):
+    """model_type llama (added for GGUF's llama files) loads from a Hugging Face directory as well."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False)[0, len(prompt):].tolist()
+    out = LLM(str(tmp_path), kv_cache_bytes=1 << 24).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref
