@@ -322,3 +322,83 @@ def test_llama_safetensors_checkpoint_matches_transformers(tmp_path):
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
         use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == ref
+
+
+def write_moe_gguf(model, path, qtype) -> None:
+    """A Qwen3-MoE model as llama.cpp's qwen3moe file: experts stacked (ffn_{gate,up,down}_exps), the router
+    ffn_gate_inp. transformers' qwen3moe GGUF mapping reads no expert_feed_forward_length: the model keeps
+    its default moe_intermediate_size (768)."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x100 + i) for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_merges([])
+
+    def put(name, t):
+        if t.ndim >= 2 and qtype != T.F32:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(t))
+
+    for name, t in model.state_dict().items():
+        t = t.float().numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            put({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name], t)
+            continue
+        parts = name.split(".")
+        layer = parts[2]
+        if name.endswith("experts.gate_up_proj"):
+            inter = t.shape[1] // 2
+            put(f"blk.{layer}.ffn_gate_exps.weight", t[:, :inter])
+            put(f"blk.{layer}.ffn_up_exps.weight", t[:, inter:])
+        elif name.endswith("experts.down_proj"):
+            put(f"blk.{layer}.ffn_down_exps.weight", t)
+        elif name.endswith("mlp.gate.weight"):
+            put(f"blk.{layer}.ffn_gate_inp.weight", t)
+        else:
+            put(f"blk.{layer}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0])
+def test_moe_file_matches_transformers(tmp_path, qtype):
+    """A qwen3moe file (stacked experts, dequantized at load; attention held as stored) against transformers."""
+    torch.manual_seed(3)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=128, max_position_embeddings=256,
+                                      tie_word_embeddings=False, norm_topk_prob=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(model, path, qtype)
+    hf = transformers_model(path)
+    llm = LLM(str(path), kv_cache_bytes=1 << 24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == ref

@@ -390,8 +390,11 @@ class QuantLinear(nn.Module):
         self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
         self._mins_t = None
         if self.mins is not None:       # held once, transposed: mins is a view of it
-            self._mins_t = self.mins.t().contiguous()
-            self._buffers["mins"] = self._mins_t.t()
+            if self.mins.stride(0) == 1:    # already a view of a transposed copy (this layer's, or a fused layer's rows)
+                self._mins_t = self.mins.t()
+            else:
+                self._mins_t = self.mins.t().contiguous()
+                self._buffers["mins"] = self._mins_t.t()
         self._call = self._make_call()
 
     def _apply(self, fn, recurse=True):
