@@ -217,7 +217,7 @@ def test_checkpoint_with_int8_activations(method, bits, ckpt, tmp_path):
 
 
 def test_int8_activation_errors(ckpt, tmp_path):
-    with pytest.raises(ValueError, match=r"quantization = 'fp8_a8'; expected one of int8, fp8, w8a8"):
+    with pytest.raises(ValueError, match=r"quantization = 'fp8_a8'; expected one of int8, int4, fp8, w8a8"):
         load_model(ckpt, quantization="fp8_a8")
     with pytest.raises(ValueError, match=r"quantization = 'gptq_a8'.*this checkpoint has no quantization_config"):
         load_model(ckpt, quantization="gptq_a8")

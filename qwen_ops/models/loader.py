@@ -22,7 +22,6 @@ allocated once: no second copy of the experts.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import defaultdict
@@ -34,7 +33,10 @@ import torch
 from torch import nn
 
 from qwen_ops.models.gguf import as_path
-from qwen_ops.models.config import ARCHITECTURES, QwenConfig, token_ids
+from qwen_ops.models.config import QwenConfig, token_ids
+from qwen_ops.models.formats import (FILE_DTYPES, INDEX_FILE, MAP_WINDOW_BYTES, SINGLE_FILE, CheckpointError,  # noqa: F401
+                                     checkpoint_name, open_file as _open, read_json as _read_json, weight_files)
+from qwen_ops.models import quant_load
 from qwen_ops.models.dense import QwenForCausalLM
 from qwen_ops.models.hybrid import Qwen3_5ForCausalLM
 from qwen_ops.models.layers import rope_table
@@ -44,10 +46,7 @@ from qwen_ops.models import quant as Q
 from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-MAP_WINDOW_BYTES = 64 << 20
 
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -55,8 +54,6 @@ DTYPE_NAMES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# safetensors dtype codes a floating-point weight may be stored in.
-FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Names a checkpoint may hold that carry nothing the model needs (old exports saved RoPE buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # An fp8-KV checkpoint's per-layer cache scales, under an attention module's checkpoint prefix, in the
@@ -68,8 +65,6 @@ KV_SCALE_NAMES = ((".k_scale", ".v_scale"), (".attn.k_scale", ".attn.v_scale"),
 KV_SCALE_SUFFIXES = tuple({name for pair in KV_SCALE_NAMES for name in pair})
 # Qwen3.5 checkpoints: the multi-token-prediction head and (qwen3_5) the vision tower are not loaded.
 HYBRID_IGNORED_PREFIXES = ("mtp.", "model.visual.")
-# qwen3_5 / qwen3_5_moe (multimodal) checkpoints hold the language model under this prefix instead of "model.".
-LANGUAGE_MODEL_PREFIX = "model.language_model."
 # The embedding's name in a checkpoint of the bare decoder (transformers' Qwen3Model, no "model." prefix).
 BARE_EMBEDDING = "embed_tokens.weight"
 # The classification head of a Qwen3ForSequenceClassification checkpoint (read with pooling=True).
@@ -78,10 +73,6 @@ SEQUENCE_CLASSIFIER = "score.weight"
 EXPERTS_GATE_UP = ".experts.gate_up_proj"
 EXPERTS_DOWN = ".experts.down_proj"
 MAX_LISTED_PROBLEMS = 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is unreadable or disagrees with its config; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +192,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
             model.mtp = MTPHead(config)
     if tp is not None and tp.size > 1:
         shard_model(model, tp)
-    quantized, qexperts = _quantize_modules(path, model, quant, files, config, dtype) if quant is not None else ({}, {})
+    plan = quant_load.prepare(path, model, quant, files, config, dtype)     # quantized layers swapped in (meta)
     bare = BARE_EMBEDDING in files and "model.embed_tokens.weight" not in files
     if pooling and not config.tie_word_embeddings and "lm_head.weight" not in files and not config.is_hybrid:
         model.lm_head = None              # nothing to compute logits with; pooling reads hidden states
@@ -218,7 +209,7 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     experts = _expert_pieces(params, files)   # stacked experts the checkpoint stores per expert
     stacked = {piece.param for piece in experts}
     params = {name: p for name, p in params.items() if name not in stacked}
-    handled = _quantized_tensors(quant, quantized, qexperts, model, files) if quant is not None else set()
+    handled = plan.tensors if plan is not None else set()
     _check_tensors(path, files, params, config, experts, handled)
 
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -229,30 +220,13 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
         _copy_tensors(file, names, model, dtype, device, renamed)
     if experts:
         _copy_expert_pieces(files, experts, model, dtype, device, renamed)
-    if quantized:
-        _copy_quantized(files, quantized, model, quant, device)
-    if qexperts:
-        _copy_quantized_experts(files, qexperts, model, quant, device)
-    if isinstance(model.model.embed_tokens, Q.QuantEmbedding) and config.tie_word_embeddings and model.lm_head is not None:
-        model.model.embed_tokens.tied_head(model.lm_head)
     if config.tie_word_embeddings and model.lm_head is not None and not isinstance(model.lm_head, Q.QuantLinear):
         model.lm_head.weight = model.model.embed_tokens.weight
-    if quant is not None and quant.online and quant.method == "int8":
-        _quantize_lm_head(model, quant, dtype, device)
-    if quant is not None and quant.activations == "int8" and device.type == "cpu":
-        from qwen_ops.ops import host
-
-        if host.why_unavailable() is None and not host.int8_dot_products():
-            logger.warning("quantization with int8 activations (%s): this CPU (or build) has no AVX512-VNNI, so "
-                           "the products run a portable loop, correct but tens of times slower than the "
-                           "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)
+    quant_load.fill(plan, files, model, config, dtype, device)
     _load_kv_scales(model, files, config, device)
     gguf = getattr(next(iter(files.values()), None), "gguf", None)
     if gguf is not None:        # which tensors run as stored, which were dequantized
-        native = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)} if quantized else set()
-        if isinstance(model.lm_head, Q.QuantLinear) and config.tie_word_embeddings:
-            native.add("model.embed_tokens.weight")
-        model.gguf_summary = gguf.summary(native)
+        model.gguf_summary = gguf.summary(quant_load.held_as_stored(plan, model, config))
         logger.info("GGUF %s", model.gguf_summary)
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
@@ -283,17 +257,6 @@ def _load_kv_scales(model: nn.Module, files: dict[str, Path], config: QwenConfig
         module.v_scale = torch.tensor(scales[1], dtype=torch.float32, device=device)
 
 
-def _quantize_lm_head(model: nn.Module, quant: "Q.QuantConfig", dtype: torch.dtype, device: torch.device) -> None:
-    """Online int8 quantizes the LM head as well (llama.cpp's Q8_0 does): at Qwen3-0.6B's size its
-    151,936 x 1,024 weight is a third of the bytes a decode step reads. The embedding (the same
-    tensor when tied) stays in the model dtype for the lookup."""
-    head = model.lm_head
-    layer = Q.QuantLinear.like(head, quant, dtype)
-    for key, value in Q.quantize_online(head.weight.detach(), "int8").items():
-        layer._buffers[key] = value.to(device)
-    model.lm_head = layer
-
-
 _LAYER_NAME = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 
@@ -318,17 +281,6 @@ def _check_layer_count(path: Path, files: dict[str, Path], config: QwenConfig) -
         found = f"layers 0..{max(held)}" if held == set(range(max(held) + 1)) else f"{len(held)} layer indices"
         raise CheckpointError(f"{path / 'config.json'}: num_hidden_layers = {config.num_hidden_layers}, but the "
                               f"checkpoint's weights hold {found} ({len(held)} layers)")
-
-
-def checkpoint_name(param_name: str, config: QwenConfig, bare: bool = False) -> str:
-    """The checkpoint's name of a model parameter: ``model.X`` is ``model.language_model.X`` in the
-    multimodal wrappers (qwen3_5, qwen3_5_moe), and ``X`` in a bare decoder's checkpoint (``bare``:
-    saved as transformers' ``Qwen3Model``)."""
-    if bare and param_name.startswith("model."):
-        return param_name.removeprefix("model.")
-    if ARCHITECTURES[config.model_type].text_model_type is not None and param_name.startswith("model."):
-        return LANGUAGE_MODEL_PREFIX + param_name.removeprefix("model.")
-    return param_name
 
 
 @dataclass(frozen=True)
@@ -371,36 +323,6 @@ def _expert_pieces(params: dict[str, nn.Parameter], files: dict[str, Path]) -> l
             else:
                 pieces.append(_ExpertPiece(f"{prefix}{e}.down_proj.weight", name, (rows, cols), e, (0, rows)))
     return pieces
-
-
-def weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (from the index, or the single file's header); for a
-    GGUF file, its tensors' Hugging Face names -> the file (a ``GGUFPath``, which ``_open`` reads through)."""
-    from qwen_ops.models.gguf import gguf_of, weight_path
-
-    gguf = gguf_of(path)
-    if gguf is not None:
-        file = weight_path(gguf)
-        return {name: file for name in gguf.names()}
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a checkpoint directory")
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: expected a non-empty 'weight_map' object of tensor name -> file")
-        files = {name: path / file for name, file in weight_map.items()}
-        for name, file in files.items():
-            if not file.is_file():
-                raise FileNotFoundError(f"{file}: weight file is missing (named in {index} for tensor {name!r})")
-        return files
-    single = path / SINGLE_FILE
-    if single.is_file():
-        with _open(single) as f:
-            return {name: single for name in f.keys()}
-    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.safetensors"))
-    found = f"; found only {', '.join(others)} (only safetensors are supported)" if others else ""
-    raise FileNotFoundError(f"{path}: no weight file: expected {SINGLE_FILE} or {INDEX_FILE}{found}")
 
 
 def _check_tensors(path: Path, files: dict[str, Path], params: dict[str, nn.Parameter],
@@ -578,223 +500,5 @@ def _copy_expert_pieces(files: dict[str, Path], pieces: list[_ExpertPiece], mode
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(dst, requires_grad=False)
 
 
-_QUANT_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale_inv")
 
 
-def _quantize_modules(path: Path, model: nn.Module, quant: "Q.QuantConfig", files: dict[str, Path],
-                      config: QwenConfig, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, str]]:
-    """Replace the decoder layers' projections (``quant.LINEAR_NAMES``) that the checkpoint stores
-    quantized (online: all of them) by meta-device QuantLinear layers, and the routed experts stored
-    quantized by QuantMoeExperts; returns ``{checkpoint prefix: module name}`` of each. A quantized
-    tensor the model cannot take (an LM head) is an error naming it."""
-    from qwen_ops.models.moe import MoeExperts
-
-    quantized: dict[str, str] = {}
-    experts: dict[str, str] = {}
-    for name, module in list(model.named_modules()):
-        leaf = name.rpartition(".")[2]
-        parent_name, _, attr = name.rpartition(".")
-        if isinstance(module, MoeExperts) and ".layers." in f".{name}":
-            prefix = checkpoint_name(name + ".gate_up_proj", config).removesuffix(".gate_up_proj")
-            if Q.experts_quantized_in_files(quant, prefix, files):
-                try:
-                    layer = Q.QuantMoeExperts.like(module, quant)
-                except ValueError as e:
-                    raise CheckpointError(f"{path}: experts {prefix!r}: {e}") from None
-                setattr(model.get_submodule(parent_name), attr, layer)
-                experts[prefix] = name
-            continue
-        if not (isinstance(module, nn.Linear) and leaf in Q.LINEAR_NAMES and ".layers." in f".{name}"):
-            continue
-        prefix = checkpoint_name(name + ".weight", config).removesuffix(".weight")
-        if not Q.is_quantized_in_files(quant, prefix, files):
-            continue
-        try:
-            layer = Q.QuantLinear.like(module, quant, dtype, prefix + ".weight")
-        except ValueError as e:
-            raise CheckpointError(f"{path}: layer {prefix!r}: {e}") from None
-        setattr(model.get_submodule(parent_name), attr, layer)
-        quantized[prefix] = name
-    if quant.method == "gguf":
-        _quantize_gguf_embeddings(path, model, quant, config, dtype, quantized)
-    if quant.lm_head:           # gptq lm_head: true (untied from the embedding, which stays in full precision)
-        if not Q.is_quantized_in_files(quant, "lm_head", files):
-            raise CheckpointError(f"{path}: quantization_config.lm_head = true, but the checkpoint has no "
-                                  f"quantized LM head (expected {', '.join(Q.checkpoint_tensors(quant, 'lm_head'))})")
-        try:
-            model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: layer 'lm_head': {e}") from None
-        quantized["lm_head"] = "lm_head"
-    if not quant.online:
-        taken = _quantized_tensors(quant, quantized, experts, model, files)
-        stray = sorted(n for n in files if n.endswith(_QUANT_SUFFIXES) and n not in taken)
-        if stray:
-            raise CheckpointError(f"{path}: quantized tensors of layers that qwen_ops does not quantize "
-                                  f"({quant.method}): {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''} "
-                                  "(an LM head is read quantized only with quantization_config.lm_head true)")
-    if not quantized and not experts and quant.method != "gguf":
-        raise CheckpointError(f"{path}: quantization {quant.method!r} but no layer of the checkpoint is stored "
-                              f"quantized (expected tensors such as {Q.checkpoint_tensors(quant, 'model.layers.0.self_attn.q_proj')})")
-    return quantized, experts
-
-
-def _quantize_gguf_embeddings(path: Path, model: nn.Module, quant: "Q.QuantConfig", config: QwenConfig,
-                              dtype: torch.dtype, quantized: dict[str, str]) -> None:
-    """A GGUF file's token table (and its own output table, if untied) held as stored where a product
-    serves the type: the embedding a ``QuantEmbedding``, the LM head a ``QuantLinear``; a tied head shares
-    the table's buffers (``QuantEmbedding.tied_head``, after loading), as llama.cpp holds it once."""
-    embed_name = "model.embed_tokens.weight"
-    try:
-        if embed_name in quant.types and isinstance(model.model.embed_tokens, nn.Embedding):
-            model.model.embed_tokens = Q.QuantEmbedding.like(model.model.embed_tokens, quant, dtype, embed_name)
-            quantized["model.embed_tokens"] = "model.embed_tokens"
-            if config.tie_word_embeddings and model.lm_head is not None:
-                model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype, embed_name)
-        if "lm_head.weight" in quant.types and not config.tie_word_embeddings and model.lm_head is not None:
-            model.lm_head = Q.QuantLinear.like(model.lm_head, quant, dtype, "lm_head.weight")
-            quantized["lm_head"] = "lm_head"
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-def _quantized_tensors(quant: "Q.QuantConfig", quantized: dict[str, str], experts: dict[str, str], model: nn.Module,
-                       files: dict[str, Path]) -> set[str]:
-    """The file tensors that the quantized layers and experts read."""
-    taken = {t for prefix in quantized for t in Q.checkpoint_tensors(quant, prefix)}
-    for prefix, name in experts.items():
-        taken.update(Q.expert_tensors(quant, prefix, model.get_submodule(name).num_experts, files))
-    return taken
-
-
-class _MappedFiles:
-    """The checkpoint's tensors by name, each file mapped on first use and its mapping closed after
-    ``MAP_WINDOW_BYTES`` of tensors read from it (``release``, once the caller holds no view of
-    them: as :func:`_copy_tensors`, so touched pages stop counting as ours); all closed at exit."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = files
-        self.handles: dict[Path, Any] = {}
-        self.mapped: dict[Path, int] = defaultdict(int)
-
-    def __enter__(self) -> "_MappedFiles":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-        self.handles.clear()
-
-    def _read(self, name: str, read) -> torch.Tensor:
-        file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = _open(file).__enter__()
-        t = read(self.handles[file])
-        self.mapped[file] += t.numel() * t.element_size()
-        return t
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._read(name, lambda h: h.get_tensor(name))
-
-    def raw(self, name: str):
-        """A GGUF tensor's stored blocks and type (``gguf.GGUFHandle.raw``)."""
-        file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = _open(file).__enter__()
-        return self.handles[file].raw(name)
-
-    def row(self, name: str, index: int) -> torch.Tensor:
-        """``name[index]`` (one expert of a stacked tensor), reading only that row of the file."""
-        return self._read(name, lambda h: h.get_slice(name)[index])
-
-    def release(self) -> None:
-        for file in [f for f, n in self.mapped.items() if n >= MAP_WINDOW_BYTES]:
-            self.handles.pop(file).__exit__(None, None, None)
-            self.mapped[file] = 0
-
-
-def _copy_quantized_experts(files: dict[str, Path], experts: dict[str, str], model: nn.Module,
-                            quant: "Q.QuantConfig", device: torch.device) -> None:
-    """Fill each QuantMoeExperts' stacked buffers one expert projection at a time (converted as
-    QuantLinear's, ``quant.convert_layer``): no layer's full-precision or stacked file tensors are
-    ever held whole."""
-    with _MappedFiles(files) as mapped:
-        for prefix, module_name in experts.items():
-            layer = model.get_submodule(module_name)
-            for key, buf in list(layer._buffers.items()):
-                if buf is not None:
-                    layer._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-            stacked = quant.online and prefix + ".gate_up_proj" in files
-            for e in range(layer.num_experts):
-                for proj, (buffer, rows, n, k) in layer.projections().items():
-                    groups = getattr(layer, buffer + "_scales").shape[2]
-                    if stacked:           # transformers' stacked layout, quantized one expert's rows at a time
-                        source = prefix + (".down_proj" if buffer == "w2" else ".gate_up_proj")
-                        tensors = {f"{prefix}.{e}.{proj}.weight": mapped.row(source, e)[rows]}
-                    else:
-                        names = Q.checkpoint_tensors(quant, f"{prefix}.{e}.{proj}")
-                        source = names[0]
-                        tensors = {t: mapped.tensor(t) for t in names}
-                    try:
-                        converted = Q.convert_layer(quant, f"{prefix}.{e}.{proj}", tensors, n, k, groups)
-                    except ValueError as err:
-                        raise CheckpointError(f"{files[source]}: {err}") from None
-                    if "perm" in converted:
-                        raise CheckpointError(f"{files[source]}: expert {prefix}.{e}.{proj} has act-order "
-                                              "groups (quantization_config.desc_act true with a g_idx that is not "
-                                              "k // group_size): not supported for mixture-of-experts layers")
-                    getattr(layer, buffer)[e, rows] = converted["qweight"].to(device)
-                    getattr(layer, buffer + "_scales")[e, rows] = converted["scales"].to(device)
-                    if "zeros" in converted:
-                        getattr(layer, buffer + "_zeros")[e, rows] = converted["zeros"].to(device)
-                    del tensors, converted
-                    mapped.release()
-
-
-def _copy_quantized(files: dict[str, Path], quantized: dict[str, str], model: nn.Module, quant: "Q.QuantConfig",
-                    device: torch.device) -> None:
-    """Read each quantized layer's tensors (mapped, a window of bytes at a time as in
-    :func:`_copy_tensors`) and convert them into its QuantLinear's buffers on ``device``."""
-    with _MappedFiles(files) as mapped:
-        for prefix, module_name in quantized.items():
-            layer = model.get_submodule(module_name)
-            read = mapped.raw if quant.method == "gguf" else mapped.tensor
-            tensors = {name: read(name) for name in Q.checkpoint_tensors(quant, prefix)}
-            try:
-                buffers = Q.convert_layer(quant, prefix, tensors, layer.out_features, layer.in_features,
-                                          layer.scales.shape[1])
-            except ValueError as e:
-                raise CheckpointError(f"{files[next(iter(tensors))]}: {e}") from None
-            del tensors
-            for key, value in buffers.items():
-                layer._buffers[key] = value.to(device=device, copy=True)   # never a view of the mapped file
-            mapped.release()
-
-
-def _open(file: Path):
-    """``safe_open`` of ``file`` (memory-mapped), its errors rewritten to name the file; a GGUF file's
-    tensors through the same interface (``gguf.GGUFHandle``)."""
-    from safetensors import SafetensorError, safe_open
-
-    carried = getattr(file, "gguf", None)
-    if carried is not None:
-        from qwen_ops.models.gguf import GGUFHandle
-
-        return GGUFHandle(carried)
-
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except SafetensorError as e:
-        raise CheckpointError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    except OSError as e:
-        raise CheckpointError(f"{file}: cannot open ({e})") from e
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data
