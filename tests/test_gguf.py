@@ -402,3 +402,18 @@ def test_moe_file_matches_transformers(tmp_path, qtype):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                               do_sample=False)[0, len(prompt):].tolist()
         assert list(out.outputs[0].token_ids) == ref
+
+
+@pytest.mark.parametrize("quantization,says", [(None, "quantized as stored: Q4_1 x"),
+                                               ("dequantize", "dequantized at load: Q4_1 x")])
+def test_serve_startup_line_says_how_the_tensors_are_held(files, quantization, says):
+    from qwen_ops.serving.async_llm import AsyncLLM
+    from qwen_ops.serving.openai.server import startup_line
+
+    engine = AsyncLLM.from_pretrained(str(files["qwen3", "Q4_1"]), engine_process=quantization is None,
+                                      quantization=quantization, kv_cache_bytes=1 << 24, max_model_len=128)
+    try:
+        line = startup_line(engine, ["tiny"], "127.0.0.1", 8000)
+    finally:
+        engine.shutdown()
+    assert "qwen3-Q4_1.gguf (qwen3): " in line and says in line, line

@@ -99,6 +99,8 @@ class AsyncLLM:
             self.max_model_len = int(llm.scheduler.config.max_model_len)
             self.model_path: Optional[Path] = getattr(llm, "model_path", None)
             self.tokenizer_path: Optional[Path] = getattr(llm, "tokenizer_path", self.model_path)
+            # how a GGUF file's tensors are held (quantized as stored, dequantized), else None
+            self.weights: Optional[str] = getattr(llm.engine.model, "gguf_summary", None)
             self.eos_token_ids = tuple(llm.engine.eos_token_ids)
             self.sampling_overrides = dict(llm.sampling_overrides)     # generation_config's defaults
             self.max_loras = None if llm.engine.lora is None else llm.engine.lora.config.max_loras
@@ -115,6 +117,7 @@ class AsyncLLM:
             # the tokenizer's source (a GGUF file read here once more: the engine's process has its own copy)
             self.tokenizer_path = open_path(info.get("tokenizer_path") or self.model_path)
             self.tokenizer = load_tokenizer(self.tokenizer_path)
+            self.weights = info.get("weights")
             self.eos_token_ids = tuple(info["eos_token_ids"])
             self.sampling_overrides = dict(info["sampling_overrides"])
             self.max_loras = info["max_loras"]            # None: LoRA is not enabled

@@ -65,6 +65,7 @@ def core_main(conn) -> None:
         send(("ready", {"vocab_size": int(llm.engine.vocab_size),
                              "max_model_len": int(llm.scheduler.config.max_model_len),
                              "model_path": str(llm.model_path), "tokenizer_path": str(llm.tokenizer_path),
+                             "weights": getattr(llm.engine.model, "gguf_summary", None),
                              "stats": core.stats(),
                              "eos_token_ids": list(llm.engine.eos_token_ids),
                              "sampling_overrides": llm.sampling_overrides,

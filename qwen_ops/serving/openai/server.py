@@ -1374,7 +1374,8 @@ def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
     tokens = st["total_blocks"] * st["block_size"]
     return (f"qwen-ops serve: {engine.model_path} as {', '.join(names)} | {st['dtype']}, KV {st['kv_cache_dtype']} | "
             f"max_model_len {st['max_model_len']} | KV cache {st['total_blocks']} blocks = {tokens} tokens | "
-            f"{st['num_threads']} thread{'s' if st['num_threads'] != 1 else ''} | http://{host}:{port}")
+            f"{st['num_threads']} thread{'s' if st['num_threads'] != 1 else ''} | http://{host}:{port}"
+            + (f" | {engine.weights}" if getattr(engine, "weights", None) else ""))
 
 
 def _api_key(flag: Optional[str]) -> Optional[str]:
