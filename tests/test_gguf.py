@@ -417,3 +417,25 @@ def test_serve_startup_line_says_how_the_tensors_are_held(files, quantization, s
     finally:
         engine.shutdown()
     assert "qwen3-Q4_1.gguf (qwen3): " in line and says in line, line
+
+
+def test_tokenizer_argument_replaces_the_files_tokenizer_and_template(files, tmp_path):
+    """tokenizer= (vLLM's): another source's tokenizer and chat template, the file's weights."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"[": 26, "]": 27, "<unk>": 28}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}))
+    llm = LLM(str(files["qwen3", "Q8_0"]), tokenizer=str(folder), kv_cache_bytes=1 << 24)
+    assert llm.get_tokenizer().encode("ab") == [0, 1]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert list(out[0].prompt_token_ids) == [26, 7, 8, 27]          # "[hi]" by the template and vocabulary given
+    with pytest.raises(ValueError, match=r"tokenizer = '.*nothing': .* has no tokenizer.json"):
+        LLM(str(files["qwen3", "Q8_0"]), tokenizer=str(tmp_path / "nothing"))
