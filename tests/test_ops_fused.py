@@ -150,6 +150,28 @@ def test_silu_mul(dtype):
     _close(torch.ops.qwen.silu_mul(gate_up), R.silu_mul_reference(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,groups,n", [(1, 576, 18, 960), (5, 64, 2, 37), (3, 1536, 48, 576)])
+def test_group_mins_add(dtype, rows, k, groups, n):
+    """y += (x summed per group) @ mins_t in place, against a float64 loop; mins_t a column slice of a wider
+    transposed copy (strided rows), as a fused layer's parts hold it; x with strided rows."""
+    y = _randn(rows, n, dtype=dtype, seed=1)
+    x = _randn(rows, k + 8, dtype=dtype, seed=2)[:, :k]
+    wide = _randn(groups, n + 16, seed=3)
+    mins_t = wide[:, 5:5 + n]
+    want = y.double() + x.double().reshape(rows, groups, -1).sum(-1) @ mins_t.double()
+    got = y.clone()
+    torch.ops.qwen.group_mins_add(got, x, mins_t)
+    scale = y.double().abs() + x.double().abs().reshape(rows, groups, -1).sum(-1) @ mins_t.double().abs()
+    tol = 1e-6 if dtype == torch.float32 else 8e-3          # fp32 sums; bf16: y rounded once
+    assert ((got.double() - want).abs() <= tol * scale + 1e-12).all()
+    ref = y.clone()
+    R.group_mins_add_reference(ref, x, mins_t)
+    _close(got, ref, dtype)
+    with pytest.raises(ValueError, match=r"mins_t.*\[?\(?3, 37.*dividing"):
+        torch.ops.qwen.group_mins_add(_randn(2, 37), _randn(2, 64), _randn(3, 37))
+
+
 def _attention_case(dtype, norms=True, num_heads=4, kv_heads=2, head_dim=16, block_size=4):
     table = shuffled_block_table(3, 5)
     positions, attn, _ = step_metadata(ATTENTION_STEP, table)
@@ -229,6 +251,7 @@ def _samples():
         "add_rms_norm": (norm_x, _randn(3, 24, seed=2), _randn(24, seed=1), 1e-6),
         "qk_norm_rope": (q, k, _randn(16), None, 1e-6, _randn(8, 16), torch.tensor([0, 5, 7], dtype=torch.int32)),
         "silu_mul": (_randn(3, 20),),
+        "group_mins_add": (_randn(3, 40, seed=3), _randn(3, 64, seed=4), _randn(2, 40, seed=5)),
         "attention_block": tuple(_attention_case(torch.float32)),
         "moe_packed": (_randn(3, 24), p13, p2, torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [3, 0]],
                                                                              dtype=torch.int32)),
@@ -236,7 +259,7 @@ def _samples():
 
 
 @pytest.mark.parametrize("name", ["linear_packed", "linear_silu_mul_packed", "rms_norm", "add_rms_norm",
-                                  "qk_norm_rope", "silu_mul", "attention_block", "moe_packed"])
+                                  "qk_norm_rope", "silu_mul", "attention_block", "moe_packed", "group_mins_add"])
 def test_opcheck(name, monkeypatch):
     monkeypatch.delenv("QWEN_OPS_POISON_OUTPUTS")      # opcheck compares runs; NaN never equals NaN
     torch.library.opcheck(getattr(torch.ops.qwen, name).default, _samples()[name])

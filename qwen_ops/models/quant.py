@@ -229,6 +229,7 @@ _OPS = {"int8": torch.ops.qwen.linear_int8.default, "int4": torch.ops.qwen.linea
         "fp8": torch.ops.qwen.linear_fp8.default, "int8_a8": torch.ops.qwen.linear_int8_a8.default,
         "int4_a8": torch.ops.qwen.linear_int4_a8.default}
 LINEAR_A8_PANELS = torch.ops.qwen.linear_a8_panels.default
+GROUP_MINS_ADD = torch.ops.qwen.group_mins_add.default
 SILU_MUL_LINEAR_A8_PANELS = torch.ops.qwen.silu_mul_linear_a8_panels.default
 # QuantLinear's attributes that its built op call (_make_call) holds.
 _CALL_INPUTS = frozenset({"qweight", "scales", "zeros", "mins", "bias", "perm", "_bias32", "_op", "panels", "block"})
@@ -362,12 +363,7 @@ class QuantLinear(nn.Module):
             x2 = x2.index_select(1, perm)
         y = op(x2, *args)
         if self.mins is not None:       # + m per group: the inputs' sums over each group times the minimums
-            mins_t = self._mins_t if self._mins_t is not None else self.mins.t()
-            sums = x2.reshape(x2.shape[0], mins_t.shape[0], -1).sum(-1, dtype=torch.float32)
-            if y.dtype == torch.float32:
-                y.addmm_(sums, mins_t)
-            else:
-                y = torch.addmm(y.float(), sums, mins_t).to(y.dtype)
+            GROUP_MINS_ADD(y, x2, self._mins_t if self._mins_t is not None else self.mins.t())
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def takes_gate_up(self) -> bool:

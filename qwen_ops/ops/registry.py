@@ -246,6 +246,7 @@ _REFERENCES = {
     "rms_norm": R.rms_norm_reference,
     "add_rms_norm": R.add_rms_norm_reference, "qk_norm_rope": R.qk_norm_rope_reference,
     "silu_mul": R.silu_mul_reference, "attention_block": R.attention_block_reference,
+    "group_mins_add": R.group_mins_add_reference,
     "moe_packed": R.moe_packed_reference,
 }
 # Their CPU kernels are registered on first use (cpu_fast_ops: the C++ kernels, built then); on
@@ -311,6 +312,11 @@ def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos_sin, positions):
 def _silu_mul_fake(gate_up):
     V.check_silu_mul(gate_up)
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::group_mins_add", lib=_LIB)
+def _group_mins_add_fake(y, x, mins_t):
+    V.check_group_mins_add(y, x, mins_t)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::moe_packed", lib=_LIB)

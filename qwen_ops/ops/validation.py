@@ -538,6 +538,25 @@ def check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions) -> None:
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [{T}] (q's tokens)")
 
 
+def check_group_mins_add(y, x, mins_t) -> None:
+    """group_mins_add: y [rows, N] and x [rows, K] float32 / bfloat16 (last dims contiguous), mins_t fp32 [G, N]
+    with G dividing K (its rows may be strided, its last dim contiguous)."""
+    _rank("y", y, 2, "[rows, out_features]")
+    _rank("x", x, 2, "[rows, in_features]")
+    _rank("mins_t", mins_t, 2, "[groups, out_features]")
+    _fast("y", y)
+    _fast("x", x)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"x has shape {tuple(x.shape)} and y {tuple(y.shape)}, expected the same rows")
+    if mins_t.dtype != torch.float32 or mins_t.shape[1] != y.shape[1] or mins_t.shape[0] < 1 \
+            or x.shape[1] % mins_t.shape[0] or (mins_t.shape[1] > 1 and mins_t.stride(1) != 1):
+        raise ValueError(f"mins_t has shape {tuple(mins_t.shape)}, dtype {mins_t.dtype} and strides "
+                         f"{tuple(mins_t.stride())}, expected float32 [groups, {y.shape[1]}] (y's columns) with groups "
+                         f"dividing x's {x.shape[1]} inputs and its last dim contiguous")
+    if y.device != x.device or y.device != mins_t.device:
+        raise ValueError(f"y, x and mins_t are on {y.device}, {x.device} and {mins_t.device}, expected one device")
+
+
 def check_silu_mul(gate_up) -> None:
     _rank("gate_up", gate_up, 2, "[rows, 2 * intermediate_size] (gate | up)")
     _fast("gate_up", gate_up)

@@ -2628,6 +2628,50 @@ int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq,
     return 0;
 }
 
+/* y [M, N] (rows ys apart; fp32, or bf16 when y_bf16) += (x [M, K] (rows xs apart; fp32 or bf16) summed per
+ * group of K / G, fp32, in order) @ mt [G, N] (fp32, rows ld apart): a quantized weight's per-group minimums
+ * (group_mins_add). bf16 y is rounded once, from y + the fp32 term. */
+int qwen_group_mins_add(void *y, int64_t ys, int64_t y_bf16, const void *x, int64_t xs, int64_t x_bf16, int64_t M,
+                        int64_t K, const float *mt, int64_t ld, int64_t G, int64_t N) {
+    const int64_t g = K / G;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)G), *acc = (float *)malloc(sizeof(float) * (size_t)N);
+    if (sums == NULL || acc == NULL) {
+        free(sums);
+        free(acc);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t gi = 0; gi < G; ++gi) {
+            float s = 0.0f;
+            if (x_bf16) {
+                const uint16_t *xr = (const uint16_t *)x + m * xs + gi * g;
+                for (int64_t k = 0; k < g; ++k) s += bf16_to_f32(xr[k]);
+            } else {
+                const float *xr = (const float *)x + m * xs + gi * g;
+                for (int64_t k = 0; k < g; ++k) s += xr[k];
+            }
+            sums[gi] = s;
+        }
+        for (int64_t n = 0; n < N; ++n) acc[n] = 0.0f;
+        for (int64_t gi = 0; gi < G; ++gi) {
+            const float s = sums[gi], *row = mt + gi * ld;
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) acc[n] += s * row[n];
+        }
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + m * ys;
+            for (int64_t n = 0; n < N; ++n) yr[n] = f32_to_bf16(bf16_to_f32(yr[n]) + acc[n]);
+        } else {
+            float *yr = (float *)y + m * ys;
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) yr[n] += acc[n];
+        }
+    }
+    free(sums);
+    free(acc);
+    return 0;
+}
+
 /* out [rows, dim] (contiguous) = silu(gate) * up, gate and up rows of strides g_s0, u_s0, all of dtype. */
 int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, void *out, int64_t rows, int64_t dim,
                   int dtype) {

@@ -32,6 +32,8 @@ int qwen_qk_norm_rope(const void *q, int64_t q_s0, int64_t q_s1, int64_t nq, con
                       int64_t k_s1, int64_t nk, const void *q_w, const void *k_w, float eps, const float *table,
                       int64_t table_s0, const int32_t *positions, void *qo, void *ko, int64_t T, int64_t D,
                       int dtype);
+int qwen_group_mins_add(void *y, int64_t ys, int64_t y_bf16, const void *x, int64_t xs, int64_t x_bf16, int64_t M,
+                        int64_t K, const float *mt, int64_t ld, int64_t G, int64_t N);
 int qwen_silu_mul(const void *gate, int64_t g_s0, const void *up, int64_t u_s0, void *out, int64_t rows,
                   int64_t dim, int dtype);
 int qwen_linear_silu_mul(const void *x, int64_t xs, int64_t M, const void *wp, const float *bias, int64_t N, int64_t K,
@@ -250,6 +252,25 @@ at::Tensor silu_mul(const at::Tensor &gate_up) {
                             out.mutable_data_ptr(), rows, inter, code),
               "silu_mul");
   return out;
+}
+
+// y [M, N] += (x [M, K] summed per group of K / G, fp32) @ mins_t [G, N] (rows ld apart): GGUF's per-group
+// minimums (validation.py's check_group_mins_add). One row's group sums, then one pass over mins_t per row.
+void group_mins_add(const at::Tensor &y, const at::Tensor &x, const at::Tensor &mins_t) {
+  TORCH_CHECK_VALUE(y.dim() == 2 && x.dim() == 2 && mins_t.dim() == 2 && x.size(0) == y.size(0) &&
+                        mins_t.scalar_type() == at::kFloat && mins_t.size(1) == y.size(1) && mins_t.size(0) >= 1 &&
+                        x.size(1) % mins_t.size(0) == 0 && (mins_t.size(1) <= 1 || mins_t.stride(1) == 1),
+                    "group_mins_add: y ", y.sizes(), ", x ", x.sizes(), " and mins_t ", mins_t.sizes(), " ",
+                    mins_t.scalar_type(), " strides ", mins_t.strides(),
+                    ", expected y [rows, N], x [rows, K], mins_t float32 [G, N] with G dividing K, last dim contiguous");
+  const int yc = dtype_code(y, "y"), xc = dtype_code(x, "x");
+  check_rows(y, "y");
+  check_rows(x, "x");
+  const int64_t G = mins_t.size(0), N = y.size(1);
+  check_alloc(qwen_group_mins_add(y.mutable_data_ptr(), y.stride(0), yc == 2, x.const_data_ptr(), x.stride(0), xc == 2,
+                                  x.size(0), x.size(1), mins_t.const_data_ptr<float>(),
+                                  mins_t.size(1) <= 1 ? N : mins_t.stride(0), G, N),
+              "group_mins_add");
 }
 
 // The slot metadata that the C kernels index memory with: every value in range (validation.py's
@@ -752,6 +773,7 @@ extern "C" void *qwen_register_cpu_kernels() {
   m->impl("add_rms_norm", &add_rms_norm);
   m->impl("qk_norm_rope", &qk_norm_rope);
   m->impl("silu_mul", &silu_mul);
+  m->impl("group_mins_add", &group_mins_add);
   m->impl("attention_block", &attention_block);
   m->impl("moe_packed", &moe_packed);
   return m;

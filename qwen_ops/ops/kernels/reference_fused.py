@@ -92,6 +92,12 @@ def attention_block_reference(qkv, q_weight, k_weight, eps, cos_sin, positions, 
                                     scale, max_query_len, None, k_scale, v_scale).reshape(T, num_heads * D)
 
 
+def group_mins_add_reference(y: torch.Tensor, x: torch.Tensor, mins_t: torch.Tensor) -> None:
+    """``y += (x summed per group, fp32) @ mins_t`` in place (schema: group_mins_add)."""
+    sums = x.float().reshape(x.shape[0], mins_t.shape[0], -1).sum(-1)
+    y.copy_((y.float() + sums @ mins_t.float()).to(y.dtype))
+
+
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
