@@ -289,23 +289,26 @@ def test_wrong_size_tensor_names_the_tensor(tmp_path, qtype):
 
 
 def test_online_int4_is_round_to_nearest_per_group():
-    """quantization="int4": each weight within half a step of its group's grid (oracle: the definition, in
-    float64), and the int4 product equal to x @ that dequantized weight."""
+    """quantization="int4": each weight within half a step of its group's grid (min + q s, q in 0..15; the
+    oracle: the definition, in float64), and the int4 product equal to x @ that dequantized weight."""
     torch.manual_seed(0)
     w = torch.randn(64, 256, dtype=torch.float64)
+    w[:3] = w[:3].abs() + 1.0                       # groups that do not straddle 0
     parts = Q.quantize_online(w.float(), "int4", 32)
     q = torch.stack([parts["qweight"] & 15, parts["qweight"] >> 4], -1).reshape(64, 256).double()
     s = parts["scales"].double().repeat_interleave(32, 1)
-    z = parts["zeros"].double().repeat_interleave(32, 1)
-    deq = (q - z) * s
-    assert ((deq - w).abs() <= s / 2 + 1e-6).all()
-    lo = w.reshape(64, 8, 32).amin(-1).clamp(max=0).repeat_interleave(32, 1)
-    hi = w.reshape(64, 8, 32).amax(-1).clamp(min=0).repeat_interleave(32, 1)
+    lo = w.reshape(64, 8, 32).amin(-1).repeat_interleave(32, 1)
+    hi = w.reshape(64, 8, 32).amax(-1).repeat_interleave(32, 1)
+    assert (parts["zeros"] == 0).all()
+    torch.testing.assert_close(parts["mins"].double().repeat_interleave(32, 1), lo, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s, (hi - lo) / 15, rtol=1e-6, atol=0)
+    deq = q * s + parts["mins"].double().repeat_interleave(32, 1)
+    assert ((deq - w).abs() <= s / 2 + 1e-6).all()
     layer = Q.QuantLinear.like(torch.nn.Linear(256, 64, bias=False, device="meta"), Q.online_config("int4"),
                                torch.float32)
     for key, value in parts.items():
         layer._buffers[key] = value
+    layer.process_weights_after_loading()
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x).double(), x.double() @ deq.T, rtol=1e-4, atol=1e-4)
 

@@ -58,7 +58,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 ONLINE_METHODS = ("int8", "int4", "fp8", "w8a8")
-INT4_ONLINE_GROUP = 32      # online int4: asymmetric groups of 32 inputs (Q4_1's blocks; llama.cpp's Q4_0 is symmetric)
+INT4_ONLINE_GROUP = 32      # online int4: groups of 32 inputs with a scale and a minimum each (llama.cpp's Q4_1)
 CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
 # ``quantization`` values that load a checkpoint format with int8 activations (W4A8 / W8A8), as vLLM's
 # ``awq_marlin`` names another kernel for an awq checkpoint.
@@ -307,10 +307,14 @@ class QuantLinear(nn.Module):
                 if mins:
                     layer.mins = torch.empty((n, k // g), dtype=torch.float32)
             return layer
-        if quant.online and scheme == "int4":
+        if quant.online and scheme == "int4":      # per group: a scale and a minimum (mins), zero points 0
             if k % quant.group_size:
                 raise ValueError(f"in_features = {k} is not a multiple of online int4's group of {quant.group_size}")
-            groups, block = k // quant.group_size, (0, 0)
+            with torch.device("meta"):
+                layer = cls(k, n, linear.bias is not None, "int4", k // quant.group_size, (0, 0), dtype,
+                            activations=quant.activations)
+                layer.mins = torch.empty((n, k // quant.group_size), dtype=torch.float32)
+            return layer
         elif quant.online:
             groups, block = 1, (1, k)
         elif scheme == "fp8":       # block-wise scales are held one row per output feature (convert_layer)
@@ -841,19 +845,18 @@ def attach_panel_arena(model: nn.Module) -> None:
 
 def quantize_online(w: torch.Tensor, method: str, group_size: int = INT4_ONLINE_GROUP) -> dict[str, torch.Tensor]:
     """A full-precision weight ``[N, K]`` as QuantLinear buffers (module docstring: int8 per channel,
-    fp8 per tensor; int4 per group of ``group_size`` inputs, asymmetric: ``s = (max - min) / 15``,
-    ``z = round(-min / s)``, ``q = round(w / s) + z`` in 0..15). Computed in fp32."""
+    fp8 per tensor; int4 per group of ``group_size`` inputs as llama.cpp's Q4_1: ``m = min``, ``s = (max - min) /
+    15``, ``q = round((w - m) / s)`` in 0..15, ``w ~ q s + m``: zero points 0 and the minimums in ``mins``, so a
+    group need not straddle 0, as an integer zero point needs). Computed in fp32."""
     w = w.float()
     if method == "int4":
         n, k = w.shape
         g = w.reshape(n, k // group_size, group_size)
-        lo = g.amin(-1).clamp(max=0)                   # the range holds 0, so z is a valid 0..15 code
-        hi = g.amax(-1).clamp(min=0)
+        lo, hi = g.amin(-1), g.amax(-1)
         scales = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
-        zeros = torch.clamp(torch.round(-lo / scales), 0, 15)
-        q = torch.clamp(torch.round(g / scales[..., None]) + zeros[..., None], 0, 15).to(torch.uint8)
+        q = torch.clamp(torch.round((g - lo[..., None]) / scales[..., None]), 0, 15).to(torch.uint8)
         return {"qweight": pack_int4(q.reshape(n, k).contiguous()), "scales": scales.contiguous(),
-                "zeros": zeros.to(torch.uint8).contiguous()}
+                "zeros": torch.zeros_like(scales, dtype=torch.uint8), "mins": lo.contiguous()}
     if method == "int8":
         amax = w.abs().amax(dim=1, keepdim=True)                       # [N, 1]
         scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
