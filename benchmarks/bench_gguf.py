@@ -10,6 +10,7 @@ What it measures, one configuration after the other in this one run, medians of 
   as ``llama-bench -n 128``;
 - ``tg8``: 8 sequences of 128-token prompts decoding 64 tokens each together: 8 x 64 / (time of 65 - time
   of 1), as ``llama-batched-bench -npp 128 -ntg 64 -npl 8``'s S_TG.
+- with ``--transformers``: transformers' ``generate`` on the same file (dequantized, fp32), measured the same way;
 - with ``--llama-cpp``: llama.cpp's ``llama-bench`` and ``llama-batched-bench`` on the same file and thread
   count, run by this script between ours, and the ratios.
 
@@ -104,6 +105,39 @@ def measure_ours(model: Path, quantization: str, reps: int, want: list[int], voc
             "runs": {"pp512": pp, "tg": tg, "tg8": tg8}}
 
 
+def measure_transformers(model: Path, reps: int, vocab: int) -> dict:
+    """The same three figures through transformers on the same file (its GGUF loader: dequantized, fp32)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name,
+                                                           dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n, b=1: torch.randint(100, vocab - 100, (b, n), generator=g)  # noqa: E731
+
+    def gen(x, n):
+        t = time.perf_counter()
+        hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+
+    with torch.no_grad():
+        hf(ids(512))
+        pp = []
+        for _ in range(reps):
+            x = ids(512)
+            t = time.perf_counter()
+            hf(x)
+            pp.append(512 / (time.perf_counter() - t))
+        tg = []
+        for _ in range(reps):
+            x = ids(16)
+            tg.append(128 / (gen(x, 129) - gen(x, 1)))
+        tg8 = []
+        for _ in range(reps):
+            x = ids(128, 8)
+            tg8.append(8 * 64 / (gen(x, 65) - gen(x, 1)))
+    return {"pp512": statistics.median(pp), "tg": statistics.median(tg), "tg8": statistics.median(tg8)}
+
+
 def measure_llama_cpp(bin_dir: Path, model: Path, threads: int) -> dict:
     bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "512", "-n", "128", "-t",
                             str(threads), "-o", "json"], capture_output=True, text=True, check=True)
@@ -128,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", nargs="+", default=["gguf", "gguf_a8"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transformers", action="store_true", help="also transformers on the same file")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     model = args.model or smollm2_file()
@@ -140,6 +175,10 @@ def main(argv=None) -> int:
     results = {"model": str(model), "cpu": _cpu(), "reference_tokens": want, "rows": []}
     for threads in args.threads:
         torch.set_num_threads(threads)
+        if args.transformers:
+            hf = measure_transformers(model, args.reps, vocab)
+            results["rows"].append({"engine": "transformers", "threads": threads, **hf})
+            print(f"transformers t={threads}: pp512 {hf['pp512']:.1f}  tg {hf['tg']:.1f}  tg8 {hf['tg8']:.1f}", flush=True)
         theirs = measure_llama_cpp(args.llama_cpp, model, threads) if args.llama_cpp else None
         if theirs:
             results["rows"].append({"engine": "llama.cpp", "threads": threads, **theirs})

@@ -13,7 +13,8 @@ joined as ``qwen_ops.serving.perplexity.pydoc_topics_text`` does. The first ``--
 Configurations (ours, ``qwen_ops.LLM`` on the file): ``fp32`` every tensor dequantized, fp32; ``bf16``
 dequantized, bf16; ``gguf`` the file's blocks as stored (fp32 activations); ``gguf_a8`` the same with int8
 activations; ``int8`` / ``w8a8`` / ``int4`` online quantization of the dequantized weights; ``fp8kv`` the file's
-blocks with an fp8 KV cache. The oracle: transformers loading the same file (dequantized, fp32), its
+blocks with an fp8 KV cache (scales 1.0; ``fp8kv_scaled``: measured on the first batch, vLLM's
+``calculate_kv_scales``). The oracle: transformers loading the same file (dequantized, fp32), its
 logits scored in float64 on the same token ids and windows.
 """
 
@@ -39,6 +40,7 @@ CONFIGS = {
     "w8a8": dict(quantization="w8a8", dtype="float32"),
     "int4": dict(quantization="int4", dtype="float32"),
     "fp8kv": dict(quantization=None, dtype="float32", kv_cache_dtype="fp8"),
+    "fp8kv_scaled": dict(quantization=None, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True),
 }
 
 
