@@ -127,6 +127,7 @@ def test_prompt_is_shown_on_a_terminal(monkeypatch):
 
 
 def test_ctrl_c_stops_the_answer_and_leaves_the_turn_out(default_llm, monkeypatch, capsys):
+    before = signal.getsignal(signal.SIGINT)     # Python's handler, or SIG_IGN in a job started in the background
     built = []
     make_llm = commands._llm
     monkeypatch.setattr(commands, "_llm", lambda args: built.append(make_llm(args)) or built[-1])
@@ -149,7 +150,7 @@ def test_ctrl_c_stops_the_answer_and_leaves_the_turn_out(default_llm, monkeypatc
     assert "stopped by Ctrl-C" in err and "left out of the conversation" in err
     stats = built[0].stats()                # the stopped request was aborted: nothing runs, no block is held
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["free_blocks"] == stats["total_blocks"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before     # the chat's Ctrl-C handler is gone again
 
 
 def test_a_conversation_too_long_is_reported_and_the_chat_goes_on(default_llm, monkeypatch, capsys):

@@ -290,6 +290,9 @@ def test_errors_name_the_argument_value_and_expectation():
         torch.ops.qwen.qk_norm_rope(q, q, None, None, 1e-6, _randn(8, 8), torch.zeros(3, dtype=torch.int32))
 
 
+IN_PLACE = {"group_mins_add"}       # ops that update an argument and return nothing
+
+
 def test_fake_kernels_trace_without_data():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -298,7 +301,7 @@ def test_fake_kernels_trace_without_data():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         with mode:
             out = getattr(torch.ops.qwen, name)(*fake)
-        assert out is not None, name
+        assert out is not None or name in IN_PLACE, name
 
 
 def test_compiled_graph_keeps_the_ops_whole():
