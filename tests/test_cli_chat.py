@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -237,3 +238,14 @@ def test_conversation_matches_transformers(smollm, transformers_answer, reuse_sm
                           f"{CAPITAL}\n{FOLLOW_UP}\n/exit\n")
     assert code == 0
     assert out.getvalue() == f"{a1}\n{a2}\n"
+
+
+def test_chat_needs_no_serve_extra():
+    """LLM.chat and qwen-ops chat after a plain install: fastapi (the serve extra) made unimportable."""
+    code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None\n"
+            "from qwen_ops_cli import main\n"
+            "sys.exit(main(['chat', '--message', 'def add(a, b):', '--max-tokens', '4', '--max-model-len', '128']))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "tokens/s" in done.stderr

@@ -6,6 +6,14 @@ templates, ``metrics`` holds one app's Prometheus registry, ``server`` is the Fa
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client, jinja2).
 """
 
-from qwen_ops.serving.openai.server import ServerThread, build_app, default_served_model_name, run_server
-
 __all__ = ["build_app", "run_server", "ServerThread", "default_served_model_name"]
+
+
+def __getattr__(name: str):
+    # The server's names on first use: ``chat`` (the chat templates, which offline ``LLM.chat`` and
+    # ``qwen-ops chat`` use) is importable after a plain install, without the serve extra's fastapi.
+    if name in __all__:
+        from qwen_ops.serving.openai import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
