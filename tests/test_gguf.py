@@ -442,3 +442,62 @@ def test_tokenizer_argument_replaces_the_files_tokenizer_and_template(files, tmp
     assert list(out[0].prompt_token_ids) == [26, 7, 8, 27]          # "[hi]" by the template and vocabulary given
     with pytest.raises(ValueError, match=r"tokenizer = '.*nothing': .* has no tokenizer.json"):
         LLM(str(files["qwen3", "Q8_0"]), tokenizer=str(tmp_path / "nothing"))
+
+
+def test_qwen2moe_file_matches_the_model_written():
+    """A qwen2moe file (stacked experts, a sigmoid-gated shared expert: ffn_*_shexp, ffn_gate_inp_shexp) against
+    the transformers model whose weights were written (transformers' own GGUF loader cannot read a file this
+    small: it reads no expert_feed_forward_length and takes the shared expert's gate as [1, 1, H])."""
+    torch.manual_seed(4)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/moe2.gguf"
+        w = gguf.GGUFWriter(path, "qwen2moe")
+        for add, value in ((w.add_context_length, 256), (w.add_embedding_length, 64), (w.add_block_count, 2),
+                           (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                           (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
+                           (w.add_layer_norm_rms_eps, cfg.rms_norm_eps), (w.add_vocab_size, 320),
+                           (w.add_expert_count, 4), (w.add_expert_used_count, 2),
+                           (w.add_expert_feed_forward_length, 32), (w.add_expert_shared_feed_forward_length, 48)):
+            add(value)
+        shared = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                  "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                  "mlp.gate": "ffn_gate_inp"}
+        outer = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+        for name, t in model.state_dict().items():
+            t = t.float().numpy()
+            parts = name.split(".")
+            if name in outer:
+                w.add_tensor(outer[name], np.ascontiguousarray(t))
+            elif name.endswith("experts.gate_up_proj"):
+                inter = t.shape[1] // 2
+                w.add_tensor(f"blk.{parts[2]}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :inter]))
+                w.add_tensor(f"blk.{parts[2]}.ffn_up_exps.weight", np.ascontiguousarray(t[:, inter:]))
+            elif name.endswith("experts.down_proj"):
+                w.add_tensor(f"blk.{parts[2]}.ffn_down_exps.weight", np.ascontiguousarray(t))
+            else:
+                inner = ".".join(parts[3:-1])
+                w.add_tensor(f"blk.{parts[2]}.{shared.get(inner) or HF_TO_GGUF[inner]}.{parts[-1]}",
+                             np.ascontiguousarray(t))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        llm = LLM(path, kv_cache_bytes=1 << 24)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False)[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == ref
