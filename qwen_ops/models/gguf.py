@@ -343,6 +343,11 @@ class GGUFFile:
         return torch.from_numpy(out).reshape(
             (len(range(shape[0])[rows]),) + shape[1:] if rows is not None else shape)
 
+    def release(self) -> None:
+        """Drop the stacked expert tensor kept dequantized while a load reads its experts in turn (the
+        file, carried by a ``GGUFPath``, lives as long as the model's path)."""
+        self._cache = ("", None)
+
     def summary(self, native: set[str]) -> str:
         """One line: how the file's tensors are held (``native``: the names held quantized)."""
         held = Counter(self.type_of(n) for n in native)
@@ -484,14 +489,11 @@ def build_tokenizer(file: GGUFFile):
 
 def chat_template(file: GGUFFile) -> tuple[Optional[str], Optional[str], Optional[str]]:
     """The file's ``tokenizer.chat_template``, BOS and EOS token texts."""
-    tokens = file.fields.get("tokenizer.ggml.tokens")
+    values = file.meta("tokenizer.ggml.tokens") or []      # read once: a vocabulary of strings
 
     def token(key: str) -> Optional[str]:
         i = file.meta(key)
-        if i is None or tokens is None:
-            return None
-        values = file.meta("tokenizer.ggml.tokens")
-        return values[int(i)] if 0 <= int(i) < len(values) else None
+        return values[int(i)] if i is not None and 0 <= int(i) < len(values) else None
 
     template = file.meta("tokenizer.chat_template")
     return (template if isinstance(template, str) else None, token("tokenizer.ggml.bos_token_id"),

@@ -225,9 +225,10 @@ def load_model(path: str | Path, dtype: Any = "float32", device: Any = "cpu",
     quant_load.fill(plan, files, model, config, dtype, device)
     _load_kv_scales(model, files, config, device)
     gguf = getattr(next(iter(files.values()), None), "gguf", None)
-    if gguf is not None:        # which tensors run as stored, which were dequantized
-        model.gguf_summary = gguf.summary(quant_load.held_as_stored(plan, model, config))
+    if gguf is not None:        # which tensors run as stored (the plan's, for blocks kept), which were dequantized
+        model.gguf_summary = gguf.summary(plan.tensors if plan is not None and plan.quant.method == "gguf" else set())
         logger.info("GGUF %s", model.gguf_summary)
+        gguf.release()          # the load's dequantized experts: not kept for the model's life
     model.model.rotary_emb.cos_sin = rope_table(config, device, max_positions)
     return model.eval()
 

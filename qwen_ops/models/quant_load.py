@@ -71,16 +71,6 @@ def fill(plan: Optional[QuantPlan], files: dict[str, Path], model: nn.Module, co
                            "weight-only kernels; load without the _a8 / w8a8 choice there", quant.kernel)
 
 
-def held_as_stored(plan: Optional[QuantPlan], model: nn.Module, config: QwenConfig) -> set[str]:
-    """The file tensors held quantized as stored (a GGUF load's summary)."""
-    if plan is None:
-        return set()
-    names = {t for prefix in plan.quantized for t in Q.checkpoint_tensors(plan.quant, prefix)}
-    if isinstance(model.lm_head, Q.QuantLinear) and config.tie_word_embeddings:
-        names.add("model.embed_tokens.weight")
-    return names
-
-
 def _quantize_lm_head(model: nn.Module, quant: "Q.QuantConfig", dtype: torch.dtype, device: torch.device) -> None:
     """Online int8 quantizes the LM head as well (llama.cpp's Q8_0 does): at Qwen3-0.6B's size its
     151,936 x 1,024 weight is a third of the bytes a decode step reads. The embedding (the same
