@@ -294,27 +294,19 @@ class QuantLinear(nn.Module):
         """A meta-device QuantLinear of ``linear``'s shape for ``quant`` (the loader fills it); ``tensor``:
         the file tensor it holds, for a GGUF file, whose block type sets the layout."""
         n, k = linear.out_features, linear.in_features
-        scheme = quant.scheme
-        if quant.method == "gguf":
-            from qwen_ops.models.gguf import NATIVE_LAYOUT
+        scheme, mins = quant.scheme, False
+        if quant.method == "gguf" or (quant.online and scheme == "int4"):
+            # per group of g inputs: a GGUF block type's layout, or online int4's scale and minimum (mins)
+            if quant.method == "gguf":
+                from qwen_ops.models.gguf import NATIVE_LAYOUT
 
-            scheme, g, mins = NATIVE_LAYOUT[quant.types[tensor]]
+                scheme, g, mins = NATIVE_LAYOUT[quant.types[tensor]]
+                what = f"{quant.types[tensor]}'s group of {g}"
+            else:
+                g, mins, what = quant.group_size, True, f"online int4's group of {quant.group_size}"
             if k % g:
-                raise ValueError(f"in_features = {k} is not a multiple of {quant.types[tensor]}'s group of {g}")
-            with torch.device("meta"):
-                layer = cls(k, n, linear.bias is not None, scheme, k // g, (0, 0), dtype,
-                            activations=quant.activations)
-                if mins:
-                    layer.mins = torch.empty((n, k // g), dtype=torch.float32)
-            return layer
-        if quant.online and scheme == "int4":      # per group: a scale and a minimum (mins), zero points 0
-            if k % quant.group_size:
-                raise ValueError(f"in_features = {k} is not a multiple of online int4's group of {quant.group_size}")
-            with torch.device("meta"):
-                layer = cls(k, n, linear.bias is not None, "int4", k // quant.group_size, (0, 0), dtype,
-                            activations=quant.activations)
-                layer.mins = torch.empty((n, k // quant.group_size), dtype=torch.float32)
-            return layer
+                raise ValueError(f"in_features = {k} is not a multiple of {what}")
+            groups, block = k // g, (0, 0)
         elif quant.online:
             groups, block = 1, (1, k)
         elif scheme == "fp8":       # block-wise scales are held one row per output feature (convert_layer)
@@ -325,7 +317,10 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"{quant.source}: group_size = {g} does not divide in_features = {k}")
             groups, block = k // g, (0, 0)
         with torch.device("meta"):
-            return cls(k, n, linear.bias is not None, scheme, groups, block, dtype, activations=quant.activations)
+            layer = cls(k, n, linear.bias is not None, scheme, groups, block, dtype, activations=quant.activations)
+            if mins:
+                layer.mins = torch.empty((n, groups), dtype=torch.float32)
+        return layer
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
