@@ -95,16 +95,16 @@ def _add_model_args(p: argparse.ArgumentParser, positional_model: bool = False) 
     """The model and engine flags of generate, bench and perplexity (``positional_model``: MODEL, as serve's)."""
     if positional_model:
         p.add_argument("model", nargs="?", default=None,
-                       help="checkpoint directory (Hugging Face layout); default: the embedded model")
+                       help="checkpoint directory (Hugging Face layout) or GGUF file; default: the embedded model")
     else:
-        p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout); "
-                       "default: the embedded model")
+        p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout) or GGUF "
+                       "file; default: the embedded model")
     p.add_argument("--tokenizer", default=None,
                    help="a checkpoint directory with a tokenizer.json, or a GGUF file, whose tokenizer and chat "
                         "template to use instead of the model's (vLLM's flag)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
+    p.add_argument("--quantization", "-q", default=None, help="int8, int4 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations); a GGUF file keeps its blocks as stored (gguf_a8: with int8 activations, llama.cpp's arithmetic; dequantize: all to --dtype) (default: none)")
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")
@@ -125,7 +125,7 @@ def _add_serve_parser(sub) -> None:
                                    "/v1/models (with --runner pooling: /v1/embeddings, /v1/score, /rerank), "
                                    "with /health and /metrics (Prometheus).")
     s.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (Hugging Face layout); default: the embedded model")
+                   help="checkpoint directory (Hugging Face layout) or GGUF file; default: the embedded model")
     s.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
                    help="generate (completions, chat) or pooling (an embedding model or reranker: /v1/embeddings, "
                         "/v1/score, /rerank), as vLLM's; auto: pooling where the checkpoint says so (a "
@@ -144,7 +144,7 @@ def _add_serve_parser(sub) -> None:
                         "qwen-ops-default for the embedded model)")
     s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    s.add_argument("--quantization", "-q", default=None, help="int8 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations) (default: none)")
+    s.add_argument("--quantization", "-q", default=None, help="int8, int4 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations); a GGUF file keeps its blocks as stored (gguf_a8: with int8 activations, llama.cpp's arithmetic; dequantize: all to --dtype) (default: none)")
     s.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")
