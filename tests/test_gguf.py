@@ -107,10 +107,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path, arch: str, qtype, *, drop: str = "", add_bogus_type=None, architecture=None) -> None:
-    """``model`` (transformers) as a GGUF file of llama.cpp's names; 2-D weights in ``qtype`` blocks."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), architecture or arch)
+def _shape_metadata(w, cfg, head_dim) -> None:
+    """The hyperparameters every file here carries, under llama.cpp's keys (key / value length: ``head_dim``, if
+    given)."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -119,15 +118,27 @@ def write_gguf(model, path, arch: str, qtype, *, drop: str = "", add_bogus_type=
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _toy_vocabulary(w, vocab_size: int) -> None:
+    """A byte-level vocabulary of single characters, no merges: enough for a tokenizer to build."""
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([chr(0x100 + i) for i in range(cfg.vocab_size)])
-    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_list([chr(0x100 + i) for i in range(vocab_size)])
+    w.add_token_types([1] * vocab_size)
     w.add_token_merges([])
+
+
+def write_gguf(model, path, arch: str, qtype, *, drop: str = "", add_bogus_type=None, architecture=None) -> None:
+    """``model`` (transformers) as a GGUF file of llama.cpp's names; 2-D weights in ``qtype`` blocks."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), architecture or arch)
+    _shape_metadata(w, cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    _toy_vocabulary(w, cfg.vocab_size)
+    w.add_tokenizer_pre("qwen2")
     w.add_eos_token_id(cfg.vocab_size - 1)
     for name, t in model.state_dict().items():
         t = t.float().numpy()
@@ -333,24 +344,11 @@ def write_moe_gguf(model, path, qtype) -> None:
     its default moe_intermediate_size (768)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
+    _shape_metadata(w, cfg, cfg.head_dim)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(0x100 + i) for i in range(cfg.vocab_size)])
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges([])
+    _toy_vocabulary(w, cfg.vocab_size)
 
     def put(name, t):
         if t.ndim >= 2 and qtype != T.F32:
@@ -462,13 +460,11 @@ def test_qwen2moe_file_matches_the_model_written():
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/moe2.gguf"
         w = gguf.GGUFWriter(path, "qwen2moe")
-        for add, value in ((w.add_context_length, 256), (w.add_embedding_length, 64), (w.add_block_count, 2),
-                           (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                           (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
-                           (w.add_layer_norm_rms_eps, cfg.rms_norm_eps), (w.add_vocab_size, 320),
-                           (w.add_expert_count, 4), (w.add_expert_used_count, 2),
-                           (w.add_expert_feed_forward_length, 32), (w.add_expert_shared_feed_forward_length, 48)):
-            add(value)
+        _shape_metadata(w, cfg, None)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         shared = {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
                   "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
                   "mlp.gate": "ffn_gate_inp"}
