@@ -39,6 +39,7 @@ from qwen_ops.engine.lora import LoRAConfig, LoRAManager
 from qwen_ops.engine.request import Request, RequestStatus
 from qwen_ops.engine.runner import ModelRunner, RunnerOutput
 from qwen_ops.engine.sampling import GREEDY, SamplingParams
+from qwen_ops.engine.scheduler import Scheduler, SchedulerConfig
 from qwen_ops.engine.threads import configure_cpu_threads
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import checkpoint_name
@@ -251,12 +252,32 @@ class QwenEngine:
         # Anything that changes the KV of a token run: model, cache dtype, block size.
         salt = (f"{type(model).__name__}|{getattr(config, 'model_type', '')}|{self.dtype}|{self.kv_cache_dtype}|"
                 f"{block_size}").encode()
-        self.kv = KVCacheManager(num_kv_blocks, block_size, max_slots, prefix_caching, salt,
-                                 host_bytes=self.runner.host_copy_nbytes)
-        # The sequence each slot holds (its tokens, sampling and seeded noise), as the scheduler's
-        # requests are: ``Request`` builds its steps' rows and runs the finish check.
-        self._seqs: list[Optional[Request]] = [None] * max_slots
+        # The scheduler owns the KV-cache manager; the slot API's sequences are its pinned requests
+        # (an ``EngineCore`` built on this engine gives it its serving policy: ``Scheduler.configure``).
+        kv = KVCacheManager(num_kv_blocks, block_size, max_slots, prefix_caching, salt,
+                            host_bytes=self.runner.host_copy_nbytes)
+        self.scheduler = Scheduler(kv, SchedulerConfig(max_num_seqs=max_slots, max_num_batched_tokens=chunk_size,
+                                                       max_model_len=max_seq_len), self.device)
         self._lock = threading.RLock()
+
+    @property
+    def kv(self) -> KVCacheManager:
+        """The KV-cache manager (the scheduler's; read it, mutate it through the scheduler)."""
+        return self.scheduler.kv
+
+    def _seq(self, slot_id: int) -> Optional[Request]:
+        """The sequence pinned to the slot, if any."""
+        return self.scheduler.pinned.get(slot_id)
+
+    # ----------------------------------------------------------------- the one driver of the runner
+    def step(self, plan: IterationPlan) -> tuple[RunnerOutput, list]:
+        """Run one planned step and take its result back: the runner executes and samples, then the
+        scheduler counts the KV written, appends the tokens and runs the finish check
+        (``Scheduler.update``). The only caller of ``runner.step``: ``EngineCore.step`` (scheduled
+        requests) and the slot API (pinned ones) both come here. Returns the runner's output and the
+        ``(request, token, logprobs)`` gained."""
+        out = self.runner.call("step", plan)
+        return out, self.scheduler.update(plan, out)
 
     def calculate_kv_scales(self) -> None:
         """Have every attention layer set its fp8 KV scales from the next forward's keys and values
@@ -388,21 +409,19 @@ class QwenEngine:
                                    self.kv_cache_dtype, self.device,
                                    f"allocate_batch_slots(n = {n}) with max_seq_len = {self.max_seq_len}")
                 self.runner.call("grow", n, blocks)
-                self.kv.grow(n, blocks)
-                self._seqs.extend([None] * extra)
+                self.scheduler.grow(n, blocks)
             return list(range(n))
 
     def allocate_slot(self, request_id: Any) -> int:
         """A slot that holds no sequence and no owner, now owned by ``request_id``."""
         self._check_generation()
         with self._lock:
-            return self.kv.allocate_slot(request_id)
+            return self.scheduler.allocate_slot(request_id)
 
     def free_slot(self, slot_id: int) -> None:
         """Release the slot, its sequence and its KV blocks."""
         with self._lock:
-            self.kv.free_slot(self._check_slot(slot_id))
-            self._seqs[slot_id] = None
+            self.scheduler.free_slot(self._check_slot(slot_id))
 
     # ----------------------------------------------------------------- validation
     def _check_generation(self) -> None:
@@ -471,22 +490,12 @@ class QwenEngine:
             self._check_slot(slot_id)
             if n_tokens > self.max_seq_len:
                 raise ValueError(f"n_tokens = {n_tokens}, more than max_seq_len = {self.max_seq_len}")
-            return self.kv.reserve(slot_id, n_tokens)
+            return self.scheduler.extend(slot_id, n_tokens)
 
     def _restart(self, slot_id: int, n_tokens: int, sampling: SamplingParams,
                  tokens: Optional[Sequence[int]] = None, prompt: bool = True) -> Request:
-        """Start a fresh sequence in the slot (blocks must have been checked), mapping the cached
-        prefix of ``tokens`` when given. Its prompt is ``tokens`` (or, ``prompt=False``, only the
-        mapped prefix: the rest is fed by ``execute``); ``num_computed`` says how much is mapped."""
-        mapped = self.kv.begin(slot_id, tokens)
-        ok = self.kv.reserve(slot_id, n_tokens)
-        assert ok, "blocks were checked before the restart"
-        tokens = list(tokens or ())
-        seq = Request(None, 0, tokens if prompt else tokens[:mapped], sampling, self.stop_ids(sampling),
-                      generator=sampling.make_generator(self.device), status=RequestStatus.RUNNING, slot=slot_id,
-                      kv=self.kv.slots[slot_id])
-        self._seqs[slot_id] = seq
-        return seq
+        """Start a fresh sequence pinned to the slot (blocks must have been checked): ``Scheduler.pin``."""
+        return self.scheduler.pin(slot_id, tokens, sampling, self.stop_ids(sampling), n_tokens, prompt)
 
     def begin_sequence(self, slot_id: int, sampling: Optional[SamplingParams] = None,
                        tokens: Optional[Sequence[int]] = None) -> int:
@@ -511,28 +520,21 @@ class QwenEngine:
             if "linear" in self.runner.layer_kinds:
                 raise ValueError("fork_slot needs an attention-only model; this one has linear-attention layers, "
                                  "whose per-slot state a fork does not copy")
-            copy = self.kv.fork(src_slot, dst_slot)
+            copy = self.scheduler.fork(src_slot, dst_slot)
             if copy is not None:
                 self.runner.call("copy_blocks", [copy])
-            seq = self._seqs[src_slot]
-            self._seqs[dst_slot] = Request(None, 0, list(seq.prompt_token_ids), seq.sampling, seq.stop_ids,
-                                           output_token_ids=list(seq.output_token_ids),
-                                           status=RequestStatus.RUNNING, slot=dst_slot, kv=self.kv.slots[dst_slot])
 
     def refresh_weights(self) -> None:
         """Call after changing the model's weights: the layers repack the copies their CPU fast
         path reads (``process_weights_after_loading``); nothing notices a change without it."""
         with self._lock:
             self.runner.call("refresh_weights")
-            self.kv.reset_cache()     # cached KV was computed with the old weights
+            self.scheduler.reset_cache()     # cached KV was computed with the old weights
 
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
-        """One runner step over ``tasks`` (their blocks reserved), then the manager counts what it wrote."""
-        out = self.runner.call("step", IterationPlan(tasks))
-        for t in tasks:
-            self.kv.commit(t.kv_cache_slot, t.token_ids)
-        return out
+        """One step over the pinned sequences' ``tasks`` (their blocks reserved): ``step``."""
+        return self.step(IterationPlan(tasks))[0]
 
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.
@@ -548,7 +550,7 @@ class QwenEngine:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} appears twice; "
                                      "one chunk per slot and pass")
                 seen.add(c.kv_cache_slot)
-                if not s.active or self._seqs[c.kv_cache_slot] is None:
+                if not s.active or self._seq(c.kv_cache_slot) is None:
                     raise ValueError(f"chunks[{i}].kv_cache_slot = {c.kv_cache_slot} holds no sequence "
                                      "(prefill or begin_sequence first)")
                 if c.position_offset != s.num_tokens:
@@ -564,7 +566,7 @@ class QwenEngine:
                                      f"{len(s.block_ids)}; reserve() them first")
             tasks = []
             for c in chunks:
-                seq = self._seqs[c.kv_cache_slot]
+                seq = self._seq(c.kv_cache_slot)
                 seq.feed(c.position_offset, c.token_ids)
                 tasks.append(seq.task(len(c.token_ids), c.is_prefill, sample=False))
             return self._run(tasks).logits
@@ -588,9 +590,8 @@ class QwenEngine:
                                           is_prefill=True) for i in live])
             for row, i in enumerate(live):
                 token = out.sampled[row]
-                if token is not None:
+                if token is not None:        # appended, through the finish check, by the step
                     last[i], tokens[i] = out.logits[row], token
-                    self._append(seqs[i], token)
         return torch.stack(last), tokens
 
     def _decode(self, seqs: Sequence[Request], tokens: Sequence[int]) -> RunnerOutput:
@@ -598,20 +599,10 @@ class QwenEngine:
         self._check_blocks({q.slot: q.num_computed + 1 for q in seqs})
         tasks = []
         for q, t in zip(seqs, tokens):
-            self.kv.reserve(q.slot, q.num_computed + 1)
+            self.scheduler.extend(q.slot, q.num_computed + 1)
             q.feed(q.num_computed, [t])
             tasks.append(q.task(1, is_prefill=False))
-        out = self._run(tasks)
-        for q, t in zip(seqs, out.sampled):
-            self._append(q, t)
-        return out
-
-    def _append(self, seq: Request, token: int) -> None:
-        """The sampled token joins the sequence; the one finish check says whether it ends there."""
-        reason = seq.append_token(token, self.max_seq_len)
-        if reason is not None:
-            seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
-            seq.stop_reason = token if reason == "stop" else None
+        return self._run(tasks)      # the sampled tokens join their sequences there
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
@@ -639,7 +630,7 @@ class QwenEngine:
             sampling = self._check_sampling(sampling)
             self._check_token(token, "token")
             self._check_can_extend(slot_id, "slot_id")
-            seq = self._seqs[slot_id]
+            seq = self._seq(slot_id)
             self._set_sampling(seq, sampling)
             out = self._decode([seq], [token])
             return QwenForwardResult(out.sampled[0], out.logits[0])
@@ -654,7 +645,7 @@ class QwenEngine:
 
     def _check_can_extend(self, slot_id: int, name: str) -> None:
         s = self.kv.slots[slot_id]
-        if not s.active or self._seqs[slot_id] is None:
+        if not s.active or self._seq(slot_id) is None:
             raise ValueError(f"{name} = {slot_id} holds no sequence; call prefill first")
         if s.num_tokens >= self.max_seq_len:
             raise ValueError(f"{name} = {slot_id} is full: {s.num_tokens} tokens = max_seq_len")
@@ -701,7 +692,7 @@ class QwenEngine:
                 if r.last_token is None:
                     raise ValueError(f"requests[{i}] has no last_token; run batch_prefill first")
                 self._check_token(r.last_token, f"requests[{i}].last_token")
-                if r._sequence is None or self._seqs[r.slot_id] is not r._sequence:
+                if r._sequence is None or self._seq(r.slot_id) is not r._sequence:
                     raise ValueError(f"requests[{i}] (request_id = {r.request_id!r}) no longer holds slot {r.slot_id}: "
                                      "it was prefilled again or freed since its batch_prefill; was the slot reused?")
             if live:

@@ -59,6 +59,9 @@ class Request:
     pool_sum: Any = None
     pool_count: int = 0
     embedding: Any = None
+    # The slot API's (``Scheduler.pin``): its caller chose the slot and steps it; it is never
+    # preempted, and finishing leaves it its slot until ``free_slot``.
+    pinned: bool = False
 
     @property
     def num_tokens(self) -> int:

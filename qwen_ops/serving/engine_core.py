@@ -48,7 +48,7 @@ from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.engine.structured import GrammarBackend
 from qwen_ops.serving.outputs import OutputProcessor, RequestDelta, RequestState
-from qwen_ops.serving.scheduler import Scheduler, SchedulerConfig
+from qwen_ops.engine.scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,11 @@ class EngineCore:
                  speculative_config: Optional[SpeculativeConfig] = None):
         self.engine = engine
         self.speculative_config = speculative_config
-        self.scheduler = Scheduler(engine.kv, config, engine.device,
-                                   proposer=speculative_config.proposer() if speculative_config else None,
-                                   disable_by_batch_size=speculative_config.disable_by_batch_size
-                                   if speculative_config else None, lora=engine.lora)
+        # The engine's scheduler (it owns the KV-cache manager), given this core's serving policy.
+        self.scheduler = engine.scheduler
+        self.scheduler.configure(config, proposer=speculative_config.proposer() if speculative_config else None,
+                                 disable_by_batch_size=speculative_config.disable_by_batch_size
+                                 if speculative_config else None, lora=engine.lora)
         self.outputs = OutputProcessor(engine.tokenizer)
         self.lock = threading.RLock()
         self._next_id = 0                # scheduler request ids
@@ -436,8 +437,8 @@ class EngineCore:
             n = sched.last_iteration_tokens
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, n)] += 1
             self.iteration_tokens_sum += n
-            out = self.engine.runner.call("step", plan)
-            return self.outputs.process(sched.update(plan, out), sched.finish_on_stop_string)
+            _, gained = self.engine.step(plan)
+            return self.outputs.process(gained, sched.finish_on_stop_string)
 
     def step_deltas(self) -> list[RequestDelta]:
         """One iteration as deltas. A failure fails the requests of this iteration (error deltas)
