@@ -36,7 +36,7 @@ import torch
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.block_manager import BlockPool, KVCacheManager
 from qwen_ops.engine.lora import LoRAConfig, LoRAManager
-from qwen_ops.engine.request import Request, RequestStatus
+from qwen_ops.engine.request import Request
 from qwen_ops.engine.runner import ModelRunner, RunnerOutput
 from qwen_ops.engine.sampling import GREEDY, SamplingParams
 from qwen_ops.engine.scheduler import Scheduler, SchedulerConfig

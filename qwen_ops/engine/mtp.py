@@ -117,11 +117,7 @@ class MTPRunner(RunnerProposer):
         states in ``hidden``, the target's forward rows) for the next step's catch-up."""
         if hidden is None:
             return
-        if self.target.is_static_verify(tasks):          # the verify buffers: verify_rows rows per task
-            starts = [i * self.target.verify_rows for i in range(len(tasks))]
-        else:
-            starts = torch.tensor([0] + [len(t.token_ids) for t in tasks[:-1]]).cumsum(0).tolist()
-        for t, e, start in zip(tasks, emitted, starts):
+        for t, e, start in zip(tasks, emitted, self.target.row_starts):   # each task's first forward row
             k = len(t.draft_token_ids)
             n = len(t.token_ids) - k + (len(e) - 1 if k and e is not None else 0)
             self.pending[t.kv_cache_slot] = (t.request_id, t.position_offset, list(t.token_ids[1:n]),

@@ -10,19 +10,14 @@ parallelism every mutating call goes through ``call(method, *args)``: rank 0 sen
 its arguments (a step's complete description) to the workers, then every rank runs it
 (nano-vllm's ``ModelRunner.call``).
 
-Decode batches (one token per sequence) go through static buffers sized for the largest
-bucket. When the step is compiled (or captured), a batch of n is padded up to the next bucket
-size with slot -1 rows, so the decode step sees a handful of shapes; eager steps use the first n
-rows as they are. With ``compile=True`` that step is ``torch.compile``d with
-``fullgraph=True``: one graph for batch 1 and one (dynamic in the batch) for the other
-buckets. The same buffers and buckets are what CUDA-graph capture replays into.
+Decode and verify batches run through static, bucket-padded buffers on the eager, compiled or
+CUDA-graph executor (``self.static``, engine/executors.py); prefill, mixed and oversized batches run
+eager with exact shapes (``execute``).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import types
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
@@ -31,75 +26,18 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
+from qwen_ops.engine.executors import StaticSteps
 from qwen_ops.engine.pooling import reduce_rows
 from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.models.lora import write_adapter
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
-from qwen_ops.torch_library import SCHEMAS
 
 
 # Structured outputs: a bitmask fill that took longer than this runs beside the next forward pass,
 # on a worker thread; a cheaper one costs less inline than the handoff (benchmarks/README.md).
 GRAMMAR_OVERLAP_MIN_S = 0.5e-3
-
-
-def decode_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, 16, then every 8 up to ``max_batch`` (which is always the last bucket)."""
-    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
-    sizes += list(range(24, max_batch, 8))
-    return sizes + [max_batch]
-
-
-def _own_code(method):
-    """``method`` (a bound method) with its function's code object copied for this engine alone.
-    Dynamo keeps compiled graphs per code object; with the module guards dropped (below) a second
-    engine of the process would otherwise reuse the first one's graphs on its own, different model
-    (measured: a compiled dense model's graph run on a MoE model's modules). One code object per
-    engine keeps each engine's graphs its own, with no global ``torch._dynamo.reset()``."""
-    func = method.__func__
-    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                               func.__closure__)
-    clone.__kwdefaults__, clone.__qualname__ = func.__kwdefaults__, func.__qualname__
-    return types.MethodType(clone, method.__self__)
-
-
-def _compile_decode(fn, backend: str, device: torch.device, cpp_wrapper: bool = True):
-    """``torch.compile`` the decode step: Inductor, or Torch-TensorRT (``compile_backend="tensorrt"``).
-
-    On the CPU, Inductor emits a C++ wrapper (``cpp_wrapper``) instead of a Python one (faster
-    per step, for a few seconds more of cold compile: benchmarks/README.md). On CUDA the step is
-    replayed from a CUDA graph, where the wrapper's cost does not recur.
-
-    Dynamo's guards on the model's modules are dropped (``guard_filter_fn``), as vLLM drops
-    guards after its first compile: the engine owns the model, whose structure, shapes and dtypes
-    do not change under it, and re-checking every module and parameter cost about a tenth of a
-    CPU decode step. Parameter *values* are still read at every call (they are graph inputs), so
-    weight updates take effect; ``tests/test_runner.py`` checks it.
-
-    ``cpp_wrapper=False`` keeps the Python wrapper: the C++ one cannot call the functional
-    collectives of a tensor-parallel model yet.
-    """
-    if isinstance(fn, types.MethodType):
-        fn = _own_code(fn)
-    if backend == "inductor":
-        options = {"cpp_wrapper": True} if device.type == "cpu" and cpp_wrapper else {}
-        skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        if skip_module_guards is not None:
-            options["guard_filter_fn"] = skip_module_guards
-        return torch.compile(fn, fullgraph=True, options=options or None)
-    if backend == "tensorrt":
-        try:
-            import torch_tensorrt  # noqa: F401  (registers the "torch_tensorrt" compile backend)
-        except ImportError as e:
-            raise RuntimeError("compile_backend='tensorrt' needs the torch-tensorrt package "
-                               "(pip install 'qwen_ops[tensorrt]') and a CUDA GPU") from e
-        # torch.ops.qwen.* are not TensorRT layers: they keep running in PyTorch between engines.
-        return torch.compile(fn, fullgraph=False, backend="torch_tensorrt",
-                             options={"torch_executed_ops": {f"torch.ops.qwen.{op}.default" for op in SCHEMAS},
-                                      "min_block_size": 1})
-    raise ValueError(f"compile_backend = {backend!r}, expected 'inductor' or 'tensorrt'")
 
 
 def spread_rows(logits: torch.Tensor, keep: Sequence[int], n: int) -> torch.Tensor:
@@ -139,38 +77,6 @@ class RunnerOutput:
     pooled: Optional[list[Optional[torch.Tensor]]] = None
 
 
-class CudaGraphAPI:
-    """What the runner needs of CUDA graphs: warm up a step, capture it into a graph in a shared
-    memory pool, and measure memory. Tests on the CPU pass a stand-in with the same methods
-    (``tests/test_graph_executor.py``), so the runner's own capture and replay logic (buckets,
-    padding, output slicing, static buffers) is exercised where no GPU exists."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def free_bytes(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
-
-    def warm_up(self, step) -> None:
-        """Run ``step`` on a side stream (compiling it) before capture, as torch requires."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-
-    def capture(self, step, pool):
-        """``(graph, output, pool)``: ``step`` captured; its output tensor is rewritten by each replay."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = step()
-        return graph, out, graph.pool() if pool is None else pool
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, max_slots: int,
                  max_blocks_per_slot: int, dtype: torch.dtype, device: torch.device, compile: bool = False,
@@ -197,17 +103,6 @@ class ModelRunner:
         self.kv_caches = model.allocate_caches(num_blocks, block_size, max_slots, dtype, device,
                                                kv_dtype=self.kv_dtype)
         self.block_table = torch.zeros((max_slots, max_blocks_per_slot), dtype=torch.int32, device=device)
-        self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_slots)
-        if self.buckets[0] < 1:
-            raise ValueError(f"buckets = {list(buckets)}, expected sizes >= 1")
-        if cuda_graphs and device.type != "cuda" and graph_api is None:
-            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {device}")
-        if compile_backend == "tensorrt":
-            if device.type != "cuda":
-                raise ValueError(f"compile_backend='tensorrt' needs a CUDA device, got device {device}")
-            compile = True
-        self.compiled = compile
-        self.compile_backend = compile_backend
         # The ops' backends, chosen once, now (bound around every forward: no per-call resolution).
         # Resolving also builds the cpu backend's C kernels on first use (a few seconds, once per
         # machine), which the first request would otherwise wait for.
@@ -219,20 +114,11 @@ class ModelRunner:
         # LoRA (models/lora.py): the per-token adapter slots every step writes, when the model has them.
         self.lora_context = getattr(model, "lora_context", None)
         self.refresh_weights()
-        self._alloc_decode_buffers()
-        # The step that CUDA graphs capture: compiled, or the model's forward as written.
-        self._decode_step = (_compile_decode(self._decode_forward, compile_backend, device,
-                                             cpp_wrapper=getattr(model, "tp", None) is None) if compile
-                             else self._decode_forward)
-        self.cuda_graphs = cuda_graphs
-        self.graph_api = graph_api if graph_api is not None else (CudaGraphAPI(device) if cuda_graphs else None)
-        self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
-        # Speculative decoding's verify steps (set_verify_rows): k + 1 rows per sequence, static buffers.
-        self.verify_rows: Optional[int] = None
-        self._verify_graphs: dict[int, tuple[object, torch.Tensor]] = {}
-        self._verify_step = None
-        self.capture_seconds = 0.0
-        self.capture_bytes = 0
+        # Decode and verify batches: static buffers and the three executors (engine/executors.py).
+        # The forward row where each task of the last ``execute`` starts (its layout, for the MTP proposer).
+        self.row_starts: list[int] = []
+        self.static = StaticSteps(self, buckets=buckets, compile=compile, compile_backend=compile_backend,
+                                  cuda_graphs=cuda_graphs, graph_api=graph_api)
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model" / "mtp": a DraftRunner / MTPRunner (attach_*)
@@ -257,6 +143,21 @@ class ModelRunner:
         ``engine/mtp.py`` ``MTPRunner`` over the model's own MTP layer, built on this runner) as the
         proposer of speculative decoding, in this runner's slots and blocks."""
         self.draft = proposer
+
+    # The executor choice and the static steps' settings live in ``self.static`` (engine/executors.py).
+    def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
+        return self.static.executor_for(chunks)
+
+    def set_verify_rows(self, rows: int) -> None:
+        self.static.set_verify_rows(rows)
+
+    @property
+    def compiled(self) -> bool:
+        return self.static.compiled
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.static.cuda_graphs
 
     @torch.inference_mode()
     def step(self, plan: IterationPlan) -> RunnerOutput:
@@ -479,154 +380,10 @@ class ModelRunner:
             if bt and rows[t.kv_cache_slot] != bt:
                 self.set_block_row(t.kv_cache_slot, bt)
 
-    def _alloc_decode_buffers(self) -> None:
-        """Static decode inputs for the largest bucket; a batch of B uses the first B rows."""
-        n, dev = self.buckets[-1], self.device
-        self.buf_input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.buf_positions = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.buf_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)   # slot_ids == seq_slots in decode
-        self.buf_seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.buf_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # never changes
-        self.buf_logits_indices = torch.arange(n, dtype=torch.long, device=dev)        # never changes
-
-    def set_verify_rows(self, rows: int) -> None:
-        """Give verify steps (decodes with up to ``rows - 1`` drafts) static buffers of ``rows`` rows
-        per sequence, bucketed like decode: compiled and captured too when decode is (a bucket of
-        B sequences is B x rows query rows; rows a sequence does not fill carry slot -1)."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
-            raise ValueError(f"rows = {rows!r}, expected an int >= 2 (num_speculative_tokens + 1)")
-        self.verify_rows = rows
-        # A sequence's R rows take positions offset .. offset + R - 1 even where it has fewer tokens:
-        # they must stay inside its block-table row and the model's RoPE table (else: eager).
-        rope = getattr(getattr(getattr(self.model, "model", None), "rotary_emb", None), "cos_sin", None)
-        self._verify_max_len = self.block_table.shape[1] * self.block_size
-        if rope is not None:
-            self._verify_max_len = min(self._verify_max_len, rope.shape[0])
-        n, dev = self.buckets[-1], self.device
-        self.vbuf_input_ids = torch.zeros(n * rows, dtype=torch.long, device=dev)
-        self.vbuf_positions = torch.zeros(n * rows, dtype=torch.int32, device=dev)
-        self.vbuf_slot_ids = torch.full((n * rows,), -1, dtype=torch.int32, device=dev)
-        self.vbuf_seq_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self.vbuf_seq_lens = torch.full((n,), rows, dtype=torch.int32, device=dev)
-        self.vbuf_query_start_loc = torch.arange(0, n * rows + 1, rows, dtype=torch.int32, device=dev)
-        self.vbuf_logits_indices = torch.arange(n * rows, dtype=torch.long, device=dev)
-        self._verify_step = (_compile_decode(self._verify_forward, self.compile_backend, dev,
-                                             cpp_wrapper=getattr(self.model, "tp", None) is None)
-                             if self.compiled else self._verify_forward)
-        self._verify_graphs.clear()
-
-    def _verify_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                        seq_slots: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        logits_indices: torch.Tensor) -> torch.Tensor:
-        """The verify step that is compiled and captured: ``verify_rows`` query rows per sequence."""
-        attn = AttentionMetadata(slot_ids=slot_ids, seq_slots=seq_slots, block_table=self.block_table,
-                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=self.verify_rows)
-        return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
-
-    def is_static_verify(self, chunks: Sequence[BatchedRequest]) -> bool:
-        """Decodes only, some with drafts, each within ``verify_rows`` rows, no more sequences than the
-        largest bucket. Hybrid models only when every decode fills its rows (a padding row would
-        advance its linear-layer state, which the rollback restores only after a rejection)."""
-        rows = self.verify_rows
-        if rows is None or len(chunks) > self.buckets[-1] or any(c.is_prefill or len(c.token_ids) > rows
-                                                                 or c.position_offset + rows > self._verify_max_len
-                                                                 for c in chunks):
-            return False
-        if not any(c.draft_token_ids for c in chunks):
-            return False
-        return "linear" not in self.layer_kinds or all(len(c.token_ids) == rows for c in chunks)
-
-    def fill_verify_buffers(self, chunks: Sequence[BatchedRequest], bucket: int) -> None:
-        """Copy a verify batch into the static buffers: sequence i owns rows i*R .. i*R+R-1 at
-        positions offset.., the rows past its tokens and the sequences past the batch slot -1."""
-        R, n = self.verify_rows, len(chunks)
-        rows: list[list[int]] = []                      # (token, position, slot) per row
-        for c in chunks:
-            m, p0, slot = len(c.token_ids), c.position_offset, c.kv_cache_slot
-            rows += [[t, p0 + j, slot] for j, t in enumerate(c.token_ids)]
-            rows += [[0, p0 + j, -1] for j in range(m, R)]
-        rows += [[0, 0, -1]] * ((bucket - n) * R)
-        host = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        seq = torch.tensor([[c.kv_cache_slot, c.position_offset + R] for c in chunks] + [[-1, R]] * (bucket - n),
-                           dtype=torch.long).to(self.device, non_blocking=True)
-        total = bucket * R
-        if self.lora_context is not None:
-            self.lora_context.set_indices(torch.tensor(
-                [c.lora_slot for c in chunks for _ in range(R)] + [-1] * ((bucket - n) * R), dtype=torch.int32))
-        self.vbuf_input_ids[:total].copy_(host[:, 0])
-        self.vbuf_positions[:total].copy_(host[:, 1])
-        self.vbuf_slot_ids[:total].copy_(host[:, 2])
-        self.vbuf_seq_slots[:bucket].copy_(seq[:, 0])
-        self.vbuf_seq_lens[:bucket].copy_(seq[:, 1])
-
-    def verify_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        rows = bucket * self.verify_rows
-        inputs = (self.vbuf_input_ids[:rows], self.vbuf_positions[:rows], self.vbuf_slot_ids[:rows],
-                  self.vbuf_seq_slots[:bucket], self.vbuf_query_start_loc[:bucket + 1], self.vbuf_seq_lens[:bucket],
-                  self.vbuf_logits_indices[:rows])
-        return self._dynamic_above_one(inputs, bucket)
-
-    @torch.inference_mode()
-    def execute_verify(self, chunks: Sequence[BatchedRequest], executor: str) -> torch.Tensor:
-        """A static verify step (``is_static_verify``); returns the chunks' logits rows in
-        ``execute``'s layout (``num_logit_rows`` per chunk)."""
-        static = executor in ("cuda_graph", "compiled")
-        bucket = self.bucket_for(len(chunks)) if static else len(chunks)
-        if executor == "cuda_graph" and not self._verify_graphs:
-            self.capture()
-        self.fill_verify_buffers(chunks, bucket)
-        if executor == "cuda_graph":
-            graph, out = self._verify_graphs[bucket]
-            graph.replay()
-            logits = out
-        else:
-            with trusted_metadata(), bound_backends(self.op_backends):
-                logits = self._verify_step(*self.verify_inputs(bucket)) if static else \
-                    self._verify_forward(*self.verify_inputs(bucket))
-        R = self.verify_rows
-        keep = [i * R + j for i, c in enumerate(chunks) for j in range(c.num_logit_rows)]
-        return logits[torch.tensor(keep, device=logits.device)].float()
-
-    def bucket_for(self, n: int) -> Optional[int]:
-        """The smallest bucket holding ``n`` sequences, or None above the largest."""
-        i = bisect.bisect_left(self.buckets, n)
-        return self.buckets[i] if i < len(self.buckets) else None
-
-    def is_static_decode(self, chunks: Sequence[BatchedRequest]) -> bool:
-        """One token per sequence and no more sequences than the largest bucket: a step that the
-        static decode buffers (and so the compiled step and the CUDA graphs) can take."""
-        return all(len(c.token_ids) == 1 for c in chunks) and len(chunks) <= self.buckets[-1]
-
-    def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
-        """Which executor runs a step of ``chunks``, decided here and only here:
-
-        - "cuda_graph": a static decode (or verify) batch, with CUDA graphs on;
-        - "compiled": the same without CUDA graphs, with ``compile=True``;
-        - "eager": the model's forward as written.
-        """
-        if self.is_static_decode(chunks) or self.is_static_verify(chunks):
-            if self.cuda_graphs:
-                return "cuda_graph"
-            if self.compiled:
-                return "compiled"
-        return "eager"
-
     def _run_uncompiled(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         attn: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """An eager step: the model's forward."""
         return self.model(input_ids, positions, attn, self.kv_caches, logits_indices)
-
-    def _decode_attn(self, slots: torch.Tensor, query_start_loc: torch.Tensor,
-                     seq_lens: torch.Tensor) -> AttentionMetadata:
-        return AttentionMetadata(slot_ids=slots, seq_slots=slots, block_table=self.block_table,
-                                 query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=1)
-
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        logits_indices: torch.Tensor) -> torch.Tensor:
-        """The decode step that is compiled and captured: one token per sequence, bucket-sized shapes."""
-        return self.model(input_ids, positions, self._decode_attn(slots, query_start_loc, seq_lens),
-                          self.kv_caches, logits_indices)
 
     def load_lora(self, slot: int, adapter) -> None:
         """Write a parsed LoRA adapter into the model's slot ``slot`` (None: clear it; models/lora.py)."""
@@ -642,108 +399,6 @@ class ModelRunner:
         else:
             with use_backend("reference"):     # every layer on its plain-torch forward
                 pack()
-
-    def fill_decode_buffers(self, chunks: Sequence[BatchedRequest], bucket: int) -> None:
-        """Copy a decode batch into the static buffers; rows n..bucket-1 become slot -1 padding."""
-        n = len(chunks)
-        host = torch.tensor([[c.token_ids[0], c.position_offset, c.kv_cache_slot, c.position_offset + 1] for c in chunks]
-                            + [[0, 0, -1, 1]] * (bucket - n), dtype=torch.long)
-        host = host.to(self.device, non_blocking=True)
-        self.buf_input_ids[:bucket].copy_(host[:, 0])
-        self.buf_positions[:bucket].copy_(host[:, 1])
-        self.buf_slots[:bucket].copy_(host[:, 2])
-        self.buf_seq_lens[:bucket].copy_(host[:, 3])
-        if self.lora_context is not None:       # its buffer is a static input of the compiled step and graphs
-            self.lora_context.set_indices(torch.tensor([c.lora_slot for c in chunks] + [-1] * (bucket - n),
-                                                       dtype=torch.int32))
-
-    def decode_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        inputs = (self.buf_input_ids[:bucket], self.buf_positions[:bucket], self.buf_slots[:bucket],
-                  self.buf_query_start_loc[:bucket + 1], self.buf_seq_lens[:bucket],
-                  self.buf_logits_indices[:bucket])
-        return self._dynamic_above_one(inputs, bucket)
-
-    def _dynamic_above_one(self, inputs: tuple[torch.Tensor, ...], bucket: int) -> tuple[torch.Tensor, ...]:
-        """Compiled steps: mark dim 0 dynamic above bucket 1, so one graph serves every bucket
-        above 1 instead of a recompile per size."""
-        if self.compiled and bucket > 1:
-            for t in inputs:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return inputs
-
-    @torch.inference_mode()
-    def execute_decode(self, chunks: Sequence[BatchedRequest], executor: Optional[str] = None) -> torch.Tensor:
-        """A static decode step (``is_static_decode``) on ``executor`` (default: ``executor_for``)."""
-        executor = executor or self.executor_for(chunks)
-        # Buckets exist for compiled graphs and CUDA graphs (a few fixed shapes); an uncompiled step
-        # runs at its exact size, where padding rows would only add work (up to a third more at 17-of-24).
-        static = executor in ("cuda_graph", "compiled")
-        bucket = self.bucket_for(len(chunks)) if static else len(chunks)
-        if executor == "cuda_graph" and not self._graphs:
-            self.capture()              # before filling: capture runs on (and leaves) all-padding buffers
-        self.fill_decode_buffers(chunks, bucket)
-        if executor == "cuda_graph":
-            graph, out = self._graphs[bucket]
-            graph.replay()
-            # The graph's output buffer is overwritten by the next replay: hand out a copy.
-            return out[:len(chunks)].to(torch.float32, copy=True)
-        inputs = self.decode_inputs(bucket)
-        # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
-        with trusted_metadata(), bound_backends(self.op_backends):
-            if static:
-                logits = self._decode_step(*inputs)
-            else:
-                ids, pos, slots, qsl, seq_lens, logits_indices = inputs
-                logits = self._run_uncompiled(ids, pos, self._decode_attn(slots, qsl, seq_lens),
-                                              logits_indices)
-        return logits[:len(chunks)].float()
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture the decode step of every bucket into CUDA graphs, largest first, one memory pool.
-
-        Capture runs on all-padding inputs (slot -1: nothing is written). Replays read the
-        static buffers, which ``fill_decode_buffers`` rewrites in full up to the bucket size
-        before every replay, so no stale row from an earlier batch is ever read.
-        """
-        import time
-
-        api = self.graph_api
-        self._graphs.clear()
-        api.synchronize()
-        free_before = api.free_bytes()
-        t0 = time.perf_counter()
-        pool = self._capture_buckets(self._graphs, self.fill_decode_buffers, self.decode_inputs, self._decode_step,
-                                     None)
-        if self.verify_rows is not None:
-            self._verify_graphs.clear()
-            self._capture_buckets(self._verify_graphs, self.fill_verify_buffers, self.verify_inputs,
-                                  self._verify_step, pool)
-        api.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - api.free_bytes())
-
-    def _capture_buckets(self, graphs: dict, fill, inputs_of, step_fn, pool):
-        """One graph per bucket, largest first, into ``graphs`` (``fill(chunks, bucket)`` and
-        ``inputs_of(bucket)`` give the static buffers ``step_fn`` reads); returns the memory pool."""
-        api = self.graph_api
-        for bucket in reversed(self.buckets):
-            fill([], bucket)
-            inputs = inputs_of(bucket)
-
-            def step(inputs=inputs):
-                with trusted_metadata(), bound_backends(self.op_backends):   # what the graph replays
-                    return step_fn(*inputs)
-
-            api.warm_up(step)                      # (and compile) outside the capture
-            graph, out, pool = api.capture(step, pool)
-            graphs[bucket] = (graph, out)
-        return pool
-
-    def _tensors_replaced(self) -> None:
-        """Captured graphs hold the old cache/table addresses: drop them (recaptured on demand)."""
-        self._graphs.clear()
-        self._verify_graphs.clear()
 
     def _layers(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
@@ -768,7 +423,7 @@ class ModelRunner:
                     t = bigger
                 grown.append(t)
             self.kv_caches[i] = tuple(grown)
-        self._tensors_replaced()
+        self.static.drop_graphs()
 
     def grow_slots(self, max_slots: int) -> None:
         """More slots: block-table rows, and per-slot state rows of linear layers."""
@@ -853,12 +508,12 @@ class ModelRunner:
         mixed and oversized batches run eager with exact shapes.
         """
         self.write_block_rows(chunks)
-        executor = self.executor_for(chunks)
         if not self.pooling:             # the pooling runner's steps are all eager prefill chunks
-            if self.is_static_decode(chunks):
-                return self.execute_decode(chunks, executor)
-            if self.is_static_verify(chunks):
-                return self.execute_verify(chunks, executor)
+            static = self.static
+            if static.is_static_decode(chunks):
+                return static.execute_decode(chunks)
+            if static.is_static_verify(chunks):
+                return static.execute_verify(chunks, static.executor_for(chunks))
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []
@@ -884,6 +539,7 @@ class ModelRunner:
             slot_ids=i32(slot_ids), seq_slots=i32(seq_slots), block_table=self.block_table,
             query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens),
             max_query_len=max(len(c.token_ids) for c in chunks))
+        self.row_starts = query_start_loc[:-1]
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = i32(positions)
         if self.lora_context is not None:
