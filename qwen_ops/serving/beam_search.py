@@ -6,7 +6,8 @@ candidates by cumulative log-probability, length-normalized by ``length_penalty`
 ends in EOS (unless ``ignore_eos``) is complete and stops. The result is every prompt's
 ``beam_width`` best sequences, finished or not.
 
-Beams live in the engine's slots (``QwenEngine``'s slot API, the core's lock held for the search):
+One loop (``_beam_loop``) runs every search; what runs its steps differs. Offline, beams live in the
+engine's slots (``QwenEngine``'s slot API, pinned sequences of the one scheduler, the core's lock held):
 a step is one decode forward of one row per live beam; a beam kept with several children forks
 its slot for each (``fork_slot``: its full KV blocks shared by reference count, only a partial last
 block copied), a beam with none frees its slot. Models with linear-attention layers (their state
@@ -151,70 +152,87 @@ def _select(candidates, width, key, ending, completed) -> list:
     return live
 
 
+def _beam_loop(prompts: list[list[int]], params: BeamSearchParams, key, ending, max_len: int):
+    """The one beam-search loop, whatever runs the steps (slots, one-token requests, the server's
+    ``AsyncLLM``): a generator. Each step it yields the live beams ``[(prompt index, beam, parent)]``,
+    ``parent`` being the index in the previous step's list of the beam it extends (None at first),
+    and is sent back each one's ``2 * beam_width`` most likely next tokens (``{token: Logprob}``).
+    A beam that reaches ``max_len`` tokens ends there. Returns ``(beams, completed)`` per prompt:
+    the ones that ended by length, and those that ended in EOS."""
+    width = params.beam_width
+    ended: list[list] = [[] for _ in prompts]
+    completed: list[list] = [[] for _ in prompts]
+    live = [(i, BeamSearchSequence(list(p)), None) for i, p in enumerate(prompts)]
+    for _ in range(params.max_tokens):
+        entries = yield live
+        candidates: list[list] = [[] for _ in prompts]
+        for j, ((i, beam, _), entry) in enumerate(zip(live, entries, strict=True)):
+            candidates[i] += [(child, j) for child in _extend(beam, entry)]
+        live = []
+        for i in range(len(prompts)):
+            for seq, parent in _select(candidates[i], width, key, ending, completed[i]):
+                if len(seq.tokens) >= max_len:
+                    ended[i].append(seq)                 # its slot is full: this beam ends here
+                else:
+                    live.append((i, seq, parent))
+        if not live:
+            break
+    for i, seq, _ in live:
+        ended[i].append(seq)
+    return list(zip(ended, completed))
+
+
 def _search_by_slots(engine, prompts: list[list[int]], params: BeamSearchParams, key, ending) -> list:
-    """Beams as engine slots: a step feeds each live beam its newest token, all in one forward of
-    one row per beam (a decode); a beam with several children forks its slot (``fork_slot``:
-    full blocks shared, a partial last block copied), a beam with none frees it."""
+    """``_beam_loop`` with beams as engine slots: a step feeds each live beam its newest token, all
+    in one forward of one row per beam (a decode). A parent left without children frees its slot
+    first; then every parent's slot goes to its first child and each further child forks it
+    (``fork_slot``: full blocks shared, a partial last block copied), so a prompt never holds more
+    than ``beam_width`` slots."""
     from qwen_ops.engine.batch import BatchedRequest
     from qwen_ops.engine.sampling import GREEDY
 
-    width, k = params.beam_width, 2 * params.beam_width
-    max_len = engine.max_seq_len
-    slots, searches, beams = [], [], []
+    loop = _beam_loop(prompts, params, key, ending, engine.max_seq_len)
+    held: list[int] = []
     try:
+        live = next(loop)
+        slot_of = []                      # the slot of each beam in ``live``
         for i, prompt in enumerate(prompts):
             slot = engine.allocate_slot(("beam_search", i))
-            slots.append(slot)
+            held.append(slot)
             engine.begin_sequence(slot, GREEDY, tokens=prompt)       # a cached prefix of the prompt is mapped
             _reserve(engine, slot, len(prompt))
-            beams.append((i, BeamSearchSequence(list(prompt)), slot))
-            searches.append(([], []))
-        logits = engine.execute([BatchedRequest(slot, prompt[m:], m) for (_, _, slot), prompt, m in
-                                 zip(beams, prompts, [engine.slot_seq_len(s) for s in slots])])
-        for step in range(params.max_tokens):
-            candidates: list[list] = [[] for _ in prompts]
-            for (i, beam, slot), entry in zip(beams, _top_entries(logits, k)):
-                candidates[i] += [(child, slot) for child in _extend(beam, entry)]
-            chosen = []
-            for i, (_, completed) in enumerate(searches):
-                chosen += [(i, seq, parent) for seq, parent in _select(candidates[i], width, key, ending, completed)]
-            # A parent left without children frees its slot first; then every parent's slot goes to
-            # its first child and each further child forks it (so a prompt never holds more than
-            # beam_width slots).
+            slot_of.append(slot)
+        logits = engine.execute([BatchedRequest(slot, prompt[m:], m) for slot, prompt, m in
+                                 zip(slot_of, prompts, [engine.slot_seq_len(s) for s in slot_of])])
+        while True:
+            try:
+                live = loop.send(_top_entries(logits, 2 * params.beam_width))
+            except StopIteration as done:
+                return done.value
+            parents = {parent for _, _, parent in live}
+            for j, slot in enumerate(slot_of):
+                if j not in parents:
+                    engine.free_slot(slot)
+                    held.remove(slot)
             taken, nxt = set(), []
-            for i, seq, parent in chosen:
+            for i, _, parent in live:
                 if parent not in taken:
                     taken.add(parent)
-                    nxt.append((i, seq, parent))
-            for slot in {s for _, _, s in beams} - taken:
-                engine.free_slot(slot)
-                slots.remove(slot)
-            firsts = {id(seq) for _, seq, _ in nxt}
-            for i, seq, parent in chosen:
-                if id(seq) in firsts:
-                    continue
-                slot = engine.allocate_slot(("beam_search", i))
-                slots.append(slot)
-                engine.fork_slot(parent, slot)
-                nxt.append((i, seq, slot))
-            beams = [b for b in nxt if len(b[1].tokens) < max_len]
-            for i, seq, _ in nxt:
-                if len(seq.tokens) >= max_len:
-                    searches[i][0].append(seq)           # the slot is full: this beam ends here
-            if not beams or step == params.max_tokens - 1:
-                break
-            chunks = []
-            for _, seq, slot in beams:
+                    nxt.append(slot_of[parent])
+                else:
+                    slot = engine.allocate_slot(("beam_search", i))
+                    held.append(slot)
+                    engine.fork_slot(slot_of[parent], slot)
+                    nxt.append(slot)
+            slot_of, chunks = nxt, []
+            for (_, seq, _), slot in zip(live, slot_of):
                 n = engine.slot_seq_len(slot)
                 _reserve(engine, slot, n + 1)
                 chunks.append(BatchedRequest(slot, [seq.tokens[-1]], n, is_prefill=False))
             logits = engine.execute(chunks)
-        for i, seq, _ in beams:
-            searches[i][0].append(seq)
     finally:
-        for slot in slots:
+        for slot in held:
             engine.free_slot(slot)
-    return searches
 
 
 def _reserve(engine, slot: int, n_tokens: int) -> None:
@@ -225,41 +243,32 @@ def _reserve(engine, slot: int, n_tokens: int) -> None:
 
 
 def _search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams, key, ending) -> list:
-    """Beams as one-token requests through the scheduler (models with linear-attention layers,
-    whose per-slot state a fork cannot share): prefix caching is off for them, so each step
-    prefills each beam again."""
-    width = params.beam_width
-    max_len = llm.scheduler.config.max_model_len
+    """``_beam_loop`` with beams as one-token requests through the scheduler (models with
+    linear-attention layers, whose per-slot state a fork cannot share): prefix caching is off for
+    them, so each step prefills each beam again."""
+    loop = _beam_loop(prompts, params, key, ending, llm.scheduler.config.max_model_len)
     step_params = _step_params(params)
-    searches = [([BeamSearchSequence(list(p))], []) for p in prompts]
-    for _ in range(params.max_tokens):
-        live = [(i, beam) for i, (beams, _) in enumerate(searches) for beam in beams if len(beam.tokens) < max_len]
-        if not live:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], [step_params] * len(live),
+    live = next(loop)
+    while True:
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b, _ in live], [step_params] * len(live),
                             use_tqdm=False)
-        candidates: list[list] = [[] for _ in searches]
-        for (i, beam), out in zip(live, outs):
-            candidates[i] += [(child, None) for child in _extend(beam, out.outputs[0].logprobs[0])]
-        for i, (beams, completed) in enumerate(searches):
-            beams[:] = [seq for seq, _ in _select(candidates[i], width, key, ending, completed)]
-    return searches
+        try:
+            live = loop.send([out.outputs[0].logprobs[0] for out in outs])
+        except StopIteration as done:
+            return done.value
 
 
 async def beam_search_async(engine, prompt: list[int], params: BeamSearchParams, eos_ids: frozenset[int],
                             request_id: str) -> BeamSearchOutput:
-    """Beam search through an ``AsyncLLM`` (the server's ``use_beam_search``, as vLLM's serves it):
-    each step the live beams go in as one-token requests at once, and share the steps of every
+    """``_beam_loop`` through an ``AsyncLLM`` (the server's ``use_beam_search``, as vLLM's serves
+    it): each step the live beams go in as one-token requests at once, and share the steps of every
     other request; prefix caching keeps their common full blocks one set of blocks."""
     import asyncio
 
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
-    width = params.beam_width
     ending, key = _ranking(params, eos_ids)
     step_params = _step_params(params)
-    beams, completed = [BeamSearchSequence(list(prompt))], []
-    max_len = engine.max_model_len
 
     async def one(beam: BeamSearchSequence, j: int):
         last = None
@@ -268,12 +277,13 @@ async def beam_search_async(engine, prompt: list[int], params: BeamSearchParams,
             last = out
         return last
 
-    for step in range(params.max_tokens):
-        live = [b for b in beams if len(b.tokens) < max_len]
-        if not live:
-            break
-        outs = await asyncio.gather(*(one(b, step * width + j) for j, b in enumerate(live)))
-        candidates = [(child, None) for beam, out in zip(live, outs)
-                      for child in _extend(beam, out.outputs[0].logprobs[0])]
-        beams = [seq for seq, _ in _select(candidates, width, key, ending, completed)]
-    return _finish(prompt, beams, completed, params, key, engine.tokenizer)
+    loop = _beam_loop([prompt], params, key, ending, engine.max_model_len)
+    live, step = next(loop), 0
+    while True:
+        outs = await asyncio.gather(*(one(b, step * params.beam_width + j) for j, (_, b, _) in enumerate(live)))
+        step += 1
+        try:
+            live = loop.send([out.outputs[0].logprobs[0] for out in outs])
+        except StopIteration as done:
+            ((beams, completed),) = done.value
+            return _finish(prompt, beams, completed, params, key, engine.tokenizer)
