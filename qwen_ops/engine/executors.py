@@ -291,11 +291,12 @@ class StaticSteps:
         - "eager": the model's forward as written.
         """
         if self.is_static_decode(chunks) or self.is_static_verify(chunks):
-            if self.cuda_graphs:
-                return "cuda_graph"
-            if self.compiled:
-                return "compiled"
+            return self.static_executor()
         return "eager"
+
+    def static_executor(self) -> str:
+        """``executor_for`` a step known to be static."""
+        return "cuda_graph" if self.cuda_graphs else "compiled" if self.compiled else "eager"
 
 
     def _decode_attn(self, slots: torch.Tensor, query_start_loc: torch.Tensor,

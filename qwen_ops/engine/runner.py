@@ -511,9 +511,9 @@ class ModelRunner:
         if not self.pooling:             # the pooling runner's steps are all eager prefill chunks
             static = self.static
             if static.is_static_decode(chunks):
-                return static.execute_decode(chunks)
+                return static.execute_decode(chunks, static.static_executor())
             if static.is_static_verify(chunks):
-                return static.execute_verify(chunks, static.executor_for(chunks))
+                return static.execute_verify(chunks, static.static_executor())
         token_ids: list[int] = []
         positions: list[int] = []
         slot_ids: list[int] = []
