@@ -48,7 +48,7 @@ def pair(ckpt):
 def test_replay_equals_eager_for_every_bucket(pair, n):
     eager, graphs = pair
     assert run(graphs, prompts(n)) == run(eager, prompts(n))
-    assert set(graphs.runner.static.graphs) == set(BUCKETS)
+    assert set(graphs.runner.executors.graphs) == set(BUCKETS)
 
 
 @needs_gpu
@@ -80,10 +80,10 @@ def test_slot_freed_and_reused_between_replays(pair):
 def test_capture_time_and_memory_reported(pair, capsys):
     _, graphs = pair
     run(graphs, prompts(2))
-    assert graphs.runner.static.capture_seconds > 0
+    assert graphs.runner.executors.capture_seconds > 0
     with capsys.disabled():
-        print(f"\n[cuda graphs] buckets {BUCKETS}: capture {graphs.runner.static.capture_seconds:.2f} s, "
-              f"{graphs.runner.static.capture_bytes / 2**20:.1f} MiB")
+        print(f"\n[cuda graphs] buckets {BUCKETS}: capture {graphs.runner.executors.capture_seconds:.2f} s, "
+              f"{graphs.runner.executors.capture_bytes / 2**20:.1f} MiB")
 
 
 def test_cuda_graphs_need_a_cuda_device(ckpt):

@@ -99,7 +99,7 @@ class Pair:
         return got
 
     def replays(self) -> dict[int, int]:
-        return {bucket: graph.replays for bucket, (graph, _) in self.graphs.static.graphs.items()}
+        return {bucket: graph.replays for bucket, (graph, _) in self.graphs.executors.graphs.items()}
 
 
 def test_every_bucket_is_captured_once_largest_first_in_one_pool(model):
@@ -116,13 +116,13 @@ def test_bucket_choice_padding_and_slicing(model, n):
     for s in range(n):
         pair.prefill(s, 3 + s)
     bucket = next(b for b in BUCKETS if b >= n)
-    pair.graphs.static.buf_slots.fill_(5)                       # stale rows of an earlier, larger batch
+    pair.graphs.inputs.buf_slots.fill_(5)                       # stale rows of an earlier, larger batch
     before = pair.replays()
     got = pair.decode(list(range(n)))
     after = pair.replays()
     assert {b for b in BUCKETS if after[b] != before.get(b, 0)} == {bucket}, "exactly the bucket's graph replays"
-    assert pair.graphs.static.buf_slots[:bucket].tolist() == list(range(n)) + [-1] * (bucket - n), "padding rows"
-    graph_out = pair.graphs.static.graphs[bucket][1]
+    assert pair.graphs.inputs.buf_slots[:bucket].tolist() == list(range(n)) + [-1] * (bucket - n), "padding rows"
+    graph_out = pair.graphs.executors.graphs[bucket][1]
     assert got.data_ptr() != graph_out.data_ptr()       # a copy: the next replay overwrites the graph's
     torch.testing.assert_close(got, graph_out[:n].float())
 
@@ -144,15 +144,15 @@ def test_replay_reads_only_the_static_buffers(model):
         pair.prefill(s, 4)
     pair.decode([0, 1])                                  # captures (on all-padding inputs), then replays
     runner = pair.graphs
-    static = runner.static
-    buffers = (static.buf_input_ids, static.buf_positions, static.buf_slots, static.buf_seq_lens,
-               static.buf_query_start_loc, static.buf_logits_indices, runner.block_table)
+    inputs = runner.inputs
+    buffers = (inputs.buf_input_ids, inputs.buf_positions, inputs.buf_slots, inputs.buf_seq_lens,
+               inputs.buf_query_start_loc, inputs.buf_logits_indices, runner.block_table)
     pointers = [t.data_ptr() for t in buffers]
-    outputs = {b: out.data_ptr() for b, (_, out) in runner.static.graphs.items()}
+    outputs = {b: out.data_ptr() for b, (_, out) in runner.executors.graphs.items()}
     for slots in ([2, 3], [0, 3], [1, 2, 3], [0]):       # other slots, positions and tokens each time
         pair.decode(slots)
     assert [t.data_ptr() for t in buffers] == pointers
-    assert {b: out.data_ptr() for b, (_, out) in runner.static.graphs.items()} == outputs
+    assert {b: out.data_ptr() for b, (_, out) in runner.executors.graphs.items()} == outputs
     assert len(pair.api.graphs) == len(BUCKETS)
 
 
@@ -198,5 +198,5 @@ def test_verify_steps_replay_their_own_graphs(model):
             torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
         for c in chunks:                       # keep only the last token, as a full rejection would
             pair.lens[c.kv_cache_slot] += 1
-    assert sorted(pair.graphs.static.verify_graphs) == BUCKETS
+    assert sorted(pair.graphs.executors.verify_graphs) == BUCKETS
     assert len(pair.api.graphs) == 2 * len(BUCKETS), "one capture per decode and per verify bucket"

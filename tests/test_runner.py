@@ -10,7 +10,7 @@ import torch._dynamo
 from qwen_ops.engine.engine import QwenBatchedRequest, QwenEngine
 from qwen_ops.serving.llm import LLM
 from qwen_ops.engine.batch import BatchedRequest
-from qwen_ops.engine.executors import decode_buckets
+from qwen_ops.engine.inputs import decode_buckets
 from qwen_ops.engine.sampling import SamplingParams
 
 from checkpoints import make_qwen3_checkpoint
@@ -105,11 +105,11 @@ def test_eager_decode_runs_at_the_exact_batch_size(engines, monkeypatch):
         for s in range(3):
             engine.prefill(PROMPTS[s], slot_id=s)
             engine.reserve(s, len(PROMPTS[s]) + 1)
-        engine.runner.static.buf_slots.fill_(5)                 # stale rows from an earlier, larger batch
+        engine.runner.inputs.buf_slots.fill_(5)                 # stale rows from an earlier, larger batch
         engine.execute([BatchedRequest(s, [7], engine.slot_seq_len(s)) for s in range(3)])
     assert seen[-1] == 3, "eager: the model sees the 3 decode rows, no padding"
-    assert eager.runner.static.buf_slots[:3].tolist() == [0, 1, 2]
-    assert compiled.runner.static.buf_slots[:4].tolist() == [0, 1, 2, -1], "compiled: padded to bucket 4"
+    assert eager.runner.inputs.buf_slots[:3].tolist() == [0, 1, 2]
+    assert compiled.runner.inputs.buf_slots[:4].tolist() == [0, 1, 2, -1], "compiled: padded to bucket 4"
 
 
 def test_compiled_step_reads_current_weights(engines):

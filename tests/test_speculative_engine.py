@@ -380,8 +380,8 @@ def test_compiled_verify_equals_transformers(tmp_path):
     llm = LLM(path, compile=True, speculative_config=dict(NGRAM, num_speculative_tokens=3))
     runner = llm.engine.runner
     seen = []
-    real = runner.static.execute_verify
-    runner.static.execute_verify = lambda chunks, executor: (seen.append(executor), real(chunks, executor))[1]
+    real = runner.executors.run
+    runner.executors.run = lambda step, executor: (step.kind != "verify" or seen.append(executor), real(step, executor))[1]
     got = [llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
            for p in prompts]
     got.append(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]

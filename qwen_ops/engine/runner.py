@@ -10,9 +10,9 @@ parallelism every mutating call goes through ``call(method, *args)``: rank 0 sen
 its arguments (a step's complete description) to the workers, then every rank runs it
 (nano-vllm's ``ModelRunner.call``).
 
-Decode and verify batches run through static, bucket-padded buffers on the eager, compiled or
-CUDA-graph executor (``self.static``, engine/executors.py); prefill, mixed and oversized batches run
-eager with exact shapes (``execute``).
+``execute`` is three lines: ``self.inputs`` (engine/inputs.py, the one builder of a step's tensors
+and its row layout: static bucket-padded buffers for decode and verify batches, exact shapes for
+the rest) builds, ``self.executors`` (engine/executors.py: eager, compiled, CUDA graphs) runs.
 """
 
 from __future__ import annotations
@@ -26,35 +26,19 @@ import torch
 from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
-from qwen_ops.engine.executors import StaticSteps
+from qwen_ops.engine.executors import Executors
+from qwen_ops.engine.inputs import InputBuilder
 from qwen_ops.engine.pooling import reduce_rows
 from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
 from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
 from qwen_ops.models.lora import write_adapter
 from qwen_ops.ops.metadata import AttentionMetadata
-from qwen_ops.ops.backend import bound_backends, resolve_backends, trusted_metadata, use_backend
+from qwen_ops.ops.backend import resolve_backends, use_backend
 
 
 # Structured outputs: a bitmask fill that took longer than this runs beside the next forward pass,
 # on a worker thread; a cheaper one costs less inline than the handoff (benchmarks/README.md).
 GRAMMAR_OVERLAP_MIN_S = 0.5e-3
-
-
-def spread_rows(logits: torch.Tensor, keep: Sequence[int], n: int) -> torch.Tensor:
-    """fp32 ``[n, vocab]`` whose row ``keep[j]`` is ``logits[j]``; the other rows (chunks whose logits
-    nobody reads: ``BatchedRequest.needs_logits``) NaN. Runs of consecutive rows are copied (and
-    widened) in one go."""
-    out = torch.empty((n, logits.shape[-1]), dtype=torch.float32, device=logits.device)
-    kept = set(keep)
-    out[[i for i in range(n) if i not in kept]] = float("nan")
-    j = 0
-    while j < len(keep):
-        e = j + 1
-        while e < len(keep) and keep[e] == keep[e - 1] + 1:
-            e += 1
-        out[keep[j]:keep[j] + e - j].copy_(logits[j:e])
-        j = e
-    return out
 
 
 @dataclass
@@ -114,11 +98,13 @@ class ModelRunner:
         # LoRA (models/lora.py): the per-token adapter slots every step writes, when the model has them.
         self.lora_context = getattr(model, "lora_context", None)
         self.refresh_weights()
-        # Decode and verify batches: static buffers and the three executors (engine/executors.py).
+        # The one builder of every step's tensors (and the static decode / verify buffers), and the
+        # executors that run them: eager, compiled, CUDA graphs (engine/inputs.py, engine/executors.py).
+        self.inputs = InputBuilder(self, buckets)
+        self.executors = Executors(self, self.inputs, compile=compile, compile_backend=compile_backend,
+                                   cuda_graphs=cuda_graphs, graph_api=graph_api)
         # The forward row where each task of the last ``execute`` starts (its layout, for the MTP proposer).
         self.row_starts: list[int] = []
-        self.static = StaticSteps(self, buckets=buckets, compile=compile, compile_backend=compile_backend,
-                                  cuda_graphs=cuda_graphs, graph_api=graph_api)
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model" / "mtp": a DraftRunner / MTPRunner (attach_*)
@@ -144,20 +130,20 @@ class ModelRunner:
         proposer of speculative decoding, in this runner's slots and blocks."""
         self.draft = proposer
 
-    # The executor choice and the static steps' settings live in ``self.static`` (engine/executors.py).
+    # The executor choice and the compile settings live in ``self.executors`` (engine/executors.py).
     def executor_for(self, chunks: Sequence[BatchedRequest]) -> str:
-        return self.static.executor_for(chunks)
+        return self.executors.executor_for(chunks)
 
     def set_verify_rows(self, rows: int) -> None:
-        self.static.set_verify_rows(rows)
+        self.executors.set_verify_rows(rows)
 
     @property
     def compiled(self) -> bool:
-        return self.static.compiled
+        return self.executors.compiled
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.static.cuda_graphs
+        return self.executors.cuda_graphs
 
     @torch.inference_mode()
     def step(self, plan: IterationPlan) -> RunnerOutput:
@@ -423,7 +409,7 @@ class ModelRunner:
                     t = bigger
                 grown.append(t)
             self.kv_caches[i] = tuple(grown)
-        self.static.drop_graphs()
+        self.executors.drop_graphs()
 
     def grow_slots(self, max_slots: int) -> None:
         """More slots: block-table rows, and per-slot state rows of linear layers."""
@@ -497,72 +483,13 @@ class ModelRunner:
                 a[slot] = ha.to(self.device)
                 b[slot] = hb.to(self.device)
 
-    @torch.inference_mode()
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward over all chunks; returns fp32 logits [rows, vocab] of each chunk's last token,
-        and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk). The
-        pooling runner's: the model-dtype final-norm hidden states [rows, hidden] of each chunk's
-        ``pool_rows``, in chunk order.
-
-        Decode batches within the largest bucket take the static (compiled) path; prefill,
-        mixed and oversized batches run eager with exact shapes.
-        """
+        and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk; a scored
+        prompt's rows in the model's dtype). The pooling runner's: the model-dtype final-norm hidden
+        states [rows, hidden] of each chunk's ``pool_rows``, in chunk order. The inputs are built by
+        ``self.inputs`` (engine/inputs.py), and run by ``self.executors`` (engine/executors.py)."""
         self.write_block_rows(chunks)
-        if not self.pooling:             # the pooling runner's steps are all eager prefill chunks
-            static = self.static
-            if static.is_static_decode(chunks):
-                return static.execute_decode(chunks, static.static_executor())
-            if static.is_static_verify(chunks):
-                return static.execute_verify(chunks, static.static_executor())
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_ids: list[int] = []
-        seq_slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        lora: list[int] = []
-        for c in chunks:
-            n = len(c.token_ids)
-            lora.extend([c.lora_slot] * n)
-            token_ids.extend(c.token_ids)
-            positions.extend(range(c.position_offset, c.position_offset + n))
-            slot_ids.extend([c.kv_cache_slot] * n)
-            seq_slots.append(c.kv_cache_slot)
-            seq_lens.append(c.position_offset + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-        dev = self.device
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
-
-        attn = AttentionMetadata(
-            slot_ids=i32(slot_ids), seq_slots=i32(seq_slots), block_table=self.block_table,
-            query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens),
-            max_query_len=max(len(c.token_ids) for c in chunks))
-        self.row_starts = query_start_loc[:-1]
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos = i32(positions)
-        if self.lora_context is not None:
-            self.lora_context.set_indices(torch.tensor(lora, dtype=torch.int32))
-        scoring = any(c.prompt_logprob_ids for c in chunks)
-        if self.pooling:
-            # The pooling runner: the final-norm hidden states [rows, hidden] of the pooled rows (no LM head).
-            rows = [start + r for c, start in zip(chunks, query_start_loc) for r in c.pool_rows]
-            with trusted_metadata(), bound_backends(self.op_backends):
-                return self.model.model(input_ids, pos, attn, self.kv_caches,
-                                        torch.tensor(rows, dtype=torch.long).to(dev))
-        if scoring or any(c.draft_token_ids for c in chunks):
-            rows = [end - c.num_logit_rows + j for c, end in zip(chunks, query_start_loc[1:])
-                    for j in range(c.num_logit_rows)]
-            logits_indices = torch.tensor(rows, dtype=torch.long).to(dev)
-        else:
-            keep = [i for i, c in enumerate(chunks) if c.needs_logits]
-            logits_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in keep], dtype=torch.long).to(dev)
-        # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
-        with trusted_metadata(), bound_backends(self.op_backends):
-            logits = self._run_uncompiled(input_ids, pos, attn, logits_indices)
-        # A scored prompt's rows stay in the model's dtype: step() widens the rows it samples from,
-        # and prompt_logprobs a chunk at a time (all of them at once: 1.2 GB at 2,000 x 151,936).
-        if scoring or any(c.draft_token_ids for c in chunks):
-            return logits if scoring else logits.float()
-        return logits.float() if len(keep) == len(chunks) else spread_rows(logits, keep, len(chunks))
+        step, out = self.executors.execute(chunks)
+        self.row_starts = step.row_starts
+        return step.finish(out)
