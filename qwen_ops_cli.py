@@ -1,9 +1,10 @@
 """The ``qwen-ops`` command line: its parser and ``main``, importable without torch.
 
-``qwen-ops --help`` (and every argument error) is answered from here before torch or
-``qwen_ops`` is imported (a top-level module: importing anything inside ``qwen_ops`` runs the
-package's ``__init__``, which registers the ops and so imports torch). The commands themselves
-live in ``qwen_ops.serving.commands``.
+``qwen-ops --help`` (and every parse error) is answered from here before torch is imported: the
+engine's flags come from ``qwen_ops.serving.engine_args`` (``EngineArgs.add_cli_args``), which
+imports without torch, as the package's lazy root does. The commands themselves live in
+``qwen_ops.serving.commands``; they check the engine's arguments with ``EngineArgs.validate``,
+the same check and the same words as ``LLM(...)``.
 
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
@@ -24,27 +25,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
-
-def _json_object(text: str,
-                 expected: str = 'an object such as \'{"method": "ngram", "num_speculative_tokens": 4}\'') -> dict:
-    """A flag's JSON-object value (``--speculative-config``; ``--lora-modules``' JSON form), or an error naming
-    ``expected``: argparse reports it with the flag's name."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}); expected {expected}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, expected an object")
-    return value
+# The package's root and qwen_ops.serving load nothing on import: this costs no torch.
+from qwen_ops.serving.engine_args import EngineArgs, json_object
 
 
 def _lora_module(text: str) -> dict:
     """One ``--lora-modules`` value, vLLM's two forms: ``name=path``, or a JSON object
     ``{"name": ..., "path": ..., "base_model_name": ...}`` (base_model_name optional)."""
     if text.lstrip().startswith("{"):
-        value = _json_object(text, 'name=path or \'{"name": "sql", "path": "/adapters/sql"}\'')
+        value = json_object(text, 'name=path or \'{"name": "sql", "path": "/adapters/sql"}\'')
         unknown = sorted(set(value) - {"name", "path", "base_model_name"})
         if unknown:
             raise argparse.ArgumentTypeError(f"{text!r} has key {unknown[0]!r}; expected name, path and "
@@ -64,112 +53,36 @@ def _lora_module(text: str) -> dict:
     return module
 
 
-def _add_lora_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags (serve)."""
-    p.add_argument("--enable-lora", action="store_true", default=False,
-                   help="serve LoRA adapters (PEFT directories) on top of the model, each under a model name of "
-                        "its own")
-    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
-                   help="adapters to serve: name=path, or vLLM's JSON '{\"name\": \"sql\", \"path\": \"/p\", "
-                        "\"base_model_name\": \"...\"}'; a request whose model is NAME runs with it "
-                        "(needs --enable-lora). "
-                        "With VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and "
-                        "/v1/unload_lora_adapter change them at run time")
-    p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (default: 1)")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default: 16)")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="parsed adapters kept in host memory (default: --max-loras)")
-
-
-def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's --kv-cache-dtype and --calculate-kv-scales (generate, bench and serve)."""
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
-                   help="KV cache dtype, as vLLM's: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, one byte "
-                        "an element, per-tensor scales (default: auto)")
-    p.add_argument("--calculate-kv-scales", action="store_true", default=False,
-                   help="with an fp8 KV cache: set each layer's k/v scales from the first batch (default: the "
-                        "checkpoint's, else 1.0)")
-
-
-def _add_model_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    """The model and engine flags of generate, bench and perplexity (``positional_model``: MODEL, as serve's)."""
-    if positional_model:
-        p.add_argument("model", nargs="?", default=None,
-                       help="checkpoint directory (Hugging Face layout) or GGUF file; default: the embedded model")
-    else:
-        p.add_argument("--model", default=None, help="checkpoint directory (Hugging Face layout) or GGUF "
-                       "file; default: the embedded model")
-    p.add_argument("--tokenizer", default=None,
-                   help="a checkpoint directory with a tokenizer.json, or a GGUF file, whose tokenizer and chat "
-                        "template to use instead of the model's (vLLM's flag)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--quantization", "-q", default=None, help="int8, int4 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations); a GGUF file keeps its blocks as stored (gguf_a8: with int8 activations, llama.cpp's arithmetic; dequantize: all to --dtype) (default: none)")
-    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-                        "(default: off)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens per request (default: the model's limit, at most 4096)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    _add_kv_cache_args(p)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--swap-space", type=float, default=None,
-                   help="GiB of host memory for swapped KV, as vLLM's (default: a quarter of RAM, at most 4 GiB)")
-
-
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Serve MODEL over OpenAI's /v1/completions, /v1/chat/completions and "
                                    "/v1/models (with --runner pooling: /v1/embeddings, /v1/score, /rerank), "
                                    "with /health and /metrics (Prometheus).")
-    s.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (Hugging Face layout) or GGUF file; default: the embedded model")
-    s.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
-                   help="generate (completions, chat) or pooling (an embedding model or reranker: /v1/embeddings, "
-                        "/v1/score, /rerank), as vLLM's; auto: pooling where the checkpoint says so (a "
-                        "sentence-transformers Pooling module, or a Qwen3Model / sequence-classifier checkpoint)")
+    EngineArgs.add_cli_args(s, positional_model=True)
+    # A grammar that compiles for long would hold its request's slot: bounded by default when served.
+    s.set_defaults(max_grammar_compile_seconds=5.0)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY); an empty or "
                         "blank key is an error. To serve without authentication, leave out both --api-key and "
                         "QWEN_OPS_API_KEY")
-    s.add_argument("--tokenizer", default=None,
-                   help="a checkpoint directory with a tokenizer.json, or a GGUF file, whose tokenizer and chat "
-                        "template to use instead of MODEL's (vLLM's flag; default: MODEL's own)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the checkpoint directory's name, or "
                         "qwen-ops-default for the embedded model)")
-    s.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    s.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    s.add_argument("--quantization", "-q", default=None, help="int8, int4 or fp8: quantize a full-precision checkpoint's projections as it loads (w8a8: int8 weights and int8 activations); a checkpoint quantized as fp8 (block-wise), awq or gptq loads quantized without it (awq_a8 / gptq_a8: with int8 activations); a GGUF file keeps its blocks as stored (gguf_a8: with int8 activations, llama.cpp's arithmetic; dequantize: all to --dtype) (default: none)")
-    s.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-                        "(default: off)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens per request (default: the model's limit, at most 4096)")
-    _add_kv_cache_args(s)
-    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many processes (default: 1)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV blocks of common prompt prefixes (default: on; off for hybrid models)")
     s.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
                    help="split chat replies into reasoning_content and content (qwen3: <think>...</think>)")
-    s.add_argument("--max-grammar-compile-seconds", type=float, default=5.0, metavar="SECONDS",
-                   help="a structured output (response_format, structured_outputs, forced tool_choice) whose grammar "
-                        "compiles for longer fails its own request with a 400; grammars compile beside the engine "
-                        "loop, so other requests keep running meanwhile (default: 5)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let tool_choice 'auto' (the default with tools) parse tool calls from replies; needs "
                         "--tool-call-parser (vLLM's flags; without them such a request is a 400)")
     s.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                    help="the format of tool calls in replies: hermes (<tool_call>{...}</tool_call>, Qwen's)")
-    _add_lora_args(s)
-    s.add_argument("--compile", action="store_true", default=None,
-                   help="compile the decode step (default: on for CUDA, off on the CPU)")
+    s.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to serve: name=path, or vLLM's JSON '{\"name\": \"sql\", \"path\": \"/p\", "
+                        "\"base_model_name\": \"...\"}'; a request whose model is NAME runs with it "
+                        "(needs --enable-lora). "
+                        "With VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter change them at run time")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own, apart from the HTTP server's event loop "
                         "(default; --no-engine-process: a thread of the server's process)")
@@ -202,7 +115,7 @@ def _add_chat_parser(sub) -> None:
                                    "conversation. /reset clears it, /exit, /quit or end of input ends it. Ctrl-C "
                                    "stops an answer (the request is aborted) and that turn is left out of the "
                                    "conversation.")
-    _add_model_args(c, positional_model=True)
+    EngineArgs.add_cli_args(c, positional_model=True, exclude=("seed",))
     c.add_argument("message", nargs="?", default=None,
                    help="one message to answer, then exit (default: a conversation on stdin); one positional "
                         "argument is MODEL, so for the embedded model use --message")
@@ -214,7 +127,8 @@ def _add_chat_parser(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     c.add_argument("--top-k", type=int, default=-1)
     c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--seed", type=int, default=None, dest="sampling_seed", metavar="SEED",
+                   help="seed of the answers' sampling")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     c.set_defaults(func="chat")
 
@@ -234,7 +148,7 @@ def _add_perplexity_parser(sub) -> None:
     p.add_argument("--max-chunks", type=int, default=None,
                    help="score at most this many chunks, as llama.cpp's --chunks (default: all)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON to OUT")
-    _add_model_args(p, positional_model=True)
+    EngineArgs.add_cli_args(p, positional_model=True)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     p.set_defaults(func="perplexity")
 
@@ -250,23 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion of a prompt",
                        description="Stream a completion of PROMPT, then print tokens/s.")
     g.add_argument("prompt", help="text to continue")
-    _add_model_args(g)
+    EngineArgs.add_cli_args(g, exclude=("seed",))
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, dest="sampling_seed", metavar="SEED",
+                   help="seed of the request's sampling")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     g.set_defaults(func="generate")
     _add_chat_parser(sub)
     b = sub.add_parser("bench", help="serve synthetic requests and print latency/throughput",
                        description="Run N synthetic greedy requests through the scheduler and print a table.")
-    _add_model_args(b)
+    EngineArgs.add_cli_args(b, exclude=("seed",))
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--output-len", type=int, default=64)
-    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    b.add_argument("--seed", type=int, default=0, dest="prompt_seed", metavar="SEED",
+                   help="seed of the synthetic prompts")
     b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     b.set_defaults(func="bench")
     _add_serve_parser(sub)

@@ -4,36 +4,58 @@ with a Qwen model, an explicit-slot engine and a continuous-batching LLM on top.
 Layers, one folder each, imports flowing one way (serving -> engine -> models -> ops):
 ``ops/`` the custom ops and their kernels, ``models/`` configs, loading and the models,
 ``engine/`` slots, runner and sampling, ``serving/`` scheduler, ``LLM`` and the CLI.
+
+The public names load on first use (vLLM's lazy root): ``import qwen_ops`` imports nothing else, so
+a light module (``qwen_ops.serving.engine_args``, which the torch-free ``qwen-ops --help`` reads)
+costs no torch, and ``qwen_ops.ops.kernels.reference`` no engine. ``torch.ops.qwen.*`` are
+registered by importing ``qwen_ops.ops``, which everything that runs an op does: the models, the
+engine, ``LLM`` and the op wrappers here (``qwen_ops.kv_write``); code that calls
+``torch.ops.qwen.*`` itself imports ``qwen_ops.ops``.
 """
 
-from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
-from qwen_ops.engine.engine import (QwenBatchDecodeResult, QwenBatchedRequest, QwenBatchPrefillResult, QwenEngine,
-                                    QwenForwardResult)
-from qwen_ops.engine.lora import LoRARequest
-from qwen_ops.engine.pooling import PoolingParams
-from qwen_ops.engine.sampling import RequestOutputKind, SamplingParams
-from qwen_ops.engine.structured import GuidedDecodingParams, StructuredOutputsParams
-from qwen_ops.models.config import QwenConfig
-from qwen_ops.models.defaults import default_model_path
-from qwen_ops.models.dense import QwenForCausalLM
-from qwen_ops.models.loader import Checkpoint, load_checkpoint, load_model
-from qwen_ops.models.tokenizer import QwenTokenizer, load_tokenizer
-from qwen_ops.ops import kv_write, slot_attention
-from qwen_ops.ops.backend import get_backend, resolve_backend, set_backend, use_backend
-from qwen_ops.ops.metadata import AttentionMetadata
-from qwen_ops.serving.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from qwen_ops.serving.llm import LLM, CompletionOutput, RequestOutput
-from qwen_ops.serving.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput,
-                                      qwen3_reranker_inputs)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "kv_write", "slot_attention", "get_backend", "set_backend", "use_backend", "resolve_backend",
-    "QwenEngine", "QwenBatchedRequest", "QwenForwardResult", "QwenBatchPrefillResult", "QwenBatchDecodeResult",
-    "SamplingParams", "RequestOutputKind", "LLM", "RequestOutput", "CompletionOutput", "default_model_path",
-    "AttentionMetadata", "QwenConfig", "QwenForCausalLM", "Checkpoint", "load_checkpoint", "load_model",
-    "QwenTokenizer", "load_tokenizer", "StructuredOutputsParams", "GuidedDecodingParams",
-    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "PoolingParams",
-    "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput", "qwen3_reranker_inputs",
-]
+# Each public name and the module it lives in.
+_MODULES = {
+    "kv_write": "qwen_ops.ops", "slot_attention": "qwen_ops.ops",
+    "get_backend": "qwen_ops.ops.backend", "set_backend": "qwen_ops.ops.backend",
+    "use_backend": "qwen_ops.ops.backend", "resolve_backend": "qwen_ops.ops.backend",
+    "AttentionMetadata": "qwen_ops.ops.metadata",
+    "QwenConfig": "qwen_ops.models.config", "default_model_path": "qwen_ops.models.defaults",
+    "QwenForCausalLM": "qwen_ops.models.dense",
+    "Checkpoint": "qwen_ops.models.loader", "load_checkpoint": "qwen_ops.models.loader",
+    "load_model": "qwen_ops.models.loader",
+    "QwenTokenizer": "qwen_ops.models.tokenizer", "load_tokenizer": "qwen_ops.models.tokenizer",
+    "QwenEngine": "qwen_ops.engine.engine", "QwenBatchedRequest": "qwen_ops.engine.engine",
+    "QwenForwardResult": "qwen_ops.engine.engine", "QwenBatchPrefillResult": "qwen_ops.engine.engine",
+    "QwenBatchDecodeResult": "qwen_ops.engine.engine",
+    "SamplingParams": "qwen_ops.engine.sampling", "RequestOutputKind": "qwen_ops.engine.sampling",
+    "StructuredOutputsParams": "qwen_ops.engine.structured", "GuidedDecodingParams": "qwen_ops.engine.structured",
+    "LoRARequest": "qwen_ops.engine.lora", "PoolingParams": "qwen_ops.engine.pooling",
+    "LLM": "qwen_ops.serving.llm", "RequestOutput": "qwen_ops.serving.llm", "CompletionOutput": "qwen_ops.serving.llm",
+    "EngineArgs": "qwen_ops.serving.engine_args",
+    "BeamSearchParams": "qwen_ops.serving.beam_search", "BeamSearchOutput": "qwen_ops.serving.beam_search",
+    "BeamSearchSequence": "qwen_ops.serving.beam_search",
+    "EmbeddingRequestOutput": "qwen_ops.serving.pooling", "ScoringRequestOutput": "qwen_ops.serving.pooling",
+    "ClassificationRequestOutput": "qwen_ops.serving.pooling", "qwen3_reranker_inputs": "qwen_ops.serving.pooling",
+}
+
+__all__ = list(_MODULES)
+_LAYERS = ("ops", "models", "engine", "serving")        # ``qwen_ops.ops.X`` after a bare ``import qwen_ops``
+
+
+def __getattr__(name: str):
+    if name in _LAYERS:
+        return importlib.import_module(f"qwen_ops.{name}")
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qwen_ops' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,6 +10,9 @@ engine never imports kernels; kernels know nothing of backend choice or registra
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -120,9 +123,9 @@ def test_the_checker_sees_a_lazy_circle():
 
 
 def test_lower_layers_never_import_the_package_top():
-    """``qwen_ops/__init__`` imports every layer (its public names), so a module of ops, models or
-    engine importing ``qwen_ops`` itself would close a circle through it (test_layout.py checks the
-    layers' order)."""
+    """``qwen_ops/__init__`` names every layer's public names (loading each on first use), so a
+    module of ops, models or engine importing ``qwen_ops`` itself would depend on the layers above
+    it through it (test_layout.py checks the layers' order)."""
     bad = [f"{m} -> qwen_ops" for m, targets in import_graph().items()
            if _layer(m) in ("kernels", "ops", "models", "engine") and "qwen_ops" in targets]
     assert bad == []
@@ -138,3 +141,49 @@ def test_models_and_engine_never_import_kernels_and_kernels_never_import_the_op_
             if layer == "kernels" and _layer(target) != "kernels":
                 bad.append(f"{module} -> {target}")
     assert bad == []
+
+
+# ----------------------------------------------------------------------------- what an import loads (issue 61)
+def _run(code: str, timeout: int = 120) -> str:
+    """``code`` in a fresh interpreter (this process has imported everything); its stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_the_reference_kernels_load_no_engine_and_no_serving():
+    loaded = _run("import sys, qwen_ops.ops.kernels.reference\n"
+                  "print(sorted(m for m in sys.modules if m.startswith(('qwen_ops.serving', 'qwen_ops.engine', "
+                  "'qwen_ops.models'))))")
+    assert loaded == "[]"
+
+
+def test_engine_args_import_without_torch():
+    out = _run("import sys\nfrom qwen_ops.serving.engine_args import EngineArgs\nimport qwen_ops\n"
+               "print('torch' in sys.modules, sorted(m for m in sys.modules if m.startswith('qwen_ops')))")
+    assert out == "False ['qwen_ops', 'qwen_ops.serving', 'qwen_ops.serving.engine_args']"
+
+
+def test_the_lazy_root_keeps_its_public_names():
+    out = _run("import sys, qwen_ops\n"
+               "assert 'qwen_ops.serving.llm' not in sys.modules\n"
+               "from qwen_ops import LLM, SamplingParams\n"
+               "import torch\n"
+               "print(LLM.__module__, SamplingParams.__module__, qwen_ops.QwenEngine.__name__, "
+               "set(qwen_ops.__all__) <= set(dir(qwen_ops)), hasattr(torch.ops.qwen, 'kv_write'))")
+    assert out == "qwen_ops.serving.llm qwen_ops.engine.sampling QwenEngine True True"
+
+
+def test_llm_chat_needs_no_fastapi():
+    """``LLM.chat`` renders with ``serving/openai/chat.py``: the package ``serving.openai`` must not
+    pull the server (fastapi, uvicorn: the serve extra) in with it."""
+    out = _run("import sys\nsys.modules['fastapi'] = sys.modules['uvicorn'] = None      # not installed\n"
+               "from qwen_ops import LLM, SamplingParams\n"
+               "llm = LLM(max_model_len=128, max_num_seqs=1)\n"
+               "out = llm.chat([{'role': 'user', 'content': 'Hello'}], SamplingParams(max_tokens=3, temperature=0,"
+               " ignore_eos=True), use_tqdm=False)\n"
+               "print(len(out[0].outputs[0].token_ids), 'qwen_ops.serving.openai.server' in sys.modules)",
+               timeout=300)
+    assert out == "3 False"

@@ -232,21 +232,26 @@ def test_routes_absent_without_the_env_var_thread_core(models, monkeypatch):
 
 def test_cli_lora_flags(tmp_path):
     from qwen_ops.serving.cli import build_parser
-    from qwen_ops.serving.openai.server import _lora_args
+    from qwen_ops.serving.engine_args import EngineArgs
+    from qwen_ops.serving.openai.server import _lora_modules
 
     parse = build_parser().parse_args
     args = parse(["serve", "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x",
                   '{"name": "b", "path": "/y", "base_model_name": "m"}'])
-    kwargs, modules = _lora_args(args)
-    assert kwargs == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": None}
-    assert modules == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y", "m")]
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.enable_lora, engine_args.max_loras, engine_args.max_lora_rank,
+            engine_args.max_cpu_loras) == (True, 2, 16, None)
+    assert _lora_modules(args) == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y", "m")]
     for argv, fragment in ((["--lora-modules", "a=/x"], "needs --enable-lora"),
-                           (["--enable-lora", "--max-loras", "0"], "--max-loras = 0"),
-                           (["--enable-lora", "--max-lora-rank", "0"], "--max-lora-rank = 0"),
-                           (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras = 1"),
                            (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice")):
         with pytest.raises(ValueError, match=re.escape(fragment)):
-            _lora_args(parse(["serve", *argv]))
+            _lora_modules(parse(["serve", *argv]))
+    # The sizes are the engine's arguments: EngineArgs.validate names them as LLM(...) does.
+    for argv, fragment in ((["--enable-lora", "--max-loras", "0"], "max_loras = 0"),
+                           (["--enable-lora", "--max-lora-rank", "0"], "max_lora_rank = 0"),
+                           (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras = 1")):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            EngineArgs.from_cli_args(parse(["serve", *argv])).validate()
     for bad in ("nameonly", '{"name": "a"}', '{"name": "a", "path": "/p", "rank": 2}', "[1]"):
         with pytest.raises(SystemExit):
             parse(["serve", "--enable-lora", "--lora-modules", bad])

@@ -50,6 +50,7 @@ import torch
 from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.engine.sampling import RequestOutputKind, SamplingParams
 from qwen_ops.models.tokenizer import load_tokenizer
+from qwen_ops.serving.engine_args import EngineArgs
 from qwen_ops.serving.engine_core import EngineDeadError, ProcessCore, ThreadCore
 from qwen_ops.serving.core_process import pooling_info
 from qwen_ops.serving.llm import LLM, Prompt, pooling_ids, prepare_requests
@@ -131,13 +132,20 @@ class AsyncLLM:
                         engine_process: bool = True, **llm_kwargs) -> "AsyncLLM":
         """``LLM(model, **llm_kwargs)`` under a background loop: in a child process of its own
         (``engine_process=True``, the default, as vLLM's engine core), or on a thread here."""
+        return cls.from_engine_args(EngineArgs(model=model, **llm_kwargs), max_waiting_requests=max_waiting_requests,
+                                    engine_process=engine_process)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, *, max_waiting_requests: Optional[int] = None,
+                         engine_process: bool = True) -> "AsyncLLM":
+        """``LLM.from_engine_args(engine_args)`` under a background loop (``from_pretrained``'s)."""
         if not isinstance(engine_process, bool):
             raise ValueError(f"engine_process = {engine_process!r}, expected True or False")
         if not engine_process:
-            return cls(LLM(model, **llm_kwargs), max_waiting_requests=max_waiting_requests)
-        if model is not None and not isinstance(model, (str, Path)):
-            raise ValueError(f"model = {model!r}, expected a checkpoint directory (str or Path) or None")
-        return cls(max_waiting_requests=max_waiting_requests, _process=(model, llm_kwargs))
+            return cls(LLM.from_engine_args(engine_args), max_waiting_requests=max_waiting_requests)
+        engine_args.validate()          # here, in the caller: a bad argument fails before a process starts
+        return cls(max_waiting_requests=max_waiting_requests,
+                   _process=(engine_args.model, engine_args.llm_kwargs()))
 
     # ------------------------------------------------------------------ caller side
     @property

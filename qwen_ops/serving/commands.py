@@ -20,13 +20,11 @@ from typing import Optional, Sequence
 
 
 def _llm(args: argparse.Namespace):
+    """The command's ``LLM``, from its engine flags (``EngineArgs.add_cli_args``)."""
+    from qwen_ops.serving.engine_args import EngineArgs
     from qwen_ops.serving.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               preemption_mode=args.preemption_mode, swap_space=args.swap_space, quantization=args.quantization,
-               speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
-               calculate_kv_scales=args.calculate_kv_scales, tokenizer=getattr(args, "tokenizer", None))
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -37,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("error: this checkpoint has no tokenizer.json, so text prompts cannot be encoded", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
     updates = llm.stream([args.prompt], params)    # a bad prompt raises here, before any output
     out = sys.stdout
@@ -143,7 +141,7 @@ def _chat(args: argparse.Namespace) -> int:
     message = args.message if args.message is not None else args.message_flag
     _check_at_least_one(args, "--max-tokens")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.sampling_seed)
     llm = _llm(args)
     if llm.tokenizer is None:
         raise ValueError(f"{llm.model_path} has no tokenizer.json, so chat messages cannot be encoded")
@@ -217,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.prompt_len >= max_len:     # said before building prompts of that length (as prepare_requests says it)
         raise ValueError(f"prompts[0] has {args.prompt_len} tokens; max_model_len = {max_len} leaves no room "
                          "to generate")
-    rng = random.Random(args.seed)
+    rng = random.Random(args.prompt_seed)
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

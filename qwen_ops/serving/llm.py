@@ -15,7 +15,6 @@ several threads share forward passes; each caller gets exactly its own outputs.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -25,19 +24,20 @@ import torch
 
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
-from qwen_ops.engine.lora import LoRAConfig, LoRARequest
+from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.models.config import QwenConfig
 from qwen_ops.models.loader import resolve_dtype
-from qwen_ops.ops.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
 from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
+from qwen_ops.serving.engine_args import EngineArgs
 from qwen_ops.serving.engine_core import EngineCore
 from qwen_ops.serving.outputs import CompletionOutput, RequestOutput  # noqa: F401  (qwen_ops re-exports them)
 from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                                       EmbeddingRequestOutput, PoolingParams,  # noqa: F401
-                                      ScoringRequestOutput, check_hf_overrides, classifier_probs,
+                                      ScoringRequestOutput, classifier_probs,
                                       classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
                                       ScorePlan)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
@@ -98,29 +98,6 @@ def default_swap_space_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         host = 16 << 30
     return min(MAX_DEFAULT_SWAP_SPACE_BYTES, host // 4)
-
-
-def _check_int(name: str, value, low: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} = {value!r}, expected an int >= {low}" + (" or None" if optional else ""))
-
-
-def _check_device(device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device = {device!r}, expected 'cpu', 'cuda' or 'cuda:N'") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = ("this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible")
-            raise ValueError(f"device = {device!r}, but {why}; use device='cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device = {device!r}, but only {torch.cuda.device_count()} CUDA devices exist")
-    elif dev.type != "cpu":
-        raise ValueError(f"device = {device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
-    return dev
 
 
 def normalize_prompts(prompts) -> list:
@@ -273,286 +250,212 @@ def pooling_ids(prompts, *, tokenizer: Optional[QwenTokenizer], vocab_size: int,
     return out
 
 
+# ----------------------------------------------------------------------------- LLM.__init__'s pieces
+def _tokenizer_override(tokenizer, tokenizer_path: Optional[Path]) -> Optional[QwenTokenizer]:
+    """``LLM(tokenizer=...)``'s tokenizer (None: the model's own)."""
+    if tokenizer_path is None:
+        return None
+    from qwen_ops.models.tokenizer import load_tokenizer
+
+    own = load_tokenizer(tokenizer_path)
+    if own is None:
+        raise ValueError(f"tokenizer = {str(tokenizer)!r}: {tokenizer_path} has no tokenizer.json (nor is it a "
+                         "GGUF file with a tokenizer)")
+    return own
+
+
+def _resolve_runner(args: EngineArgs, path, spec: Optional[SpeculativeConfig]) -> str:
+    """``"generate"`` or ``"pooling"`` (``"auto"``: as the checkpoint says; a reranker pools), and
+    what the pooling runner cannot do with it."""
+    reranker = args.hf_overrides is not None
+    runner = resolve_runner(args.runner, args.task, reranker or is_embedding_checkpoint(path))
+    if runner == "pooling" and (spec is not None or args.tensor_parallel_size > 1 or args.enable_lora):
+        raise ValueError(f"runner = 'pooling' with speculative_config, tensor_parallel_size = "
+                         f"{args.tensor_parallel_size} or enable_lora = {args.enable_lora}; the pooling runner runs "
+                         "one rank without drafts or adapters, expected none of them")
+    return runner
+
+
+def _max_model_len(max_model_len: Optional[int], cfg: QwenConfig) -> int:
+    if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
+        return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
+                         f"{cfg.max_position_embeddings}; expected at most that")
+    return max_model_len
+
+
+def _kv_block_bytes(args: EngineArgs, cfg: QwenConfig, ckpt) -> int:
+    """Bytes of one KV block (keys and values of every attention layer; this rank's heads)."""
+    if ckpt is not None:
+        elem = resolve_kv_cache_dtype(args.kv_cache_dtype, next(ckpt.model.parameters()).dtype).itemsize
+        attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
+        if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
+            attention_layers += 1
+        kv_heads = cfg.num_key_value_heads
+    else:                                                      # tensor parallel: from the config
+        elem = resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, cfg)).itemsize
+        attention_layers = cfg.num_hidden_layers
+        kv_heads = max(1, cfg.num_key_value_heads // args.tensor_parallel_size)
+    return 2 * attention_layers * args.block_size * kv_heads * cfg.head_dim * elem
+
+
+def _num_kv_blocks(args: EngineArgs, cfg: QwenConfig, ckpt, device: torch.device, max_model_len: int) -> int:
+    """``num_kv_blocks``, else what the KV budget holds (``kv_cache_bytes``, else the device's
+    default) up to ``max_num_seqs`` full sequences; either way at least one ``max_model_len`` sequence."""
+    per_seq_blocks = -(-max_model_len // args.block_size)
+    num_kv_blocks = args.num_kv_blocks
+    if num_kv_blocks is None:
+        budget = (args.kv_cache_bytes if args.kv_cache_bytes is not None
+                  else _default_kv_budget(device, args.gpu_memory_utilization))
+        num_kv_blocks = min(args.max_num_seqs * per_seq_blocks,
+                            max(per_seq_blocks, budget // _kv_block_bytes(args, cfg, ckpt)))
+    if num_kv_blocks < per_seq_blocks:
+        raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
+                         f"{max_model_len} ({per_seq_blocks} blocks of {args.block_size}); raise it or lower "
+                         "max_model_len")
+    return num_kv_blocks
+
+
+def _engine_kwargs(args: EngineArgs, max_model_len: int, num_kv_blocks: int, pooling: bool) -> dict:
+    """``QwenEngine``'s keywords from the arguments (``enforce_eager``: no compile, no CUDA graphs)."""
+    eager = args.enforce_eager
+    kwargs = dict(max_slots=args.max_num_seqs, max_seq_len=max_model_len, block_size=args.block_size,
+                  num_kv_blocks=num_kv_blocks, compile=False if eager else args.compile,
+                  decode_buckets=args.decode_buckets, cuda_graphs=False if eager else args.cuda_graphs,
+                  compile_backend=_compile_backend(args.compile_backend, args.backend),
+                  enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                  calculate_kv_scales=args.calculate_kv_scales)
+    if pooling:
+        kwargs["pooling"] = True
+    lora = args.lora_config()
+    if lora is not None:
+        kwargs["lora"] = lora
+    return kwargs
+
+
+def _build_engine(args: EngineArgs, path, cfg: QwenConfig, ckpt, own_tokenizer: Optional[QwenTokenizer],
+                  device: torch.device, engine_kwargs: dict) -> QwenEngine:
+    """The engine over the loaded checkpoint, or over ``tensor_parallel_size`` ranks that load their own."""
+    if ckpt is not None:
+        return QwenEngine(ckpt.model, cfg, tokenizer=own_tokenizer or ckpt.tokenizer,
+                          eos_token_ids=ckpt.eos_token_ids, **engine_kwargs)
+    engine = QwenEngine.from_pretrained(path, dtype=args.dtype, device=device,
+                                        tensor_parallel_size=args.tensor_parallel_size, tp_port=args.tp_port,
+                                        quantization=args.quantization, **engine_kwargs)
+    if own_tokenizer is not None:
+        engine.tokenizer = own_tokenizer
+    return engine
+
+
+def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+    swap_space_bytes = default_swap_space_bytes() if args.swap_space is None else int(args.swap_space * (1 << 30))
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(512, args.max_num_seqs)
+    return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_model_len, preemption_mode=args.preemption_mode,
+                           swap_space_bytes=swap_space_bytes, check_invariants=args.check_invariants)
+
+
+def _pooling_head(hf_overrides: Optional[dict], path, ckpt, tokenizer) -> tuple[PoolerConfig, Optional[torch.Tensor]]:
+    """The pooling runner's pooling and classifier. The pooling: the checkpoint's sentence-transformers
+    modules, else last token + L2. The classifier [num_labels, hidden] over the raw last row:
+    Qwen3-Reranker's (from two LM-head rows, ``hf_overrides``) or a sequence classifier's ``score``
+    head (Qwen3ForSequenceClassification); None for an embedding model. A classifier pools the last
+    row unnormalized."""
+    pooler = read_pooler_config(path) or PoolerConfig()
+    classifier = None
+    if hf_overrides is not None:
+        no, yes = classifier_tokens(hf_overrides, tokenizer)
+        head = ckpt.model.lm_head
+        if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+            raise ValueError(f"hf_overrides names classifier tokens, but {path} has no plain lm_head to take "
+                             "their rows from; expected a causal-LM checkpoint (Qwen3-Reranker)")
+        for name, tid in (("no", no), ("yes", yes)):
+            if not 0 <= tid < head.weight.shape[0]:
+                raise ValueError(f"hf_overrides['classifier_from_token'] {name} id = {tid}, expected a token id "
+                                 f"in [0, {head.weight.shape[0]})")
+        classifier = reranker_head(head.weight.detach(), no, yes)
+    elif getattr(ckpt.model, "score", None) is not None:
+        classifier = ckpt.model.score.weight.detach().float().clone()
+    if classifier is not None:
+        pooler = PoolerConfig("last", normalize=False)
+    return pooler, classifier
+
+
 class LLM:
-    def __init__(self, model: Union[str, Path, None] = None, *, dtype: Union[str, torch.dtype] = "float32",
-                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, max_model_len: Optional[int] = None,
-                 block_size: int = 16, num_kv_blocks: Optional[int] = None,
-                 max_num_batched_tokens: Optional[int] = None, preemption_mode: str = "recompute",
-                 kv_cache_bytes: Optional[int] = None, swap_space: Optional[float] = None,
-                 check_invariants: bool = False,
-                 compile: Optional[bool] = None, decode_buckets: Optional[Sequence[int]] = None,
-                 cuda_graphs: Optional[bool] = None, compile_backend: str = "inductor",
-                 backend: Optional[str] = None, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, tp_port: Optional[int] = None,
-                 quantization: Optional[str] = None, speculative_config: Optional[dict] = None,
-                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, seed: Optional[int] = None,
-                 enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
-                 generation_config: str = "auto", max_grammar_compile_seconds: Optional[float] = None,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None, runner: str = "auto", task: Optional[str] = None,
-                 hf_overrides: Optional[dict] = None, tokenizer: Union[str, Path, None] = None):
-        """``tokenizer`` (vLLM's): a checkpoint directory with a ``tokenizer.json``, or a GGUF file, whose
-        tokenizer and chat template are used instead of ``model``'s (None: ``model``'s own).
-
-        ``kv_cache_dtype`` (vLLM's): ``"auto"`` keeps the KV cache in the model's dtype; ``"fp8"`` (=
-        ``"fp8_e4m3"``) or ``"fp8_e5m2"`` stores it in one byte per element, so the same
-        ``kv_cache_bytes`` holds twice the tokens (four times in fp32), scaled per tensor by each layer's
-        ``k_scale`` / ``v_scale``: the checkpoint's where it carries them, else 1.0, or measured on the
-        first batch with ``calculate_kv_scales=True`` (vLLM's). ``ops/kv_quant.py`` has the format.
-
-        ``quantization`` (vLLM's argument): ``"int8"`` or ``"fp8"`` quantizes a full-precision
-        checkpoint's projections as they load (``models/quant.py``); a checkpoint quantized in a
-        supported format (``quantization_config`` fp8 / awq / gptq) loads as it is, with or without
-        naming its method here.
-
-        ``swap_space``: GiB of host memory for KV swapped out by preemption (vLLM's ``swap_space``,
-        a number: 0.5 is 512 MiB); default ``default_swap_space_bytes()`` (a quarter of RAM, at most
-        4 GiB). When it is full, preemption recomputes instead (``stats()["num_swap_full_recomputes"]``;
-        ``stats()["swap_space_bytes"]`` is the bound in bytes).
-
-        ``enable_prefix_caching`` (default on, as in vLLM): full KV blocks are shared by content,
-        so a prompt that starts like an earlier one (a system prompt, the previous turns of a
-        chat) computes only what is new. Off for models with linear-attention layers (their
-        recurrent state is not in the blocks); ``stats()["prefix_caching"]`` says which.
-
-        ``tensor_parallel_size=N`` splits the model over N processes (gloo on the CPU, NCCL on
-        CUDA): this process is rank 0 and spawns N-1 workers (``tp_port``: their rendezvous port,
-        default a free one), or, under torchrun, every rank runs this same call. ``shutdown()``
-        stops the workers (deleting the ``LLM`` does too).
-
-        ``speculative_config`` (vLLM's): ``{"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": 1, "prompt_lookup_max": 3}`` drafts up to k tokens per decode by
-        prompt lookup and verifies them in the decode's forward pass; the output is the model's own
-        (greedy token for token, sampled in distribution; ``engine/speculative.py``).
-        ``stats()["spec_*"]`` counts drafts and acceptance.
-
-        vLLM's other offline arguments: ``seed`` seeds the noise of requests that bring no seed of
-        their own (one generator of this ``LLM``, so a run repeats; default None: torch's global
-        generator); ``enforce_eager=True`` means no compile and no CUDA graphs;
-        ``gpu_memory_utilization`` (in (0, 1]) is the share of the device's memory that weights and
-        KV cache may take (the KV cache gets what the weights leave of it), and on the CPU the share
-        of the default KV budget (``DEFAULT_KV_CACHE_BYTES``, 1 GiB; ``kv_cache_bytes`` sets it
-        outright, as vLLM-CPU's ``VLLM_CPU_KVCACHE_SPACE`` does); ``generation_config`` (``"auto"``,
-        ``"vllm"`` or a directory): where ``get_default_sampling_params()`` takes its defaults, the
-        sampling parameters of every call that passes none.
-
-        ``max_grammar_compile_seconds``: a structured output whose grammar takes longer to compile
-        fails its own request (``AsyncLLM`` and the server, where grammars compile beside the engine
-        loop; ``generate`` compiles in the caller's thread and waits). None: no bound.
-
-        ``runner`` (vLLM's): ``"generate"``, ``"pooling"`` (an embedding model: ``embed`` and
-        ``score``, no ``generate``; ``serving/pooling.py``) or ``"auto"``: pooling where the checkpoint
-        says so (a sentence-transformers ``modules.json`` with a ``Pooling`` module, or config.json's
-        architectures ``Qwen3Model``). ``task`` is vLLM's older spelling: ``"embed"`` and ``"score"``
-        mean ``runner="pooling"``. One runner per ``LLM``.
-
-        ``hf_overrides`` (vLLM's, for Qwen3-Reranker only): ``{"architectures":
-        ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
-        "is_original_qwen3_reranker": True}`` runs a causal-LM checkpoint as a reranker: the pooling
-        runner, and ``score`` is the softmax share of "yes" over the two tokens' logits at the last
-        position of ``text_1 + text_2`` (``qwen3_reranker_inputs`` formats them as its model card says)."""
+    def __init__(self, model: Union[str, Path, None] = None, **kwargs: Any) -> None:
+        """vLLM's ``LLM``: ``model`` (a checkpoint directory, a GGUF file or a Hugging Face model id;
+        None: the embedded model) and the keyword arguments of ``EngineArgs``
+        (``serving/engine_args.py``, which says what each does). They are checked by name
+        (``EngineArgs.validate``) before the (slow) load; an unknown keyword is a TypeError."""
         from qwen_ops.models.defaults import resolve_model_path
+        from qwen_ops.models.gguf import as_path
         from qwen_ops.models.loader import load_checkpoint
 
-        # Every argument by name, before the (slow) load.
-        if model is not None and not isinstance(model, (str, Path)):
-            raise ValueError(f"model = {model!r}, expected a checkpoint directory or a Hugging Face model id "
-                             "(str or Path), or None")
-        _check_int("max_num_seqs", max_num_seqs, 1)
-        _check_int("max_model_len", max_model_len, 2, optional=True)
-        _check_int("block_size", block_size, 1)
-        _check_int("num_kv_blocks", num_kv_blocks, 1, optional=True)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1, optional=True)
-        _check_int("kv_cache_bytes", kv_cache_bytes, 1, optional=True)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed = {seed!r}, expected an int or None")
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager = {enforce_eager!r}, expected True or False")
-        if enforce_eager:
-            for name, flag in (("compile", compile), ("cuda_graphs", cuda_graphs)):
-                if flag:
-                    raise ValueError(f"{name} = True with enforce_eager = True; enforce_eager means no compile and "
-                                     f"no CUDA graphs, expected one of them")
-            compile = cuda_graphs = False
-        if gpu_memory_utilization is not None and (
-                isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
-                or not 0 < gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization = {gpu_memory_utilization!r}, expected a number in (0, 1] "
-                             "or None")
-        if max_grammar_compile_seconds is not None and (
-                isinstance(max_grammar_compile_seconds, bool) or not isinstance(max_grammar_compile_seconds, (int, float))
-                or not 0 < max_grammar_compile_seconds < float("inf")):
-            raise ValueError(f"max_grammar_compile_seconds = {max_grammar_compile_seconds!r}, expected a number of "
-                             "seconds > 0 or None")
-        if not isinstance(generation_config, (str, Path)) or not generation_config:
-            raise ValueError(f"generation_config = {generation_config!r}, expected 'auto', 'vllm' or a directory")
-        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype = {kv_cache_dtype!r}, expected one of {sorted(KV_CACHE_DTYPES)} "
-                             "(vLLM's names)")
-        if not isinstance(calculate_kv_scales, bool):
-            raise ValueError(f"calculate_kv_scales = {calculate_kv_scales!r}, expected True or False")
-        if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float))
-                                       or not math.isfinite(swap_space) or swap_space < 0):
-            raise ValueError(f"swap_space = {swap_space!r}, expected a number of GiB >= 0 (vLLM's unit) or None")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode = {preemption_mode!r}, expected 'recompute' or 'swap'")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching = {enable_prefix_caching!r}, expected True or False")
-        for name, flag in (("check_invariants", check_invariants), ("compile", compile), ("cuda_graphs", cuda_graphs)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ValueError(f"{name} = {flag!r}, expected True or False" + ("" if name == "check_invariants"
-                                                                                  else " or None"))
-        if decode_buckets is not None:
-            buckets = list(decode_buckets)
-            if not buckets:
-                raise ValueError("decode_buckets is empty; expected batch sizes >= 1, or None")
-            for i, b in enumerate(buckets):
-                _check_int(f"decode_buckets[{i}]", b, 1)
-        compile_backend = _compile_backend(compile_backend, backend)
-        if compile_backend not in ("inductor", "tensorrt"):
-            raise ValueError(f"compile_backend = {compile_backend!r}, expected 'inductor' or 'tensorrt'")
-        device = _check_device(device)
-        _check_int("tensor_parallel_size", tensor_parallel_size, 1)
-        if not isinstance(enable_lora, bool):
-            raise ValueError(f"enable_lora = {enable_lora!r}, expected True or False")
-        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
-        spec = SpeculativeConfig.from_dict(speculative_config)
-        if spec is not None and tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config = {speculative_config!r} with tensor_parallel_size = "
-                             f"{tensor_parallel_size}: speculative decoding runs on one rank only; expected "
-                             "tensor_parallel_size = 1 or no speculative_config")
-        resolve_runner(runner, task, False)       # the names, before anything is read
+        args = EngineArgs(model=model, **kwargs)
+        args.validate()
+        device = torch.device(args.device)
+        spec = args.speculative()
         path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
-        if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-            raise ValueError(f"tokenizer = {tokenizer!r}, expected a checkpoint directory with a tokenizer.json, a "
-                             "GGUF file or a Hugging Face model id (str or Path), or None")
-        tokenizer_path = None if tokenizer is None else resolve_model_path(tokenizer)
-        own_tokenizer = None
-        if tokenizer_path is not None:
-            from qwen_ops.models.tokenizer import load_tokenizer
-
-            own_tokenizer = load_tokenizer(tokenizer_path)
-            if own_tokenizer is None:
-                raise ValueError(f"tokenizer = {str(tokenizer)!r}: {tokenizer_path} has no tokenizer.json (nor is it a "
-                                 "GGUF file with a tokenizer)")
-        reranker = hf_overrides is not None
-        if reranker:
-            check_hf_overrides(hf_overrides)
-            if runner == "generate" or task == "generate":
-                raise ValueError("hf_overrides (a Qwen3-Reranker classifier) with a generate runner; expected "
-                                 "runner='pooling' or 'auto'")
-        runner = resolve_runner(runner, task, reranker or is_embedding_checkpoint(path))
-        pooling = runner == "pooling"
-        if pooling and (spec is not None or tensor_parallel_size > 1 or enable_lora):
-            raise ValueError(f"runner = 'pooling' with speculative_config, tensor_parallel_size = "
-                             f"{tensor_parallel_size} or enable_lora = {enable_lora}; the pooling runner runs one "
-                             "rank without drafts or adapters, expected none of them")
+        tokenizer_path = None if args.tokenizer is None else resolve_model_path(args.tokenizer)
+        own_tokenizer = _tokenizer_override(args.tokenizer, tokenizer_path)
+        self.runner = _resolve_runner(args, path, spec)
+        pooling = self.runner == "pooling"
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
-        if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
-            max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        elif max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
-                             f"{cfg.max_position_embeddings}; expected at most that")
-        if tensor_parallel_size == 1:
-            ckpt = load_checkpoint(path, dtype=dtype, device=device, max_positions=max_model_len, config=cfg,
-                                   quantization=quantization, mtp=spec is not None and spec.method == "mtp",
+        max_model_len = _max_model_len(args.max_model_len, cfg)
+        ckpt = None                               # with tensor parallelism each rank loads its own slice
+        if args.tensor_parallel_size == 1:
+            ckpt = load_checkpoint(path, dtype=args.dtype, device=device, max_positions=max_model_len, config=cfg,
+                                   quantization=args.quantization, mtp=spec is not None and spec.method == "mtp",
                                    pooling=pooling)
-            elem = resolve_kv_cache_dtype(kv_cache_dtype, next(ckpt.model.parameters()).dtype).itemsize
-            attention_layers = list(ckpt.model.layer_kinds).count("attention")   # hybrid models: 1 in 4
-            if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
-                attention_layers += 1
-            kv_heads = cfg.num_key_value_heads
         else:
-            # Each rank loads its own slice in from_pretrained; size the cache from the config.
-            check_tp_config(cfg, tensor_parallel_size)
-            elem = resolve_kv_cache_dtype(kv_cache_dtype, resolve_dtype(dtype, cfg)).itemsize
-            attention_layers = cfg.num_hidden_layers
-            kv_heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
-        per_seq_blocks = -(-max_model_len // block_size)
-        if num_kv_blocks is None:
-            block_bytes = 2 * attention_layers * block_size * kv_heads * cfg.head_dim * elem
-            budget = kv_cache_bytes if kv_cache_bytes is not None else _default_kv_budget(device,
-                                                                                           gpu_memory_utilization)
-            num_kv_blocks = min(max_num_seqs * per_seq_blocks, max(per_seq_blocks, budget // block_bytes))
-        if num_kv_blocks < per_seq_blocks:
-            raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
-                             f"{max_model_len} ({per_seq_blocks} blocks of {block_size}); raise it or lower max_model_len")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(512, max_num_seqs)
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens = {max_num_batched_tokens}, expected >= 1")
-        engine_kwargs = dict(max_slots=max_num_seqs, max_seq_len=max_model_len, block_size=block_size,
-                             num_kv_blocks=num_kv_blocks, compile=compile, decode_buckets=decode_buckets,
-                             cuda_graphs=cuda_graphs, compile_backend=compile_backend,
-                             enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                             calculate_kv_scales=calculate_kv_scales)
-        if pooling:
-            engine_kwargs["pooling"] = True
-        if lora is not None:
-            engine_kwargs["lora"] = lora
-        if tensor_parallel_size == 1:
-            self.engine = QwenEngine(ckpt.model, cfg, tokenizer=own_tokenizer or ckpt.tokenizer,
-                                     eos_token_ids=ckpt.eos_token_ids, **engine_kwargs)
-        else:
-            self.engine = QwenEngine.from_pretrained(path, dtype=dtype, device=device,
-                                                     tensor_parallel_size=tensor_parallel_size, tp_port=tp_port,
-                                                     quantization=quantization, **engine_kwargs)
-            if own_tokenizer is not None:
-                self.engine.tokenizer = own_tokenizer
-        if spec is not None:
-            self.engine.runner.set_verify_rows(spec.num_speculative_tokens + 1)
-            if spec.method == "draft_model":
-                self._attach_draft(spec, cfg, dtype, device, max_model_len)
-            elif spec.method == "mtp":
-                from qwen_ops.engine.mtp import MTPRunner
-
-                self.engine.runner.attach_proposer(MTPRunner(self.engine.runner.model, self.engine.runner))
-        if seed is not None:
-            self.engine.runner.sample_generator = torch.Generator(device=device).manual_seed(seed)
+            check_tp_config(cfg, args.tensor_parallel_size)
+        num_kv_blocks = _num_kv_blocks(args, cfg, ckpt, device, max_model_len)
+        self.engine = _build_engine(args, path, cfg, ckpt, own_tokenizer, device, _engine_kwargs(
+            args, max_model_len, num_kv_blocks, pooling))
+        self._attach_speculative(spec, cfg, args.dtype, device, max_model_len)
+        if args.seed is not None:
+            self.engine.runner.sample_generator = torch.Generator(device=device).manual_seed(args.seed)
         self.tokenizer = self.engine.tokenizer
-        self.core = EngineCore(self.engine, SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, preemption_mode=preemption_mode,
-            swap_space_bytes=default_swap_space_bytes() if swap_space is None else int(swap_space * (1 << 30)),
-            check_invariants=check_invariants), spec)
-        self.core.max_grammar_compile_s = max_grammar_compile_seconds
+        self.core = EngineCore(self.engine, _scheduler_config(args, max_model_len), spec)
+        self.core.max_grammar_compile_s = args.max_grammar_compile_seconds
         self.scheduler = self.core.scheduler
-        from qwen_ops.models.gguf import as_path
-
         self.model_path = as_path(path)      # a GGUF file's path carries the file, read once
         # where the tokenizer and the chat template come from (``tokenizer``, else the model)
         self.tokenizer_path = as_path(tokenizer_path) if tokenizer_path is not None else self.model_path
         self._chat_template = None      # LLM.chat's, compiled on first use
-        self.sampling_overrides = sampling_overrides(self.model_path, generation_config)
+        self.sampling_overrides = sampling_overrides(self.model_path, args.generation_config)
         self._default_sampling = SamplingParams(**self.sampling_overrides)
-        self.runner = runner
-        # The pooling runner's pooling: the checkpoint's sentence-transformers modules, else last token + L2.
-        self.pooler = (read_pooler_config(path) or PoolerConfig()) if pooling else None
-        # A classifier [num_labels, hidden] over the raw last row: Qwen3-Reranker's (from two LM-head
-        # rows) or a sequence classifier's ``score`` head (Qwen3ForSequenceClassification).
-        self.classifier = None
-        if reranker:
-            no, yes = classifier_tokens(hf_overrides, self.tokenizer)
-            head = ckpt.model.lm_head
-            if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-                raise ValueError(f"hf_overrides names classifier tokens, but {path} has no plain lm_head to take "
-                                 "their rows from; expected a causal-LM checkpoint (Qwen3-Reranker)")
-            for name, tid in (("no", no), ("yes", yes)):
-                if not 0 <= tid < head.weight.shape[0]:
-                    raise ValueError(f"hf_overrides['classifier_from_token'] {name} id = {tid}, expected a token id "
-                                     f"in [0, {head.weight.shape[0]})")
-            self.classifier = reranker_head(head.weight.detach(), no, yes)
-        elif pooling and getattr(ckpt.model, "score", None) is not None:
-            self.classifier = ckpt.model.score.weight.detach().float().clone()
-        if self.classifier is not None:
-            self.pooler = PoolerConfig("last", normalize=False)
+        self.pooler, self.classifier = (_pooling_head(args.hf_overrides, path, ckpt, self.tokenizer) if pooling
+                                        else (None, None))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """The ``LLM`` of ``engine_args`` (the ``qwen-ops`` commands build theirs from their flags)."""
+        return cls(engine_args.model, **engine_args.llm_kwargs())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``
         the checkpoint's ``generation_config.json`` (``temperature``, ``top_p``, ``top_k``,
         ``min_p``, ``repetition_penalty``, ``max_new_tokens``) over vLLM's defaults."""
         return self._default_sampling
+
+    def _attach_speculative(self, spec: Optional[SpeculativeConfig], cfg: QwenConfig, dtype, device,
+                            max_model_len: int) -> None:
+        """Give the runner ``spec``'s proposer: prompt lookup (ngram, the runner's own), a draft model
+        or the checkpoint's MTP layer; and room to verify ``num_speculative_tokens`` per decode."""
+        if spec is None:
+            return
+        self.engine.runner.set_verify_rows(spec.num_speculative_tokens + 1)
+        if spec.method == "draft_model":
+            self._attach_draft(spec, cfg, dtype, device, max_model_len)
+        elif spec.method == "mtp":
+            from qwen_ops.engine.mtp import MTPRunner
+
+            self.engine.runner.attach_proposer(MTPRunner(self.engine.runner.model, self.engine.runner))
 
     def _attach_draft(self, spec: SpeculativeConfig, cfg: QwenConfig, dtype, device, max_model_len: int) -> None:
         """Load the draft model of ``"method": "draft_model"`` beside the target (``engine/draft.py``)."""

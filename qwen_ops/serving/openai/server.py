@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qwen_ops.serving.engine_args import EngineArgs
 from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
@@ -1306,29 +1307,17 @@ def run_server(args) -> int:
                         ("--timeout-keep-alive", args.timeout_keep_alive)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{flag} = {value}, expected a number of seconds > 0")
-    if not 0 < args.max_grammar_compile_seconds < float("inf"):
-        raise ValueError(f"--max-grammar-compile-seconds = {args.max_grammar_compile_seconds}, expected a number of "
-                         "seconds > 0")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's")
     api_key = _api_key(args.api_key)
-    lora_kwargs, lora_modules = _lora_args(args)
+    lora_modules = _lora_modules(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.validate()                          # LLM(...)'s check, word for word, before the port and the load
     names = args.served_model_name or [default_served_model_name(args.model)]
     sock = bind_socket(args.host, args.port)        # before the model load: a port in use fails at once
     try:
-        engine = AsyncLLM.from_pretrained(args.model, max_waiting_requests=args.max_waiting_requests,
-                                          dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                                          max_model_len=args.max_model_len, compile=args.compile,
-                                          engine_process=args.engine_process, quantization=args.quantization,
-                                          speculative_config=args.speculative_config,
-                                          tensor_parallel_size=args.tensor_parallel_size,
-                                          enable_prefix_caching=args.enable_prefix_caching,
-                                          kv_cache_dtype=args.kv_cache_dtype,
-                                          calculate_kv_scales=args.calculate_kv_scales,
-                                          max_grammar_compile_seconds=args.max_grammar_compile_seconds,
-                                          runner=getattr(args, "runner", "auto"),
-                                          tokenizer=getattr(args, "tokenizer", None),
-                                          **lora_kwargs)
+        engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=args.max_waiting_requests,
+                                           engine_process=args.engine_process)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
@@ -1347,25 +1336,18 @@ def run_server(args) -> int:
     return 0
 
 
-def _lora_args(args) -> tuple[dict, list[LoRAModulePath]]:
-    """``LLM``'s LoRA keywords and the ``--lora-modules`` of ``serve``'s flags (vLLM's), checked."""
+def _lora_modules(args) -> list[LoRAModulePath]:
+    """``serve``'s ``--lora-modules`` (vLLM's), checked: they need ``--enable-lora``, one path a name.
+    The LoRA sizes (``--max-loras`` ...) are the engine's arguments, checked by ``EngineArgs.validate``."""
     modules = [LoRAModulePath(**m) for m in args.lora_modules or ()]
-    if not args.enable_lora:
-        if modules:
-            raise ValueError(f"--lora-modules {modules[0].name}={modules[0].path} needs --enable-lora")
-        return {}, []
-    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
-        if value < 1:
-            raise ValueError(f"{flag} = {value}, expected an int >= 1")
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        raise ValueError(f"--max-cpu-loras = {args.max_cpu_loras}, expected >= --max-loras = {args.max_loras}")
+    if modules and not args.enable_lora:
+        raise ValueError(f"--lora-modules {modules[0].name}={modules[0].path} needs --enable-lora")
     seen: set[str] = set()
     for m in modules:
         if m.name in seen:
             raise ValueError(f"--lora-modules names {m.name!r} twice; expected one path per name")
         seen.add(m.name)
-    return {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
-            "max_cpu_loras": args.max_cpu_loras}, modules
+    return modules
 
 
 def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
