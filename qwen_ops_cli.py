@@ -1,8 +1,8 @@
 """The ``qwen-ops`` command line: its parser and ``main``, importable without torch.
 
 ``qwen-ops --help`` (and every parse error) is answered from here before torch is imported: the
-engine's flags come from ``qwen_ops.serving.engine_args`` (``EngineArgs.add_cli_args``), which
-imports without torch, as the package's lazy root does. The commands themselves live in
+engine's flags come from ``qwen_ops/serving/engine_args.py`` (``EngineArgs.add_cli_args``), which
+imports without torch, read from its file without running the package's root (``_engine_args_module``). The commands themselves live in
 ``qwen_ops.serving.commands``; they check the engine's arguments with ``EngineArgs.validate``,
 the same check and the same words as ``LLM(...)``.
 
@@ -25,8 +25,26 @@ import os
 import sys
 from typing import Optional, Sequence
 
-# The package's root and qwen_ops.serving load nothing on import: this costs no torch.
-from qwen_ops.serving.engine_args import EngineArgs, json_object
+
+
+def _engine_args_module():
+    """``qwen_ops/serving/engine_args.py`` (torch-free) loaded from its file under a name of its own,
+    without running the package's ``__init__`` (which registers the custom ops, and so imports
+    torch): ``--help`` and every parse error stay instant. The commands use the package's module."""
+    import importlib.util
+
+    name = "qwen_ops_cli._engine_args"
+    if name not in sys.modules:
+        package = importlib.util.find_spec("qwen_ops")          # found, not run
+        path = os.path.join(package.submodule_search_locations[0], "serving", "engine_args.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module                              # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+EngineArgs, json_object = _engine_args_module().EngineArgs, _engine_args_module().json_object
 
 
 def _lora_module(text: str) -> dict:

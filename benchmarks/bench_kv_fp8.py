@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 def op_decode(length: int, reps: int) -> dict:
     """Median seconds of one layer's decode attention (16 query / 8 kv heads of 128, one sequence of
     ``length`` keys in pages of 16) from a bf16 cache and from an fp8 one, alternating."""
-    import qwen_ops.ops          # registers torch.ops.qwen.*, called directly below
+    import qwen_ops
 
     g = torch.Generator().manual_seed(0)
     blocks = -(-length // 16)

@@ -5,17 +5,18 @@ Layers, one folder each, imports flowing one way (serving -> engine -> models ->
 ``ops/`` the custom ops and their kernels, ``models/`` configs, loading and the models,
 ``engine/`` slots, runner and sampling, ``serving/`` scheduler, ``LLM`` and the CLI.
 
-The public names load on first use (vLLM's lazy root): ``import qwen_ops`` imports nothing else, so
-a light module (``qwen_ops.serving.engine_args``, which the torch-free ``qwen-ops --help`` reads)
-costs no torch, and ``qwen_ops.ops.kernels.reference`` no engine. ``torch.ops.qwen.*`` are
-registered by importing ``qwen_ops.ops``, which everything that runs an op does: the models, the
-engine, ``LLM`` and the op wrappers here (``qwen_ops.kv_write``); code that calls
-``torch.ops.qwen.*`` itself imports ``qwen_ops.ops``.
+``import qwen_ops`` registers the custom ops (``torch.ops.qwen.*``, the plugin's promise) and
+nothing more: the public names below load on first use (vLLM's lazy root), so importing
+``qwen_ops.ops.kernels.reference`` (or any op module) loads no model, engine or serving module.
+The torch-free ``qwen-ops --help`` reads the engine's flags without running this file
+(``qwen_ops_cli``).
 """
 
 from __future__ import annotations
 
 import importlib
+
+from qwen_ops import ops  # noqa: F401  (registers torch.ops.qwen.*)
 
 __version__ = "0.1.0"
 

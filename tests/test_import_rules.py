@@ -160,10 +160,21 @@ def test_the_reference_kernels_load_no_engine_and_no_serving():
     assert loaded == "[]"
 
 
-def test_engine_args_import_without_torch():
-    out = _run("import sys\nfrom qwen_ops.serving.engine_args import EngineArgs\nimport qwen_ops\n"
-               "print('torch' in sys.modules, sorted(m for m in sys.modules if m.startswith('qwen_ops')))")
-    assert out == "False ['qwen_ops', 'qwen_ops.serving', 'qwen_ops.serving.engine_args']"
+def test_the_command_line_parses_without_torch():
+    """``qwen-ops --help`` answers before torch loads: the parser reads ``serving/engine_args.py`` from
+    its file (the package's root registers the ops, so it imports torch), and its flags are the
+    package's ``EngineArgs`` fields."""
+    out = _run("import sys, qwen_ops_cli\n"
+               "parser = qwen_ops_cli.build_parser()\n"
+               "print('torch' in sys.modules, sorted(m for m in sys.modules if m.startswith('qwen_ops.')))")
+    assert out == "False []"
+
+
+def test_the_root_registers_the_ops_and_loads_no_engine():
+    out = _run("import sys, torch, qwen_ops\n"
+               "print(hasattr(torch.ops.qwen, 'kv_write'), "
+               "sorted(m for m in sys.modules if m.startswith(('qwen_ops.serving', 'qwen_ops.engine'))))")
+    assert out == "True []"
 
 
 def test_the_lazy_root_keeps_its_public_names():

@@ -25,7 +25,7 @@ from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.batch import IterationPlan
 from qwen_ops.serving.llm import LLM
 from qwen_ops.engine.sampling import SamplingParams
-from qwen_ops.serving.scheduler import SchedulerStuckError, iteration_bound
+from qwen_ops.engine.scheduler import SchedulerStuckError, iteration_bound
 
 from checkpoints import make_qwen3_checkpoint, make_qwen3_5_checkpoint
 

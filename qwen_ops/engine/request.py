@@ -1,10 +1,9 @@
 """A sequence being generated: the one record of its tokens, sampling and seeded noise, the one
 builder of its step's rows, and the one check that finishes it.
 
-Both drivers of the runner use it: the scheduler keeps one ``Request`` per request it serves
-(``serving/scheduler.py``), the seed's slot API one per slot that holds a sequence
-(``engine/engine.py``). A request's tokens are ``prompt + output``; ``num_computed`` of them are
-in its slot's cache (the ``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes
+The scheduler owns every one (``engine/scheduler.py``): the requests it schedules, and the slot
+API's sequences, pinned to the slots their caller chose (``Scheduler.pin``). A request's tokens
+are ``prompt + output``; ``num_computed`` of them are in its slot's cache (the ``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes
 the ``BatchedRequest`` of its next ``n`` tokens; ``append_token`` adds a sampled token and says
 whether it ends the sequence.
 """

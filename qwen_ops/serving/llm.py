@@ -41,7 +41,7 @@ from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationReques
                                       classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
                                       ScorePlan)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
-from qwen_ops.serving.scheduler import SchedulerConfig
+from qwen_ops.engine.scheduler import SchedulerConfig
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
