@@ -3,9 +3,9 @@ builder of its step's rows, and the one check that finishes it.
 
 The scheduler owns every one (``engine/scheduler.py``): the requests it schedules, and the slot
 API's sequences, pinned to the slots their caller chose (``Scheduler.pin``). A request's tokens
-are ``prompt + output``; ``num_computed`` of them are in its slot's cache (the ``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes
-the ``BatchedRequest`` of its next ``n`` tokens; ``append_token`` adds a sampled token and says
-whether it ends the sequence.
+are ``prompt + output``; ``num_computed`` of them are in its slot's cache (the
+``KVCacheManager``'s count, never a copy of it). ``task(n, ...)`` makes the ``BatchedRequest`` of
+its next ``n`` tokens; ``append_token`` adds a sampled token and says whether it ends the sequence.
 """
 
 from __future__ import annotations
