@@ -118,3 +118,14 @@ def make_moe_checkpoint(path: Path, model_type: str, *, seed: int = 0, original_
     randomize_moe(model)
     model.save_pretrained(path, save_original_format=original_format)
     return Path(path)
+
+
+def save_word_tokenizer(path: Path, vocab_size: int = 128) -> Path:
+    """A word-level ``tokenizer.json`` for a tiny checkpoint: token id i is the word ``w<i>``, so a served
+    reply's text maps back to token ids (``text.split()``) and token-id prompts need no real vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(path) / "tokenizer.json"))
+    return Path(path)
