@@ -53,7 +53,8 @@ def test_beam_search_equals_transformers_without_eos(tiny, llm, width):
 
 
 def reference_beam_search(hf, prompt, width, max_tokens, eos, length_penalty):
-    """vLLM's beam search in float64 over transformers' logits: every extension of every live beam."""
+    """vLLM's beam search in float64 over transformers' logits: each live beam's ``2 * width`` most
+    likely extensions; every one ending in EOS is complete, the ``width`` best of the others live on."""
     def key(seq):
         tokens, cum = seq
         n = len(tokens) - (1 if tokens[-1] in eos else 0)
@@ -67,11 +68,9 @@ def reference_beam_search(hf, prompt, width, max_tokens, eos, length_penalty):
         for tokens, cum in live:
             with torch.no_grad():
                 lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].double(), -1)
-            for t in range(lp.shape[0]):
-                cands.append((tokens + [t], cum + lp[t].item()))
-        best = sorted(cands, key=key, reverse=True)[:width]
-        live = [s for s in best if s[0][-1] not in eos]
-        done += [s for s in best if s[0][-1] in eos]
+            for t in lp.topk(2 * width).indices.tolist():
+                (done if t in eos else cands).append((tokens + [t], cum + lp[t].item()))
+        live = sorted(cands, key=key, reverse=True)[:width]
     return sorted(done + live, key=key, reverse=True)[:width]
 
 

@@ -436,10 +436,6 @@ def test_beam_search_length_penalty_equals_transformers(eos_ckpt, beam_cases):
             assert all(a >= b - 1e-6 for a, b in zip(scores, scores[1:])), (p, lp, scores)
 
 
-@pytest.mark.xfail(strict=True, reason="beam_search._select keeps the beam_width best of all extensions and "
-                   "completes the EOS ones among them; vLLM completes every EOS extension among each beam's "
-                   "2 * beam_width and keeps the beam_width best non-EOS ones live, so an early EOS that "
-                   "transformers and vLLM keep is dropped here")
 def test_beam_search_completes_every_eos_extension_as_vllm_and_transformers(eos_ckpt, beam_cases):
     """Where transformers' beam search and vLLM's rule agree on the best sequence, the engine finds it."""
     _, cases = beam_cases

@@ -141,15 +141,18 @@ def _finish(prompt: list[int], beams, completed, params: BeamSearchParams, key, 
 
 
 def _select(candidates, width, key, ending, completed) -> list:
-    """The ``width`` best candidates; those ending in EOS are complete (``completed``), the rest live on."""
+    """vLLM's rule: every candidate ending in EOS is complete (``completed``); the ``width`` best of
+    the others live on. (Keeping the ``width`` best of all and completing the EOS ones among them
+    dropped an early EOS that vLLM and transformers keep: its length leaves the EOS out.)"""
     live = []
-    for seq in sorted(candidates, key=lambda c: key(c[0]), reverse=True)[:width]:
-        if seq[0].tokens[-1] in ending:
-            seq[0].finish_reason, seq[0].stop_reason = "stop", seq[0].tokens[-1]
-            completed.append(seq[0])
+    for cand in candidates:
+        seq = cand[0]
+        if seq.tokens[-1] in ending:
+            seq.finish_reason, seq.stop_reason = "stop", seq.tokens[-1]
+            completed.append(seq)
         else:
-            live.append(seq)
-    return live
+            live.append(cand)
+    return sorted(live, key=lambda c: key(c[0]), reverse=True)[:width]
 
 
 def _beam_loop(prompts: list[list[int]], params: BeamSearchParams, key, ending, max_len: int):
