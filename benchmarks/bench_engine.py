@@ -114,10 +114,9 @@ def test_sample_16_rows(benchmark, kind):
 
     logits = torch.randn(16, 8192, generator=torch.Generator().manual_seed(1)) * 3
     params = [SamplingParams(seed=1000 + i, **SAMPLE_KINDS[kind]) for i in range(16)]
-    gens = [p.make_generator(torch.device("cpu")) for p in params]
-    benchmark.pedantic(lambda: sample(logits, params, gens), rounds=30, iterations=1, warmup_rounds=2)
-    fresh = [p.make_generator(torch.device("cpu")) for p in params]
-    got = sample(logits, params, fresh).tolist()
+    gens = [p.make_generator() for p in params]
+    benchmark.pedantic(lambda: sample(logits, params, gens, [0] * 16), rounds=30, iterations=1, warmup_rounds=2)
+    got = sample(logits, params, gens, [0] * 16).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             assert got[i] == int(logits[i].argmax())
@@ -131,7 +130,7 @@ def test_sample_16_rows(benchmark, kind):
             if mass >= p.top_p:
                 break
         weights = [q if t in kept else 0.0 for t, q in enumerate(probs)]
-        u = float(p.make_generator(torch.device("cpu")).uniform(1)[0])
+        u = p.make_generator().uniform_at(0)
         target = u * sum(weights)
         pick = next(t for t, w in enumerate(itertools.accumulate(weights)) if w > target)
         assert got[i] == pick, (kind, i, got[i], pick)

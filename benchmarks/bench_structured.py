@@ -5,7 +5,7 @@ object, enum, bounded strings and array), and the same requests unconstrained (`
 both generate about as many tokens). Engines alternate (constrained, unconstrained, ...), medians
 of ``--repeats``. Reported: generated tokens/s, the ratio, time to first token (p50), and the
 same constrained run with the bitmask always filled on the worker thread beside the forward pass
-(the default does that only for fills slower than ``runner.GRAMMAR_OVERLAP_MIN_S``). Every constrained output that ends must validate against the schema
+(the default does that only for fills slower than ``sampler.GRAMMAR_OVERLAP_MIN_S``). Every constrained output that ends must validate against the schema
 (``jsonschema``), or the script exits 1; outputs cut by ``max_tokens`` are counted apart.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_structured.py [--repeats 5] [--json out.json]
@@ -57,10 +57,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    from qwen_ops.engine import runner as R
+    from qwen_ops.engine import sampler as R
 
     llm = LLM(max_num_seqs=args.requests)
-    runner = llm.engine.runner
+    runner = llm.engine.runner.sampler
     cases = {"unconstrained": False, "json schema": True, "json schema, mask always beside the forward": True}
     for name, c in cases.items():                                  # warm up (and compile the schema once)
         run(llm, 4, 8, c)

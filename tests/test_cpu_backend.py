@@ -182,14 +182,14 @@ def test_greedy_sampling_uses_the_c_argmax(monkeypatch):
     native = host.argmax_rows
     monkeypatch.setattr(host, "argmax_rows", lambda t: calls.append(1) or native(t))
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
-    got = sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4)
+    got = sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4, [0] * 4)
     assert calls == [1] and torch.equal(got, logits.argmax(-1))
     # Sampling does not follow the op backend choice (that is per op call, for the ops only).
     with qwen_ops.use_backend("reference"):
-        assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
+        assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4, [0] * 4), logits.argmax(-1))
     assert calls == [1, 1]
     monkeypatch.setattr(host, "why_unavailable", lambda: "no C compiler")      # without the library: torch
-    assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4), logits.argmax(-1))
+    assert torch.equal(sampling.sample(logits, [sampling.GREEDY] * 4, [None] * 4, [0] * 4), logits.argmax(-1))
     assert calls == [1, 1]
 
 

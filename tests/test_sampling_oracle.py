@@ -159,20 +159,35 @@ def test_prefix_caching_has_no_collisions_on_ordinary_traffic(tmp_path):
 
 
 def test_seeded_rows_draw_the_same_tokens_in_any_batch():
-    """A seeded row picks among its own kept tokens (bounded filters) or the vocabulary (none), one
-    uniform stream per request: the same tokens alone, beside an unbounded row, and beside a bounded one."""
+    """A seeded row picks with the uniform of its seed at its output position, from filters that read
+    its own parameters only: the same tokens alone, beside an unbounded row, and beside bounded ones."""
     from qwen_ops.engine.sampling import sample
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, VOCAB, generator=g) * 3
-    cpu = torch.device("cpu")
     for mine in (SamplingParams(temperature=0.8, top_p=0.9, seed=11), SamplingParams(temperature=0.8, seed=11),
-                 SamplingParams(temperature=0.9, top_k=7, seed=-5)):
+                 SamplingParams(temperature=0.9, top_k=7, seed=-5),
+                 SamplingParams(temperature=0.9, min_p=0.05, seed=2)):
         def run(others):
-            gen = mine.make_generator(cpu)
             rows = torch.cat([logits[:1], logits[1:1 + len(others)]])
-            return [int(sample(rows, [mine, *others], [gen] + [None] * len(others))[0]) for _ in range(1)] + \
-                   [int(sample(rows, [mine, *others], [gen] + [None] * len(others))[0]) for _ in range(5)]
+            return [int(sample(rows, [mine, *others], [mine.make_generator()] + [None] * len(others),
+                               [pos] * (1 + len(others)))[0]) for pos in range(6)]
         alone = run([])
         assert run([SamplingParams(temperature=1.0)]) == alone
         assert run([SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0, top_p=0.5)]) == alone
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rows_distribution_does_not_depend_on_its_batch(seed):
+    """Each row's kept tokens and weights are the same alone and beside rows with other filters: a row
+    without top-p (min-p only, temperature only, top-k only) beside a top-p row once lost the tail
+    tokens whose float32 mass before them rounded past 1.0 (seeded requests changed with the batch,
+    under preemption)."""
+    g = torch.Generator().manual_seed(40 + seed)
+    logits = torch.randn(5, 8192, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.2, top_k=20, top_p=0.7)]
+    together = filtered_probs(logits, params)
+    for r, p in enumerate(params):
+        assert torch.equal(filtered_probs(logits[r:r + 1], [p])[0], together[r]), p

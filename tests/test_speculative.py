@@ -1,6 +1,7 @@
 """qwen_ops.engine.speculative (issue 29 groundwork): the n-gram proposer against a brute-force search,
-greedy acceptance, and rejection sampling drawing from the target distribution (an exact Markov
-chain's two-token joint against many seeded speculative steps, chi-square and total variation)."""
+greedy acceptance, and sampled verification (the plain sampler's picks, rejection sampling) drawing from
+the target distribution (an exact Markov chain's two-token joint against many seeded speculative steps,
+chi-square and total variation)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import random
 import pytest
 import torch
 
-from qwen_ops.engine.speculative import NgramProposer, greedy_accept, race_accept, rejection_sample
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise, sample
+from qwen_ops.engine.speculative import NgramProposer, accept_picks, greedy_accept, rejection_sample
 
 
 def brute_force(tokens, k, min_n, max_n):
@@ -61,6 +63,9 @@ def test_greedy_accept_emits_what_greedy_steps_would():
     assert greedy_accept(probs, [3, 5, 4]) == [3, 1]           # the second is replaced by the argmax
     assert greedy_accept(probs, [0, 1, 4]) == [3]
     assert greedy_accept(probs[:1], []) == [3]
+    assert accept_picks([3, 1, 4, 2], [3, 1, 4]) == [3, 1, 4, 2] and accept_picks([0, 5], [0]) == [0, 5]
+    with pytest.raises(ValueError, match=r"picks has 2 tokens, expected k \+ 1 = 4"):
+        accept_picks([3, 1], [3, 1, 4])
 
 
 def _chain(seed: int, vocab: int) -> torch.Tensor:
@@ -72,15 +77,19 @@ def _chain(seed: int, vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("proposer", ["sampled draft", "deterministic draft", "deterministic draft, race"])
 def test_rejection_sampling_draws_from_the_target(proposer):
     """A target Markov chain P over 5 tokens; drafts of k = 3 from another chain Q (sampled, with its
-    probabilities) or from a fixed map (a point mass, as n-gram's). Speculative steps are repeated
-    until two tokens are emitted; their joint must be P's, p(a | c) p(b | a): chi-square over the
-    25 outcomes below its 0.1% critical value and total variation under 0.02 with 20,000 draws."""
+    probabilities) or from a fixed map (a point mass, as n-gram's), verified by rejection sampling or
+    by the plain sampler's own picks (the race: ``sample`` over log P with each draw's seed at the
+    output positions the rows decide). Speculative steps are repeated until two tokens are emitted;
+    their joint must be P's, p(a | c) p(b | a): chi-square over the 25 outcomes below its 0.1%
+    critical value and total variation under 0.02 with 20,000 draws."""
     vocab, k, context, draws = 5, 3, 2, 20_000
     P, Q = _chain(1, vocab), _chain(2, vocab)
     fixed = [(3 * t + 1) % vocab for t in range(vocab)]
     g = torch.Generator().manual_seed(123)
     counts = torch.zeros(vocab, vocab)
-    for _ in range(draws):
+    plain = [SamplingParams(temperature=1.0)] * (k + 1)
+    for draw in range(draws):
+        noise = SeededNoise(draw)
         emitted, prev = [], context
         while len(emitted) < 2:
             drafts, draft_probs, d_prev = [], [], prev
@@ -94,10 +103,12 @@ def test_rejection_sampling_draws_from_the_target(proposer):
                 d_prev = d
             rows = [prev] + drafts                              # the target after each prefix
             target = P[torch.tensor(rows)]
+            at = len(emitted)                                   # the output position of the first row
             if proposer.endswith("race"):
-                out = race_accept(target, drafts, g)
+                picks = sample(target.log(), plain, [noise] * (k + 1), range(at, at + k + 1)).tolist()
+                out = accept_picks(picks, drafts)
             else:
-                out = rejection_sample(target, drafts, torch.stack(draft_probs) if draft_probs else None, g)
+                out = rejection_sample(target, drafts, torch.stack(draft_probs) if draft_probs else None, noise, at)
             assert 1 <= len(out) <= k + 1
             emitted += out
             prev = emitted[-1]
@@ -111,8 +122,7 @@ def test_rejection_sampling_draws_from_the_target(proposer):
 
 
 def test_rejection_sample_argument_errors():
-    g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match=r"target_probs has shape \(2, 5\), expected \[k \+ 1 = 3, vocab\]"):
-        rejection_sample(torch.full((2, 5), 0.2), [1, 2], None, g)
+        rejection_sample(torch.full((2, 5), 0.2), [1, 2], None, SeededNoise(0), 0)
     with pytest.raises(ValueError, match=r"draft_probs has shape \(1, 5\), expected \[2, 5\]"):
-        rejection_sample(torch.full((3, 5), 0.2), [1, 2], torch.full((1, 5), 0.2), g)
+        rejection_sample(torch.full((3, 5), 0.2), [1, 2], torch.full((1, 5), 0.2), SeededNoise(0), 0)

@@ -359,11 +359,11 @@ def test_benchmark_fails_on_changed_tokens(monkeypatch):
     assert bench.check_identical([[1, 2], [3]], [[1, 2], [3]]) == []
     assert bench.check_identical([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == [1]
     assert bench.check_identical([[1]], [[1], [2]]) == [1]
-    from qwen_ops.engine import runner as R
+    from qwen_ops.engine import sampler as S
 
     args = ["--repeats", "1", "--new-tokens", "12", "--prompts", "2", "--draft-layers", "0"]
     assert bench.main(args) == 0
-    monkeypatch.setattr(R, "greedy_accept", lambda rows, drafts: list(drafts) + [int(rows[-1].argmax())])
+    monkeypatch.setattr(S, "accept_picks", lambda picks, drafts: list(drafts) + [int(picks[-1])])
     assert bench.main(args) == 1
 
 

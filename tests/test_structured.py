@@ -363,18 +363,18 @@ def test_cpu_bitmask_kernel_matches_xgrammar(density):
 def test_bitmask_filled_beside_the_forward_pass_gives_the_same_tokens(llm):
     """The worker-thread fill (used for fills slower than GRAMMAR_OVERLAP_MIN_S) and the inline
     one produce the same seeded tokens."""
-    runner = llm.engine.runner
+    sampler = llm.engine.runner.sampler
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs={"json": SCHEMA})
               for s in range(6)]
     inline = [o.outputs[0].text for o in llm.generate(["A person as JSON: "] * 6, params)]
-    runner.grammar_overlap_min_s = -1.0
+    sampler.grammar_overlap_min_s = -1.0
     try:
         beside = [o.outputs[0].text for o in llm.generate(["A person as JSON: "] * 6, params)]
     finally:
-        from qwen_ops.engine.runner import GRAMMAR_OVERLAP_MIN_S
+        from qwen_ops.engine.sampler import GRAMMAR_OVERLAP_MIN_S
 
-        runner.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S
-    assert beside == inline and runner._grammar_pool is not None
+        sampler.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S
+    assert beside == inline and sampler._grammar_pool is not None
 
 
 def test_auto_tool_choice_needs_the_servers_flags():

@@ -4,8 +4,9 @@ runner executes it, nothing else is carried between them.
 A ``BatchedRequest`` is one scheduled item: a request's ``token_ids`` at positions
 ``position_offset, position_offset + 1, ...`` of its slot ``kv_cache_slot``, whose KV lives in
 the blocks ``block_table`` names. With ``sampling`` set the chunk reaches the end of the
-request's tokens and the runner samples its next token (with ``generator`` for a seeded
-request; ``banned_token_ids`` cannot be sampled: stop tokens before ``min_tokens``). A decode
+request's tokens and the runner samples its next token, output position ``output_index``, with
+the uniforms of ``generator`` at that position (a seeded request's; ``banned_token_ids`` cannot be
+sampled: stop tokens before ``min_tokens``). A decode
 with ``draft_token_ids`` (speculative decoding) carries them at the end of ``token_ids``, after
 the last sampled token: the runner verifies them from the logits of those ``1 + k`` rows.
 
@@ -48,7 +49,8 @@ class BatchedRequest:
     is_prefill: bool = True
     block_table: Sequence[int] = ()          # the slot's block ids, covering seq_len tokens
     sampling: Any = None                     # SamplingParams: sample this row's next token
-    generator: Any = None                    # SeededNoise of a seeded request
+    generator: Any = None                    # the request's SeededNoise (None: torch's default generator)
+    output_index: int = 0                    # the output position of the token it samples (tokens generated so far)
     banned_token_ids: Sequence[int] = ()     # not sampleable this step (stop ids before min_tokens)
     draft_token_ids: Sequence[int] = ()      # speculative drafts: the last len() of token_ids
     draft_probs: Any = None                  # [k, vocab] the draft model's q of each draft (sampled rows)

@@ -8,9 +8,10 @@ prefill chunk, a plain decode, a verifying decode's last token), so its KV never
 a decode with k draft places (the scheduler reserved budget and blocks for them), the logits of its
 last token give draft 1, and k - 1 more one-token passes give drafts 2..k; sampled requests draw
 them from the draft's filtered distribution ``q`` (kept for rejection sampling) with the request's
-own noise. The draft has then fed the last token and drafts 1..k-1. After verification the target
-keeps the last token and m accepted drafts; when m = k the draft has not fed draft k, which is
-remembered (``pending``, per slot, carried through swap) and fed first in the request's next step.
+own noise (its uniform for a draft at that output position). The draft has then fed the last token
+and drafts 1..k-1. After verification the target keeps the last token and m accepted drafts; when
+m = k the draft has not fed draft k, which is remembered (``pending``, per slot, carried through
+swap) and fed first in the request's next step.
 """
 
 from __future__ import annotations
@@ -23,22 +24,29 @@ import torch
 
 from qwen_ops.engine.batch import BatchedRequest
 from qwen_ops.engine.runner import ModelRunner
-from qwen_ops.engine.sampling import filtered_probs, sample
+from qwen_ops.engine.sampling import DRAFT, cdf_pick, filtered_probs, uniforms
 
 
-def pick_drafts(logits: torch.Tensor, tasks: Sequence[BatchedRequest]) -> tuple[list[int], list]:
-    """Draft tokens from a proposer's logits rows (greedy: argmax; sampled: a draw from its filtered
-    distribution ``q`` with the request's own noise), and ``q`` per sampled row (None for greedy rows):
-    rejection sampling against ``q`` keeps the target's distribution."""
+def pick_drafts(logits: torch.Tensor, tasks: Sequence[BatchedRequest], index: int) -> tuple[list[int], list]:
+    """Draft ``index`` (0 = the first) of each task from a proposer's logits rows: greedy, the argmax;
+    sampled, a draw from the proposer's filtered distribution ``q`` (``sampling.filtered_probs``, the
+    plain sampler's filters) with the request's uniform for a draft at its output position; and ``q``
+    per sampled row (None for greedy rows): rejection sampling against ``q`` keeps the target's
+    distribution. A row with nothing to draw from (NaN logits) drafts its argmax as a point mass."""
     params = [t.sampling for t in tasks]
-    tokens = sample(logits, params, [t.generator for t in tasks]).tolist()
+    x = logits.float()
+    tokens = x.nan_to_num(nan=float("-inf")).argmax(dim=-1).tolist()
     qs: list[Optional[torch.Tensor]] = [None] * len(tasks)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        probs = filtered_probs(logits[sampled].float(), [params[i] for i in sampled])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = filtered_probs(x[sampled], [params[i] for i in sampled])
+        u = uniforms([tasks[i].generator for i in sampled], [tasks[i].output_index + index for i in sampled], DRAFT)
+        picks = cdf_pick(probs, u).tolist()
         for j, i in enumerate(sampled):
-            qs[i] = probs[j]
+            if float(probs[j].sum()) > 0:
+                tokens[i], qs[i] = picks[j], probs[j]
+            else:
+                qs[i] = torch.zeros_like(probs[j]).index_fill_(0, torch.tensor([tokens[i]]), 1.0)
     return tokens, qs
 
 
@@ -93,7 +101,7 @@ class DraftRunner(RunnerProposer):
             return list(tasks)
         drafts: dict[int, list[int]] = {i: [] for i in spec}
         probs: dict[int, list] = {i: [] for i in spec}
-        tokens, qs = pick_drafts(logits[spec], [tasks[i] for i in spec])
+        tokens, qs = pick_drafts(logits[spec], [tasks[i] for i in spec], 0)
         for i, tok, q in zip(spec, tokens, qs):
             drafts[i].append(tok)
             probs[i].append(q)
@@ -102,7 +110,7 @@ class DraftRunner(RunnerProposer):
             step = [tasks[i].rows([drafts[i][-1]], tasks[i].seq_len - len(tasks[i].draft_token_ids) - 1 + j, False)
                     for i in live]
             logits = self.runner.execute(step)
-            tokens, qs = pick_drafts(logits, [tasks[i] for i in live])
+            tokens, qs = pick_drafts(logits, [tasks[i] for i in live], j)
             for i, tok, q in zip(live, tokens, qs):
                 drafts[i].append(tok)
                 probs[i].append(q)

@@ -368,7 +368,7 @@ class QwenEngine:
             engine._tp_finalizer = weakref.finalize(engine, workers.shutdown)
         else:
             # Under torchrun every rank samples; rank 0's tokens win, so random sampling cannot diverge.
-            engine.runner.share_tokens = partial(D.broadcast_tokens, tp=tp)
+            engine.runner.sampler.share_tokens = partial(D.broadcast_tokens, tp=tp)
         return engine
 
     def shutdown(self) -> None:
@@ -533,8 +533,13 @@ class QwenEngine:
 
     # ----------------------------------------------------------------- forward
     def _run(self, tasks: list[BatchedRequest]) -> RunnerOutput:
-        """One step over the pinned sequences' ``tasks`` (their blocks reserved): ``step``."""
-        return self.step(IterationPlan(tasks))[0]
+        """One step over the pinned sequences' ``tasks`` (their blocks reserved): ``step``. A sequence
+        whose token could not be sampled (its parameters leave none) is a ValueError naming its slot."""
+        out = self.step(IterationPlan(tasks))[0]
+        for t, e in zip(tasks, out.errors or ()):
+            if e is not None:
+                raise ValueError(f"slot {t.kv_cache_slot}: {e.message}")
+        return out
 
     def execute(self, chunks: Sequence[BatchedRequest]) -> torch.Tensor:
         """One forward pass over ``chunks`` (blocks must be reserved); advances each slot's length.
@@ -636,12 +641,13 @@ class QwenEngine:
             return QwenForwardResult(out.sampled[0], out.logits[0])
 
     def _set_sampling(self, seq: Request, sampling: SamplingParams) -> None:
-        """A step's own sampling parameters (the slot API takes them per call); a seeded one
-        draws from the sequence's one generator, made on its first seeded step."""
+        """A step's own sampling parameters (the slot API takes them per call), with its seed's noise
+        (a pure function of seed and output position: a fork, which shares its source's, draws what
+        the source would)."""
         if sampling is not seq.sampling:
             seq.sampling, seq.stop_ids = sampling, self.stop_ids(sampling)
-        if seq.generator is None:
-            seq.generator = sampling.make_generator(self.device)
+        if seq.generator is None or seq.generator.seed != sampling.seed:
+            seq.generator = sampling.make_generator()
 
     def _check_can_extend(self, slot_id: int, name: str) -> None:
         s = self.kv.slots[slot_id]

@@ -85,7 +85,7 @@ class MTPRunner(RunnerProposer):
             rows_of = {i: j for j, i in enumerate(fed)}
             live = [i for i in spec if i in rows_of]
             if live:
-                picked, qs = pick_drafts(logits[[rows_of[i] for i in live]], [tasks[i] for i in live])
+                picked, qs = pick_drafts(logits[[rows_of[i] for i in live]], [tasks[i] for i in live], 0)
                 for i, tok, q in zip(live, picked, qs):
                     drafts[i].append(tok)
                     probs[i].append(q)
@@ -96,7 +96,7 @@ class MTPRunner(RunnerProposer):
                 break
             step = [tasks[i].rows([drafts[i][-1]], tasks[i].position_offset - 1 + j, False) for i in live]
             logits, outs = self._pass(step, [last[i] for i in live])
-            picked, qs = pick_drafts(logits, [tasks[i] for i in live])
+            picked, qs = pick_drafts(logits, [tasks[i] for i in live], j)
             for n, (i, tok, q) in enumerate(zip(live, picked, qs)):
                 drafts[i].append(tok)
                 probs[i].append(q)

@@ -36,7 +36,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    generator: Optional[SeededNoise] = None     # its seeded noise: made once, owned here only
+    generator: Optional[SeededNoise] = None     # its noise (its seed's, or LLM(seed=)'s derived one): owned here only
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: Optional[int] = None
@@ -114,8 +114,9 @@ class Request:
             tokens = list(tokens) + list(drafts)
         history = (self.prompt_token_ids, self.output_token_ids) if sampling.processes_logits else None
         return BatchedRequest(self.slot, tokens, start, self.request_id, is_prefill, tuple(self.kv.block_ids),
-                              sampling, self.generator, tuple(banned), tuple(drafts), history=history,
-                              grammar=self.grammar, prompt_logprob_ids=scored, prompt_logprobs=k, lora_slot=lora)
+                              sampling, self.generator, len(self.output_token_ids), tuple(banned), tuple(drafts),
+                              history=history, grammar=self.grammar, prompt_logprob_ids=scored, prompt_logprobs=k,
+                              lora_slot=lora)
 
     @property
     def scoring_prompt(self) -> bool:

@@ -1,8 +1,8 @@
 """Model runner: owns the caches (paged KV of attention layers, per-slot state of linear layers),
 the device block table and the host copies of swapped KV, and runs one step: ``step(plan)``
 applies the plan's swap copies, writes the block-table rows its tasks carry, runs one forward
-pass of the model over them and samples the rows that end a request's tokens (``sample_rows``:
-``min_tokens``, seeded generators and logprobs, the one place tokens are picked).
+pass of the model over them and samples the rows that end a request's tokens (``self.sampler``,
+engine/sampler.py: the one place tokens are picked and drafts verified).
 
 The scheduler (or the seed's slot API) decides what to run; the runner only packs it into flat
 token tensors plus ``AttentionMetadata`` and calls the model once. Under in-process tensor
@@ -29,16 +29,10 @@ from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.executors import Executors
 from qwen_ops.engine.inputs import InputBuilder
 from qwen_ops.engine.pooling import reduce_rows
-from qwen_ops.engine.sampling import apply_logits_processing, filtered_probs, sample, token_logprobs
-from qwen_ops.engine.speculative import greedy_accept, race_accept, rejection_sample
+from qwen_ops.engine.sampler import Sampler, SamplingError
 from qwen_ops.models.lora import write_adapter
 from qwen_ops.ops.metadata import AttentionMetadata
 from qwen_ops.ops.backend import resolve_backends, use_backend
-
-
-# Structured outputs: a bitmask fill that took longer than this runs beside the next forward pass,
-# on a worker thread; a cheaper one costs less inline than the handoff (benchmarks/README.md).
-GRAMMAR_OVERLAP_MIN_S = 0.5e-3
 
 
 @dataclass
@@ -50,7 +44,9 @@ class RunnerOutput:
     top logprobs)`` when its request asked for logprobs. ``emitted``: for a task with drafts,
     the 1 to k + 1 tokens its verification emitted (the accepted drafts, then the target's
     token), else None; ``sampled`` holds the first of them. ``prompt_logprobs``: for a task that
-    scores its prompt tokens, ``(logprob, rank, top ids, top logprobs)`` of each, else None."""
+    scores its prompt tokens, ``(logprob, rank, top ids, top logprobs)`` of each, else None.
+    ``errors``: per task, the ``SamplingError`` that left it without a token (its request fails
+    alone), else None."""
 
     logits: torch.Tensor
     sampled: list[Optional[int]]
@@ -59,6 +55,7 @@ class RunnerOutput:
     prompt_logprobs: Optional[list[Optional[list[tuple]]]] = None
     # The pooling runner's: per task, its pooled rows reduced (engine/pooling.py reduce_rows) or None.
     pooled: Optional[list[Optional[torch.Tensor]]] = None
+    errors: Optional[list[Optional[SamplingError]]] = None
 
 
 class ModelRunner:
@@ -108,12 +105,8 @@ class ModelRunner:
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model" / "mtp": a DraftRunner / MTPRunner (attach_*)
-        self._grammar_pool = None    # structured outputs: the thread that fills token bitmasks
-        self.grammar_overlap_min_s = GRAMMAR_OVERLAP_MIN_S   # fills slower than this go beside the forward
-        self.grammar_fill_s = 0.0    # the last fill's seconds
+        self.sampler = Sampler(getattr(getattr(model, "config", None), "vocab_size", None))
         self.workers = None          # in-process TP: the other ranks (call() sends them each call)
-        self.share_tokens = None     # under torchrun: broadcast rank 0's sampled tokens to every rank
-        self.sample_generator: Optional[torch.Generator] = None   # unseeded requests' noise (LLM(seed=)); else torch's
 
     # ------------------------------------------------------------------ one step
     def call(self, method: str, *args: Any) -> Any:
@@ -159,60 +152,44 @@ class ModelRunner:
             return self.pool(tasks)
         if self.draft is not None:
             tasks = self.draft.propose(tasks)
-        # Structured outputs: the grammars' token bitmask (it depends only on tokens already
-        # accepted) is filled on a worker thread while the forward pass runs once filling it costs
-        # more than the thread handoff (grammar_overlap_min_s, judged by the last fill); cheaper
-        # fills run here, before the forward (benchmarks/README.md: handing 0.04 ms of work to a
-        # thread cost 6% of the step).
-        constrained = [i for i, t in enumerate(tasks) if t.grammar is not None and t.sampling is not None]
-        mask_job = None
-        if constrained:
-            import concurrent.futures
-
-            args = ([tasks[i].grammar for i in constrained], int(self.model.config.vocab_size))
-            if self.grammar_fill_s > self.grammar_overlap_min_s:
-                if self._grammar_pool is None:
-                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen-ops-grammar")
-                mask_job = self._grammar_pool.submit(self._fill_bitmask, *args)
-            else:
-                mask_job = concurrent.futures.Future()
-                mask_job.set_result(self._fill_bitmask(*args))
+        masks = self.sampler.start_grammar_masks(tasks)     # beside the forward pass when that pays
         speculating = any(t.draft_token_ids for t in tasks)
         saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
         logits = self.execute(tasks)
         # speculative "mtp": the target's final hidden state of every row (a later forward of the
         # hybrid rollback would replace it)
         hidden = self.model.hidden_out if getattr(self.model, "keep_hidden", False) else None
-        grammar_mask = (constrained, mask_job.result()) if mask_job is not None else None
+        grammar_mask = (masks[0], masks[1].result()) if masks is not None else None
         prompt_lps = None
         # Prefill chunks that score their prompt tokens: every row's logits came back, in the model's dtype.
         scoring = bool(plan.prefill_tasks) and any(t.prompt_logprob_ids for t in plan.prefill_tasks)
         if scoring:
             ends = list(itertools.accumulate(t.num_logit_rows for t in tasks))
-            prompt_lps = self.prompt_logprobs(tasks, logits, ends)
+            prompt_lps = self.sampler.prompt_logprobs(tasks, logits, ends)
         if not speculating:
             if scoring:
                 if logits.shape[0] != len(tasks):
                     logits = logits[torch.tensor(ends, device=logits.device) - 1]
                 logits = logits.float()
-            sampled, logprobs = self.sample_rows(tasks, logits, grammar_mask)
+            sampled, logprobs, errors = self.sampler.sample_rows(tasks, logits, grammar_mask)
             if self.draft is not None and hidden is not None:
                 self.draft.kept(tasks, [None] * len(tasks), hidden)
-            return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps)
+            return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps, errors=errors)
         if scoring:
             logits = logits.float()
         last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
-        sampled, logprobs = self.sample_rows([replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
-                                             logits[last], grammar_mask)
-        emitted = self.verify(tasks, logits)
-        for i, e in enumerate(emitted):
+        sampled, logprobs, errors = self.sampler.sample_rows(
+            [replace(t, sampling=None) if t.draft_token_ids else t for t in tasks], logits[last], grammar_mask)
+        emitted, verify_errors = self.sampler.verify(tasks, logits)
+        for i, (e, err) in enumerate(zip(emitted, verify_errors)):
             if e is not None:
                 sampled[i] = e[0]
+            errors[i] = errors[i] or err
         if saved is not None:
             self._rollback_linear_state(tasks, emitted, saved)
         if self.draft is not None:
             self.draft.kept(tasks, emitted, hidden)
-        return RunnerOutput(logits, sampled, logprobs, emitted, prompt_logprobs=prompt_lps)
+        return RunnerOutput(logits, sampled, logprobs, emitted, prompt_logprobs=prompt_lps, errors=errors)
 
     def pool(self, tasks: Sequence[BatchedRequest]) -> RunnerOutput:
         """A pooling step: one forward of the decoder, the pooled rows of each task reduced."""
@@ -225,68 +202,6 @@ class ModelRunner:
         none = [None] * len(tasks)
         # ``logits`` holds the pooled rows' hidden states here: a pooling step computes no logits.
         return RunnerOutput(hidden, none, list(none), pooled=pooled)
-
-    @staticmethod
-    def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, ends: Sequence[int]
-                        ) -> list[Optional[list[tuple]]]:
-        """Each scoring task's prompt-token logprobs from its rows of ``logits`` (raw log-softmax,
-        as vLLM's), one batched log-softmax for all of them."""
-        out: list[Optional[list[tuple]]] = [None] * len(tasks)
-        rows, ids, owners = [], [], []
-        for i, (t, end) in enumerate(zip(tasks, ends)):
-            if t.prompt_logprobs is not None and t.prompt_logprob_ids:
-                first = end - t.num_logit_rows
-                rows.extend(range(first, first + len(t.prompt_logprob_ids)))
-                ids.extend(t.prompt_logprob_ids)
-                owners.append((i, len(t.prompt_logprob_ids)))
-        if not rows:
-            return out
-        k = max(tasks[i].prompt_logprobs for i, _ in owners)
-        if rows[-1] - rows[0] + 1 == len(rows):          # one run of rows (one scoring chunk): a view, no copy
-            picked = logits[rows[0]:rows[-1] + 1]
-        else:
-            picked = logits[torch.tensor(rows, device=logits.device)]
-        lp, rank, top_ids, top_lps = token_logprobs(picked, torch.tensor(ids, device=logits.device), k)
-        at = 0
-        for i, m in owners:
-            n_top = tasks[i].prompt_logprobs
-            out[i] = [(lp[j], rank[j], top_ids[j][:n_top], top_lps[j][:n_top]) for j in range(at, at + m)]
-            at += m
-        return out
-
-    def _fill_bitmask(self, matchers, vocab_size: int) -> torch.Tensor:
-        """``structured.fill_bitmask``, timed (``grammar_fill_s``: the last fill's seconds)."""
-        import time
-
-        from qwen_ops.engine.structured import fill_bitmask
-
-        t0 = time.perf_counter()
-        mask = fill_bitmask(matchers, vocab_size)
-        self.grammar_fill_s = time.perf_counter() - t0
-        return mask
-
-    def verify(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor) -> list[Optional[list[int]]]:
-        """The tokens each task with drafts emits (``speculative.py``): greedy rows keep the drafts
-        that equal the target's argmax; sampled rows, against the target's distribution after
-        temperature, top-k and top-p and with the request's own noise when seeded, keep n-gram's
-        deterministic drafts by the plain sampler's own pick (``race_accept``: the same tokens as
-        without speculation) and a draft model's by rejection sampling with its ``q``."""
-        out: list[Optional[list[int]]] = [None] * len(tasks)
-        start = 0
-        for i, t in enumerate(tasks):
-            rows = logits[start:start + t.num_logit_rows]
-            start += t.num_logit_rows
-            if not t.draft_token_ids:
-                continue
-            drafts = list(t.draft_token_ids)
-            if t.sampling.greedy:
-                out[i] = greedy_accept(rows, drafts)
-            elif t.draft_probs is None:
-                out[i] = race_accept(filtered_probs(rows.float(), [t.sampling] * len(rows)), drafts, t.generator)
-            else:
-                probs = filtered_probs(rows.float(), [t.sampling] * len(rows))
-                out[i] = rejection_sample(probs / probs.sum(dim=-1, keepdim=True), drafts, t.draft_probs, t.generator)
-        return out
 
     def _save_linear_state(self, tasks: Sequence[BatchedRequest]) -> dict[int, list[tuple[torch.Tensor, ...]]]:
         """Copies of the linear-attention state rows of the slots that verify drafts (hybrid models)."""
@@ -314,49 +229,6 @@ class ModelRunner:
             redo.append(t.rows(t.token_ids[:keep], t.position_offset))
         if redo:
             self.execute(redo)
-
-    def sample_rows(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor, grammar_mask=None
-                    ) -> tuple[list[Optional[int]], list[Optional[tuple]]]:
-        """Pick the next token of every task with ``sampling`` set (the one sampler of the package).
-        ``grammar_mask``: ``(task indices, bitmask rows)`` of the structured-output tasks."""
-        n = len(tasks)
-        sampled: list[Optional[int]] = [None] * n
-        logprobs: list[Optional[tuple]] = [None] * n
-        rows = [i for i, t in enumerate(tasks) if t.sampling is not None]
-        if not rows:
-            return sampled, logprobs
-        picked = logits if len(rows) == n else logits[rows]   # every row: no gather copy
-        banned = [(j, tasks[i].banned_token_ids) for j, i in enumerate(rows) if tasks[i].banned_token_ids]
-        if banned:                 # min_tokens: stop tokens cannot be sampled yet
-            picked = picked.clone()
-            for j, ids in banned:
-                picked[j, list(ids)] = float("-inf")
-        params = [tasks[i].sampling for i in rows]
-        # Penalties, bias, allowed tokens, bad words (vLLM's order); logprobs stay the raw logits'.
-        processed = apply_logits_processing(picked, params, [tasks[i].history for i in rows])
-        if grammar_mask is not None:
-            from qwen_ops.engine.structured import GrammarBackend
-
-            where = {task: j for j, task in enumerate(rows)}
-            keep = [k for k, task in enumerate(grammar_mask[0]) if task in where]
-            if keep:
-                if processed is picked:
-                    processed = picked.clone()
-                GrammarBackend.apply(processed, grammar_mask[1][keep], [where[grammar_mask[0][k]] for k in keep])
-        tokens_t = sample(processed, params, [tasks[i].generator for i in rows], self.sample_generator)
-        if self.share_tokens is not None:
-            self.share_tokens(tokens_t)
-        tokens = tokens_t.tolist()
-        for i, t in zip(rows, tokens):
-            sampled[i] = t
-        want = [j for j, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            k = max(params[j].logprobs for j in want)
-            lp, rank, top_ids, top_lps = token_logprobs(picked[want], tokens_t[want], k)
-            for m, j in enumerate(want):
-                n_top = params[j].logprobs
-                logprobs[rows[j]] = (lp[m], rank[m], top_ids[m][:n_top], top_lps[m][:n_top])
-        return sampled, logprobs
 
     def write_block_rows(self, tasks: Sequence[BatchedRequest]) -> None:
         """Write the block-table rows that the tasks' ``block_table``s changed (the one writer)."""

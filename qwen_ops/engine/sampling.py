@@ -1,10 +1,12 @@
-"""Sampling parameters (vLLM's vocabulary) and batched sampling on the device.
+"""Sampling parameters (vLLM's vocabulary), a request's seeded noise, and the one implementation of
+a row's distribution and its pick.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw by the
-inverse CDF: one uniform u per row, and the first token, in index order, whose float64 running
-sum of kept probabilities passes u times their total (``cdf_pick``). A request with a ``seed``
-draws its u from its own ``SeededNoise`` (all 64 bits of the seed, on every device), so its
-tokens do not depend on which other requests share the batch.
+Greedy rows take the argmax. Sampled rows apply min-p and top-k, then temperature, softmax and
+top-p, and draw by the inverse CDF: one uniform u per row, and the first token, in index order,
+whose float64 running sum of kept weights passes u times their total (``cdf_pick``). A request
+with a ``seed`` draws its u from its ``SeededNoise``, a pure function of the seed and the output
+position, so its tokens do not depend on which other requests share the batch, on preemption or on
+speculative decoding; an unseeded one from torch's default generator.
 """
 
 from __future__ import annotations
@@ -278,6 +280,15 @@ class SamplingParams:
             if t >= vocab_size:
                 raise ValueError(f"allowed_token_ids has {t}, expected token ids < vocab_size = {vocab_size}")
 
+    def check_stop_ids(self, stop_ids: frozenset[int]) -> None:
+        """Refuse parameters that can never sample a token: ``allowed_token_ids`` all stop tokens
+        (``stop_ids``: ``stop_token_ids`` and the model's EOS) while ``min_tokens`` bans them."""
+        if self.min_tokens > 0 and self.allowed_token_ids and set(self.allowed_token_ids) <= stop_ids:
+            raise ValueError(f"allowed_token_ids = {list(self.allowed_token_ids)} are all stop tokens (EOS or "
+                             f"stop_token_ids), which min_tokens = {self.min_tokens} bans from the first "
+                             f"{self.min_tokens} tokens: nothing could be sampled; expected an allowed token that "
+                             "does not stop, or min_tokens = 0")
+
     @property
     def penalized(self) -> bool:
         """Whether a penalty reads the request's tokens (repetition, frequency, presence)."""
@@ -306,89 +317,182 @@ class SamplingParams:
         object.__setattr__(out, "bad_words_token_ids", tuple(seqs))
         return out
 
-    def make_generator(self, device: torch.device) -> Optional["SeededNoise"]:
+    def make_generator(self) -> Optional["SeededNoise"]:
+        """Its seed's noise (None: no seed, or greedy: nothing to draw)."""
         if self.seed is None or self.greedy:
             return None
-        return SeededNoise(self.seed, device)
-
-
-class SeededNoise:
-    """A seeded request's own source of sampling noise, distinct for every int64 seed.
-
-    One ``torch.Generator`` is not enough on the CPU: its Mersenne Twister is seeded from the
-    low 32 bits only, so ``seed=1`` and ``seed=2**32 + 1`` drew the same tokens. Here the seed's
-    two 32-bit halves seed two generators, and a uniform draw is ``frac(a + 2 b)`` of one float64
-    draw ``a``, ``b`` of each: uniform whenever ``a`` is (so sampling stays exact), and a function
-    of both halves in which they cannot trade places. A sampled token costs one draw.
-    """
-
-    __slots__ = ("seed", "_low", "_high")
-
-    def __init__(self, seed: int, device: torch.device):
-        if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END:
-            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63)")
-        self.seed = seed
-        bits = seed % 2 ** 64                      # int64 -> uint64, one to one
-        self._low = torch.Generator(device=device).manual_seed(bits & 0xFFFFFFFF)
-        self._high = torch.Generator(device=device).manual_seed(bits >> 32)
-
-    def uniform(self, n: int) -> torch.Tensor:
-        """``n`` float64 uniform draws in [0, 1) from this stream."""
-        device = self._low.device
-        u = torch.rand(n, generator=self._low, device=device, dtype=torch.float64)
-        return u.add_(torch.rand(n, generator=self._high, device=device, dtype=torch.float64), alpha=2.0).frac_()
+        return SeededNoise(self.seed)
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
+# What a uniform is drawn for (``SeededNoise.uniform_at``): one stream each, so no two uses of a
+# request's noise at one output position share a value.
+PICK = 0         # the token at an output position: plain sampling, and verification's pick (race, bonus)
+ACCEPT = 1       # rejection sampling's accept test of the draft for that position
+RESIDUAL = 2     # rejection sampling's draw from the residual distribution there
+DRAFT = 3        # a draft model's (or MTP's) sampled draft for that position
+NUM_PURPOSES = 4
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[SeededNoise]],
-           default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [N, vocab]; returns int64 [N] on the same device."""
-    logits = logits.float()
-    host_ok = (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
-               and not torch.compiler.is_compiling() and host.why_unavailable() is None)
-    greedy_tokens = host.argmax_rows(logits) if host_ok else logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy_tokens
-    # One uniform per row; seeded rows draw theirs from their own stream.
-    u = torch.rand(len(params), generator=default_generator, dtype=torch.float64, device=logits.device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = g.uniform(1)[0]
+_U64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15      # 2**64 / the golden ratio: splitmix64's counter step
+_DERIVED = 0xD1B54A32D192ED03     # sets a derived seed's key apart from its LLM seed's own key
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (Steele, Lea and Flood 2014): a bijection of 64-bit integers in which
+    every output bit depends on every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+class SeededNoise:
+    """A seeded request's sampling noise, counter-based: the uniform of an output position is a pure
+    function of (seed, position, purpose), so a seed fixes the tokens whatever the batch, preemption,
+    speculation or fork (vLLM's promise), and nothing is carried from one draw to the next.
+
+    The seed's 64 bits are mixed into a key, one to one; the draw at counter c = position x
+    NUM_PURPOSES + purpose + 1 is splitmix64's c-th output from that key, ``mix64(key + c x golden)``,
+    whose top 53 bits make a float64 in [0, 1). At every counter the map from seed to output is a
+    bijection, so distinct int64 seeds never draw the same 64 bits at the same place (a CPU
+    ``torch.Generator`` keeps only a seed's low 32 bits: seed=1 and seed=2**32 + 1 drew alike).
+    """
+
+    __slots__ = ("seed", "_key")
+
+    def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END:
+            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63)")
+        self.seed = seed
+        self._key = _mix64(seed & _U64)          # int64 -> uint64 -> key: one to one
+
+    @classmethod
+    def derived(cls, seed: int, index: int) -> "SeededNoise":
+        """The noise of the ``index``-th request (arrival order) that brings no seed to an engine
+        seeded with ``seed`` (``LLM(seed=...)``): a seed of its own, mixed from both."""
+        z = _mix64(((_mix64(seed & _U64) ^ _DERIVED) + _GOLDEN * (index + 1)) & _U64)
+        return cls(z - (1 << 64) if z >> 63 else z)
+
+    def uniform_at(self, position: int, purpose: int = PICK) -> float:
+        """The uniform in [0, 1) of output ``position`` (0 = the first generated token) for ``purpose``."""
+        z = _mix64((self._key + _GOLDEN * (position * NUM_PURPOSES + purpose + 1)) & _U64)
+        return (z >> 11) * 2.0 ** -53
+
+    def uniform(self, positions: Sequence[int], purpose: int = PICK) -> torch.Tensor:
+        """float64 [len(positions)]: ``uniform_at`` of each."""
+        return torch.tensor([self.uniform_at(p, purpose) for p in positions], dtype=torch.float64)
+
+
+def uniforms(noises: Sequence[Optional[SeededNoise]], positions: Sequence[int], purpose: int = PICK) -> torch.Tensor:
+    """float64 [N] on the host: row i's noise at ``positions[i]``, or where it has none (unseeded)
+    a fresh draw of torch's default generator."""
+    vals = [g.uniform_at(p, purpose) if g is not None else None for g, p in zip(noises, positions)]
+    free = vals.count(None)
+    if free:
+        fresh = iter(torch.rand(free, dtype=torch.float64).tolist())
+        vals = [next(fresh) if v is None else v for v in vals]
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- a row's distribution
+# Every consumer (plain sampling, speculative verification, draft proposals) goes through the same
+# steps, each written once: ``logit_floors`` (min-p and top-k as the logit each row keeps down to,
+# decided from its raw logits with its temperature folded in), then ``weights`` (the floor, then
+# temperature, softmax and the top-p cut: the C kernel ``host.sampling_weights`` on the CPU, its
+# torch reference ``weights_reference`` elsewhere), then an inverse-CDF pick (``cdf_pick``; on the CPU
+# fused into the same C pass, ``host.sample_rows``). A row's steps read only its own parameters, so
+# its tokens never depend on its batch (the torch top-p search once cut every row of a batch with one
+# top-p row to that row's search width: a min-p row kept 512 of 8,192 tokens beside it).
+# The C pass was kept over the torch top-p (sort-free, 2-6x faster: benchmarks/README.md, "Sampling").
+
+
+def _host_ok(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0 and not torch.compiler.is_compiling()
+            and host.why_unavailable() is None)
+
+
+def _temperatures(params: Sequence[SamplingParams]) -> torch.Tensor:
+    return torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+
+
+def _top_ps(params: Sequence[SamplingParams]) -> torch.Tensor:
+    return torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float64)
+
+
+def logit_floors(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Optional[torch.Tensor]:
+    """fp32 [N] on the host: the logit below which row i's min-p, then its top-k, drop a token (-inf
+    for a row with neither); None when no row has either (greedy rows never do).
+
+    Min-p keeps p_t >= min_p x max p over softmax(x / T), that is x_t >= max x + T ln(min_p); top-k
+    then keeps the tokens at or above the k-th largest remaining logit (ties with it stay), which is
+    the larger of that floor and the row's k-th largest logit."""
     vocab = logits.shape[1]
-    # Rows with no top-k or min-p (top-p or none): softmax, the top-p cut, running sum and pick in
-    # one C pass per row, without a sort (a -1 row: NaN logits, which takes the argmax). The path a
-    # row takes depends on its own parameters only, so a seeded row draws the same token in any batch.
-    in_c = [host_ok and not p.greedy and p.min_p <= 0 and not 0 < p.top_k < vocab for p in params]
-    rest = [i for i, (c, p) in enumerate(zip(in_c, params)) if not c and not p.greedy]
-    sampled = greedy_tokens.clone()
-    if any(in_c):
-        rows = [i for i, c in enumerate(in_c) if c]
-        picked = host.sample_rows(logits if len(rows) == len(params) else logits[rows],
-                                  torch.tensor([params[i].temperature for i in rows], dtype=torch.float32),
-                                  u[rows], torch.tensor([params[i].top_p for i in rows], dtype=torch.float64))
-        sampled[rows] = torch.where(picked < 0, greedy_tokens[rows], picked)
-    if rest:
-        whole = len(rest) == len(params)
-        sampled[rest] = _sample_filtered(logits if whole else logits[rest], [params[i] for i in rest],
-                                         u if whole else u[rest])
-    return sampled
+    mp = [i for i, p in enumerate(params) if p.min_p > 0 and not p.greedy]
+    tk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and not p.greedy]
+    if not mp and not tk:
+        return None
+    floor = torch.full((len(params),), float("-inf"), dtype=torch.float32)
+    if mp:
+        x = logits if len(mp) == len(params) else logits[mp]
+        shift = torch.tensor([params[i].temperature * math.log(params[i].min_p) for i in mp], dtype=torch.float32)
+        floor[mp] = x.amax(dim=1).float().cpu() + shift
+    if tk:
+        x = logits if len(tk) == len(params) else logits[tk]
+        ks = torch.tensor([params[i].top_k for i in tk])
+        kth = x.topk(int(ks.max()), dim=-1).values.cpu().gather(1, (ks - 1)[:, None])[:, 0]
+        floor[tk] = torch.maximum(floor[tk], kth.float())
+    return floor
 
 
-def _sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """``sample``'s torch path (no row greedy): the rows' filters (min-p, top-k, top-p) as
-    ``filtered_probs``, then ``cdf_pick`` with each row's uniform ``u``."""
-    probs, cand = _filter(logits, params, full=False)
-    if cand is None:
-        return cdf_pick(probs, u)
-    # Every row bounded (top-k, top-p): the pick runs over its kept tokens in index order (the
-    # others after them, probability 0), which is the same pick as over the whole masked row.
-    cand_i, cand_p = cand
-    key = torch.where(cand_p > 0, cand_i, probs.shape[1])
-    cand_i, perm = key.sort(dim=-1)
-    return cand_i.gather(1, cdf_pick(cand_p.gather(1, perm), u)[:, None]).squeeze(1)
+def weights_reference(x: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor,
+                      floor: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of ``host.sampling_weights``, in torch: fp32 ``exp(x / T - max)``, 0 where the logit is
+    below ``floor`` or the exponent below -87, and where ``top_p < 1`` only the tokens, most likely
+    first (ties: lower id first), whose float64 mass before them is at most p x the row's total; bool
+    ``ok`` [N]: False where a row has no finite maximum or a NaN (its weights all 0)."""
+    s = x / temps.to(x.device, torch.float32)[:, None]
+    m = s.amax(dim=1, keepdim=True)
+    ok = torch.isfinite(m[:, 0]) & ~torch.isnan(s).any(dim=1)
+    d = s - torch.where(ok[:, None], m, torch.zeros_like(m))
+    keep = ok[:, None] & (d >= -87.0)
+    if floor is not None:
+        keep &= x >= floor.to(x.device, torch.float32)[:, None]
+    w = torch.where(keep, torch.exp(d), torch.zeros_like(d))
+    cut = [i for i in range(x.shape[0]) if float(top_p[i]) < 1.0 and bool(ok[i])]
+    if cut:
+        rows = w[cut]
+        ordered, order = rows.sort(dim=1, descending=True, stable=True)
+        run = ordered.double().cumsum(dim=1)
+        before = run - ordered.double()
+        limit = top_p.to(x.device, torch.float64)[cut][:, None] * run[:, -1:]
+        w[cut] = rows.scatter(1, order, ordered.masked_fill(before > limit, 0.0))
+    return w, ok
+
+
+def _rows_of(logits: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def weights(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's distribution, unnormalized: fp32 [N, vocab] (min-p and top-k, then temperature,
+    softmax and top-p: module comment), and bool [N], False where nothing can be sampled."""
+    x = _rows_of(logits)
+    floor, temps, top_ps = logit_floors(x, params), _temperatures(params), _top_ps(params)
+    if _host_ok(x):
+        return host.sampling_weights(x, temps, top_ps, floor)
+    return weights_reference(x, temps, top_ps, floor)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from, normalized: fp32 [N, vocab], zero where a filter drops
+    a token (and a whole row of zeros where nothing can be sampled). Greedy rows: temperature 1, no
+    filters. Speculative verification and draft proposals read these; plain sampling picks from the
+    same weights (``weights``)."""
+    w, ok = weights(logits, params)
+    total = w.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    return w.div_(torch.where(total > 0, total, torch.ones_like(total)).float())
 
 
 def cdf_pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -400,74 +504,41 @@ def cdf_pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     run = weights.cumsum(dim=-1, dtype=torch.float64)
     # u < 1 keeps u * total below the total in float64 (for u = 1 - 2**-53 too), so some running
     # sum exceeds it: the first is at a positive weight, at or before the last one
-    return torch.searchsorted(run, u.to(torch.float64)[:, None] * run[:, -1:], right=True).squeeze(1)
+    u = u.to(device=run.device, dtype=torch.float64)
+    return torch.searchsorted(run, u[:, None] * run[:, -1:], right=True).squeeze(1)
 
 
-def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: fp32 ``logits`` [N, vocab] over the row's temperature
-    (1 for greedy rows), then its min-p, top-k and top-p filters (the plain sampler and speculative
-    verification both draw from these). Zero where a filter drops a token; not renormalized."""
-    return _filter(logits, params)[0]
-
-
-# The first width of the top-p search: the most likely tokens a topk takes before it widens (x 8).
-TOP_P_FIRST_WIDTH = 64
-
-
-def _filter(logits: torch.Tensor, params: Sequence[SamplingParams], full: bool = True
-            ) -> tuple[Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
-    """``filtered_probs`` and, where every row keeps a bounded set (top-k or top-p), the candidates:
-    ``(indices [N, W], probabilities [N, W])``, most likely first, zero past a row's kept tokens.
-    ``full=False``: where there are candidates, the vocabulary-wide probabilities are not masked
-    (``sample`` races over the candidates alone; three full-vocabulary passes fewer).
-
-    No full-vocabulary sort: top-k's k-th value comes from a topk, and top-p's cut from a topk that
-    widens (64, 512, ...) until its mass reaches every row's p: the token crossing p lies in it."""
-    device = logits.device
-    n, vocab = logits.shape
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-    scaled = logits / temps[:, None]
-    if any(p.min_p > 0 for p in params):
-        mp = torch.tensor([p.min_p for p in params], device=device)
-        pr = torch.softmax(scaled, dim=-1)
-        scaled = scaled.masked_fill(pr < mp[:, None] * pr.amax(dim=-1, keepdim=True), float("-inf"))
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_ps = [p.top_p for p in params]
-    cand = None
-    if any(k < vocab for k in top_ks):
-        # the k-th largest value of each row (ties with it are kept)
-        k_t = torch.tensor(top_ks, device=device)
-        top = scaled.topk(max(top_ks), dim=-1)
-        scaled = scaled.masked_fill(scaled < top.values.gather(1, (k_t - 1)[:, None]), float("-inf"))
-        if all(k < vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
-            cand = top.indices
-    probs = torch.softmax(scaled, dim=-1)
-    if cand is not None:
-        return probs, (cand, probs.gather(1, cand))
-    if all(p >= 1.0 for p in top_ps):
-        return probs, None
-    p_t = torch.tensor(top_ps, device=device)
-    bounded = (p_t < 1.0) | torch.tensor([k < vocab for k in top_ks], device=device)
-    if all(k < vocab for k in top_ks):      # top-k kept these, most likely first: top-p cuts among them
-        order = top.indices
-        sorted_probs = probs.gather(1, order)
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], noises: Sequence[Optional[SeededNoise]],
+           positions: Sequence[int], purpose: int = PICK) -> torch.Tensor:
+    """One token per row of ``logits`` [N, vocab]: int64 [N] on the host, -1 where nothing can be
+    sampled (every logit -inf, or a NaN). Greedy rows take the argmax; sampled rows an inverse-CDF
+    pick from their distribution (``weights``) with the uniform of their noise at their output
+    position (``positions[i]``: the tokens the request has generated so far) for ``purpose``."""
+    x = _rows_of(logits)
+    host_ok = _host_ok(x)
+    n = x.shape[0]
+    out = torch.full((n,), -1, dtype=torch.int64)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = x if len(greedy) == n else x[greedy]
+        best = host.argmax_rows(g) if host_ok else g.argmax(dim=-1)
+        # the argmax is the first NaN of a row with one: a NaN or infinite top value samples nothing
+        top = g.gather(1, best.to(g.device)[:, None])[:, 0]
+        out[greedy] = torch.where(torch.isfinite(top), best.to(g.device), -1).cpu()
+        if len(greedy) == n:
+            return out
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    sub = [params[i] for i in rows]
+    xs = x if len(rows) == n else x[rows]
+    floor, temps, top_ps = logit_floors(xs, sub), _temperatures(sub), _top_ps(sub)
+    u = uniforms([noises[i] for i in rows], [positions[i] for i in rows], purpose)
+    if host_ok:
+        picked = host.sample_rows(xs, temps, u, top_ps, floor)
     else:
-        width = min(vocab, max(TOP_P_FIRST_WIDTH, max(k for k in top_ks if k < vocab) if min(top_ks) < vocab else 0))
-        while True:
-            sorted_probs, order = probs.topk(width, dim=-1)
-            covered = (sorted_probs.sum(dim=-1) >= p_t) | ((probs > 0).sum(dim=-1) <= width) | ~bounded
-            if width == vocab or bool(covered.all()):
-                break
-            width = min(vocab, width * 8)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs   # mass strictly above each token
-    keep_sorted = ~(before > p_t[:, None])                # the top token is always kept
-    if not full and bool(bounded.all()):
-        return probs, (order, sorted_probs.masked_fill(~keep_sorted, 0.0))
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, keep_sorted)
-    probs = probs.masked_fill(~keep, 0.0)
-    if bool(bounded.all()):
-        cand = (order, sorted_probs.masked_fill(~keep_sorted, 0.0))
-    return probs, cand
+        w, ok = weights_reference(xs, temps, top_ps, floor)
+        picked = torch.where(ok, cdf_pick(w, u).clamp(max=w.shape[1] - 1), -1).cpu()
+    out[rows] = picked
+    return out
 
 
 def _ends_with(prompt: Sequence[int], output: Sequence[int], suffix: Sequence[int]) -> bool:

@@ -50,7 +50,7 @@ from qwen_ops.engine.batch import IterationPlan, RequestId, TokenBudget
 from qwen_ops.engine.block_manager import KVCacheManager
 from qwen_ops.engine.request import Request, RequestStatus
 from qwen_ops.engine.runner import RunnerOutput
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import SamplingParams, SeededNoise
 
 
 class SchedulerStuckError(RuntimeError):
@@ -71,6 +71,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"      # or "swap"
     swap_space_bytes: int = 4 << 30          # host memory for swapped KV; beyond it, recompute
     check_invariants: bool = False           # assert the invariants every iteration (tests)
+    # LLM(seed=...): a sampled request without a seed of its own gets one from this and its arrival
+    # (SeededNoise.derived), so a run repeats, speculation and preemption included; None: torch's RNG.
+    seed: Optional[int] = None
 
 
 class Scheduler:
@@ -148,7 +151,7 @@ class Scheduler:
         assert ok, "blocks were checked before the sequence was pinned"
         tokens = list(tokens or ())
         req = Request(None, next(self._arrivals), tokens if prompt else tokens[:mapped], sampling, stop_ids,
-                      generator=sampling.make_generator(self.device), status=RequestStatus.RUNNING, slot=slot,
+                      generator=sampling.make_generator(), status=RequestStatus.RUNNING, slot=slot,
                       kv=self.kv.slots[slot], pinned=True)
         self.pinned[slot] = req
         return req
@@ -191,9 +194,12 @@ class Scheduler:
         if lora_request is not None and self.lora is None:
             raise ValueError(f"lora_request = {lora_request!r}, but LoRA is not enabled; expected "
                              "LLM(enable_lora=True) or no lora_request")
-        req = Request(request_id, next(self._arrivals), list(prompt_token_ids), sampling, stop_ids,
-                      generator=sampling.make_generator(self.device), grammar=grammar, lora_request=lora_request,
-                      pooling=pooling)
+        arrival = next(self._arrivals)
+        noise = sampling.make_generator()
+        if noise is None and self.config.seed is not None and not sampling.greedy:
+            noise = SeededNoise.derived(self.config.seed, arrival)
+        req = Request(request_id, arrival, list(prompt_token_ids), sampling, stop_ids, generator=noise,
+                      grammar=grammar, lora_request=lora_request, pooling=pooling)
         if lora_request is not None:      # its parsed adapter stays in host memory until it ends
             self.lora.hold(lora_request.lora_int_id)
         self.requests[request_id] = req
@@ -520,7 +526,7 @@ class Scheduler:
         emitted token up to the first that finishes the request."""
         now = time.perf_counter()
         kv, requests, max_len = self.kv, self.requests, self.config.max_model_len
-        emitted_all, prompt_lps = out.emitted, out.prompt_logprobs
+        emitted_all, prompt_lps, errors = out.emitted, out.prompt_logprobs, out.errors
         gained = []
         for i, (task, token, lp) in enumerate(zip(plan.tasks(), out.sampled, out.logprobs)):
             if task.pooling is not None:        # a pooling request: its KV, its rows; done after its last chunk
@@ -533,6 +539,12 @@ class Scheduler:
             if prompt_lps is not None and prompt_lps[i] is not None:
                 req.add_prompt_logprobs(task.position_offset, prompt_lps[i])
             emitted = emitted_all[i] if emitted_all is not None else None
+            if errors is not None and errors[i] is not None:
+                # Nothing could be sampled for it (engine/sampler.py): it fails alone, with the error
+                # (the engine core reports it); its drafts' rows are not kept.
+                kv.commit(task.kv_cache_slot, task.token_ids[:len(task.token_ids) - len(task.draft_token_ids)])
+                self.finish(req, "error")
+                continue
             if emitted is None:
                 kv.commit(task.kv_cache_slot, task.token_ids)
                 if token is None:

@@ -4,7 +4,7 @@ model's output, greedy token for token and sampled in distribution.
 
 Where it runs: the scheduler asks the proposer for a request's drafts when it plans the request's
 decode (``Scheduler._drafts``: the drafts count against the token budget and get KV blocks), the
-runner verifies them in the step's one forward pass (``ModelRunner.sample_rows`` -> ``verify``: the
+runner verifies them in the step's one forward pass (``Sampler.verify``, engine/sampler.py: the
 target's logits at the last token and at every draft), and the scheduler keeps the KV of the
 accepted prefix only (``Scheduler.update``). Rejected rows are past the slot's token count: never
 read, overwritten by the next step. Linear-attention state (hybrid models) cannot be cut back that
@@ -18,15 +18,22 @@ distribution after the context and drafts ``1..i``. Then:
 * greedy (``greedy_accept``): drafts are kept while each equals the target's argmax at its position;
   the first that does not is replaced by the argmax, and if all k are kept the argmax of row k is
   the bonus token. The emitted tokens are exactly what k + 1 greedy steps would give.
-* sampled (``rejection_sample``, Leviathan et al. 2023 / Chen et al. 2023): draft i, drawn from
-  ``q_i`` (``draft_probs``; a deterministic proposer such as n-gram is a point mass, so ``q_i(d_i) =
-  1``), is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection the token is
-  drawn from ``normalize(max(0, p_i - q_i))``, and if all are kept a bonus token is drawn from
-  ``p_k``. Each emitted token then has the target's distribution given those before it.
+* sampled, deterministic drafts (n-gram's point masses; ``accept_picks``): row i's token is the
+  plain sampler's pick (``sampling.sample``, the request's uniform at output position p + i), and
+  draft i is kept iff it is that token. The draft is kept with probability p_i(d_i), as rejection
+  sampling keeps a point mass, and a rejected row emits the pick, which given "not d_i" is
+  distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same law, and for a seeded request
+  (or any request under ``LLM(seed=...)``) the same tokens as without speculation, whatever the batch.
+* sampled, drafts drawn from a proposer's ``q_i`` (``rejection_sample``, Leviathan et al. 2023 /
+  Chen et al. 2023): draft i is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
+  rejection the token is drawn from ``normalize(max(0, p_i - q_i))``, and if all are kept the bonus
+  token is the plain pick of row k. Each emitted token then has the target's distribution given
+  those before it.
 
-Random numbers come from a source the caller owns: a ``torch.Generator``, a seeded request's
-``SeededNoise``, or None (torch's default generator). A draw from a distribution is an inverse-CDF
-pick with one uniform (``sampling.cdf_pick``), as the plain sampler's.
+Random numbers come from the request's noise (``sampling.SeededNoise``, or None: torch's default
+generator) at the output position each row decides: the plain pick's uniform (``PICK``) for picks,
+and uniforms of their own for the accept test (``ACCEPT``) and the residual draw (``RESIDUAL``); a
+draw from a distribution is an inverse-CDF pick with one uniform (``sampling.cdf_pick``).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from qwen_ops.engine.sampling import cdf_pick
+from qwen_ops.engine.sampling import ACCEPT, PICK, RESIDUAL, cdf_pick, uniforms
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # The speculative_config keys each method takes (vLLM's names).
@@ -171,58 +178,34 @@ class NgramProposer:
         return []
 
 
-def greedy_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int]) -> list[int]:
-    """The tokens greedy decoding emits from one verify pass: the drafts that equal the target's
-    argmax at their position, then the argmax where the first one does not (or the bonus)."""
-    best = target_probs.argmax(dim=-1).tolist()                 # [k + 1]
+def accept_picks(picks: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:
+    """The tokens one verify pass emits given the target's pick at each of its k + 1 rows (the argmax,
+    or the plain sampler's pick): the drafts while each equals the pick at its row, then the pick
+    where one does not (or, all k kept, the bonus pick of row k)."""
+    k = len(draft_tokens)
+    if len(picks) != k + 1:
+        raise ValueError(f"picks has {len(picks)} tokens, expected k + 1 = {k + 1}")
     out = []
     for i, d in enumerate(draft_tokens):
-        if d != best[i]:
+        if d != picks[i]:
             break
-        out.append(d)
-    out.append(best[len(out)])
+        out.append(int(d))
+    out.append(int(picks[len(out)]))
     return out
 
 
-def _uniform(generator, n: int, device) -> torch.Tensor:
-    """``n`` uniform fp64 draws in [0, 1) from ``generator`` (module docstring)."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
-    return generator.uniform(n).to(device=device)
+def greedy_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int]) -> list[int]:
+    """Greedy verification: ``accept_picks`` of each row's argmax (exactly what k + 1 greedy steps emit)."""
+    return accept_picks(target_probs.argmax(dim=-1).tolist(), draft_tokens)
 
 
-def _draw(dist: torch.Tensor, generator) -> int:
-    """One token from ``dist`` [V] (non-negative, not all zero): an inverse-CDF pick with one uniform."""
-    return int(cdf_pick(dist[None], _uniform(generator, 1, dist.device))[0])
-
-
-def race_accept(target_probs: torch.Tensor, draft_tokens: Sequence[int], generator) -> list[int]:
-    """Sampled verification of deterministic drafts (n-gram's point masses) that emits exactly the
-    tokens the plain sampler would: row i's token is the plain sampler's pick (``sampling.cdf_pick``
-    over the filtered row, in index order) with the request's next uniform u_i (one per emitted
-    token, as plain decoding draws), and draft i is kept iff it is that token. The draft is kept with
-    probability p_i(d_i), as rejection sampling keeps a point mass, and a rejected row emits the
-    pick, which given "not d_i" is distributed as ``normalize(p_i - p_i(d_i) e_{d_i})``: the same
-    law, and for a seeded request the same tokens as without speculation, whatever the batch (against
-    the CPU's one-pass sampler, ``host.sample_rows``, except where rounding decides: its weights and
-    torch's softmax round apart)."""
-    k = len(draft_tokens)
-    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
-    out = []
-    for i in range(k + 1):
-        t = int(cdf_pick(target_probs[i:i + 1], _uniform(generator, 1, target_probs.device))[0])
-        out.append(t)
-        if i == k or t != draft_tokens[i]:
-            break
-    return out
-
-
-def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
-                     draft_probs: Optional[torch.Tensor], generator) -> list[int]:
+def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int], draft_probs: Optional[torch.Tensor],
+                     noise, position: int, bonus: Optional[int] = None) -> list[int]:
     """The tokens one verify pass emits under sampling (module docstring): target_probs ``[k + 1, V]``
-    (each row a distribution), ``draft_tokens`` (k ids), ``draft_probs [k, V]`` or None (a
-    deterministic proposer: point masses on the drafts). Returns 1 to k + 1 tokens."""
+    (each row a distribution), ``draft_tokens`` (k ids, for output positions ``position``, ``position +
+    1``, ...), ``draft_probs [k, V]`` or None (a deterministic proposer: point masses on the drafts),
+    the request's ``noise`` (a ``SeededNoise`` or None), and ``bonus``: the plain sampler's pick of
+    row k (None: drawn here from row k with the same uniform). Returns 1 to k + 1 tokens."""
     k = len(draft_tokens)
     if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [k + 1 = {k + 1}, vocab]")
@@ -232,7 +215,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
     out = []
     for i, d in enumerate(draft_tokens):
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        u = float(_uniform(generator, 1, p.device)[0])
+        u = float(uniforms([noise], [position + i], ACCEPT)[0])
         if q_d > 0 and u * q_d < float(p[i, d]):                  # u < p / q
             out.append(int(d))
             continue
@@ -241,7 +224,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int],
             residual[d] = 0.0
         else:
             residual = (p[i] - draft_probs[i].double()).clamp(min=0.0)
-        out.append(_draw(residual if float(residual.sum()) > 0 else p[i], generator))
+        dist = residual if float(residual.sum()) > 0 else p[i]
+        out.append(int(cdf_pick(dist[None], uniforms([noise], [position + i], RESIDUAL))[0]))
         return out
-    out.append(_draw(p[k], generator))
+    if bonus is None:
+        bonus = int(cdf_pick(p[k:k + 1], uniforms([noise], [position + k], PICK))[0])
+    out.append(int(bonus))
     return out

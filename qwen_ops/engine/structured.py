@@ -12,7 +12,7 @@ on xgrammar (vLLM's default grammar engine; the ``structured`` extra).
   the request's accepted tokens, so preemption by recompute or swap leaves it right). Each step the
   runner fills one token bitmask row per constrained sequence, for the whole batch, and masks the
   logits in one call (``GrammarBackend.apply``), after the penalties and before temperature; a
-  fill slower than ``runner.GRAMMAR_OVERLAP_MIN_S`` moves to a worker thread beside the next
+  fill slower than ``sampler.GRAMMAR_OVERLAP_MIN_S`` moves to a worker thread beside the next
   forward pass (the matchers' state is known before it: it depends only on accepted tokens).
 """
 

@@ -155,6 +155,7 @@ class EngineCore:
                     if compile_async and loras[k] is not None:
                         job = self._lora_job(loras[k], job)
                     held = job is not None and not job.done()
+                    sp.check_stop_ids(self.engine.stop_ids(sp))
                     reqs = []
                     for i in range(sp.n):
                         child = sp.for_completion(i)
@@ -437,8 +438,32 @@ class EngineCore:
             n = sched.last_iteration_tokens
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, n)] += 1
             self.iteration_tokens_sum += n
-            _, gained = self.engine.step(plan)
-            return self.outputs.process(gained, sched.finish_on_stop_string)
+            out, gained = self.engine.step(plan)
+            states = self.outputs.process(gained, sched.finish_on_stop_string)
+            if out.errors is not None and any(e is not None for e in out.errors):
+                states += [st for st in self._fail_requests(plan, out.errors) if st not in states]
+            return states
+
+    def _fail_requests(self, plan, errors) -> list[RequestState]:
+        """The requests whose token could not be sampled (the scheduler finished that completion with
+        "error"): each fails alone, its other completions aborted, the error on its outputs (served:
+        an error for that request only, a 400 when its parameters were the cause)."""
+        failed = []
+        for task, error in zip(plan.tasks(), errors):
+            entry = self.outputs.completions.get(task.request_id) if error is not None else None
+            if entry is None:
+                continue
+            state, comp = entry
+            if state.error is None:
+                state.error, state.bad_request = error.message, error.bad_request
+                failed.append(state)
+            state.touch(comp)
+            for c in state.completions:
+                if not c.request.finished:
+                    self.scheduler.abort(c.request.request_id)
+                    state.touch(c)
+            self.outputs.forget(state)
+        return failed
 
     def step_deltas(self) -> list[RequestDelta]:
         """One iteration as deltas. A failure fails the requests of this iteration (error deltas)

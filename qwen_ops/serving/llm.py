@@ -355,7 +355,7 @@ def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         max_num_batched_tokens = max(512, args.max_num_seqs)
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, preemption_mode=args.preemption_mode,
-                           swap_space_bytes=swap_space_bytes, check_invariants=args.check_invariants)
+                           swap_space_bytes=swap_space_bytes, check_invariants=args.check_invariants, seed=args.seed)
 
 
 def _pooling_head(hf_overrides: Optional[dict], path, ckpt, tokenizer) -> tuple[PoolerConfig, Optional[torch.Tensor]]:
@@ -417,8 +417,6 @@ class LLM:
         self.engine = _build_engine(args, path, cfg, ckpt, own_tokenizer, device, _engine_kwargs(
             args, max_model_len, num_kv_blocks, pooling))
         self._attach_speculative(spec, cfg, args.dtype, device, max_model_len)
-        if args.seed is not None:
-            self.engine.runner.sample_generator = torch.Generator(device=device).manual_seed(args.seed)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, _scheduler_config(args, max_model_len), spec)
         self.core.max_grammar_compile_s = args.max_grammar_compile_seconds

@@ -341,6 +341,10 @@ class RequestState:
     first_scheduled_time: Optional[float] = None
     accumulator: Optional["RequestAccumulator"] = None    # LLM's fold of this state's deltas
     sent_prompt_logprobs: bool = False
+    # Why it failed (a completion's token could not be sampled: EngineCore._fail_requests), and
+    # whether its own parameters were the cause.
+    error: Optional[str] = None
+    bad_request: bool = False
 
     def add(self, comp: _Completion) -> None:
         self.completions.append(comp)
@@ -394,8 +398,7 @@ class RequestState:
                 prompt_lps = [None] + [logprob_entry(t, e, text) for t, e in zip(ids[1:], scored)]
                 self.sent_prompt_logprobs = True
         return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
-                            self.last_token_time, prompt_logprobs=prompt_lps,
-                            first_scheduled_time=self.first_scheduled_time)
+                            self.last_token_time, self.error, prompt_lps, self.first_scheduled_time, self.bad_request)
 
     def output(self) -> tuple[RequestOutput, list[int]]:
         """Fold what changed into this state's accumulator: the cumulative output, and the tokens
@@ -405,7 +408,9 @@ class RequestState:
             self.accumulator = RequestAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.params,
                                                   cumulative=True)
         new = self.accumulator.apply(self.delta())
-        return self.accumulator.output(new), new
+        out = self.accumulator.output(new)
+        out.error = self.error
+        return out, new
 
 
 class OutputProcessor:

@@ -69,7 +69,7 @@ _SIGNATURES = {
     "qwen_kv_write_fp8": (_KV_WRITE_FP8_ARGS, None),
     "qwen_slot_attention": (_ATTENTION_ARGS, ctypes.c_int),
     "qwen_argmax_rows": ([_p, _i64, _i64, _i64, _p], None),
-    "qwen_sample_rows": ([_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p], None),
+    "qwen_sample_rows": ([_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _p], None),
     "qwen_apply_token_bitmask": ([_p, _i64, _i64, _p, _i64, _p, _i64], None),
     "qwen_pack_panels": (_PACK_PANELS_ARGS, None),
     "qwen_pack_panels_bf16": (_PACK_PANELS_ARGS, None),
@@ -313,29 +313,60 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_rows(x: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
-                top_p: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One token per row of fp32 ``x [rows, cols]`` (contiguous rows) drawn from softmax(x / temps)
-    by the inverse CDF with float64 uniforms ``u [rows]`` in [0, 1) (``sampling.cdf_pick`` of a row
-    with no top-k or min-p, one pass in C: no probability tensor, no float64 copy, no sort); where
-    ``top_p [rows]`` is below 1, over the tokens its top-p keeps (most likely first, ties by token,
-    while the mass before them is at most p: the token crossing p stays). int64, -1 where a row has
-    no finite maximum or a NaN."""
+def _sample_rows_args(x: torch.Tensor, temps: torch.Tensor, top_p: Optional[torch.Tensor],
+                      floor: Optional[torch.Tensor]):
     rows, cols = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1 or cols < 1:
+        raise ValueError(f"x is {x.dtype} [{rows}, {cols}] with column stride {x.stride(1)}, expected float32 rows "
+                         "of >= 1 contiguous columns")
     temps = temps.to(torch.float32).contiguous()
-    u = u.to(torch.float64).contiguous()
     top_p = torch.ones(rows, dtype=torch.float64) if top_p is None else top_p.to(torch.float64).contiguous()
-    if temps.shape != (rows,) or u.shape != (rows,) or top_p.shape != (rows,):
-        raise ValueError(f"temps {tuple(temps.shape)}, u {tuple(u.shape)} and top_p {tuple(top_p.shape)}, "
-                         f"expected [{rows}] each")
+    floor = None if floor is None else floor.to(torch.float32).contiguous()
+    if temps.shape != (rows,) or top_p.shape != (rows,) or (floor is not None and floor.shape != (rows,)):
+        raise ValueError(f"temps {tuple(temps.shape)}, top_p {tuple(top_p.shape)} and floor "
+                         f"{None if floor is None else tuple(floor.shape)}, expected [{rows}] each")
+    return rows, cols, temps, top_p, floor
+
+
+def sample_rows(x: torch.Tensor, temps: torch.Tensor, u: torch.Tensor, top_p: Optional[torch.Tensor] = None,
+                floor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row of fp32 ``x [rows, cols]`` (contiguous rows) drawn from softmax(x / temps)
+    by the inverse CDF with float64 uniforms ``u [rows]`` in [0, 1) (``sampling.cdf_pick`` over
+    ``sampling_weights``' row, one pass in C: no probability tensor, no float64 copy, no sort); where
+    ``top_p [rows]`` is below 1, over the tokens its top-p keeps (most likely first, ties by token,
+    while the mass before them is at most p: the token crossing p stays); ``floor [rows]``: tokens
+    whose logit is below it weigh 0 (min-p and top-k). int64, -1 where a row has no finite maximum
+    or a NaN."""
+    rows, cols, temps, top_p, floor = _sample_rows_args(x, temps, top_p, floor)
+    u = u.to(torch.float64).contiguous()
+    if u.shape != (rows,):
+        raise ValueError(f"u {tuple(u.shape)}, expected [{rows}]")
     out = torch.empty(rows, dtype=torch.int64)
     w = torch.empty(cols, dtype=torch.float32)
     bsum = torch.empty((cols + 63) // 64, dtype=torch.float64)
-    library().qwen_sample_rows(x.data_ptr(), rows, cols, x.stride(0), temps.data_ptr(), top_p.data_ptr(),
-                               u.data_ptr(), out.data_ptr(), w.data_ptr(), bsum.data_ptr())
+    library().qwen_sample_rows(x.data_ptr(), rows, cols, x.stride(0), temps.data_ptr(),
+                               None if floor is None else floor.data_ptr(), top_p.data_ptr(), u.data_ptr(),
+                               out.data_ptr(), w.data_ptr(), 0, bsum.data_ptr())
     if bool((out == -2).any()):
         raise MemoryError("qwen_sample_rows could not allocate its top-p scratch")
     return out
+
+
+def sampling_weights(x: torch.Tensor, temps: torch.Tensor, top_p: Optional[torch.Tensor] = None,
+                     floor: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights ``sample_rows`` picks from, kept: fp32 ``[rows, cols]``, exp(x / temps - max) with
+    the tokens below each row's ``floor`` and past its top-p cut zeroed (not normalized), and bool
+    ``[rows]``: False where a row has no finite maximum or a NaN (its weights all 0)."""
+    rows, cols, temps, top_p, floor = _sample_rows_args(x, temps, top_p, floor)
+    out = torch.empty(rows, dtype=torch.int64)
+    w = torch.empty((rows, cols), dtype=torch.float32)
+    bsum = torch.empty((cols + 63) // 64, dtype=torch.float64)
+    library().qwen_sample_rows(x.data_ptr(), rows, cols, x.stride(0), temps.data_ptr(),
+                               None if floor is None else floor.data_ptr(), top_p.data_ptr(), None,
+                               out.data_ptr(), w.data_ptr(), cols, bsum.data_ptr())
+    if bool((out == -2).any()):
+        raise MemoryError("qwen_sample_rows could not allocate its top-p scratch")
+    return w, out == 0
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows) -> None:

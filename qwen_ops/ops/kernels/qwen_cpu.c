@@ -921,20 +921,24 @@ static double block_sums(const float *w, int64_t cols, int64_t block, double *bs
     return total;
 }
 
-/* Sampling by the inverse CDF of softmax(x / T) over whole rows (sampling.py's cdf_pick of a row
- * with no top-k or min-p): w_t = exp(x_t / T - max), 0 where that exponent is below -87 (so a -inf
- * logit is never picked), then, where top_p[r] < 1, the tokens past its cut zeroed (top_p_cut);
- * summed in float64 per block of 64; out[r] is the first t whose float64 running sum passes u[r]
- * times the total (u[r] in [0, 1)): the blocks' sums find the block, a walk inside it the token (the
- * last positive one of the block if rounding leaves the walk short). -1 where a row has no finite
- * maximum or a NaN (the caller takes the argmax there); -2 when memory ran out.
- * w: cols floats of scratch; bsum: ceil(cols / 64) doubles. */
-void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, const float *temps, const double *top_p,
-                      const double *u, int64_t *out, float *w, double *bsum) {
+/* The sampler's distribution and its pick (engine/sampling.py: the one implementation of temperature,
+ * softmax and top-p; min-p and top-k arrive as a floor per row, the logit they keep down to):
+ * w_t = exp(x_t / T - max), 0 where x_t < floor[r] (floor NULL: none) or where that exponent is
+ * below -87 (so a -inf logit is never picked), then, where top_p[r] < 1, the tokens past
+ * its cut zeroed (top_p_cut); summed in float64 per block of 64; out[r] is the first t whose float64
+ * running sum passes u[r] times the total (u[r] in [0, 1)): the blocks' sums find the block, a walk
+ * inside it the token (the last positive one of the block if rounding leaves the walk short). -1
+ * where a row has no finite maximum or a NaN (nothing can be sampled); -2 when memory ran out.
+ * w: cols floats of scratch (ws0 = 0), or rows rows of ws0 >= cols floats that keep each row's
+ * weights (zero for a -1 row); u NULL: no pick (out[r] 0 for a row with weights). bsum: ceil(cols / 64)
+ * doubles. */
+void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, const float *temps, const float *floor,
+                      const double *top_p, const double *u, int64_t *out, float *weights, int64_t ws0, double *bsum) {
     enum { BLOCK = 64 };
     const int64_t nb = (cols + BLOCK - 1) / BLOCK;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * s0;
+        float *w = weights + r * ws0;
         const float temp = temps[r];
         float m = -__builtin_inff();
         const float *s = row;                         /* x / T: the row itself at T = 1 */
@@ -950,23 +954,34 @@ void qwen_sample_rows(const float *x, int64_t rows, int64_t cols, int64_t s0, co
             s = w;
         }
         out[r] = -1;
-        if (!(m > -__builtin_inff()) || m == __builtin_inff())
+        if (!(m > -__builtin_inff()) || m == __builtin_inff()) {
+            if (ws0)
+                memset(w, 0, sizeof(float) * (size_t)cols);
             continue;
+        }
+        const float fl = floor != NULL ? floor[r] : -__builtin_inff();
 #pragma omp simd
         for (int64_t t = 0; t < cols; ++t) {
             const float d = s[t] - m;
             const float e = exp_nonpositive(d);
-            w[t] = d < -87.0f ? 0.0f : e;
+            w[t] = d < -87.0f || row[t] < fl ? 0.0f : e;
         }
         double total = block_sums(w, cols, BLOCK, bsum);
-        if (!(total > 0.0))                           /* NaN */
+        if (!(total > 0.0)) {                         /* NaN */
+            if (ws0)
+                memset(w, 0, sizeof(float) * (size_t)cols);
             continue;
+        }
         if (top_p[r] < 1.0) {
             if (top_p_cut(w, cols, total, top_p[r]) < 0) {
                 out[r] = -2;
                 continue;
             }
             total = block_sums(w, cols, BLOCK, bsum);   /* over the kept weights */
+        }
+        if (u == NULL) {
+            out[r] = 0;
+            continue;
         }
         const double target = u[r] * total;
         double run = 0.0;
