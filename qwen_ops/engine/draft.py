@@ -46,7 +46,7 @@ def pick_drafts(logits: torch.Tensor, tasks: Sequence[BatchedRequest], index: in
             if float(probs[j].sum()) > 0:
                 tokens[i], qs[i] = picks[j], probs[j]
             else:
-                qs[i] = torch.zeros_like(probs[j]).index_fill_(0, torch.tensor([tokens[i]]), 1.0)
+                qs[i] = torch.zeros_like(probs[j]).index_fill_(0, torch.tensor([tokens[i]], device=probs.device), 1.0)
     return tokens, qs
 
 

@@ -175,7 +175,8 @@ class Sampler:
                   sampled: Sequence[Optional[int]]) -> list[tuple]:
         picked = self._masked(tasks, rows, logits)
         k = max(tasks[i].sampling.logprobs for i in rows)
-        lp, rank, top_ids, top_lps = token_logprobs(picked, torch.tensor([sampled[i] for i in rows]), k)
+        lp, rank, top_ids, top_lps = token_logprobs(picked, torch.tensor([sampled[i] for i in rows],
+                                                                         device=picked.device), k)
         out = []
         for m, i in enumerate(rows):
             n_top = tasks[i].sampling.logprobs
