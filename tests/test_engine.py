@@ -99,8 +99,8 @@ def test_batch_decode_equals_transformers(engine, oracle):
 def test_batch_decode_runs_one_forward(engine, monkeypatch):
     reqs = [QwenBatchedRequest(request_id=i, prompt_tokens=p, slot_id=i, sampling=GREEDY) for i, p in enumerate(PROMPTS)]
     calls = []
-    real = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda chunks: calls.append(len(chunks)) or real(chunks))
+    real = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda chunks: calls.append(len(chunks)) or real(chunks))
     engine.batch_prefill(reqs)
     engine.batch_decode_step(reqs)
     assert calls == [4, 4]

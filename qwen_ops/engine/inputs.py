@@ -61,7 +61,8 @@ class StepInputs:
     pool: ``(input_ids, positions, AttentionMetadata, logits_indices)``). ``row_starts``: the
     forward row where each task starts. ``n``: tasks. ``keep``: eager steps, the tasks that have a
     logits row (None: all). ``out_rows``: verify steps, the output rows of ``execute``'s layout.
-    ``wide``: eager steps whose rows stay in the model's dtype (a scored prompt's)."""
+    ``wide``: eager steps whose rows stay in the model's dtype (a scored prompt's). ``logit_starts``
+    and ``num_rows``: the logits-row layout of ``finish``'s output (``logit_rows``)."""
 
     kind: str
     bucket: int
@@ -71,6 +72,16 @@ class StepInputs:
     keep: Optional[list[int]] = None
     out_rows: Optional[torch.Tensor] = None
     wide: bool = False
+    logit_starts: Optional[list[int]] = None    # set by build: each task's first row in finish's output
+    num_rows: int = 0
+
+    def logit_rows(self) -> tuple[list[int], list[int]]:
+        """``(first, last)`` row of each task in ``finish``'s output (``num_logit_rows`` each): the one
+        place that says which logits rows are a request's; the sampler, verification and prompt
+        logprobs read it from here."""
+        starts = self.logit_starts
+        ends = starts[1:] + [self.num_rows]
+        return starts, [e - 1 for e in ends]
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         """The forward's output cut to ``ModelRunner.execute``'s layout: fp32 logits, ``num_logit_rows``
@@ -169,6 +180,18 @@ class InputBuilder:
     def build(self, chunks: Sequence[BatchedRequest], kind: str, padded: bool) -> StepInputs:
         """The inputs of a step of ``kind`` (``kind_of``); ``padded``: static buffers filled up to the
         bucket (compiled and captured steps), else to the batch's exact size."""
+        step = self._build(chunks, kind, padded)
+        if kind == "decode":             # one row each
+            step.logit_starts, step.num_rows = list(range(len(chunks))), len(chunks)
+            return step
+        starts, at = [], 0
+        for c in chunks:
+            starts.append(at)
+            at += c.num_logit_rows if kind != "pool" else len(c.pool_rows)
+        step.logit_starts, step.num_rows = starts, at
+        return step
+
+    def _build(self, chunks: Sequence[BatchedRequest], kind: str, padded: bool) -> StepInputs:
         n = len(chunks)
         if kind == "decode":
             bucket = self.bucket_for(n) if padded else n

@@ -17,7 +17,6 @@ the rest) builds, ``self.executors`` (engine/executors.py: eager, compiled, CUDA
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 
 from qwen_ops.engine.batch import BatchedRequest, IterationPlan
 from qwen_ops.engine.executors import Executors
-from qwen_ops.engine.inputs import InputBuilder
+from qwen_ops.engine.inputs import InputBuilder, StepInputs
 from qwen_ops.engine.pooling import reduce_rows
 from qwen_ops.engine.sampler import Sampler, SamplingError
 from qwen_ops.models.lora import write_adapter
@@ -155,7 +154,7 @@ class ModelRunner:
         masks = self.sampler.start_grammar_masks(tasks)     # beside the forward pass when that pays
         speculating = any(t.draft_token_ids for t in tasks)
         saved = self._save_linear_state(tasks) if speculating and "linear" in self.layer_kinds else None
-        logits = self.execute(tasks)
+        logits, layout = self.forward(tasks)
         # speculative "mtp": the target's final hidden state of every row (a later forward of the
         # hybrid rollback would replace it)
         hidden = self.model.hidden_out if getattr(self.model, "keep_hidden", False) else None
@@ -163,13 +162,14 @@ class ModelRunner:
         prompt_lps = None
         # Prefill chunks that score their prompt tokens: every row's logits came back, in the model's dtype.
         scoring = bool(plan.prefill_tasks) and any(t.prompt_logprob_ids for t in plan.prefill_tasks)
+        if scoring or speculating:
+            first, last = layout.logit_rows()      # which logits rows are each task's (the one place)
         if scoring:
-            ends = list(itertools.accumulate(t.num_logit_rows for t in tasks))
-            prompt_lps = self.sampler.prompt_logprobs(tasks, logits, ends)
+            prompt_lps = self.sampler.prompt_logprobs(tasks, logits, first)
         if not speculating:
             if scoring:
                 if logits.shape[0] != len(tasks):
-                    logits = logits[torch.tensor(ends, device=logits.device) - 1]
+                    logits = logits[torch.tensor(last, device=logits.device)]
                 logits = logits.float()
             sampled, logprobs, errors = self.sampler.sample_rows(tasks, logits, grammar_mask)
             if self.draft is not None and hidden is not None:
@@ -177,10 +177,10 @@ class ModelRunner:
             return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps, errors=errors)
         if scoring:
             logits = logits.float()
-        last = torch.tensor(list(itertools.accumulate(t.num_logit_rows for t in tasks)), device=logits.device) - 1
         sampled, logprobs, errors = self.sampler.sample_rows(
-            [replace(t, sampling=None) if t.draft_token_ids else t for t in tasks], logits[last], grammar_mask)
-        emitted, verify_errors = self.sampler.verify(tasks, logits)
+            [replace(t, sampling=None) if t.draft_token_ids else t for t in tasks],
+            logits[torch.tensor(last, device=logits.device)], grammar_mask)
+        emitted, verify_errors = self.sampler.verify(tasks, logits, first)
         for i, (e, err) in enumerate(zip(emitted, verify_errors)):
             if e is not None:
                 sampled[i] = e[0]
@@ -193,12 +193,8 @@ class ModelRunner:
 
     def pool(self, tasks: Sequence[BatchedRequest]) -> RunnerOutput:
         """A pooling step: one forward of the decoder, the pooled rows of each task reduced."""
-        hidden = self.execute(tasks)
-        pooled, start = [], 0
-        for t in tasks:
-            n = len(t.pool_rows)
-            pooled.append(reduce_rows(t.pooling.pooling_type, hidden[start:start + n]))
-            start += n
+        hidden, layout = self.forward(tasks)
+        pooled = [reduce_rows(t.pooling.pooling_type, hidden[a:b + 1]) for t, a, b in zip(tasks, *layout.logit_rows())]
         none = [None] * len(tasks)
         # ``logits`` holds the pooled rows' hidden states here: a pooling step computes no logits.
         return RunnerOutput(hidden, none, list(none), pooled=pooled)
@@ -359,9 +355,14 @@ class ModelRunner:
         """One forward over all chunks; returns fp32 logits [rows, vocab] of each chunk's last token,
         and of its drafts before it for a chunk with drafts (``num_logit_rows`` per chunk; a scored
         prompt's rows in the model's dtype). The pooling runner's: the model-dtype final-norm hidden
-        states [rows, hidden] of each chunk's ``pool_rows``, in chunk order. The inputs are built by
-        ``self.inputs`` (engine/inputs.py), and run by ``self.executors`` (engine/executors.py)."""
+        states [rows, hidden] of each chunk's ``pool_rows``, in chunk order."""
+        return self.forward(chunks)[0]
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[BatchedRequest]) -> tuple[torch.Tensor, StepInputs]:
+        """``execute``'s output and its layout (``StepInputs.logit_rows``): the inputs are built by
+        ``self.inputs`` (engine/inputs.py) and run by ``self.executors`` (engine/executors.py)."""
         self.write_block_rows(chunks)
         step, out = self.executors.execute(chunks)
         self.row_starts = step.row_starts
-        return step.finish(out)
+        return step.finish(out), step

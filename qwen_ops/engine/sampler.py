@@ -122,8 +122,12 @@ class Sampler:
         rows = [i for i, t in enumerate(tasks) if t.sampling is not None]
         if not rows:
             return sampled, logprobs, errors
-        picks = _row_by_row(rows, lambda rs: self._pick(tasks, rs, logits, grammar_mask), errors, "sampling")
-        tokens_t = torch.tensor([-1 if t is None else t for t in picks], dtype=torch.int64)
+        try:                             # the batch at once (the common case: no row raises)
+            picks = self._pick(tasks, rows, logits, grammar_mask)
+        except Exception:                # noqa: BLE001 - isolated row by row
+            picks = _row_by_row(rows, lambda rs: self._pick(tasks, rs, logits, grammar_mask), errors, "sampling")
+        tokens_t = torch.tensor(picks if None not in picks else [-1 if t is None else t for t in picks],
+                                dtype=torch.int64)
         if self.share_tokens is not None:
             self.share_tokens(tokens_t)
         tokens = tokens_t.tolist()
@@ -156,9 +160,18 @@ class Sampler:
               grammar_mask) -> list[int]:
         """The tokens of ``rows`` (-1: nothing can be sampled), after their logits processing."""
         picked = self._masked(tasks, rows, logits)
-        params = [tasks[i].sampling for i in rows]
-        # Penalties, bias, allowed tokens, bad words (vLLM's order); logprobs stay the raw logits'.
-        processed = apply_logits_processing(picked, params, [tasks[i].history for i in rows])
+        params, histories, noises, positions = [], [], [], []
+        for i in rows:                   # one loop (this runs every step): no comprehension per list
+            t = tasks[i]
+            params.append(t.sampling)
+            histories.append(t.history)
+            noises.append(t.generator)
+            positions.append(t.output_index)
+        # Penalties, bias, allowed tokens, bad words (vLLM's order); logprobs stay the raw logits'. A
+        # task has a history only when its request processes logits (``Request.task``).
+        processed = picked
+        if histories.count(None) != len(histories):
+            processed = apply_logits_processing(picked, params, histories)
         if grammar_mask is not None:
             from qwen_ops.engine.structured import GrammarBackend
 
@@ -168,8 +181,7 @@ class Sampler:
                 if processed is picked:
                     processed = picked.clone()
                 GrammarBackend.apply(processed, grammar_mask[1][keep], [where[grammar_mask[0][k]] for k in keep])
-        return sample(processed, params, [tasks[i].generator for i in rows],
-                      [tasks[i].output_index for i in rows]).tolist()
+        return sample(processed, params, noises, positions).tolist()
 
     def _logprobs(self, tasks: Sequence[BatchedRequest], rows: Sequence[int], logits: torch.Tensor,
                   sampled: Sequence[Optional[int]]) -> list[tuple]:
@@ -184,7 +196,7 @@ class Sampler:
         return out
 
     # ------------------------------------------------------------------ speculative decoding
-    def verify(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor
+    def verify(self, tasks: Sequence[BatchedRequest], logits: torch.Tensor, starts: Sequence[int]
                ) -> tuple[list[Optional[list[int]]], list[Optional[SamplingError]]]:
         """The tokens each task with drafts emits (``speculative.py``), from its ``num_logit_rows`` rows
         of ``logits`` (fp32: the last token's, then one per draft), and per task the error that left it
@@ -195,10 +207,6 @@ class Sampler:
         n = len(tasks)
         out: list[Optional[list[int]]] = [None] * n
         errors: list[Optional[SamplingError]] = [None] * n
-        starts, at = [], 0
-        for t in tasks:
-            starts.append(at)
-            at += t.num_logit_rows
         spec = [i for i, t in enumerate(tasks) if t.draft_token_ids]
         if not spec:
             return out, errors
@@ -241,15 +249,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ prompt logprobs
     @staticmethod
-    def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, ends: Sequence[int]
+    def prompt_logprobs(tasks: Sequence[BatchedRequest], logits: torch.Tensor, starts: Sequence[int]
                         ) -> list[Optional[list[tuple]]]:
         """Each scoring task's prompt-token logprobs from its rows of ``logits`` (raw log-softmax,
         as vLLM's), one batched log-softmax for all of them."""
         out: list[Optional[list[tuple]]] = [None] * len(tasks)
         rows, ids, owners = [], [], []
-        for i, (t, end) in enumerate(zip(tasks, ends)):
+        for i, (t, first) in enumerate(zip(tasks, starts)):
             if t.prompt_logprobs is not None and t.prompt_logprob_ids:
-                first = end - t.num_logit_rows
                 rows.extend(range(first, first + len(t.prompt_logprob_ids)))
                 ids.extend(t.prompt_logprob_ids)
                 owners.append((i, len(t.prompt_logprob_ids)))

@@ -467,12 +467,13 @@ class Scheduler:
         plan.freed_swaps = kv.take_freed_swaps()
         if cfg.check_invariants:
             self._check_invariants(plan, budget, admitted)
-        if not plan.has_work() and (self.waiting or self.running or self.swapped):
+        work = plan.has_work()
+        if not work and (self.waiting or self.running or self.swapped):
             raise SchedulerStuckError(
                 f"no request can run: {len(self.running)} running, {len(self.swapped)} swapped, "
                 f"{len(self.waiting)} waiting, {kv.num_free_blocks} of {kv.num_total_blocks} "
                 f"KV blocks free, token budget {cfg.max_num_batched_tokens}")
-        self.num_iterations += plan.has_work()
+        self.num_iterations += work
         self.num_scheduled_seqs += plan.total_requests()
         self.last_iteration_tokens = budget.prefill_tokens + budget.decode_tokens
         return plan
