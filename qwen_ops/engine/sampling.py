@@ -49,6 +49,163 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2    # one output, when the request has finished (cumulative)
 
 
+# ``SamplingParams``' checks, one per argument (the first bad one in its order is named).
+def _max_tokens(max_new_tokens: Optional[int], max_tokens: Optional[int]) -> int:
+    if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
+        raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
+                         "give one of them")
+    n = max_new_tokens if max_new_tokens is not None else (max_tokens if max_tokens is not None else 16)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_new_tokens = {n!r}, expected an int >= 1")
+    return n
+
+
+def _temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature = {temperature!r}, expected a finite number >= 0 (0 = greedy)")
+    return float(temperature)
+
+
+def _top_k(top_k) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"top_k = {top_k!r}, expected -1 or 0 (off) or an int >= 1")
+    return top_k if top_k > 0 else -1
+
+
+def _top_p(top_p) -> float:
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p = {top_p!r}, expected a number in (0, 1]")
+    return float(top_p)
+
+
+def _seed(seed) -> Optional[int]:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END):
+        raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63) or None")
+    return seed
+
+
+def _stop_token_ids(stop_token_ids) -> tuple[int, ...]:
+    stops = tuple(stop_token_ids)
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(stops)} entries, expected at most {MAX_STOP_TOKEN_IDS}")
+    for i, t in enumerate(stops):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"stop_token_ids[{i}] = {t!r}, expected an int >= 0")
+    return stops
+
+
+def _n(num) -> int:
+    if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= MAX_N:
+        raise ValueError(f"n = {num!r}, expected an int in [1, {MAX_N}] (MAX_N)")
+    return num
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        stop_strs: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stop_strs = (stop,)
+    elif isinstance(stop, Sequence):
+        stop_strs = tuple(stop)
+    else:
+        raise ValueError(f"stop = {stop!r}, expected a str, a list of str, or None")
+    if len(stop_strs) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stop_strs)} strings, expected at most {MAX_STOP_STRINGS}")
+    for i, st in enumerate(stop_strs):
+        if not isinstance(st, str) or not st:
+            raise ValueError(f"stop[{i}] = {st!r}, expected a non-empty str")
+        if len(st) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop[{i}] has {len(st)} characters, expected at most {MAX_STOP_STRING_CHARS}")
+    return stop_strs
+
+
+def _optional_count(name: str, value) -> Optional[int]:
+    """``logprobs`` / ``prompt_logprobs``: None, or an int in [0, MAX_LOGPROBS]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name} = {value!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
+    return value
+
+
+def _min_tokens(min_tokens, max_tokens: int) -> int:
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {max_tokens}]")
+    return min_tokens
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < low or value > high or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ValueError(f"{name} = {value!r}, expected a number in {bound}")
+    return float(value)
+
+
+def _logit_bias(logit_bias) -> Optional[tuple[tuple[int, float], ...]]:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias = {logit_bias!r}, expected a dict of token id -> bias or None")
+    items = []
+    for t, b in logit_bias.items():
+        tid = int(t) if isinstance(t, str) and t.lstrip("-").isdigit() else t   # JSON keys are strings
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ValueError(f"logit_bias key {t!r}, expected a token id (an int >= 0)")
+        items.append((tid, _number(f"logit_bias[{tid}]", b, -100.0, 100.0)))
+    return tuple(sorted(items)) or None
+
+
+def _allowed_token_ids(allowed_token_ids) -> Optional[tuple[int, ...]]:
+    if allowed_token_ids is None:
+        return None
+    if isinstance(allowed_token_ids, (str, bytes)) or not isinstance(allowed_token_ids, Sequence) \
+            or not allowed_token_ids:
+        raise ValueError(f"allowed_token_ids = {allowed_token_ids!r}, expected a non-empty list of token ids "
+                         "or None")
+    for i, t in enumerate(allowed_token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"allowed_token_ids[{i}] = {t!r}, expected an int >= 0")
+    return tuple(sorted(set(allowed_token_ids)))
+
+
+def _bad_words(bad_words) -> tuple[str, ...]:
+    if bad_words is None:
+        return ()
+    if isinstance(bad_words, str) or not isinstance(bad_words, Sequence):
+        raise ValueError(f"bad_words = {bad_words!r}, expected a list of str or None")
+    words = tuple(bad_words)
+    for i, w in enumerate(words):
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
+    return words
+
+
+def _output_kind(output_kind) -> RequestOutputKind:
+    if isinstance(output_kind, bool) or output_kind not in tuple(RequestOutputKind):
+        raise ValueError(f"output_kind = {output_kind!r}, expected a RequestOutputKind (CUMULATIVE, DELTA or "
+                         "FINAL_ONLY)")
+    return RequestOutputKind(output_kind)
+
+
+def _structured_outputs(structured_outputs, guided_decoding):
+    """``structured_outputs`` (or its older name ``guided_decoding``, vLLM's) as a ``StructuredOutputsParams``."""
+    if guided_decoding is not None:
+        if structured_outputs is not None:
+            raise ValueError("guided_decoding and structured_outputs are both set; they are one parameter "
+                             "(guided_decoding is vLLM's older name), expected one of them")
+        structured_outputs = guided_decoding
+    if structured_outputs is not None:
+        from qwen_ops.engine.structured import StructuredOutputsParams
+
+        if isinstance(structured_outputs, dict):
+            structured_outputs = StructuredOutputsParams(**structured_outputs)
+        elif not isinstance(structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs = {structured_outputs!r}, expected a StructuredOutputsParams, "
+                             "a dict of its fields, or None")
+    return structured_outputs
+
+
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     """How to pick tokens. Defaults follow vLLM (temperature 1.0, 16 new tokens).
@@ -129,123 +286,24 @@ class SamplingParams:
                  allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
                  structured_outputs=None, prompt_logprobs: Optional[int] = None, guided_decoding=None,
                  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
-        if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
-            raise ValueError(f"max_new_tokens = {max_new_tokens} and max_tokens = {max_tokens} disagree; "
-                             "give one of them")
-        num = n
-        n = max_new_tokens if max_new_tokens is not None else (max_tokens if max_tokens is not None else 16)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_new_tokens = {n!r}, expected an int >= 1")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature = {temperature!r}, expected a finite number >= 0 (0 = greedy)")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
-            raise ValueError(f"top_k = {top_k!r}, expected -1 or 0 (off) or an int >= 1")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p = {top_p!r}, expected a number in (0, 1]")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not SEED_MIN <= seed < SEED_END):
-            raise ValueError(f"seed = {seed!r}, expected an int in [-2**63, 2**63) or None")
-        stops = tuple(stop_token_ids)
-        if len(stops) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(stops)} entries, expected at most {MAX_STOP_TOKEN_IDS}")
-        for i, t in enumerate(stops):
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids[{i}] = {t!r}, expected an int >= 0")
-        if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= MAX_N:
-            raise ValueError(f"n = {num!r}, expected an int in [1, {MAX_N}] (MAX_N)")
-        if stop is None:
-            stop_strs: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stop_strs = (stop,)
-        elif isinstance(stop, Sequence):
-            stop_strs = tuple(stop)
-        else:
-            raise ValueError(f"stop = {stop!r}, expected a str, a list of str, or None")
-        if len(stop_strs) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stop_strs)} strings, expected at most {MAX_STOP_STRINGS}")
-        for i, st in enumerate(stop_strs):
-            if not isinstance(st, str) or not st:
-                raise ValueError(f"stop[{i}] = {st!r}, expected a non-empty str")
-            if len(st) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop[{i}] has {len(st)} characters, expected at most {MAX_STOP_STRING_CHARS}")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs = {logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
-        if prompt_logprobs is not None and (isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int)
-                                            or not 0 <= prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs = {prompt_logprobs!r}, expected an int in [0, {MAX_LOGPROBS}] or None")
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= n:
-            raise ValueError(f"min_tokens = {min_tokens!r}, expected an int in [0, max_tokens = {n}]")
-        def number(name: str, value, low: float, high: float, low_open: bool = False) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < low or value > high or (low_open and value == low):
-                bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-                raise ValueError(f"{name} = {value!r}, expected a number in {bound}")
-            return float(value)
-
-        repetition_penalty = number("repetition_penalty", repetition_penalty, 0.0, float("inf"), low_open=True)
-        presence_penalty = number("presence_penalty", presence_penalty, -2.0, 2.0)
-        frequency_penalty = number("frequency_penalty", frequency_penalty, -2.0, 2.0)
-        min_p = number("min_p", min_p, 0.0, 1.0)
-        bias = None
-        if logit_bias is not None:
-            if not isinstance(logit_bias, dict):
-                raise ValueError(f"logit_bias = {logit_bias!r}, expected a dict of token id -> bias or None")
-            items = []
-            for t, b in logit_bias.items():
-                tid = int(t) if isinstance(t, str) and t.lstrip("-").isdigit() else t   # JSON keys are strings
-                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
-                    raise ValueError(f"logit_bias key {t!r}, expected a token id (an int >= 0)")
-                items.append((tid, number(f"logit_bias[{tid}]", b, -100.0, 100.0)))
-            bias = tuple(sorted(items)) or None
-        allowed = None
-        if allowed_token_ids is not None:
-            if isinstance(allowed_token_ids, (str, bytes)) or not isinstance(allowed_token_ids, Sequence) \
-                    or not allowed_token_ids:
-                raise ValueError(f"allowed_token_ids = {allowed_token_ids!r}, expected a non-empty list of token ids "
-                                 "or None")
-            for i, t in enumerate(allowed_token_ids):
-                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                    raise ValueError(f"allowed_token_ids[{i}] = {t!r}, expected an int >= 0")
-            allowed = tuple(sorted(set(allowed_token_ids)))
-        if bad_words is None:
-            words: tuple[str, ...] = ()
-        elif isinstance(bad_words, str) or not isinstance(bad_words, Sequence):
-            raise ValueError(f"bad_words = {bad_words!r}, expected a list of str or None")
-        else:
-            words = tuple(bad_words)
-            for i, w in enumerate(words):
-                if not isinstance(w, str) or not w.strip():
-                    raise ValueError(f"bad_words[{i}] = {w!r}, expected a non-empty str")
-        if isinstance(output_kind, bool) or output_kind not in tuple(RequestOutputKind):
-            raise ValueError(f"output_kind = {output_kind!r}, expected a RequestOutputKind (CUMULATIVE, DELTA or "
-                             "FINAL_ONLY)")
-        output_kind = RequestOutputKind(output_kind)
-        if guided_decoding is not None:          # vLLM's older name of structured_outputs
-            if structured_outputs is not None:
-                raise ValueError("guided_decoding and structured_outputs are both set; they are one parameter "
-                                 "(guided_decoding is vLLM's older name), expected one of them")
-            structured_outputs = guided_decoding
-        if structured_outputs is not None:
-            from qwen_ops.engine.structured import StructuredOutputsParams
-
-            if isinstance(structured_outputs, dict):
-                structured_outputs = StructuredOutputsParams(**structured_outputs)
-            elif not isinstance(structured_outputs, StructuredOutputsParams):
-                raise ValueError(f"structured_outputs = {structured_outputs!r}, expected a StructuredOutputsParams, "
-                                 "a dict of its fields, or None")
-        for name, value in (("max_new_tokens", n), ("temperature", float(temperature)),
-                            ("top_k", top_k if top_k > 0 else -1), ("top_p", float(top_p)), ("seed", seed),
-                            ("stop_token_ids", stops), ("ignore_eos", bool(ignore_eos)), ("n", num),
-                            ("stop", stop_strs), ("logprobs", logprobs), ("min_tokens", min_tokens),
-                            ("include_stop_str_in_output", bool(include_stop_str_in_output)),
-                            ("skip_special_tokens", bool(skip_special_tokens)),
-                            ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
-                            ("frequency_penalty", frequency_penalty), ("min_p", min_p), ("logit_bias", bias),
-                            ("allowed_token_ids", allowed), ("bad_words", words), ("bad_words_token_ids", ()),
-                            ("structured_outputs", structured_outputs), ("prompt_logprobs", prompt_logprobs),
-                            ("output_kind", output_kind)):
+        most = _max_tokens(max_new_tokens, max_tokens)
+        # Checked in this order (the first bad one is named); stored as the dataclass's fields.
+        values = dict(
+            max_new_tokens=most, temperature=_temperature(temperature), top_k=_top_k(top_k), top_p=_top_p(top_p),
+            seed=_seed(seed), stop_token_ids=_stop_token_ids(stop_token_ids), n=_n(n),
+            stop=_stop_strings(stop), logprobs=_optional_count("logprobs", logprobs),
+            prompt_logprobs=_optional_count("prompt_logprobs", prompt_logprobs),
+            min_tokens=_min_tokens(min_tokens, most),
+            repetition_penalty=_number("repetition_penalty", repetition_penalty, 0.0, float("inf"), low_open=True),
+            presence_penalty=_number("presence_penalty", presence_penalty, -2.0, 2.0),
+            frequency_penalty=_number("frequency_penalty", frequency_penalty, -2.0, 2.0),
+            min_p=_number("min_p", min_p, 0.0, 1.0), logit_bias=_logit_bias(logit_bias),
+            allowed_token_ids=_allowed_token_ids(allowed_token_ids), bad_words=_bad_words(bad_words),
+            output_kind=_output_kind(output_kind),
+            structured_outputs=_structured_outputs(structured_outputs, guided_decoding),
+            ignore_eos=bool(ignore_eos), include_stop_str_in_output=bool(include_stop_str_in_output),
+            skip_special_tokens=bool(skip_special_tokens), bad_words_token_ids=())
+        for name, value in values.items():
             object.__setattr__(self, name, value)
 
     @property
