@@ -1010,6 +1010,30 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     this outside a running event loop when there are any. ``allow_runtime_lora_updating`` (None:
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): add ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
     """
+    names = _check_app_args(served_model_name, api_key, max_body_bytes, max_waiting, heartbeat_timeout,
+                            request_timeout, reasoning_parser, enable_auto_tool_choice, tool_call_parser)
+    serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
+                       request_timeout=request_timeout, reasoning_parser=reasoning_parser,
+                       auto_tool_choice=bool(enable_auto_tool_choice))
+    if lora_modules:
+        asyncio.run(serving.lora.load_static(list(lora_modules)))
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_updating_allowed()
+    app = FastAPI(title="qwen-ops OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    app.state.metrics = serving.metrics
+    _add_error_handlers(app)
+    keyed = [Depends(_api_key_check(api_key))]
+    _add_health_routes(app, serving, heartbeat_timeout)
+    _add_model_routes(app, serving, keyed, allow_runtime_lora_updating)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_CatchAll)
+    return app
+
+
+def _check_app_args(served_model_name, api_key, max_body_bytes, max_waiting, heartbeat_timeout, request_timeout,
+                    reasoning_parser, enable_auto_tool_choice, tool_call_parser) -> list[str]:
+    """``build_app``'s arguments checked, before anything is built; the served names."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name = {served_model_name!r}, expected a non-empty str or list of them")
@@ -1023,19 +1047,16 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
                                     or max_waiting < 0):
         raise ValueError(f"max_waiting = {max_waiting!r}, expected an int >= 0 or None")
-
     make_parser(reasoning_parser, "")                  # a bad name fails here, not per request
     if tool_call_parser not in (None, "hermes"):
         raise ValueError(f"tool_call_parser = {tool_call_parser!r}, expected 'hermes' (Qwen's format) or None")
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser hermes), as vLLM's")
-    serving = _Serving(engine, names, max_waiting, heartbeat_timeout=heartbeat_timeout,
-                       request_timeout=request_timeout, reasoning_parser=reasoning_parser,
-                       auto_tool_choice=bool(enable_auto_tool_choice))
-    if lora_modules:
-        asyncio.run(serving.lora.load_static(list(lora_modules)))
-    if allow_runtime_lora_updating is None:
-        allow_runtime_lora_updating = runtime_updating_allowed()
+    return names
+
+
+def _api_key_check(api_key: Optional[str]):
+    """The dependency of the ``/v1`` routes: ``Authorization: Bearer <api_key>`` when a key is set."""
     expected_key = api_key.encode() if api_key is not None else None
 
     async def check_api_key(request: Request) -> None:
@@ -1046,10 +1067,11 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected_key):
             raise P.APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'")
 
-    app = FastAPI(title="qwen-ops OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = serving
-    app.state.metrics = serving.metrics
+    return check_api_key
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body (``_error_response``)."""
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, e: P.APIError):
         return _error_response(e)
@@ -1062,6 +1084,10 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     async def _http_error(request: Request, e: StarletteHTTPException):
         return _error_response(P.APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
 
+
+def _add_health_routes(app: FastAPI, serving: "_Serving", heartbeat_timeout: Optional[float]) -> None:
+    """``/health``, ``/metrics``, and, outside the key as vLLM's (its bench client aligns prompts with
+    them), ``/tokenize``, ``/detokenize`` and ``/version``."""
     @app.get("/health")
     async def health() -> Response:
         if not serving.engine_up():       # AsyncLLM's loop has stopped
@@ -1077,53 +1103,6 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     async def metrics() -> Response:
         return Response(await run_in_threadpool(serving.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
-    async def models():
-        return serving.models()
-
-    pooling = PoolingRoutes(serving)
-
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
-    async def completions(request: Request):
-        pooling.refuse_generation("Completions")
-        return await serving.completions(request, await request.body())
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
-    async def chat_completions(request: Request):
-        pooling.refuse_generation("Chat Completions")
-        return await serving.chat(request, await request.body())
-
-    # The pooling routes (openai/pooling.py); a generation server answers them 400, as vLLM's. A client
-    # that goes away cancels the work, which aborts its pooling requests (AsyncLLM.encode).
-    async def pooled(request: Request, route):
-        try:
-            return await _until_disconnect(request, route(await request.body()))
-        except _ClientGone:
-            return Response(status_code=499)
-
-    @app.post("/v1/embeddings", dependencies=[Depends(check_api_key)])
-    async def embeddings(request: Request):
-        return await pooled(request, pooling.embeddings)
-
-    @app.post("/v1/score", dependencies=[Depends(check_api_key)])
-    async def score(request: Request):
-        return await pooled(request, pooling.score)
-
-    @app.post("/rerank", dependencies=[Depends(check_api_key)])
-    @app.post("/v1/rerank", dependencies=[Depends(check_api_key)])
-    async def rerank(request: Request):
-        return await pooled(request, pooling.rerank)
-
-    if allow_runtime_lora_updating:         # vLLM's routes, under the key as its /v1 routes
-        @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_api_key)])
-        async def load_lora_adapter(request: Request):
-            return await serving.load_lora_adapter(await request.body())
-
-        @app.post("/v1/unload_lora_adapter", dependencies=[Depends(check_api_key)])
-        async def unload_lora_adapter(request: Request):
-            return await serving.unload_lora_adapter(await request.body())
-
-    # Outside the key, as vLLM's (its bench client aligns prompts with them).
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return serving.tokenize(await request.body())
@@ -1138,9 +1117,55 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
 
         return {"version": qwen_ops.__version__}
 
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(_CatchAll)
-    return app
+
+def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updating: bool) -> None:
+    """The ``/v1`` routes, under the API key: models, completions, chat, the pooling routes (a
+    generation server answers them 400, as vLLM's) and, when allowed, vLLM's LoRA routes."""
+    @app.get("/v1/models", dependencies=keyed)
+    async def models():
+        return serving.models()
+
+    pooling = PoolingRoutes(serving)
+
+    @app.post("/v1/completions", dependencies=keyed)
+    async def completions(request: Request):
+        pooling.refuse_generation("Completions")
+        return await serving.completions(request, await request.body())
+
+    @app.post("/v1/chat/completions", dependencies=keyed)
+    async def chat_completions(request: Request):
+        pooling.refuse_generation("Chat Completions")
+        return await serving.chat(request, await request.body())
+
+    # The pooling routes (openai/pooling.py). A client that goes away cancels the work, which aborts
+    # its pooling requests (AsyncLLM.encode).
+    async def pooled(request: Request, route):
+        try:
+            return await _until_disconnect(request, route(await request.body()))
+        except _ClientGone:
+            return Response(status_code=499)
+
+    @app.post("/v1/embeddings", dependencies=keyed)
+    async def embeddings(request: Request):
+        return await pooled(request, pooling.embeddings)
+
+    @app.post("/v1/score", dependencies=keyed)
+    async def score(request: Request):
+        return await pooled(request, pooling.score)
+
+    @app.post("/rerank", dependencies=keyed)
+    @app.post("/v1/rerank", dependencies=keyed)
+    async def rerank(request: Request):
+        return await pooled(request, pooling.rerank)
+
+    if lora_updating:
+        @app.post("/v1/load_lora_adapter", dependencies=keyed)
+        async def load_lora_adapter(request: Request):
+            return await serving.load_lora_adapter(await request.body())
+
+        @app.post("/v1/unload_lora_adapter", dependencies=keyed)
+        async def unload_lora_adapter(request: Request):
+            return await serving.unload_lora_adapter(await request.body())
 
 
 # ----------------------------------------------------------------------------- running it
