@@ -577,16 +577,22 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], noises: Seque
     x = _rows_of(logits)
     host_ok = _host_ok(x)
     n = x.shape[0]
-    out = torch.full((n,), -1, dtype=torch.int64)
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if len(greedy) == n:             # every row greedy (the common decode step): no copies, one check
+        best = host.argmax_rows(x) if host_ok else x.argmax(dim=-1)
+        top = x.gather(1, best.to(x.device)[:, None])[:, 0]
+        if not bool(torch.isfinite(top).all()):      # a NaN or infinite top value samples nothing
+            best = torch.where(torch.isfinite(top), best.to(x.device), -1)
+        return best.cpu()
+    out = torch.full((n,), -1, dtype=torch.int64)
     if greedy:
-        g = x if len(greedy) == n else x[greedy]
+        g = x[greedy]
         best = host.argmax_rows(g) if host_ok else g.argmax(dim=-1)
         # the argmax is the first NaN of a row with one: a NaN or infinite top value samples nothing
         top = g.gather(1, best.to(g.device)[:, None])[:, 0]
         out[greedy] = torch.where(torch.isfinite(top), best.to(g.device), -1).cpu()
-        if len(greedy) == n:
-            return out
     rows = [i for i, p in enumerate(params) if not p.greedy]
     sub = [params[i] for i in rows]
     xs = x if len(rows) == n else x[rows]
