@@ -175,6 +175,42 @@ class _TruthByRequest:
         return self.value
 
 
+class _TruthByPrompt:
+    """``truth[request_id]`` for _spy in a batch: the running request's (prompt length, continuation),
+    looked up by its prompt; ``prompts`` remembers each request id's prompt for the checks after."""
+
+    def __init__(self, llm, conts: dict):
+        self.llm, self.conts, self.prompts = llm, conts, {}
+
+    def __getitem__(self, rid):
+        prompt = self.prompts.setdefault(rid, tuple(self.llm.scheduler.requests[rid].prompt_token_ids))
+        return len(prompt), self.conts[prompt]
+
+
+def test_mtp_drafts_equal_the_oracle_in_a_batch_with_rejections(mtp_family):
+    """Three requests in one batch, drafts forced with one corrupted at a rotating place: a step that
+    rejects one rolls the hybrid layers back and runs the kept rows again. Every MTP proposal still
+    equals the oracle's, so each request's kept hidden rows are read from its own rows of the step's
+    forward (not the rollback's re-run, whose rows start elsewhere)."""
+    name, path, hf, oracle = mtp_family
+    k = 3
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=64,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    conts = {tuple(p): hf_greedy(hf, p, NEW) for p in PROMPTS}
+    truth = _TruthByPrompt(llm, conts)
+    log = _spy(llm, truth, k)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    finally:
+        del llm.engine.runner.draft.propose
+    assert [o.outputs[0].token_ids for o in outs] == [conts[tuple(p)] for p in PROMPTS], name
+    batched = {rid for rid, _, _ in log}
+    assert len(batched) == len(PROMPTS), "every request drafted"
+    for rid, position, drafts in log:
+        seq = list(truth.prompts[rid]) + conts[truth.prompts[rid]]
+        assert drafts == oracle_drafts(hf, oracle, seq[:position + 1], len(drafts)), (name, rid, position)
+
+
 def test_mtp_sampled_requests_are_reproducible(mtp_family):
     """Sampled drafts come from the MTP's q and are verified by rejection sampling (the statistical
     test of that rule: test_speculative_engine.py, for a draft model and MTP). A seeded request gives

@@ -119,7 +119,8 @@ class DraftRunner(RunnerProposer):
             out[i] = with_drafts(tasks[i], drafts[i], probs[i])
         return out
 
-    def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]], hidden=None) -> None:
+    def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]], hidden=None,
+             row_starts=None) -> None:
         """After verification: remember draft k of every decode that kept all k (fed next step)."""
         for t, e in zip(tasks, emitted):
             k = len(t.draft_token_ids)

@@ -112,12 +112,13 @@ class MTPRunner(RunnerProposer):
         return out
 
     def kept(self, tasks: Sequence[BatchedRequest], emitted: Sequence[Optional[list[int]]],
-             hidden: Optional[torch.Tensor]) -> None:
+             hidden: Optional[torch.Tensor], row_starts: Sequence[int]) -> None:
         """After the target's step: remember, per slot, the rows whose tokens were kept (their hidden
-        states in ``hidden``, the target's forward rows) for the next step's catch-up."""
+        states in ``hidden``, the target's forward rows, task i's from ``row_starts[i]``: the step's
+        layout, not that of a rollback's re-run) for the next step's catch-up."""
         if hidden is None:
             return
-        for t, e, start in zip(tasks, emitted, self.target.row_starts):   # each task's first forward row
+        for t, e, start in zip(tasks, emitted, row_starts):
             k = len(t.draft_token_ids)
             n = len(t.token_ids) - k + (len(e) - 1 if k and e is not None else 0)
             self.pending[t.kv_cache_slot] = (t.request_id, t.position_offset, list(t.token_ids[1:n]),

@@ -99,8 +99,6 @@ class ModelRunner:
         self.inputs = InputBuilder(self, buckets)
         self.executors = Executors(self, self.inputs, compile=compile, compile_backend=compile_backend,
                                    cuda_graphs=cuda_graphs, graph_api=graph_api)
-        # The forward row where each task of the last ``execute`` starts (its layout, for the MTP proposer).
-        self.row_starts: list[int] = []
         self._rows: list[tuple[int, ...]] = [()] * max_slots    # what block_table's rows hold (mirror)
         self._host_copies: dict[int, list] = {}                 # swapped KV by handle (BlockCopy)
         self.draft = None            # speculative "draft_model" / "mtp": a DraftRunner / MTPRunner (attach_*)
@@ -173,7 +171,7 @@ class ModelRunner:
                 logits = logits.float()
             sampled, logprobs, errors = self.sampler.sample_rows(tasks, logits, grammar_mask)
             if self.draft is not None and hidden is not None:
-                self.draft.kept(tasks, [None] * len(tasks), hidden)
+                self.draft.kept(tasks, [None] * len(tasks), hidden, layout.row_starts)
             return RunnerOutput(logits, sampled, logprobs, prompt_logprobs=prompt_lps, errors=errors)
         if scoring:
             logits = logits.float()
@@ -188,7 +186,7 @@ class ModelRunner:
         if saved is not None:
             self._rollback_linear_state(tasks, emitted, saved)
         if self.draft is not None:
-            self.draft.kept(tasks, emitted, hidden)
+            self.draft.kept(tasks, emitted, hidden, layout.row_starts)
         return RunnerOutput(logits, sampled, logprobs, emitted, prompt_logprobs=prompt_lps, errors=errors)
 
     def pool(self, tasks: Sequence[BatchedRequest]) -> RunnerOutput:
@@ -364,5 +362,4 @@ class ModelRunner:
         ``self.inputs`` (engine/inputs.py) and run by ``self.executors`` (engine/executors.py)."""
         self.write_block_rows(chunks)
         step, out = self.executors.execute(chunks)
-        self.row_starts = step.row_starts
         return step.finish(out), step
