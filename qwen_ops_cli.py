@@ -44,7 +44,8 @@ def _engine_args_module():
     return sys.modules[name]
 
 
-EngineArgs, json_object = _engine_args_module().EngineArgs, _engine_args_module().json_object
+_ENGINE_ARGS = _engine_args_module()
+EngineArgs, json_object = _ENGINE_ARGS.EngineArgs, _ENGINE_ARGS.json_object
 
 
 def _lora_module(text: str) -> dict:

@@ -175,7 +175,9 @@ class Executors:
         if executor == "cuda_graph":
             graph, out = (self.graphs if step.kind == "decode" else self.verify_graphs)[step.bucket]
             graph.replay()
-            return out.clone()          # the graph's output buffer is rewritten by the next replay
+            # The graph's output buffer is rewritten by the next replay: a decode's rows are copied here
+            # (a verify step's are gathered into a new tensor by ``StepInputs.finish``).
+            return out.clone() if step.kind == "decode" else out
         static = self._decode_step if step.kind == "decode" else self._verify_step
         # Index tensors built from the KV-cache manager's own block ids; the ops' backends chosen at construction.
         with trusted_metadata(), bound_backends(runner.op_backends):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -122,10 +123,9 @@ class Sampler:
         rows = [i for i, t in enumerate(tasks) if t.sampling is not None]
         if not rows:
             return sampled, logprobs, errors
-        try:                             # the batch at once (the common case: no row raises)
-            picks = self._pick(tasks, rows, logits, grammar_mask)
-        except Exception:                # noqa: BLE001 - isolated row by row
-            picks = _row_by_row(rows, lambda rs: self._pick(tasks, rs, logits, grammar_mask), errors, "sampling")
+        # partial, not a lambda: no Python frame of its own on this every-step path
+        picks = _row_by_row(rows, partial(self._pick, tasks, logits=logits, grammar_mask=grammar_mask), errors,
+                            "sampling")
         tokens_t = torch.tensor(picks if None not in picks else [-1 if t is None else t for t in picks],
                                 dtype=torch.int64)
         if self.share_tokens is not None:
@@ -138,7 +138,8 @@ class Sampler:
                 errors[i] = _unsatisfiable(tasks[i])
         want = [i for i in rows if sampled[i] is not None and tasks[i].sampling.logprobs is not None]
         if want:
-            entries = _row_by_row(want, lambda rs: self._logprobs(tasks, rs, logits, sampled), errors, "logprobs")
+            entries = _row_by_row(want, partial(self._logprobs, tasks, logits=logits, sampled=sampled), errors,
+                                  "logprobs")
             for i, e in zip(want, entries):
                 if e is None:            # its logprobs failed: so does the request (it asked for them)
                     sampled[i] = None

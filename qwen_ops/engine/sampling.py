@@ -580,19 +580,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], noises: Seque
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if n == 0:
         return torch.empty(0, dtype=torch.int64)
-    if len(greedy) == n:             # every row greedy (the common decode step): no copies, one check
-        best = host.argmax_rows(x) if host_ok else x.argmax(dim=-1)
-        top = x.gather(1, best.to(x.device)[:, None])[:, 0]
-        if not bool(torch.isfinite(top).all()):      # a NaN or infinite top value samples nothing
-            best = torch.where(torch.isfinite(top), best.to(x.device), -1)
-        return best.cpu()
+    if len(greedy) == n:             # every row greedy (the common decode step): no copies
+        return _argmax_picks(x, host_ok)
     out = torch.full((n,), -1, dtype=torch.int64)
     if greedy:
-        g = x[greedy]
-        best = host.argmax_rows(g) if host_ok else g.argmax(dim=-1)
-        # the argmax is the first NaN of a row with one: a NaN or infinite top value samples nothing
-        top = g.gather(1, best.to(g.device)[:, None])[:, 0]
-        out[greedy] = torch.where(torch.isfinite(top), best.to(g.device), -1).cpu()
+        out[greedy] = _argmax_picks(x[greedy], host_ok)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     sub = [params[i] for i in rows]
     xs = x if len(rows) == n else x[rows]
@@ -605,6 +597,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], noises: Seque
         picked = torch.where(ok, cdf_pick(w, u).clamp(max=w.shape[1] - 1), -1).cpu()
     out[rows] = picked
     return out
+
+
+def _argmax_picks(x: torch.Tensor, host_ok: bool) -> torch.Tensor:
+    """Each row's argmax (int64, on the host), -1 where the top value is a NaN or infinite (the argmax
+    is then the row's first NaN, or every logit is -inf): nothing to sample. One finiteness check
+    when every row is fine."""
+    best = (host.argmax_rows(x) if host_ok else x.argmax(dim=-1)).to(x.device)
+    top = x.gather(1, best[:, None])[:, 0]
+    if not bool(torch.isfinite(top).all()):
+        best = torch.where(torch.isfinite(top), best, -1)
+    return best.cpu()
 
 
 def _ends_with(prompt: Sequence[int], output: Sequence[int], suffix: Sequence[int]) -> bool:

@@ -85,16 +85,9 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, device: torch.device = torch.device("cpu"),
                  proposer=None, disable_by_batch_size: Optional[int] = None, lora=None):
-        if config.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
-        if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes = {config.swap_space_bytes!r}, expected an int >= 0")
         self.kv = kv
-        self.config = config
         self.device = device
-        # LoRA (engine/lora.py LoRAManager): a request holds one of the model's adapter slots while it
-        # holds a KV slot; one whose adapter finds no slot waits without blocking the others.
-        self.lora = lora
+        self.configure(config, proposer, disable_by_batch_size, lora)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # admission order
         self.swapped: deque[Request] = deque()
@@ -110,9 +103,6 @@ class Scheduler:
         self.num_scheduled_seqs = 0
         self.num_swap_full_recomputes = 0         # swap preemptions recomputed: swap space full
         self.num_swap_in_recomputes = 0           # swapped requests that could never come back
-        # Speculative decoding (engine/speculative.py): drafts per decode from ``proposer.propose``.
-        self.proposer = proposer
-        self.spec_disable_by_batch_size = disable_by_batch_size   # no drafts from this many decodes on
         self.num_spec_steps = 0                   # decodes that verified drafts
         self.num_draft_tokens = 0                 # drafts verified
         self.num_accepted_tokens = 0              # drafts kept
@@ -125,11 +115,20 @@ class Scheduler:
 
     def configure(self, config: SchedulerConfig, proposer=None, disable_by_batch_size: Optional[int] = None,
                   lora=None) -> None:
-        """The serving policy of an ``EngineCore`` built on this engine (``QwenEngine`` makes its
-        scheduler with the slot API's defaults)."""
-        pinned = self.pinned
-        self.__init__(self.kv, config, self.device, proposer, disable_by_batch_size, lora)
-        self.pinned = pinned
+        """The serving policy: ``config``, the speculative proposer and the LoRA manager (an
+        ``EngineCore`` gives its engine's scheduler its own; ``QwenEngine`` makes the scheduler with
+        the slot API's defaults). Queues, counters and pinned sequences are left as they are."""
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode = {config.preemption_mode!r}, expected 'recompute' or 'swap'")
+        if not isinstance(config.swap_space_bytes, int) or config.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes = {config.swap_space_bytes!r}, expected an int >= 0")
+        self.config = config
+        # LoRA (engine/lora.py LoRAManager): a request holds one of the model's adapter slots while it
+        # holds a KV slot; one whose adapter finds no slot waits without blocking the others.
+        self.lora = lora
+        # Speculative decoding (engine/speculative.py): drafts per decode from ``proposer.propose``.
+        self.proposer = proposer
+        self.spec_disable_by_batch_size = disable_by_batch_size   # no drafts from this many decodes on
 
     # ------------------------------------------------------------------ the slot API's pinned sequences
     def allocate_slot(self, owner) -> int:
