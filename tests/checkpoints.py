@@ -129,3 +129,26 @@ def save_word_tokenizer(path: Path, vocab_size: int = 128) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(Path(path) / "tokenizer.json"))
     return Path(path)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(base: Path, out: Path, r: int, targets=LORA_TARGETS, seed: int = 0, rslora: bool = False,
+                      **extra) -> Path:
+    """A random peft LoRA adapter of ``base`` saved to ``out``: A and B both nonzero (peft starts B at
+    zero, a no-op adapter that would test nothing), alpha = 2 r."""
+    import peft
+
+    from qwen_tiny import load_hf
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                          **extra)
+    model = peft.get_peft_model(load_hf(base), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    return Path(out)

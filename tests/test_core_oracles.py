@@ -26,7 +26,7 @@ import torch
 
 from qwen_ops import LLM, BeamSearchParams, LoRARequest, SamplingParams
 
-from checkpoints import make_qwen3_checkpoint
+from checkpoints import make_lora_adapter, make_qwen3_checkpoint
 from oracles import TransformersGreedy
 from qwen_tiny import hf_greedy, load_hf
 
@@ -239,26 +239,12 @@ def test_ngram_speculation_stops_on_a_stop_token_inside_accepted_drafts(ckpt, or
 LORA_NEW = 8
 
 
-def make_peft_adapter(peft, base, out, rank: int, seed: int, rslora: bool = False):
-    """A random peft LoRA adapter (A and B nonzero: peft starts B at zero, a no-op) on every projection."""
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, use_rslora=rslora, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(load_hf(base), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(out)
-    return out
-
-
 def test_lora_greedy_equals_peft_merged_model(ckpt, oracle, tmp_path):
     """A mixed batch (the base model, a LoRA, an rsLoRA) gives each request the greedy tokens of
     transformers' model with peft's adapter merged into its weights (``merge_and_unload``)."""
     peft = pytest.importorskip("peft")
-    adapters = [make_peft_adapter(peft, ckpt, tmp_path / "plain", 8, seed=1),
-                make_peft_adapter(peft, ckpt, tmp_path / "rslora", 4, seed=2, rslora=True)]
+    adapters = [make_lora_adapter(ckpt, tmp_path / "plain", 8, seed=1),
+                make_lora_adapter(ckpt, tmp_path / "rslora", 4, seed=2, rslora=True)]
     merged = [peft.PeftModel.from_pretrained(load_hf(ckpt), str(a)).merge_and_unload().eval() for a in adapters]
     rng = random.Random(9)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 12))] for _ in range(6)]

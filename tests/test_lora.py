@@ -18,7 +18,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from checkpoints import make_moe_checkpoint, make_qwen3_5_checkpoint  # noqa: E402
+from checkpoints import make_lora_adapter as make_adapter, make_moe_checkpoint, make_qwen3_5_checkpoint  # noqa: E402
 from qwen_tiny import hf_greedy, load_hf, new_kv_caches, save_tiny_checkpoint, shuffled_block_table, step_metadata  # noqa: E402
 
 import qwen_ops  # noqa: E402
@@ -29,19 +29,6 @@ from qwen_ops.models.loader import load_model  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def make_adapter(base: Path, out: Path, r: int, targets, seed: int, rslora: bool = False, **extra) -> Path:
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
-                          **extra)
-    model = peft.get_peft_model(load_hf(base), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)          # peft starts B at zero: a no-op adapter would test nothing
-    model.save_pretrained(out)
-    return Path(out)
 
 
 class PeftGreedy:
