@@ -77,7 +77,8 @@ def _add_serve_parser(sub) -> None:
                        description="Serve MODEL over OpenAI's /v1/completions, /v1/chat/completions and "
                                    "/v1/models (with --runner pooling: /v1/embeddings, /v1/score, /rerank), "
                                    "with /health and /metrics (Prometheus).")
-    EngineArgs.add_cli_args(s, positional_model=True)
+    # --reasoning-parser: the server's own flag below (vLLM's engine argument of that name)
+    EngineArgs.add_cli_args(s, positional_model=True, exclude=("reasoning_parser",))
     # A grammar that compiles for long would hold its request's slot: bounded by default when served.
     s.set_defaults(max_grammar_compile_seconds=5.0)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")

@@ -5,6 +5,11 @@ Layers, one folder each, imports flowing one way (serving -> engine -> models ->
 ``ops/`` the custom ops and their kernels, ``models/`` configs, loading and the models,
 ``engine/`` slots, runner and sampling, ``serving/`` scheduler, ``LLM`` and the CLI.
 
+vLLM's module paths are re-exports of these (``qwen_ops.sampling_params``, ``qwen_ops.lora.request``,
+``qwen_ops.inputs``, ``qwen_ops.outputs``, ``qwen_ops.pooling_params``, ``qwen_ops.beam_search``,
+``qwen_ops.entrypoints.llm``, ``qwen_ops.entrypoints.openai.api_server``, ``qwen_ops.engine.arg_utils``,
+``qwen_ops.utils.argparse_utils``), so vLLM code runs with only ``vllm`` changed to ``qwen_ops``.
+
 ``import qwen_ops`` registers the custom ops (``torch.ops.qwen.*``, the plugin's promise) and
 nothing more: the public names below load on first use (vLLM's lazy root), so importing
 ``qwen_ops.ops.kernels.reference`` (or any op module) loads no model, engine or serving module.
@@ -42,6 +47,12 @@ _MODULES = {
     "BeamSearchParams": "qwen_ops.serving.beam_search", "BeamSearchOutput": "qwen_ops.serving.beam_search",
     "BeamSearchSequence": "qwen_ops.serving.beam_search",
     "EmbeddingRequestOutput": "qwen_ops.serving.pooling", "ScoringRequestOutput": "qwen_ops.serving.pooling",
+    "PoolingOutput": "qwen_ops.serving.pooling", "PoolingRequestOutput": "qwen_ops.serving.pooling",
+    "EmbeddingOutput": "qwen_ops.serving.pooling", "ClassificationOutput": "qwen_ops.serving.pooling",
+    "ScoringOutput": "qwen_ops.serving.pooling",
+    "TextPrompt": "qwen_ops.serving.prompts", "TokensPrompt": "qwen_ops.serving.prompts",
+    "PromptType": "qwen_ops.serving.prompts", "AsyncEngineArgs": "qwen_ops.serving.engine_args",
+    "AsyncLLM": "qwen_ops.serving.async_llm",
     "ClassificationRequestOutput": "qwen_ops.serving.pooling", "qwen3_reranker_inputs": "qwen_ops.serving.pooling",
 }
 

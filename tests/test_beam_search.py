@@ -136,21 +136,21 @@ def test_bad_params_name_the_field(kwargs, match):
         BeamSearchParams(**kwargs)
 
 
-def test_text_is_the_decoded_continuation():
-    """On the embedded model (it has a tokenizer): each sequence's text is its new tokens decoded,
-    a final EOS left out unless include_stop_str_in_output."""
+def test_text_is_the_whole_sequence_decoded():
+    """On the embedded model (it has a tokenizer): each sequence's text is vLLM's offline one, all its
+    tokens decoded, prompt included (transformers' tokenizer is the oracle), special tokens (a
+    final EOS) skipped unless skip_special_tokens=False."""
+    from qwen_ops.models.defaults import default_model_path
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
     llm = LLM(None, max_model_len=256)
-    eos = set(llm.engine.eos_token_ids)
-    prompt = llm.tokenizer.encode("def add(a, b):")
-    for include in (False, True):
-        (out,) = llm.beam_search(["def add(a, b):"], BeamSearchParams(beam_width=3, max_tokens=24,
-                                                                     include_stop_str_in_output=include))
+    prompt = "def add(a, b):"
+    for skip in (True, False):
+        (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=24, skip_special_tokens=skip))
         for s in out.sequences:
-            new = s.tokens[len(prompt):]
-            if s.finish_reason == "stop" and not include:
-                assert new[-1] in eos
-                new = new[:-1]
-            assert s.text == llm.tokenizer.decode(new)
+            assert s.tokens[:len(hf_tok(prompt).input_ids)] == hf_tok(prompt).input_ids
+            assert s.text == hf_tok.decode(s.tokens, skip_special_tokens=skip)
+            assert s.text.startswith(prompt)
 
 
 def test_served_use_beam_search_equals_transformers():

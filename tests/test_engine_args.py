@@ -28,6 +28,17 @@ LLM_KEYWORDS_BEFORE = {
     "tokenizer": None,
 }
 
+# The fields issue 62 added (vLLM's arguments), with vLLM's defaults, and dtype's new default ("auto", vLLM's).
+ISSUE_62_FIELDS = {
+    "kv_cache_memory_bytes": None, "num_gpu_blocks_override": None, "trust_remote_code": False,
+    "tokenizer_mode": "auto", "skip_tokenizer_init": False, "revision": None, "tokenizer_revision": None,
+    "code_revision": None, "download_dir": None, "hf_token": None, "load_format": "auto", "config_format": "auto",
+    "max_logprobs": 20, "enable_chunked_prefill": None, "override_generation_config": None,
+    "disable_log_stats": False, "scheduling_policy": "fcfs", "pipeline_parallel_size": 1, "data_parallel_size": 1,
+    "distributed_executor_backend": None, "served_model_name": None, "vllm_options": None,
+}
+FIELDS_NOW = {**LLM_KEYWORDS_BEFORE, "dtype": "auto", **ISSUE_62_FIELDS}
+
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}
 
 # A value other than the default for every field that has a flag, and the flags that say it.
@@ -71,8 +82,28 @@ EVERY_FLAG = [
     ("hf_overrides", RERANKER, ["--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"], '
                                                   '"classifier_from_token": ["no", "yes"]}']),
     ("tokenizer", "/tok", ["--tokenizer", "/tok"]),
+    ("kv_cache_memory_bytes", 1 << 21, ["--kv-cache-memory-bytes", str(1 << 21)]),
+    ("num_gpu_blocks_override", 50, ["--num-gpu-blocks-override", "50"]),
+    ("trust_remote_code", True, ["--trust-remote-code"]),
+    ("tokenizer_mode", "hf", ["--tokenizer-mode", "hf"]),
+    ("skip_tokenizer_init", True, ["--skip-tokenizer-init"]),
+    ("revision", "v1", ["--revision", "v1"]),
+    ("tokenizer_revision", "v2", ["--tokenizer-revision", "v2"]),
+    ("code_revision", "v3", ["--code-revision", "v3"]),
+    ("download_dir", "/dl", ["--download-dir", "/dl"]),
+    ("hf_token", "tok", ["--hf-token", "tok"]),
+    ("load_format", "safetensors", ["--load-format", "safetensors"]),
+    ("config_format", "hf", ["--config-format", "hf"]),
+    ("max_logprobs", 5, ["--max-logprobs", "5"]),
+    ("enable_chunked_prefill", True, ["--enable-chunked-prefill"]),
+    ("override_generation_config", {"temperature": 0.5}, ["--override-generation-config", '{"temperature": 0.5}']),
+    ("disable_log_stats", True, ["--disable-log-stats"]),
+    ("scheduling_policy", "fcfs", ["--scheduling-policy", "fcfs"]),
+    ("pipeline_parallel_size", 1, ["-pp", "1"]),
+    ("data_parallel_size", 1, ["-dp", "1"]),
+    ("distributed_executor_backend", "mp", ["--distributed-executor-backend", "mp"]),
 ]
-NO_FLAG = {"backend"}          # compile_backend's deprecated name: a keyword, not a flag
+NO_FLAG = {"backend", "served_model_name", "vllm_options"}   # a keyword, not a flag (serve has its own --served-model-name; vLLM's other arguments have theirs)
 
 
 def _parse(argv: list[str]) -> EngineArgs:
@@ -81,8 +112,8 @@ def _parse(argv: list[str]) -> EngineArgs:
 
 def test_fields_are_the_keywords_llm_had_with_their_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-    assert fields == LLM_KEYWORDS_BEFORE
-    assert EngineArgs() == EngineArgs(**LLM_KEYWORDS_BEFORE)
+    assert fields == FIELDS_NOW
+    assert EngineArgs() == EngineArgs(**{**LLM_KEYWORDS_BEFORE, "dtype": "auto"})
 
 
 def test_llm_takes_the_fields_and_nothing_else():
@@ -93,11 +124,11 @@ def test_llm_takes_the_fields_and_nothing_else():
     with pytest.raises(TypeError):
         LLM(None, "float32")                           # keywords only, after the model
     assert EngineArgs(None, **{n: v for n, v in LLM_KEYWORDS_BEFORE.items() if n != "model"}).llm_kwargs() == {
-        n: v for n, v in LLM_KEYWORDS_BEFORE.items() if n != "model"}
+        n: v for n, v in {**FIELDS_NOW, **LLM_KEYWORDS_BEFORE}.items() if n != "model"}
 
 
 def test_every_field_has_its_flag():
-    assert {name for name, _, _ in EVERY_FLAG} | NO_FLAG == set(LLM_KEYWORDS_BEFORE)
+    assert {name for name, _, _ in EVERY_FLAG} | NO_FLAG == set(FIELDS_NOW)
     argv = [a for _, _, flags in EVERY_FLAG for a in flags]
     assert _parse(argv) == EngineArgs(**{name: value for name, value, _ in EVERY_FLAG})
 

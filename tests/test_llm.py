@@ -319,11 +319,12 @@ def test_kv_budget_too_small_for_one_sequence(ckpt):
 # ----------------------------------------------------------------------------- sizes checked before allocating
 def test_a_huge_max_position_embeddings_costs_only_max_model_len_rows(tmp_path):
     # 2**22 positions: the whole RoPE table would be 256 MB here (1e9 positions was 8 GB); the LLM
-    # builds the rows its max_model_len can reach, the default cap of 4096 included.
+    # builds the rows its max_model_len can reach: the default one is what the KV cache holds (issue 62; it was
+    # capped at 4096), here 64 blocks of 16.
     ckpt = make_qwen3_checkpoint(tmp_path / "long", max_position_embeddings=1 << 22)
     llm = LLM(ckpt, max_model_len=96, max_num_seqs=2, num_kv_blocks=64)
     assert llm.engine.model.model.rotary_emb.cos_sin.shape[0] == 96
-    assert LLM(ckpt, max_num_seqs=1).engine.model.model.rotary_emb.cos_sin.shape[0] == 4096
+    assert LLM(ckpt, max_num_seqs=1, num_kv_blocks=64).engine.model.model.rotary_emb.cos_sin.shape[0] == 1024
     with pytest.raises(ValueError, match=r"max_model_len = 4194305, but the model supports max_position_embeddings"):
         LLM(ckpt, max_model_len=(1 << 22) + 1)
 

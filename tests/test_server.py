@@ -15,6 +15,8 @@ import sys
 import httpx
 import openai
 import pytest
+
+from qwen_ops.serving.engine_args import EngineArgs
 import torch
 
 from qwen_ops import LLM, SamplingParams
@@ -517,7 +519,8 @@ def test_serve_flags_and_defaults():
                                       "b", "--max-num-seqs", "4", "--max-model-len", "256", "--dtype", "bfloat16",
                                       "--device", "cpu", "--compile", "--max-waiting-requests", "3",
                                       "--max-body-bytes", "1000"])
-    assert args.model == "/ckpt" and args.served_model_name == ["a", "b"] and args.compile is True
+    assert args.model_tag == "/ckpt" and args.served_model_name == ["a", "b"] and args.compile is True
+    assert EngineArgs.from_cli_args(args).model == args.model == "/ckpt"      # MODEL, or --model (vLLM's)
     assert (args.max_waiting_requests, args.max_body_bytes) == (3, 1000)
 
 

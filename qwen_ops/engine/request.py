@@ -61,6 +61,9 @@ class Request:
     # The slot API's (``Scheduler.pin``): its caller chose the slot and steps it; it is never
     # preempted, and finishing leaves it its slot until ``free_slot``.
     pinned: bool = False
+    # Prompt tokens its first admission mapped from the prefix cache (vLLM's RequestOutput.num_cached_tokens);
+    # None until it is admitted.
+    num_cached_tokens: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:

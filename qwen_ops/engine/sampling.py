@@ -60,6 +60,19 @@ def _max_tokens(max_new_tokens: Optional[int], max_tokens: Optional[int]) -> int
     return n
 
 
+def _flag(name: str, value, optional: bool = False):
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise ValueError(f"{name} = {value!r}, expected True or False" + (" or None" if optional else ""))
+    return value
+
+
+def _extra_args(extra_args) -> Optional[dict]:
+    """vLLM's ``extra_args``: a dict kept with the request for custom processors (none run here)."""
+    if extra_args is not None and not isinstance(extra_args, dict):
+        raise ValueError(f"extra_args = {extra_args!r}, expected a dict or None")
+    return extra_args
+
+
 def _temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
@@ -230,6 +243,10 @@ class SamplingParams:
       before it and the ``prompt_logprobs`` most likely ones (vLLM's ``RequestOutput.prompt_logprobs``,
       ``None`` for the first token), from the prefill's own forward passes.
     - ``skip_special_tokens``: leave special tokens (EOS) out of the text, as vLLM does.
+    - ``detokenize=False`` (vLLM's): token ids only, the text left empty (no stop strings then).
+      ``spaces_between_special_tokens`` (a slow tokenizer's option in vLLM; the fast tokenizer here
+      decodes as it always does), ``extra_args`` (kept with the request; no custom processors run
+      here) and ``skip_reading_prefix_cache`` are accepted as vLLM's.
     - ``min_tokens``: stop tokens (``stop_token_ids`` and EOS) cannot be sampled, and stop strings
       do not match, before this many tokens are generated.
 
@@ -275,6 +292,10 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())   # set by prepare_requests
     structured_outputs: Any = None           # StructuredOutputsParams (engine/structured.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    extra_args: Optional[dict] = None
+    skip_reading_prefix_cache: Optional[bool] = None
 
     def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 1.0, top_k: int = -1,
                  top_p: float = 1.0, seed: Optional[int] = None, stop_token_ids: Sequence[int] = (),
@@ -285,7 +306,9 @@ class SamplingParams:
                  min_p: float = 0.0, logit_bias: Optional[dict] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None, bad_words: Optional[Sequence[str]] = None,
                  structured_outputs=None, prompt_logprobs: Optional[int] = None, guided_decoding=None,
-                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, detokenize: bool = True,
+                 spaces_between_special_tokens: bool = True, extra_args: Optional[dict] = None,
+                 skip_reading_prefix_cache: Optional[bool] = None):
         most = _max_tokens(max_new_tokens, max_tokens)
         # Checked in this order (the first bad one is named); stored as the dataclass's fields.
         values = dict(
@@ -302,7 +325,14 @@ class SamplingParams:
             output_kind=_output_kind(output_kind),
             structured_outputs=_structured_outputs(structured_outputs, guided_decoding),
             ignore_eos=bool(ignore_eos), include_stop_str_in_output=bool(include_stop_str_in_output),
-            skip_special_tokens=bool(skip_special_tokens), bad_words_token_ids=())
+            skip_special_tokens=bool(skip_special_tokens), bad_words_token_ids=(),
+            detokenize=_flag("detokenize", detokenize),
+            spaces_between_special_tokens=_flag("spaces_between_special_tokens", spaces_between_special_tokens),
+            extra_args=_extra_args(extra_args),
+            skip_reading_prefix_cache=_flag("skip_reading_prefix_cache", skip_reading_prefix_cache, optional=True))
+        if not values["detokenize"] and values["stop"]:
+            raise ValueError(f"stop = {list(values['stop'])!r} with detokenize = False; stop strings need the text, "
+                             "expected detokenize = True or stop_token_ids")
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

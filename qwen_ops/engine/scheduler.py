@@ -443,8 +443,8 @@ class Scheduler:
             # Blocks computed with an adapter are keyed by it too: never shared across adapters.
             # So does a pooling request that reads rows before its last (mean, CLS).
             reads_prefix = req.scoring_prompt or (req.pooling is not None and req.pooling.reads_prefix)
-            kv.begin(slot, None if reads_prefix else req.all_token_ids(),
-                     b"" if req.lora_request is None else req.lora_request.cache_key)
+            cached = kv.begin(slot, None if reads_prefix else req.all_token_ids(),
+                              b"" if req.lora_request is None else req.lora_request.cache_key)
             chunk = min(req.num_tokens - req.num_computed, budget.remaining_prefill())
             if not kv.reserve(slot, req.num_computed + chunk):
                 self._free_slot(req)
@@ -457,6 +457,8 @@ class Scheduler:
                 break
             del self.waiting[passed]
             req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
             if req.scheduled_time is None:
                 req.scheduled_time = time.perf_counter()
             self.running.append(req)

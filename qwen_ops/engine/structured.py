@@ -1,10 +1,15 @@
 """Structured outputs (issue 30): vLLM's ``SamplingParams(structured_outputs=StructuredOutputsParams(...))``
 on xgrammar (vLLM's default grammar engine; the ``structured`` extra).
 
-- ``StructuredOutputsParams``: one of ``json`` (a JSON schema, dict or str), ``json_object`` (any
-  JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, xgrammar's GBNF
-  dialect); JSON is compact unless ``any_whitespace`` (vLLM's ``disable_any_whitespace`` inverted:
-  a small model given free whitespace can spend its whole budget on it).
+- ``StructuredOutputsParams``: vLLM's fields. One of ``json`` (a JSON schema, dict or str),
+  ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF,
+  xgrammar's GBNF dialect) or ``structural_tag`` (xgrammar's structural tag, a JSON str). JSON is
+  compact unless ``any_whitespace`` or ``disable_any_whitespace=False`` (vLLM's default is free
+  whitespace; here a caller asks for it: a small model given free whitespace can spend its whole
+  budget on it). ``disable_additional_properties`` is what xgrammar's strict schemas do anyway (a
+  property the schema does not list is never generated); ``disable_fallback`` is what happens anyway
+  (xgrammar only, no fallback); ``backend`` may name xgrammar only; ``whitespace_pattern`` (an
+  outlines option) is refused.
 - ``GrammarBackend`` (one per engine, and one in the server for its 400s): the tokenizer's
   xgrammar vocabulary, and compiled grammars cached by ``(kind, canonical spec, whitespace)``
   (``cache_key``): a schema compiles once per process, whatever request brings it.
@@ -25,7 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+BACKENDS = (None, "auto", "xgrammar")     # vLLM's backend names this engine runs
 CACHE_SIZE = 256          # compiled grammars kept per backend (LRU)
 MAX_CHOICES = 4096        # structured_outputs.choice items: a 10**5-item list took 68 s to compile
 # Grammar compiles at once per backend, beside the engine loop (xgrammar drops the GIL): two, so that
@@ -43,12 +49,20 @@ def _xgrammar():
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams`` (its fields in its order, then this engine's
+    ``any_whitespace`` and older vLLM's ``disable_fallback`` / ``backend``); module docstring."""
     json: Union[str, dict, None] = None
-    json_object: bool = False
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
     grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None      # None: any_whitespace decides
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    structural_tag: Optional[str] = None
     any_whitespace: bool = False
+    disable_fallback: bool = False
+    backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if (getattr(self, k) not in (None, False))]
@@ -69,8 +83,31 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice has {len(self.choice)} items, expected at most "
                                  f"{MAX_CHOICES} (MAX_CHOICES)")
             object.__setattr__(self, "choice", tuple(self.choice))
-        if not isinstance(self.json_object, bool) or not isinstance(self.any_whitespace, bool):
-            raise ValueError("structured_outputs.json_object and .any_whitespace must be True or False")
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, str):
+                raise ValueError(f"structured_outputs.structural_tag = {self.structural_tag!r}, expected a JSON str")
+            try:
+                json.loads(self.structural_tag)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"structured_outputs.{name} = {getattr(self, name)!r}, expected True, False or None")
+        for name in ("any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} = {getattr(self, name)!r}, expected True or False")
+        if self.disable_any_whitespace is not None:
+            if self.disable_any_whitespace and self.any_whitespace:
+                raise ValueError("structured_outputs.any_whitespace = True and .disable_any_whitespace = True "
+                                 "disagree; expected one of them")
+            object.__setattr__(self, "any_whitespace", not self.disable_any_whitespace)
+        if self.whitespace_pattern is not None:
+            raise ValueError(f"structured_outputs.whitespace_pattern = {self.whitespace_pattern!r}: xgrammar takes "
+                             "no whitespace pattern; expected None (any_whitespace / disable_any_whitespace choose "
+                             "compact or free whitespace)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured_outputs.backend = {self.backend!r}: this engine runs xgrammar only; "
+                             f"expected one of {list(BACKENDS)}")
 
     @property
     def kind(self) -> str:
@@ -81,11 +118,11 @@ class StructuredOutputsParams:
         own key order: the order of its properties is the order of the output's) and the
         whitespace rule."""
         spec: Any = getattr(self, self.kind)
-        if self.kind == "json" and isinstance(spec, str):
+        if self.kind in ("json", "structural_tag") and isinstance(spec, str):
             try:
                 spec = json.loads(spec)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise ValueError(f"structured_outputs.{self.kind} is not valid JSON: {e}") from None
         if isinstance(spec, dict):
             spec = json.dumps(spec, separators=(",", ":"))
         return self.kind, spec, self.any_whitespace
@@ -133,6 +170,8 @@ class GrammarBackend:
             elif kind == "choice":
                 alts = " | ".join(json.dumps(c) for c in spec)
                 compiled = self.compiler.compile_grammar(f"root ::= {alts}")
+            elif kind == "structural_tag":
+                compiled = self._compile_structural_tag(json.loads(spec))
             else:
                 compiled = self.compiler.compile_grammar(spec)
         except Exception as e:                       # noqa: BLE001 - xgrammar raises several types
@@ -143,6 +182,15 @@ class GrammarBackend:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _compile_structural_tag(self, tag: dict):
+        """xgrammar's structural tag; its older form (``structures`` of begin / schema / end, and
+        ``triggers``) as vLLM still accepts it."""
+        if isinstance(tag, dict) and "structures" in tag:
+            items = [_xgrammar().StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return self.compiler.compile_structural_tag(items, tag["triggers"])
+        return self.compiler.compile_structural_tag(json.dumps(tag))
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """A future of ``compile(params)`` on this backend's worker thread (done at once on a cache

@@ -4,7 +4,9 @@ Each step extends every live beam of every prompt by its ``2 * beam_width`` most
 (the model's raw log-probabilities, in fp32), and keeps the ``beam_width`` best of a prompt's
 candidates by cumulative log-probability, length-normalized by ``length_penalty``; a beam that
 ends in EOS (unless ``ignore_eos``) is complete and stops. The result is every prompt's
-``beam_width`` best sequences, finished or not.
+``beam_width`` best sequences, finished or not. As vLLM's, a sequence's ``tokens`` are the prompt's
+then the generated ones, and offline its ``text`` decodes all of them (prompt included, special
+tokens skipped with ``skip_special_tokens``); the server's replies carry the continuation only.
 
 One loop (``_beam_loop``) runs every search; what runs its steps differs. Offline, beams live in the
 engine's slots (``QwenEngine``'s slot API, pinned sequences of the one scheduler, the core's lock held):
@@ -31,7 +33,8 @@ class BeamSearchParams:
     sequence's score is ``cum_logprob / len(tokens) ** length_penalty`` (its tokens count the
     prompt, and not a final EOS, as vLLM's, unless ``ignore_eos``, where EOS ends nothing);
     ``temperature``: the sampling temperature of the steps, which does not change the scores
-    (raw log-probabilities, vLLM's default)."""
+    (raw log-probabilities, vLLM's default); ``skip_special_tokens``: left out of ``LLM.beam_search``'s
+    texts. ``structured_outputs`` and ``watermarking`` are vLLM's and accepted unset only."""
 
     beam_width: int
     max_tokens: int
@@ -39,6 +42,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[object] = None
+    skip_special_tokens: bool = True
+    watermarking: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2), ("max_tokens", 1, None)):
@@ -51,12 +57,21 @@ class BeamSearchParams:
                 raise ValueError(f"{name} = {v!r}, expected a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature = {self.temperature!r}, expected >= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} = {getattr(self, name)!r}, expected True or False")
+        if self.structured_outputs is not None:
+            raise ValueError(f"structured_outputs = {self.structured_outputs!r}: beam search runs unconstrained here; "
+                             "expected None")
+        if self.watermarking:
+            raise ValueError(f"watermarking = {self.watermarking!r}: not supported; expected None or False")
 
 
 @dataclass
 class BeamSearchSequence:
     """One beam: ``tokens`` (the prompt's, then the generated ones), the logprobs entry of each
-    generated token, their sum, and (when returned) its text and why it ended."""
+    generated token, their sum, and (when returned) its text (``LLM.beam_search``: of all its
+    tokens, prompt included, as vLLM's) and why it ended."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -78,8 +93,10 @@ def score(seq: BeamSearchSequence, eos_ids: frozenset[int], length_penalty: floa
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """``LLM.beam_search`` (module docstring): every prompt's search advances in the same steps."""
+def beam_search(llm, prompts: Sequence, params: BeamSearchParams,
+                concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+    """``LLM.beam_search`` (module docstring): the prompts' searches advance in the same steps, as
+    many at once as the free slots hold (and ``concurrency_limit`` allows)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params = {params!r}, expected a qwen_ops.BeamSearchParams")
     prepared = llm._prepare(prompts, SamplingParams(max_tokens=1))        # validation and token ids
@@ -91,13 +108,15 @@ def beam_search(llm, prompts: Sequence, params: BeamSearchParams) -> list[BeamSe
         with llm.core.lock:                    # the engine's slots are this search's until it ends
             free = sum(1 for s in llm.engine.kv.slots if not s.active and s.owner is None)
             group = max(1, free // params.beam_width)
+            if concurrency_limit is not None:
+                group = min(group, concurrency_limit)
             if free < params.beam_width:
                 raise RuntimeError(f"beam search needs beam_width = {params.beam_width} free slots, "
                                    f"{free} are free (max_num_seqs)")
             searches = []
             for start in range(0, len(ids), group):
                 searches += _search_by_slots(llm.engine, ids[start:start + group], params, key, ending)
-    return [_finish(prompt, beams, completed, params, key, llm.tokenizer)
+    return [_finish(prompt, beams, completed, params, key, llm.tokenizer, whole=True)
             for prompt, (beams, completed) in zip(ids, searches)]
 
 
@@ -127,16 +146,25 @@ def _top_entries(logits, k: int) -> list[dict[int, Logprob]]:
             for ids, values in zip(top.indices.tolist(), top.values.tolist())]
 
 
-def _finish(prompt: list[int], beams, completed, params: BeamSearchParams, key, tokenizer) -> BeamSearchOutput:
-    """A prompt's ``beam_width`` best sequences, finished or not, with their text."""
+def _finish(prompt: list[int], beams, completed, params: BeamSearchParams, key, tokenizer,
+            whole: bool = False) -> BeamSearchOutput:
+    """A prompt's ``beam_width`` best sequences, finished or not, with their text: ``whole`` (offline,
+    vLLM's ``LLM.beam_search``) every token decoded, prompt included, with ``skip_special_tokens``;
+    else (the server's replies) the continuation, a final EOS left out unless
+    ``include_stop_str_in_output``."""
     for seq in beams:
         seq.finish_reason = seq.finish_reason or "length"
     best = sorted(completed + beams, key=key, reverse=True)[:params.beam_width]
     for seq in best:
-        out = seq.tokens[len(prompt):]
-        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-            out = out[:-1]
-        seq.text = tokenizer.decode(out) if tokenizer is not None else None
+        if tokenizer is None:
+            seq.text = None
+        elif whole:
+            seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+        else:
+            out = seq.tokens[len(prompt):]
+            if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+                out = out[:-1]
+            seq.text = tokenizer.decode(out)
     return BeamSearchOutput(best)
 
 

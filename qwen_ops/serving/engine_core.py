@@ -44,7 +44,7 @@ import torch
 
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine
-from qwen_ops.engine.sampling import SamplingParams
+from qwen_ops.engine.sampling import MAX_LOGPROBS, SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.engine.structured import GrammarBackend
 from qwen_ops.serving.outputs import OutputProcessor, RequestDelta, RequestState
@@ -106,6 +106,7 @@ class EngineCore:
         self.iteration_tokens_sum = 0
         # Pooling requests added by messages (add_pooling), by caller id, until their embedding is delivered.
         self._pooling: dict[str, object] = {}
+        self.max_logprobs = MAX_LOGPROBS        # LLM(max_logprobs=...) lowers it (vLLM's engine argument)
 
     # ------------------------------------------------------------------ requests
     def add_requests(self, prepared: Sequence[tuple], request_ids: Optional[Sequence[Optional[str]]] = None,
@@ -123,6 +124,12 @@ class EngineCore:
         if self.engine.runner.pooling:
             raise ValueError("this engine runs the pooling runner (an embedding model); it generates nothing, "
                              "expected a generation model (runner='generate')")
+        for i, (_, _, sp) in enumerate(prepared):       # vLLM's engine argument max_logprobs bounds every request
+            for name in ("logprobs", "prompt_logprobs"):
+                asked = getattr(sp, name)
+                if asked is not None and asked > self.max_logprobs:
+                    raise ValueError(f"{name} = {asked} (request {i}), but this engine's max_logprobs = "
+                                     f"{self.max_logprobs}; expected at most that")
         loras = list(lora_requests) if lora_requests is not None else [None] * len(prepared)   # one each (LLM._loras)
         if any(lr is not None for lr in loras) and self.engine.lora is None:
             raise ValueError("lora_request was given, but LoRA is not enabled; expected LLM(enable_lora=True) "

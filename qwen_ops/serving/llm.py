@@ -15,6 +15,9 @@ several threads share forward passes; each caller gets exactly its own outputs.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -25,7 +28,7 @@ import torch
 from qwen_ops.engine.batch import RequestId
 from qwen_ops.engine.engine import QwenEngine, _compile_backend
 from qwen_ops.engine.lora import LoRARequest
-from qwen_ops.models.config import QwenConfig
+from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
 from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
 from qwen_ops.models.parallel import check_tp_config
@@ -34,19 +37,20 @@ from qwen_ops.engine.sampling import SamplingParams
 from qwen_ops.engine.speculative import SpeculativeConfig
 from qwen_ops.serving.engine_args import EngineArgs
 from qwen_ops.serving.engine_core import EngineCore
-from qwen_ops.serving.outputs import CompletionOutput, RequestOutput  # noqa: F401  (qwen_ops re-exports them)
+from qwen_ops.serving.outputs import CompletionOutput, RequestOutput, num_cached_tokens  # noqa: F401
 from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
-                                      EmbeddingRequestOutput, PoolingParams,  # noqa: F401
-                                      ScoringRequestOutput, classifier_probs,
-                                      classifier_tokens, pooling_tasks, reranker_head, resolve_runner, run_pooling,
-                                      ScorePlan)
+                                      EmbeddingRequestOutput, PoolingOutput, PoolingParams,  # noqa: F401
+                                      PoolingRequestOutput, ScoringRequestOutput, check_pooling_task,
+                                      classifier_probs, classifier_tokens, pooling_tasks, reranker_head,
+                                      resolve_runner, run_pooling, run_pooling_requests, ScorePlan)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.engine.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30     # KV budget when num_kv_blocks is None on the CPU
-DEFAULT_MAX_MODEL_LEN = 4096         # cap of the default max_model_len (the model's max_position_embeddings)
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30   # kept free on a GPU for activations and CUDA-graph capture
 MAX_DEFAULT_SWAP_SPACE_BYTES = 4 << 30   # vLLM's default swap_space (4 GiB)
 PROMPTS_EXPECTED = ("a str, a list of token ids, a 1-D integer tensor, a dict {'prompt': str} or "
@@ -121,12 +125,49 @@ def normalize_prompts(prompts) -> list:
     return list(prompts)
 
 
+def _meminfo() -> tuple[int, int]:
+    """(total, available) bytes of RAM, from /proc/meminfo (MemTotal, MemAvailable)."""
+    values = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            values[key] = int(rest.split()[0]) * 1024
+    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (/proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_kv_budget(utilization: float) -> int:
+    """vLLM-CPU's KV budget for ``gpu_memory_utilization`` (on the CPU backend, despite its name, the share of
+    the RAM this engine may take): that share of the RAM less what the process already holds (the weights),
+    with vLLM-CPU's errors when it is more than is available or nothing is left."""
+    GiB = float(1 << 30)
+    total, available = _meminfo()
+    requested = math.ceil(total * utilization)
+    if requested > available:
+        raise ValueError(f"Available memory ({available / GiB:.2f}/{total / GiB:.2f} GiB) is less than desired CPU "
+                         f"memory utilization ({utilization}, {requested / GiB:.2f} GiB). On the CPU, "
+                         "`gpu_memory_utilization` is the fraction of CPU memory reserved (despite its name): "
+                         "decrease it, or give `kv_cache_memory_bytes`.")
+    consumed = _rss_bytes()
+    if requested - consumed <= 0:
+        raise ValueError(f"gpu_memory_utilization = {utilization} reserves {requested / GiB:.2f} GiB of "
+                         f"{total / GiB:.2f} GiB of CPU memory, but this process already uses "
+                         f"{consumed / GiB:.2f} GiB, which leaves nothing for the KV cache; increase it, or give "
+                         "`kv_cache_memory_bytes`.")
+    return requested - consumed
+
+
 def _default_kv_budget(device: torch.device, utilization: Optional[float] = None) -> int:
-    """Bytes for the KV cache: 1 GiB on the CPU (times ``utilization``); on a GPU, 90% of what is
+    """Bytes for the KV cache: 1 GiB on the CPU, or with ``utilization`` vLLM-CPU's share of the RAM
+    (``_cpu_kv_budget``); on a GPU, 90% of what is
     free after the weights, or with ``utilization`` that share of the whole device less what is in
     use, less a reserve for activations and graph capture, taken before the cache is sized."""
     if device.type != "cuda":
-        return int(DEFAULT_KV_CACHE_BYTES * (1.0 if utilization is None else utilization))
+        return DEFAULT_KV_CACHE_BYTES if utilization is None else _cpu_kv_budget(utilization)
     free, total = torch.cuda.mem_get_info(device)
     if utilization is None:
         return max(0, int(0.9 * (free - CUDA_GRAPH_RESERVE_BYTES)))
@@ -250,6 +291,44 @@ def pooling_ids(prompts, *, tokenizer: Optional[QwenTokenizer], vocab_size: int,
     return out
 
 
+# vLLM's chat_template_content_format values (``LLM.chat``).
+CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
+CHAT_TOKENIZATION_KEYS = ("add_special_tokens", "truncation", "max_length")
+
+
+def _chat_tokenization_kwargs(tokenization_kwargs: Optional[dict]) -> dict:
+    """``QwenTokenizer.encode``'s keywords for a rendered chat: no special tokens (the template wrote
+    them, vLLM's default) unless ``tokenization_kwargs`` says otherwise."""
+    if tokenization_kwargs is None:
+        return {"add_special_tokens": False}
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs = {tokenization_kwargs!r}, expected a dict or None")
+    unknown = sorted(set(tokenization_kwargs) - set(CHAT_TOKENIZATION_KEYS))
+    if unknown:
+        raise ValueError(f"tokenization_kwargs has {unknown}, expected only {', '.join(CHAT_TOKENIZATION_KEYS)}")
+    return {"add_special_tokens": False, **tokenization_kwargs}
+
+
+def _chat_content(message: dict, content_format: str, where: str) -> dict:
+    """A message with its content as the template reads it: ``"openai"`` a list of text parts (a str
+    becomes one part), ``"auto"`` / ``"string"`` a str (the text parts joined by newlines, as vLLM's
+    string format and the server do)."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        if content_format == "openai" and content is not None:
+            return {**message, "content": [{"type": "text", "text": content}]}
+        return message
+    if not isinstance(content, list):
+        raise ValueError(f"{where}['content'] = {content!r}, expected a str or a list of text parts")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}['content'][{k}] = {part!r}, expected a text part {{'type': 'text', 'text': str}} "
+                             "(the models here read text only)")
+        texts.append(part["text"])
+    return message if content_format == "openai" else {**message, "content": "\n".join(texts)}
+
+
 # ----------------------------------------------------------------------------- LLM.__init__'s pieces
 def _tokenizer_override(tokenizer, tokenizer_path: Optional[Path]) -> Optional[QwenTokenizer]:
     """``LLM(tokenizer=...)``'s tokenizer (None: the model's own)."""
@@ -277,12 +356,65 @@ def _resolve_runner(args: EngineArgs, path, spec: Optional[SpeculativeConfig]) -
 
 
 def _max_model_len(max_model_len: Optional[int], cfg: QwenConfig) -> int:
-    if max_model_len is None:   # the model's own limit, capped so the default KV budget holds one sequence
-        return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    """``max_model_len``, else the model's own limit (``_fit_kv_cache`` lowers that to what the KV cache holds)."""
+    if max_model_len is None:
+        return cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len = {max_model_len}, but the model supports max_position_embeddings = "
                          f"{cfg.max_position_embeddings}; expected at most that")
     return max_model_len
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 (x86: AVX512-BF16 or AMX-BF16; Arm: the BF16 extension), as
+    /proc/cpuinfo says; elsewhere (no such file) assumed yes, as vLLM's CPU platform does."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return True
+
+
+def _resolve_dtype(dtype, cfg: QwenConfig, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype. ``"auto"`` (vLLM's default) is the checkpoint's dtype (config.json's;
+    float32 where it names none, as a GGUF file), but on a CPU without bfloat16 arithmetic a bfloat16
+    checkpoint loads as float32. vLLM-CPU also downcasts a float32 checkpoint to bfloat16; here it stays
+    float32 (docs/vllm_compat.md says why)."""
+    resolved = resolve_dtype(dtype, cfg)
+    auto = isinstance(dtype, str) and dtype.strip().lower() == "auto"
+    if auto and resolved == torch.bfloat16 and device.type == "cpu" and not _cpu_has_bf16():
+        logger.info("dtype='auto': the checkpoint is bfloat16, which this CPU does not compute in; loading float32")
+        return torch.float32
+    return resolved
+
+
+def _check_load_format(args: EngineArgs, path) -> None:
+    """``load_format`` / ``config_format`` against what ``path`` is (a GGUF file or a checkpoint folder)."""
+    gguf = getattr(path, "gguf", None) is not None       # resolve_model_path opened a GGUF file
+    for name in ("load_format", "config_format"):
+        value = getattr(args, name)
+        if value == "gguf" and not gguf:
+            raise ValueError(f"{name} = 'gguf', but model = {str(args.model)!r} is not a GGUF file")
+        if value in ("safetensors", "hf") and gguf:
+            raise ValueError(f"{name} = {value!r}, but model = {str(args.model)!r} is a GGUF file; expected 'auto' "
+                             "or 'gguf'")
+
+
+def generation_overrides(overrides: Optional[dict]) -> dict:
+    """vLLM's ``override_generation_config``: generation-config keys (``max_new_tokens`` is ``max_tokens``)
+    over the checkpoint's defaults; each must be a ``SamplingParams`` field."""
+    if not overrides:
+        return {}
+    kwargs = {GENERATION_CONFIG_KEYS.get(k, k): v for k, v in overrides.items()}
+    try:
+        SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"override_generation_config = {overrides!r}: {e}") from None
+    return kwargs
 
 
 def _kv_block_bytes(args: EngineArgs, cfg: QwenConfig, ckpt) -> int:
@@ -293,28 +425,60 @@ def _kv_block_bytes(args: EngineArgs, cfg: QwenConfig, ckpt) -> int:
         if getattr(ckpt.model, "mtp", None) is not None:       # speculative "mtp": its layer's KV too
             attention_layers += 1
         kv_heads = cfg.num_key_value_heads
-    else:                                                      # tensor parallel: from the config
+    else:                               # before the load, or tensor parallel: from the config
         elem = resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, cfg)).itemsize
-        attention_layers = cfg.num_hidden_layers
+        attention_layers = (list(cfg.layer_types).count(FULL_ATTENTION) if cfg.layer_types
+                            else cfg.num_hidden_layers)
+        spec = args.speculative()
+        attention_layers += int(spec is not None and spec.method == "mtp")
         kv_heads = max(1, cfg.num_key_value_heads // args.tensor_parallel_size)
     return 2 * attention_layers * args.block_size * kv_heads * cfg.head_dim * elem
 
 
-def _num_kv_blocks(args: EngineArgs, cfg: QwenConfig, ckpt, device: torch.device, max_model_len: int) -> int:
-    """``num_kv_blocks``, else what the KV budget holds (``kv_cache_bytes``, else the device's
-    default) up to ``max_num_seqs`` full sequences; either way at least one ``max_model_len`` sequence."""
-    per_seq_blocks = -(-max_model_len // args.block_size)
-    num_kv_blocks = args.num_kv_blocks
+def _fit_kv_cache(args: EngineArgs, cfg: QwenConfig, ckpt, device: torch.device, max_model_len: int,
+                  quiet: bool = False) -> tuple[int, int]:
+    """``(max_model_len, num_kv_blocks)``. The blocks: ``num_kv_blocks`` (``num_gpu_blocks_override``), else
+    what the KV budget holds (``VLLM_CPU_KVCACHE_SPACE``, ``kv_cache_memory_bytes``, else the device's
+    default or ``gpu_memory_utilization``'s share), up to ``max_num_seqs`` full sequences. They must hold one
+    ``max_model_len`` sequence: a ``max_model_len`` left to the model's limit is lowered to what they hold
+    (logged); one that was given and does not fit is vLLM's error, with its estimate."""
+    GiB = float(1 << 30)
+    block_bytes = _kv_block_bytes(args, cfg, ckpt)
+    num_kv_blocks = args.kv_blocks()
+    budget = None
     if num_kv_blocks is None:
-        budget = (args.kv_cache_bytes if args.kv_cache_bytes is not None
-                  else _default_kv_budget(device, args.gpu_memory_utilization))
-        num_kv_blocks = min(args.max_num_seqs * per_seq_blocks,
-                            max(per_seq_blocks, budget // _kv_block_bytes(args, cfg, ckpt)))
-    if num_kv_blocks < per_seq_blocks:
-        raise ValueError(f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
-                         f"{max_model_len} ({per_seq_blocks} blocks of {args.block_size}); raise it or lower "
-                         "max_model_len")
-    return num_kv_blocks
+        budget = args.kv_cache_budget()
+        if budget is None:
+            budget = _default_kv_budget(device, args.gpu_memory_utilization)
+        if budget < block_bytes:
+            raise ValueError(f"No available memory for the cache blocks: block_size = {args.block_size} makes one "
+                             f"KV block {block_bytes} bytes, more than the {budget} bytes of KV cache that is "
+                             "available. Lower block_size, or increase `gpu_memory_utilization` or "
+                             "`kv_cache_memory_bytes` (VLLM_CPU_KVCACHE_SPACE).")
+        available = budget // block_bytes
+    else:
+        available = num_kv_blocks
+    per_seq_blocks = -(-max_model_len // args.block_size)
+    if per_seq_blocks > available:
+        fits = available * args.block_size
+        if args.max_model_len is None:
+            if not quiet:
+                logger.info("max_model_len = %d (the model's %d lowered to what the KV cache holds: %d blocks of %d; "
+                            "give kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE for more)", fits, max_model_len,
+                            available, args.block_size)
+            max_model_len, per_seq_blocks = fits, available
+        else:
+            held = (f"available KV cache memory ({available * block_bytes / GiB:.2f} GiB)" if budget is not None
+                    else f"num_kv_blocks = {available} ({available * block_bytes / GiB:.2f} GiB)")
+            raise ValueError(
+                f"To serve at least one request with the model's max seq len ({max_model_len}), "
+                f"({per_seq_blocks * block_bytes / GiB:.2f} GiB KV cache is needed, which is larger than the {held}. "
+                f"Based on the available memory, the estimated maximum model length is {fits}. Try increasing "
+                "`gpu_memory_utilization` or `kv_cache_memory_bytes` (VLLM_CPU_KVCACHE_SPACE on the CPU) or "
+                "decreasing `max_model_len` when initializing the engine.")
+    if num_kv_blocks is None:
+        num_kv_blocks = min(args.max_num_seqs * per_seq_blocks, available)
+    return max_model_len, num_kv_blocks
 
 
 def _engine_kwargs(args: EngineArgs, max_model_len: int, num_kv_blocks: int, pooling: bool) -> dict:
@@ -398,14 +562,21 @@ class LLM:
         args.validate()
         device = torch.device(args.device)
         spec = args.speculative()
-        path = resolve_model_path(model)          # None: the embedded model; a model id: the HF cache
-        tokenizer_path = None if args.tokenizer is None else resolve_model_path(args.tokenizer)
+        # None: the embedded model; a model id: the Hugging Face cache (revision, download_dir, hf_token)
+        path = resolve_model_path(model, revision=args.revision, cache_dir=args.download_dir, token=args.hf_token)
+        tokenizer_path = None if args.tokenizer is None else resolve_model_path(
+            args.tokenizer, revision=args.tokenizer_revision, cache_dir=args.download_dir, token=args.hf_token)
+        _check_load_format(args, path)
         own_tokenizer = _tokenizer_override(args.tokenizer, tokenizer_path)
         self.runner = _resolve_runner(args, path, spec)
         pooling = self.runner == "pooling"
         # The config first: max_model_len decides how much of the model's RoPE table is built.
         cfg = QwenConfig.from_pretrained(path)
-        max_model_len = _max_model_len(args.max_model_len, cfg)
+        args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, cfg, device))   # "auto" as vLLM-CPU
+        # the model's limit, lowered (from the config's KV bytes) to what the KV cache holds: the RoPE table
+        # is built for this many positions; after the load the blocks are counted again from the model
+        max_model_len, _ = _fit_kv_cache(args, cfg, None, device, _max_model_len(args.max_model_len, cfg),
+                                         quiet=True)
         ckpt = None                               # with tensor parallelism each rank loads its own slice
         if args.tensor_parallel_size == 1:
             ckpt = load_checkpoint(path, dtype=args.dtype, device=device, max_positions=max_model_len, config=cfg,
@@ -413,19 +584,22 @@ class LLM:
                                    pooling=pooling)
         else:
             check_tp_config(cfg, args.tensor_parallel_size)
-        num_kv_blocks = _num_kv_blocks(args, cfg, ckpt, device, max_model_len)
+        max_model_len, num_kv_blocks = _fit_kv_cache(args, cfg, ckpt, device, max_model_len)
         self.engine = _build_engine(args, path, cfg, ckpt, own_tokenizer, device, _engine_kwargs(
             args, max_model_len, num_kv_blocks, pooling))
         self._attach_speculative(spec, cfg, args.dtype, device, max_model_len)
         self.tokenizer = self.engine.tokenizer
         self.core = EngineCore(self.engine, _scheduler_config(args, max_model_len), spec)
         self.core.max_grammar_compile_s = args.max_grammar_compile_seconds
+        self.core.max_logprobs = 20 if args.max_logprobs == -1 else args.max_logprobs
         self.scheduler = self.core.scheduler
         self.model_path = as_path(path)      # a GGUF file's path carries the file, read once
         # where the tokenizer and the chat template come from (``tokenizer``, else the model)
         self.tokenizer_path = as_path(tokenizer_path) if tokenizer_path is not None else self.model_path
-        self._chat_template = None      # LLM.chat's, compiled on first use
-        self.sampling_overrides = sampling_overrides(self.model_path, args.generation_config)
+        self.sampling_overrides = {**sampling_overrides(self.model_path, args.generation_config),
+                                   **generation_overrides(args.override_generation_config)}
+        if args.skip_tokenizer_init:              # vLLM's: token ids in and out, no text
+            self.engine.tokenizer = self.tokenizer = None
         self._default_sampling = SamplingParams(**self.sampling_overrides)
         self.pooler, self.classifier = (_pooling_head(args.hf_overrides, path, ckpt, self.tokenizer) if pooling
                                         else (None, None))
@@ -600,12 +774,22 @@ class LLM:
         finally:
             core.abort_unfinished(states)
 
-    def beam_search(self, prompts, params) -> list:
+    def beam_search(self, prompts, params, lora_request: Optional[LoRARequest] = None, use_tqdm: bool = False,
+                    concurrency_limit: Optional[int] = None) -> list:
         """vLLM's ``LLM.beam_search``: the ``params.beam_width`` best continuations of each prompt
-        (``BeamSearchParams``; ``serving/beam_search.py``), as ``BeamSearchOutput``s in prompt order."""
+        (``BeamSearchParams``; ``serving/beam_search.py``), as ``BeamSearchOutput``s in prompt order;
+        each sequence's ``tokens`` and ``text`` hold the prompt too. ``concurrency_limit``: at most
+        that many prompts searched at once; ``lora_request``: only None (beams run on the base
+        model); ``use_tqdm`` draws no bar here."""
         from qwen_ops.serving.beam_search import beam_search
 
-        return beam_search(self, prompts, params)
+        if lora_request is not None:
+            raise ValueError(f"lora_request = {lora_request!r}, but beam search runs the base model only; "
+                             "expected None")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or
+                                              not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit = {concurrency_limit!r}, expected an int >= 1 or None")
+        return beam_search(self, prompts, params, concurrency_limit)
 
     # ------------------------------------------------------------------ pooling (runner="pooling")
     def _pooling_ids(self, prompts) -> list[list[int]]:
@@ -650,6 +834,55 @@ class LLM:
         return [ClassificationRequestOutput(str(k), x, ClassificationOutput(p))
                 for k, (x, p) in enumerate(zip(ids, self._classify_ids(ids, use_tqdm)))]
 
+    def encode(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
+               use_tqdm: Union[bool, Callable[..., Any]] = True, lora_request: Optional[LoRARequest] = None,
+               pooling_task: Optional[str] = None, tokenization_kwargs: Optional[dict] = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: per prompt a ``PoolingRequestOutput`` whose ``.outputs.data`` is a
+        float32 tensor: ``pooling_task="embed"`` the embedding (as ``embed``), ``"classify"`` the
+        classifier's probabilities (as ``classify``). vLLM requires ``pooling_task``; the per-token
+        tasks are not run here (one vector per prompt). ``lora_request`` and ``tokenization_kwargs``:
+        only None (the pooling runner serves the base model; prompts are tokenized as ``embed``'s)."""
+        check_pooling_task(pooling_task, self.classifier is not None)
+        if lora_request is not None:
+            raise ValueError(f"lora_request = {lora_request!r}, but the pooling runner serves the base model only; "
+                             "expected None")
+        if tokenization_kwargs:
+            raise ValueError(f"tokenization_kwargs = {tokenization_kwargs!r}, expected None: pooling prompts are "
+                             "tokenized as embed's (special tokens as the tokenizer adds them)")
+        ids = self._pooling_ids(prompts)
+        if pooling_task == "classify":
+            if pooling_params is not None and any(p.dimensions is not None or p.normalize is not None for p in
+                                                  ([pooling_params] if isinstance(pooling_params, PoolingParams)
+                                                   else pooling_params)):
+                raise ValueError(f"pooling_params = {pooling_params!r}: dimensions and normalize apply to "
+                                 "embeddings; expected None (or PoolingParams()) with pooling_task='classify'")
+            pooling_params = None
+        tasks = pooling_tasks(pooling_params, len(ids), self.pooler, self.engine.config.hidden_size)
+        reqs = run_pooling_requests(self, ids, tasks, use_tqdm)
+        data = [r.embedding.float() for r in reqs]
+        if pooling_task == "classify":
+            data = [torch.tensor(p, dtype=torch.float32) for p in
+                    classifier_probs(torch.stack(data), self.classifier)]
+        return [PoolingRequestOutput(str(k), PoolingOutput(d), x, num_cached_tokens(r))
+                for k, (x, d, r) in enumerate(zip(ids, data, reqs))]
+
+    def reward(self, prompts, /, *, truncate_prompt_tokens: Optional[int] = None,
+               use_tqdm: Union[bool, Callable[..., Any]] = True,
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               lora_request: Optional[LoRARequest] = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward``: a reward model's score of each prompt, ``.outputs.data`` (a tensor):
+        ``encode(pooling_task="classify")`` (vLLM's advice for rewards now; its per-token rewards
+        need a per-token pooler, which does not run here). ``truncate_prompt_tokens``: keep each
+        prompt's last that many tokens."""
+        if truncate_prompt_tokens is not None:
+            k = truncate_prompt_tokens
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"truncate_prompt_tokens = {k!r}, expected an int >= 1 or None")
+            prompts = [{"prompt_token_ids": ids[-k:]} for ids in self._pooling_ids(prompts)]
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify")
+
     def _classify_ids(self, ids: list[list[int]], use_tqdm) -> list[list[float]]:
         tasks = pooling_tasks(None, len(ids), self.pooler, self.engine.config.hidden_size)
         return classifier_probs(torch.stack(run_pooling(self, ids, tasks, use_tqdm)), self.classifier)
@@ -658,47 +891,80 @@ class LLM:
         """The checkpoint's tokenizer (None when it has no tokenizer.json), as vLLM's ``LLM.get_tokenizer``."""
         return self.tokenizer
 
-    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
-             use_tqdm: Union[bool, Callable[..., Any]] = True) -> list[RequestOutput]:
-        """Generate replies to conversations (vLLM's ``LLM.chat``): ``messages`` is one conversation
-        (a list of ``{"role", "content"}`` dicts) or a list of them. Each is rendered by the
-        checkpoint's chat template (ChatML if it has none), the same ``ChatTemplate`` as
-        ``/v1/chat/completions``, and tokenized without special tokens, as the server does;
-        ``chat_template_kwargs`` go to the template (e.g. ``enable_thinking``)."""
-        prompts = self._chat_prompts(messages, add_generation_prompt, chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: Union[bool, Callable[..., Any]] = True,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+             priority: Union[int, Sequence[int], None] = None, chat_template: Optional[str] = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list] = None,
+             chat_template_kwargs: Optional[dict] = None, tokenization_kwargs: Optional[dict] = None,
+             mm_processor_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Generate replies to conversations (vLLM's ``LLM.chat``, its arguments in its order):
+        ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+        Each is rendered by the tokenizer's chat template (``QwenTokenizer.get_chat_template``: the
+        checkpoint's, ``chat_template`` if given, ChatML if neither), the same renderer as
+        ``/v1/chat/completions`` and ``tokenizer.apply_chat_template``, with ``tools`` and
+        ``chat_template_kwargs`` (e.g. ``enable_thinking``) as template variables, and tokenized
+        without special tokens (``tokenization_kwargs`` may say otherwise), as vLLM does.
+        ``continue_final_message``: the prompt ends inside the final message (with
+        ``add_generation_prompt=False``). ``lora_request`` goes to ``generate``. ``chat_template_content_format``
+        ``"auto"`` / ``"string"`` joins a list content's text parts with newlines (the models here
+        read text); ``"openai"`` gives the template the parts. ``priority``: only 0 (requests run in
+        arrival order); ``mm_processor_kwargs``: only None (text-only models)."""
+        if priority is not None and any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
+            raise ValueError(f"priority = {priority!r}, but requests run in arrival order here (scheduling_policy "
+                             "'fcfs'; vLLM's priority scheduling is not supported); expected None or 0")
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs = {mm_processor_kwargs!r}, but the models here read text only; "
+                             "expected None")
+        prompts = self._chat_prompts(messages, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
+                                     content_format=chat_template_content_format,
+                                     continue_final_message=continue_final_message, tools=tools,
+                                     tokenization_kwargs=tokenization_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _chat_prompts(self, messages, add_generation_prompt: bool = True,
-                      chat_template_kwargs: Optional[dict] = None) -> list[dict]:
+    def _chat_prompts(self, messages, add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
+                      *, chat_template: Optional[str] = None, content_format: str = "auto",
+                      continue_final_message: bool = False, tools: Optional[list] = None,
+                      tokenization_kwargs: Optional[dict] = None) -> list[dict]:
         """The ``{"prompt_token_ids": [...]}`` prompts ``chat`` sends, one per conversation; ``qwen-ops
         chat`` streams them through ``stream``, so its prompt is exactly ``chat``'s."""
-        from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
+        from qwen_ops.models.chat_template import ChatTemplateError
 
         if self.tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer, but the checkpoint has no tokenizer.json")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs = {chat_template_kwargs!r}, expected a dict or None")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt = True and continue_final_message = True: cannot set both "
+                             "(vLLM's rule); expected add_generation_prompt=False to continue the final message")
+        if content_format not in CHAT_CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format = {content_format!r}, expected one of "
+                             f"{', '.join(map(repr, CHAT_CONTENT_FORMATS))}")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools = {tools!r}, expected a list of tool dicts (OpenAI's function tools) or None")
+        encode_kwargs = _chat_tokenization_kwargs(tokenization_kwargs)
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError(f"messages = {messages!r}, expected a list of {{'role', 'content'}} dicts, or a list of "
                              "such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.for_checkpoint(self.tokenizer_path)
-        try:                    # before **chat_template_kwargs below collides with add_generation_prompt=
-            self._chat_template.check_kwargs(chat_template_kwargs)
+        try:
+            template = self.tokenizer.get_chat_template(chat_template, tools)
+            # before **chat_template_kwargs below collides with add_generation_prompt=
+            template.check_kwargs(chat_template_kwargs)
         except ChatTemplateError as e:
             raise ValueError(str(e)) from None
         prompts = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, Sequence) or not all(isinstance(m, dict) for m in conv):
                 raise ValueError(f"messages[{i}] = {conv!r}, expected a list of {{'role', 'content'}} dicts")
+            conv = [_chat_content(m, content_format, f"messages[{i}][{j}]") for j, m in enumerate(conv)]
             try:
-                text = self._chat_template.render(conv, add_generation_prompt=add_generation_prompt,
-                                                  **(chat_template_kwargs or {}))
+                text = template.render(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
             except ChatTemplateError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, **encode_kwargs)})
         return prompts
 
     def abort(self, request_id: Union[str, int, RequestId]) -> None:

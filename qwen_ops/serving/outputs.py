@@ -88,6 +88,15 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # its own entry and the top ones (vLLM's shape).
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # vLLM's: prompt tokens whose KV came from the prefix cache (full blocks a previous request
+    # computed); 0 with enable_prefix_caching=False.
+    num_cached_tokens: int = 0
+
+
+def num_cached_tokens(request) -> int:
+    """The prompt tokens of scheduler ``Request`` ``request`` that its first admission mapped from the
+    prefix cache (``KVCacheManager.begin``'s count; the scheduler records it, once)."""
+    return request.num_cached_tokens or 0
 
 
 def merge_delta_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -103,7 +112,8 @@ def merge_delta_outputs(first: RequestOutput, then: RequestOutput) -> RequestOut
                                              c.stop_reason, c.cumulative_logprob, lps)
     return RequestOutput(then.request_id, then.prompt, then.prompt_token_ids, [by_index[i] for i in sorted(by_index)],
                          then.finished, first.new_token_ids + then.new_token_ids, then.error, then.metrics,
-                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+                         max(first.num_cached_tokens, then.num_cached_tokens))
 
 
 class CompletionDelta(NamedTuple):
@@ -130,6 +140,7 @@ class RequestDelta(NamedTuple):
     first_scheduled_time: Optional[float] = None
     bad_request: bool = False                  # the error is the request's own (a grammar that fails to compile)
     embedding: Optional[list[float]] = None    # a pooling request's result (EngineCore.add_pooling), once, finished
+    num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache (RequestOutput's)
 
 
 def logprob_entry(token: int, logprob: tuple[float, int, list[int], list[float]],
@@ -156,7 +167,8 @@ class RequestAccumulator:
     ids and logprobs (the server's streams send these as they are)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "_token_ids", "_logprobs",
-                 "_dirty", "finished", "times", "prompt_logprobs", "delta", "_new_prompt_logprobs")
+                 "_dirty", "finished", "times", "prompt_logprobs", "delta", "_new_prompt_logprobs",
+                 "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams,
                  cumulative: bool = False):
@@ -175,6 +187,7 @@ class RequestAccumulator:
         self.finished = False
         self.times: tuple = (0.0, None, None, None)
         self.prompt_logprobs: Optional[list] = None
+        self.num_cached_tokens = 0
 
     def apply(self, delta: RequestDelta) -> list[int]:
         """Fold in one delta; returns its new token ids over its completions in index order."""
@@ -196,6 +209,7 @@ class RequestAccumulator:
             self._dirty[i] = None
         self.finished = delta.finished
         self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time, delta.first_scheduled_time)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         return new
@@ -221,6 +235,7 @@ class RequestAccumulator:
             self._dirty[i] = None
         self.finished = delta.finished
         self.times = (delta.arrival_time, delta.first_token_time, delta.last_token_time, delta.first_scheduled_time)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs, self._new_prompt_logprobs = delta.prompt_logprobs, True
         return new
@@ -231,7 +246,8 @@ class RequestAccumulator:
             self._dirty.clear()
             prompt_lps, self._new_prompt_logprobs = (self.prompt_logprobs if self._new_prompt_logprobs else None), False
             return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
-                                 new_token_ids, metrics=RequestMetrics(*self.times), prompt_logprobs=prompt_lps)
+                                 new_token_ids, metrics=RequestMetrics(*self.times), prompt_logprobs=prompt_lps,
+                                 num_cached_tokens=self.num_cached_tokens)
         for i in self._dirty:
             out = self.outputs[i]
             out.token_ids = list(self._token_ids[i])
@@ -240,7 +256,7 @@ class RequestAccumulator:
         self._dirty.clear()
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.outputs),
                              self.finished, new_token_ids, metrics=RequestMetrics(*self.times),
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens)
 
 
 class CompletionState:
@@ -259,7 +275,9 @@ class CompletionState:
         self.params = params
         self.tokenizer = tokenizer
         self.text = ""
-        self._stream = tokenizer.decode_stream(params.skip_special_tokens) if tokenizer is not None else None
+        # detokenize=False (vLLM's): token ids only, the text stays empty
+        self._stream = (tokenizer.decode_stream(params.skip_special_tokens)
+                        if tokenizer is not None and params.detokenize else None)
         self._longest_stop = max((len(s) for s in params.stop), default=0)
         self._hold = 0 if params.include_stop_str_in_output else max(0, self._longest_stop - 1)
         self.num_tokens = 0
@@ -397,8 +415,10 @@ class RequestState:
                 ids, text = self.prompt_token_ids, first.state._token_text
                 prompt_lps = [None] + [logprob_entry(t, e, text) for t, e in zip(ids[1:], scored)]
                 self.sent_prompt_logprobs = True
+        cached = num_cached_tokens(self.completions[0].request) if self.completions else 0
         return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
-                            self.last_token_time, self.error, prompt_lps, self.first_scheduled_time, self.bad_request)
+                            self.last_token_time, self.error, prompt_lps, self.first_scheduled_time, self.bad_request,
+                            num_cached_tokens=cached)
 
     def output(self) -> tuple[RequestOutput, list[int]]:
         """Fold what changed into this state's accumulator: the cumulative output, and the tokens

@@ -1,4 +1,5 @@
-"""The offline pooling API (``LLM.embed``, ``LLM.score``) and its outputs, in vLLM's shapes.
+"""The offline pooling API (``LLM.embed``, ``classify``, ``score``, ``encode``, ``reward``) and its
+outputs, in vLLM's shapes.
 
     llm = qwen_ops.LLM("Qwen/Qwen3-Embedding-0.6B", runner="pooling")
     out = llm.embed(["a query", "a document"], qwen_ops.PoolingParams(dimensions=256))
@@ -20,8 +21,29 @@ from qwen_ops.engine.pooling import PoolingParams, PoolingTask
 from qwen_ops.models.pooler_config import PoolerConfig
 
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's pooling tasks (``LLM.encode(pooling_task=...)``); one vector per prompt is what runs here.
+ENCODE_TASKS = ("embed", "classify")
+PER_TOKEN_TASKS = ("token_embed", "token_classify")
 # vLLM's older ``task=`` spelling, and the runner each means.
 TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "score": "pooling"}
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: the pooled result of one prompt (``LLM.encode``): an embedding, or a classifier's
+    probabilities, as a float32 tensor."""
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's (its argument order): one prompt's ``PoolingOutput``; ``num_cached_tokens``: its prompt
+    tokens served from the prefix cache."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass
@@ -117,6 +139,12 @@ def run_pooling(llm, prompts: list[list[int]], tasks: list[PoolingTask],
                 use_tqdm: Union[bool, Callable[..., Any]]) -> list[torch.Tensor]:
     """Run pooling requests on ``llm``'s engine core until each has its embedding (fp32 tensors,
     in prompt order); an interruption aborts the unfinished ones."""
+    return [r.embedding for r in run_pooling_requests(llm, prompts, tasks, use_tqdm)]
+
+
+def run_pooling_requests(llm, prompts: list[list[int]], tasks: list[PoolingTask],
+                         use_tqdm: Union[bool, Callable[..., Any]]) -> list:
+    """``run_pooling``'s finished scheduler requests (``.embedding``, and what the scheduler recorded)."""
     core = llm.core
     reqs = core.add_pooling_requests(prompts, tasks)
     bar = None
@@ -140,7 +168,25 @@ def run_pooling(llm, prompts: list[list[int]], tasks: list[PoolingTask],
         if bar is not None:
             bar.close()
         core.abort_requests(reqs)
-    return [r.embedding for r in reqs]
+    return reqs
+
+
+def check_pooling_task(pooling_task: Any, classifier: bool) -> None:
+    """``LLM.encode``'s ``pooling_task`` against what this model pools: ``"embed"`` for an embedding
+    model, ``"classify"`` for a classifier (vLLM requires one, as here)."""
+    if pooling_task is None:
+        raise ValueError("pooling_task = None: LLM.encode needs one (vLLM's rule); expected 'embed' (an "
+                         "embedding model, as LLM.embed) or 'classify' (a classifier or reward model, as "
+                         "LLM.classify / LLM.reward)")
+    if pooling_task in PER_TOKEN_TASKS:
+        raise ValueError(f"pooling_task = {pooling_task!r}: this engine pools one vector per prompt (last, mean "
+                         f"or cls), not one per token; expected one of {', '.join(map(repr, ENCODE_TASKS))}")
+    if pooling_task not in ENCODE_TASKS:
+        raise ValueError(f"pooling_task = {pooling_task!r}, expected one of {', '.join(map(repr, ENCODE_TASKS))}")
+    want = "classify" if classifier else "embed"
+    if pooling_task != want:
+        kind = "a classifier (a reranker or a sequence classifier)" if classifier else "an embedding model"
+        raise ValueError(f"pooling_task = {pooling_task!r}, but this model is {kind}; expected {want!r}")
 
 
 def score_pairs(text_1, text_2) -> list[tuple[Any, Any]]:

@@ -4,7 +4,8 @@ Names follow vLLM's, each exported twice: with the ``qwen_ops:`` prefix and with
 ``vllm:`` (so dashboards built for vLLM read this server unchanged; the KV usage gauge also as
 vLLM's older ``vllm:gpu_cache_usage_perc``). Engine state (running, waiting, KV blocks,
 preemptions, prefix-cache lookups) is read from ``engine.stats()`` when ``/metrics`` is scraped;
-token counts and latencies are measured in the server around each engine stream (``RequestTiming``).
+token counts and latencies are measured in the server around each engine stream (``RequestTiming``),
+which also feeds ``interval_tokens``, the counts of the periodic stats line (stats_log.py).
 With LoRA enabled, ``lora_requests_info`` (vLLM's, no model_name label) names the adapters of
 running and of waiting requests in its labels (comma-joined), its value the scrape's time, as vLLM's.
 ``qwen_ops:engine_up`` is 1 while the engine runs; once it has died it is 0 and the engine's
@@ -19,6 +20,8 @@ from typing import Callable, Optional, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from qwen_ops.serving.openai.stats_log import TokenCounts
 
 PREFIX = "qwen_ops:"
 VLLM_PREFIX = "vllm:"
@@ -144,6 +147,7 @@ class ServerMetrics:
                  max_model_len: Optional[int] = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.interval_tokens = TokenCounts()        # since the last stats line (stats_log.py)
         reg, labels = self.registry, ["model_name"]
         for prefix in PREFIXES:
             self.registry.register(_EngineCollector(stats, model_name, is_up, prefix))
@@ -197,17 +201,22 @@ class RequestTiming:
         self._prompt_tokens = num_prompt_tokens
         self.start = time.perf_counter()
         self._last: Optional[float] = None
+        self._counted = 0          # generated tokens already in the stats line's counts
         self._done = False
 
     def update(self, num_tokens: int, now: float) -> None:
         """An update arrived holding ``num_tokens`` tokens in all (cumulative)."""
         if num_tokens == 0:
             return
+        counts = self._m.interval_tokens
         if self._last is None:
             self._m.prompt_tokens.inc(self._prompt_tokens)
+            counts.prompt += self._prompt_tokens
             self._m.ttft.observe(now - self.start)
         else:
             self._m.itl.observe(now - self._last)
+        counts.generation += num_tokens - self._counted
+        self._counted = num_tokens
         self._last = now
 
     def finish(self, finish_reasons: Sequence[Optional[str]], num_generated: int, times=None) -> None:
@@ -219,6 +228,8 @@ class RequestTiming:
         m = self._m
         if self._last is None:
             m.prompt_tokens.inc(self._prompt_tokens)
+            m.interval_tokens.prompt += self._prompt_tokens
+        m.interval_tokens.generation += max(0, num_generated - self._counted)
         m.generation_tokens.inc(num_generated)
         m.e2e.observe(time.perf_counter() - self.start)
         m.request_prompt_tokens.observe(self._prompt_tokens)

@@ -1,5 +1,8 @@
 """The pooling routes of the OpenAI-compatible server (a ``runner="pooling"`` engine): OpenAI's
-``/v1/embeddings``, vLLM's ``/v1/score`` and ``/rerank`` (also ``/v1/rerank``; Jina / Cohere's shape).
+``/v1/embeddings``, vLLM's ``/v1/score`` (also ``/score``), ``/rerank`` (also ``/v1/rerank`` and
+``/v2/rerank``; Jina / Cohere's shape), ``/pooling`` (the model's own pooled output per input: an
+embedding model's vector, a classifier's probabilities) and ``/classify`` (a sequence classifier's
+probabilities and label per input, ``LLM.classify``'s path).
 
 Text is tokenized here (the server's tokenizer, with its length bounds); the engine work runs on
 the engine loop through ``AsyncLLM.embed`` / ``AsyncLLM.score`` (one pooling request per prompt
@@ -11,13 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from qwen_ops.engine.pooling import PoolingParams
+from qwen_ops.serving.pooling import classifier_probs, pooling_tasks
 from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
 
@@ -45,6 +52,25 @@ class RerankRequest(P._Strict):
     documents: Any = None
     top_n: Optional[int] = None             # None or 0: every document (vLLM's)
     return_documents: bool = True
+
+
+class PoolingRequest(P._Strict):
+    """vLLM's ``/pooling`` (its completion-style request; ``task`` defaults to the model's own)."""
+    model: Optional[str] = None
+    input: Any = None
+    task: Optional[str] = None
+    encoding_format: str = "float"
+    dimensions: Optional[int] = None
+    use_activation: Optional[bool] = None    # an embedding model: normalize (None: the checkpoint's choice)
+    user: Optional[str] = None
+
+
+class ClassificationRequest(P._Strict):
+    """vLLM's ``/classify``."""
+    model: Optional[str] = None
+    input: Any = None
+    use_activation: Optional[bool] = None
+    user: Optional[str] = None
 
 
 def _texts_or_ids(value: Any, param: str, *, texts_only: bool = False) -> list:
@@ -78,12 +104,22 @@ def _b64_float32(vector: list[float]) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
+def checkpoint_labels(model_path) -> dict[int, str]:
+    """A sequence classifier's label names, ``config.json``'s ``id2label`` (empty when it has none)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+        return {int(k): str(v) for k, v in (config.get("id2label") or {}).items()}
+    except (OSError, TypeError, ValueError, AttributeError):
+        return {}
+
+
 class PoolingRoutes:
-    """The three routes over ``serving`` (the server's ``_Serving``: tokenizer, names, engine)."""
+    """The pooling routes over ``serving`` (the server's ``_Serving``: tokenizer, names, engine)."""
 
     def __init__(self, serving):
         self.s = serving
         self.engine = serving.engine
+        self._labels: Optional[dict[int, str]] = None      # read at the first /classify
 
     @property
     def pooling(self) -> bool:
@@ -102,6 +138,9 @@ class PoolingRoutes:
         if needs_classifier is False and self.engine.classifier is not None:
             raise P.bad_request(f"The model does not support the {api} API: it is a classifier (a reranker); use "
                                 "/v1/score or /rerank")
+        if needs_classifier and self.engine.classifier is None:
+            raise P.bad_request(f"The model does not support the {api} API: it is an embedding model; use "
+                                "/v1/embeddings or /pooling")
 
     def _ids(self, items: list, param: str) -> list[list[int]]:
         out = []
@@ -218,4 +257,67 @@ class PoolingRoutes:
             results.append(item)
         num_tokens = sum(len(o.prompt_token_ids) for o in outs)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.s.names[0], "results": results,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def _probs(self, ids: list[list[int]]) -> list[list[float]]:
+        """The classifier's probabilities of each prompt: ``LLM.classify``'s pooling and head, each
+        prompt one pooling request on the engine loop."""
+        tasks = pooling_tasks(None, len(ids), self.engine.pooler, self.engine.hidden_size)
+        vectors = await self._run(self.engine.encode(ids, tasks), "input", ids)
+        return classifier_probs(torch.stack(vectors), self.engine.classifier)
+
+    def _check_activation(self, use_activation: Optional[bool]) -> None:
+        if use_activation is False and self.engine.classifier is not None:
+            raise P.bad_request("use_activation = false (raw logits) is not supported for a classifier; expected "
+                                "true or no use_activation", "use_activation")
+
+    async def pool(self, body: bytes) -> dict:
+        """vLLM's ``/pooling``: per input the model's pooled output as ``data`` (an embedding model's
+        vector; a classifier's probabilities)."""
+        req = P.parse_request(PoolingRequest, body)
+        self._check_runner("Pooling")
+        self.s.check_model(req.model)
+        own = "embed" if self.engine.classifier is None else "classify"
+        if req.task is not None and req.task != own:
+            raise P.bad_request(f"task = {req.task!r}, but this model's pooling task is {own!r}; expected {own!r} "
+                                "or no task", "task")
+        if req.dimensions is not None:         # vLLM's answer too (use /v1/embeddings for Matryoshka sizes)
+            raise P.bad_request("dimensions is currently not supported", "dimensions")
+        if req.encoding_format not in ENCODING_FORMATS:
+            raise P.bad_request(f"encoding_format = {req.encoding_format!r}, expected 'float' or 'base64'",
+                                "encoding_format")
+        self._check_activation(req.use_activation)
+        ids = self._ids(_texts_or_ids(req.input, "input"), "input")
+        if own == "embed":
+            outs = await self._run(self.engine.embed([{"prompt_token_ids": x} for x in ids],
+                                                     PoolingParams(normalize=req.use_activation)), "input", ids)
+            vectors = [o.outputs.embedding for o in outs]
+        else:
+            vectors = await self._probs(ids)
+        encode = _b64_float32 if req.encoding_format == "base64" else (lambda v: v)
+        num_tokens = sum(len(x) for x in ids)
+        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.s.names[0],
+                "data": [{"index": i, "object": "pooling", "data": encode(v)} for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+    async def classify(self, body: bytes) -> dict:
+        """vLLM's ``/classify``: per input the classifier's ``probs``, its most likely ``label`` (the
+        checkpoint's ``id2label``, else transformers' ``LABEL_<i>``) and ``num_classes``."""
+        req = P.parse_request(ClassificationRequest, body)
+        self._check_runner("Classification", needs_classifier=True)
+        self.s.check_model(req.model)
+        self._check_activation(req.use_activation)
+        ids = self._ids(_texts_or_ids(req.input, "input"), "input")
+        probs = await self._probs(ids)
+        if self._labels is None:
+            self._labels = checkpoint_labels(getattr(self.engine, "model_path", None))
+        data = []
+        for i, p in enumerate(probs):
+            best = max(range(len(p)), key=p.__getitem__)
+            data.append({"index": i, "label": self._labels.get(best, f"LABEL_{best}"), "probs": p,
+                         "num_classes": len(p)})
+        num_tokens = sum(len(x) for x in ids)
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.s.names[0], "data": data,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}

@@ -30,6 +30,7 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS   # vLLM's default max_logprobs: the engine's ow
 MAX_N = 128                    # OpenAI's own cap on n (and best_of)
 MAX_PROMPTS = 128              # prompts in one /v1/completions request
 MAX_CHOICES = 1024             # completions in one request: prompts x n
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16    # vLLM's and OpenAI's, for an absent max_tokens
 # Stop strings (searched for in every completion's new text at every token) are bounded by the
 # engine's MAX_STOP_STRINGS and MAX_STOP_STRING_CHARS (64 and 1024; OpenAI allows 4, vLLM any),
 # checked here first so the 400 names the request field.
@@ -106,7 +107,10 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Any = None
-    max_tokens: Optional[int] = 16
+    # absent: 16 (OpenAI's and vLLM's default); null: the room left in the context, as chat's None
+    # (``_Serving.max_tokens_for``; issue 62 asks for it, as vLLM's chat and its completions before 0.10 do;
+    # vLLM 0.32's completions read null as 16)
+    max_tokens: Optional[int] = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None

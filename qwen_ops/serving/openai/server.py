@@ -1,5 +1,7 @@
-"""The FastAPI app of ``qwen-ops serve``: OpenAI's completions, chat completions and models
-routes over an ``AsyncLLM``, plus ``/health`` and ``/metrics``, as vLLM's server does.
+"""The FastAPI app of ``qwen-ops serve``: OpenAI's completions, chat completions, Responses
+(responses.py) and models routes over an ``AsyncLLM``, the pooling routes (pooling.py), plus
+``/health`` (and ``/ping``), ``/metrics`` and vLLM's periodic stats line (stats_log.py), as vLLM's
+server does.
 
     app = build_app(AsyncLLM.from_pretrained(), served_model_name="qwen-ops-default", api_key="k")
     with ServerThread(app) as server:          # a free port on 127.0.0.1
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
@@ -47,13 +50,15 @@ from qwen_ops.engine.structured import StructuredOutputsParams
 from qwen_ops.serving.openai.metrics import ServerMetrics
 from qwen_ops.serving.outputs import CompletionOutput, merge_delta_outputs
 from qwen_ops.serving.openai.pooling import PoolingRoutes
+from qwen_ops.serving.openai.responses import ResponsesRoutes, responses_store_enabled
+from qwen_ops.serving.openai.stats_log import StatsLogger, interval_from_env
 
 logger = logging.getLogger("qwen_ops.serving.openai")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 EMBEDDED_MODEL_NAME = "qwen-ops-default"
 RETRY_AFTER_SECONDS = 1
-API_KEY_ENV = "QWEN_OPS_API_KEY"
+API_KEY_ENVS = ("QWEN_OPS_API_KEY", "VLLM_API_KEY")     # in order of precedence, after --api-key
 # /health says 503 when the engine has work and has finished no iteration for this long (a
 # stopped or hung engine process). One step of a big prefill, or a first step that compiles,
 # can take seconds: the default leaves a wide margin.
@@ -82,6 +87,8 @@ def _dumps(obj: Any) -> str:
 def _sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
+
+SSE_DONE = "data: [DONE]\n\n"
 
 _json_str = json.encoder.encode_basestring      # a JSON string literal, non-ASCII kept (C speed)
 
@@ -520,6 +527,12 @@ class _Serving:
                                 f"in the completion). Please reduce the {param} or {field}.", field)
         return requested
 
+    async def launch(self, prep: _Prepared, rid: str, param: str, deadline: Optional[float]) -> _Generation:
+        """The engine requests of ``prep``, submitted (``start``)."""
+        gen = _Generation(self, prep.prompts, prep.params, rid, prep.lora)
+        await self.start(gen, param, prep.req.stream, deadline, prep.so_field)
+        return gen
+
     async def start(self, gen: _Generation, param: str, stream: bool, deadline: Optional[float],
                     so_field: Optional[str] = None) -> None:
         """Submit ``gen``; a non-streamed request, and any with a structured output (its grammar
@@ -547,9 +560,13 @@ class _Serving:
             raise
 
     async def respond(self, request: Request, gen: _Generation, stream: bool, render_full, render_stream,
-                      deadline: Optional[float]):
+                      deadline: Optional[float], *, error_event: Callable[[dict], str] = _sse,
+                      done: Optional[str] = SSE_DONE):
+        """The response: ``render_full(outputs)`` as JSON, or the SSE events ``render_stream(gen)``
+        yields; an error after the stream has started is sent as ``error_event(body)``, and ``done``
+        ends the stream (the completions APIs' ``[DONE]``; the Responses API sends none)."""
         if stream:
-            return _StreamResponse(self._guard_stream(render_stream(gen), deadline), gen.close)
+            return _StreamResponse(self._guard_stream(render_stream(gen), deadline, error_event, done), gen.close)
         try:
             outputs = await _until_disconnect(request, _by(deadline, gen.final()))
         except _ClientGone:
@@ -564,7 +581,8 @@ class _Serving:
             gen.close()
         return JSONResponse(render_full(outputs))
 
-    async def _guard_stream(self, chunks: AsyncIterator[str], deadline: Optional[float]) -> AsyncIterator[str]:
+    async def _guard_stream(self, chunks: AsyncIterator[str], deadline: Optional[float],
+                            error_event: Callable[[dict], str], done: Optional[str]) -> AsyncIterator[str]:
         try:
             while True:
                 try:
@@ -574,15 +592,16 @@ class _Serving:
                 yield chunk
         except EngineDeadError:                # the stream has started: report in-band, no traceback
             logger.warning("a streaming request ended: %s", getattr(self.engine, "dead_reason", None))
-            yield _sse(self.engine_down_error().body())
+            yield error_event(self.engine_down_error().body())
         except asyncio.TimeoutError:
             if deadline is None:
                 raise
-            yield _sse(self.timeout_error().body())
+            yield error_event(self.timeout_error().body())
         except Exception:                     # noqa: BLE001 - the stream has started: report in-band
             logger.exception("a streaming request failed")
-            yield _sse(P.APIError(500, "internal server error").body())
-        yield "data: [DONE]\n\n"
+            yield error_event(P.APIError(500, "internal server error").body())
+        if done is not None:
+            yield done
 
     # -- /v1/completions
     def _prepare_completion(self, body: bytes) -> _Prepared:
@@ -639,8 +658,7 @@ class _Serving:
                        for i, o in enumerate(outs) for j, s in enumerate(o.sequences)]
             generated = sum(len(s.tokens) - len(p) for p, o in zip(prompts, outs) for s in o.sequences)
             return JSONResponse({**meta, "choices": choices, "usage": P.usage(sum(map(len, prompts)), generated)})
-        gen = _Generation(self, prompts, params, rid, prep.lora)
-        await self.start(gen, "prompt", req.stream, deadline, prep.so_field)
+        gen = await self.launch(prep, rid, "prompt", deadline)
 
         score, echo_only, show_prompt = prep.score, prep.echo_only, req.prompt_logprobs is not None
 
@@ -737,7 +755,13 @@ class _Serving:
 
     # -- /v1/chat/completions
     def _prepare_chat(self, body: bytes) -> _Prepared:
-        req = P.parse_request(P.ChatCompletionRequest, body)
+        return self.prepare_chat(P.parse_request(P.ChatCompletionRequest, body))
+
+    def prepare_chat(self, req: P.ChatCompletionRequest, *, auto_tools_need_flag: bool = True) -> _Prepared:
+        """A chat request rendered, tokenized and turned into sampling parameters (also the
+        Responses API's, responses.py). ``auto_tools_need_flag``: "auto" tool choice without
+        ``--enable-auto-tool-choice`` is a 400 (vLLM's chat rule); False lets it through (vLLM's
+        Responses API: the tools are rendered, the reply is left unparsed)."""
         lora = self.check_model(req.model)
         P.check_unsupported(req)
         self.check_beam_lora(req, lora)
@@ -754,7 +778,7 @@ class _Serving:
         if req.use_beam_search and (req.stream or mode != "none" or P.structured_outputs(req) is not None):
             raise P.bad_request("use_beam_search returns the n best replies once, at the end, unconstrained; expected "
                                 "stream = false, no tools and no structured output", "use_beam_search")
-        if mode == "auto" and not self.auto_tool_choice:        # vLLM's rule (tools alone mean "auto")
+        if mode == "auto" and not self.auto_tool_choice and auto_tools_need_flag:   # tools alone mean "auto"
             raise P.bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
                                 'be set; expected tool_choice "none", "required" or a named function, or a server '
                                 "started with them", "tool_choice")
@@ -799,8 +823,7 @@ class _Serving:
                        for j, s in enumerate(out.sequences)]
             generated = sum(len(s.tokens) - len(ids) for s in out.sequences)
             return JSONResponse({**meta, "choices": choices, "usage": P.usage(len(ids), generated)})
-        gen = _Generation(self, [ids], params, rid, prep.lora)
-        await self.start(gen, "messages", req.stream, deadline, prep.so_field)
+        gen = await self.launch(prep, rid, "messages", deadline)
 
         def full(outputs):
             (out,) = outputs
@@ -988,7 +1011,9 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
               request_timeout: Optional[float] = None, reasoning_parser: Optional[str] = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
               lora_modules: Sequence[LoRAModulePath] = (),
-              allow_runtime_lora_updating: Optional[bool] = None) -> FastAPI:
+              allow_runtime_lora_updating: Optional[bool] = None, disable_log_stats: bool = False,
+              log_stats_interval: Optional[float] = None,
+              enable_responses_store: Optional[bool] = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (an ``AsyncLLM``).
 
     ``served_model_name``: the name (or names; the first is reported) requests must use.
@@ -1009,6 +1034,10 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
     adapters served under their own names, each parsed here (a bad one raises ValueError). Call
     this outside a running event loop when there are any. ``allow_runtime_lora_updating`` (None:
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): add ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    Unless ``disable_log_stats``, vLLM's engine line (stats_log.py) is logged every
+    ``log_stats_interval`` seconds while requests run (None: ``VLLM_LOG_STATS_INTERVAL``, else 10).
+    ``enable_responses_store`` (None: ``VLLM_ENABLE_RESPONSES_API_STORE``): keep the latest
+    responses for ``previous_response_id`` and ``GET /v1/responses/{id}`` (responses.py).
     """
     names = _check_app_args(served_model_name, api_key, max_body_bytes, max_waiting, heartbeat_timeout,
                             request_timeout, reasoning_parser, enable_auto_tool_choice, tool_call_parser)
@@ -1019,16 +1048,39 @@ def build_app(engine, *, served_model_name: Union[str, Sequence[str]], api_key: 
         asyncio.run(serving.lora.load_static(list(lora_modules)))
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_updating_allowed()
-    app = FastAPI(title="qwen-ops OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    stats_logger = None
+    if not disable_log_stats:
+        stats_logger = StatsLogger(engine.stats, serving.metrics.interval_tokens, serving.engine_up,
+                                   interval_from_env() if log_stats_interval is None else log_stats_interval)
+    responses = ResponsesRoutes(serving, store=responses_store_enabled() if enable_responses_store is None
+                                else bool(enable_responses_store))
+    app = FastAPI(title="qwen-ops OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=_lifespan(stats_logger))
     app.state.serving = serving
     app.state.metrics = serving.metrics
+    app.state.stats_logger = stats_logger
     _add_error_handlers(app)
     keyed = [Depends(_api_key_check(api_key))]
     _add_health_routes(app, serving, heartbeat_timeout)
-    _add_model_routes(app, serving, keyed, allow_runtime_lora_updating)
+    _add_model_routes(app, serving, keyed, allow_runtime_lora_updating, responses)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(_CatchAll)
     return app
+
+
+def _lifespan(stats_logger: Optional[StatsLogger]):
+    """The app's lifespan: the stats line's task runs on the server's event loop while it serves."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.ensure_future(stats_logger.run()) if stats_logger is not None else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    return lifespan
 
 
 def _check_app_args(served_model_name, api_key, max_body_bytes, max_waiting, heartbeat_timeout, request_timeout,
@@ -1086,9 +1138,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_health_routes(app: FastAPI, serving: "_Serving", heartbeat_timeout: Optional[float]) -> None:
-    """``/health``, ``/metrics``, and, outside the key as vLLM's (its bench client aligns prompts with
-    them), ``/tokenize``, ``/detokenize`` and ``/version``."""
+    """``/health`` (and vLLM's ``/ping``, GET or POST, its SageMaker alias), ``/metrics``, and,
+    outside the key as vLLM's (its bench client aligns prompts with them), ``/tokenize``,
+    ``/detokenize`` and ``/version``."""
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if not serving.engine_up():       # AsyncLLM's loop has stopped
             return _error_response(P.APIError(503, "the engine is not running"))
@@ -1118,9 +1173,11 @@ def _add_health_routes(app: FastAPI, serving: "_Serving", heartbeat_timeout: Opt
         return {"version": qwen_ops.__version__}
 
 
-def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updating: bool) -> None:
-    """The ``/v1`` routes, under the API key: models, completions, chat, the pooling routes (a
-    generation server answers them 400, as vLLM's) and, when allowed, vLLM's LoRA routes."""
+def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updating: bool,
+                      responses: ResponsesRoutes) -> None:
+    """The model routes, under the API key: models, completions, chat, the Responses API, the
+    pooling routes (a generation server answers them 400, as vLLM's) and, when allowed, vLLM's
+    LoRA routes."""
     @app.get("/v1/models", dependencies=keyed)
     async def models():
         return serving.models()
@@ -1137,6 +1194,15 @@ def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updat
         pooling.refuse_generation("Chat Completions")
         return await serving.chat(request, await request.body())
 
+    @app.post("/v1/responses", dependencies=keyed)
+    async def create_response(request: Request):
+        pooling.refuse_generation("Responses")
+        return await responses.create(request, await request.body())
+
+    @app.get("/v1/responses/{response_id}", dependencies=keyed)
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
+
     # The pooling routes (openai/pooling.py). A client that goes away cancels the work, which aborts
     # its pooling requests (AsyncLLM.encode).
     async def pooled(request: Request, route):
@@ -1149,14 +1215,24 @@ def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updat
     async def embeddings(request: Request):
         return await pooled(request, pooling.embeddings)
 
+    @app.post("/score", dependencies=keyed)
     @app.post("/v1/score", dependencies=keyed)
     async def score(request: Request):
         return await pooled(request, pooling.score)
 
     @app.post("/rerank", dependencies=keyed)
     @app.post("/v1/rerank", dependencies=keyed)
+    @app.post("/v2/rerank", dependencies=keyed)
     async def rerank(request: Request):
         return await pooled(request, pooling.rerank)
+
+    @app.post("/pooling", dependencies=keyed)
+    async def pooling_route(request: Request):
+        return await pooled(request, pooling.pool)
+
+    @app.post("/classify", dependencies=keyed)
+    async def classify(request: Request):
+        return await pooled(request, pooling.classify)
 
     if lora_updating:
         @app.post("/v1/load_lora_adapter", dependencies=keyed)
@@ -1336,6 +1412,7 @@ def run_server(args) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as vLLM's")
     api_key = _api_key(args.api_key)
     lora_modules = _lora_modules(args)
+    disable_log_stats = bool(getattr(args, "disable_log_stats", False))    # an EngineArgs field (vLLM's flag)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.validate()                          # LLM(...)'s check, word for word, before the port and the load
     names = args.served_model_name or [default_served_model_name(args.model)]
@@ -1348,9 +1425,12 @@ def run_server(args) -> int:
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
                             reasoning_parser=args.reasoning_parser,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            tool_call_parser=args.tool_call_parser, lora_modules=lora_modules)
+                            tool_call_parser=args.tool_call_parser, lora_modules=lora_modules,
+                            disable_log_stats=disable_log_stats)
             port = sock.getsockname()[1]
             print(startup_line(engine, names, args.host, port), file=sys.stderr, flush=True)
+            if not disable_log_stats:
+                _show_stats_lines()
             server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
                                                     timeout_keep_alive=args.timeout_keep_alive))
             server.run(sockets=[sock])
@@ -1359,6 +1439,18 @@ def run_server(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _show_stats_lines() -> None:
+    """``serve`` writes the stats line (stats_log.py) to stderr, as vLLM's log does (no other
+    handler is set up for it: a library must leave logging to its application)."""
+    from qwen_ops.serving.openai.stats_log import logger as stats_logger
+
+    if not stats_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        stats_logger.addHandler(handler)
+        stats_logger.setLevel(logging.INFO)
 
 
 def _lora_modules(args) -> list[LoRAModulePath]:
@@ -1386,17 +1478,19 @@ def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
 
 
 def _api_key(flag: Optional[str]) -> Optional[str]:
-    """The key from --api-key, else QWEN_OPS_API_KEY; None when neither is given. A given but empty
-    or blank key (``--api-key "$KEY"`` with KEY unset) is an error, never "no authentication"."""
+    """The key from --api-key, else QWEN_OPS_API_KEY, else VLLM_API_KEY (vLLM's name, so a vLLM
+    deployment's environment works unchanged); None when none is given. A given but empty or blank
+    key (``--api-key "$KEY"`` with KEY unset) is an error, never "no authentication"."""
     if flag is not None:
         if not flag.strip():
             raise ValueError(f"--api-key = {flag!r} is empty or blank; give a key, or leave out --api-key "
-                             f"(and {API_KEY_ENV}) to serve without authentication")
+                             f"(and {' and '.join(API_KEY_ENVS)}) to serve without authentication")
         return flag
-    env = os.environ.get(API_KEY_ENV)
-    if env is not None:
-        if not env.strip():
-            raise ValueError(f"{API_KEY_ENV} = {env!r} is empty or blank; give a key, or unset it "
-                             "to serve without authentication")
-        return env
+    for name in API_KEY_ENVS:
+        env = os.environ.get(name)
+        if env is not None:
+            if not env.strip():
+                raise ValueError(f"{name} = {env!r} is empty or blank; give a key, or unset it "
+                                 "to serve without authentication")
+            return env
     return None

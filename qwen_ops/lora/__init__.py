@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.lora`` package: ``qwen_ops.lora.request`` holds ``LoRARequest``."""

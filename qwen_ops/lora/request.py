@@ -1,0 +1,5 @@
+"""vLLM's ``vllm.lora.request`` (a re-export)."""
+
+from qwen_ops.engine.lora import LoRARequest
+
+__all__ = ["LoRARequest"]

@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.utils`` package, for the one name its examples import: ``argparse_utils.FlexibleArgumentParser``."""
