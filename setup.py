@@ -1,4 +1,11 @@
-"""Build script. Pure Python by default; the CUDA extension in csrc/ is optional.
+"""Build script: the package, the CPU kernels for this machine, and the optional CUDA extension.
+
+The CPU kernels (qwen_ops/ops/kernels/qwen_cpu.c + qwen_cpu_ops.cpp, against torch's headers) are
+compiled here into qwen_ops/ops/kernels/prebuilt/ (carried by wheels), so that their first use
+compiles nothing; runtime builds them itself where that build does not match the machine (cpu_build.py).
+torch is not a build requirement (build isolation would download a CUDA torch of gigabytes), so the
+compile runs in a child interpreter of the target environment, which sees the torch installed there.
+Without torch there, or without a compiler, the install still succeeds and says so (``pip -v``).
 
 QWEN_OPS_BUILD_CUDA=auto (default): build csrc/ only when a CUDA toolkit is found
   AND the installed torch is a CUDA build. Never decided on torch.cuda.is_available(),
@@ -13,9 +20,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 
@@ -106,7 +116,53 @@ def _cuda_extensions() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension}
 
 
+# Loads cpu_build.py by its path (importing the package would need its dependencies, which pip
+# installs after building it) and builds into the package's prebuilt/ folder.
+_PREBUILD = """
+import importlib.util, sys
+del sys.path[0]                 # the working directory: no file of the tree may shadow a module torch imports
+spec = importlib.util.spec_from_file_location("_qwen_ops_cpu_build", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+try:
+    print(module.prebuild())
+except RuntimeError as e:          # its first line says what failed (the compiler's output follows)
+    sys.exit(str(e).splitlines()[0].rstrip(":"))
+"""
+
+
+def _prebuild_cpu_kernels() -> None:
+    """Compile the CPU kernels with the target environment's torch; never fails the install.
+
+    pip's build isolation points PYTHONPATH at its own overlay (setuptools, wheel) and sets
+    PYTHONNOUSERSITE; without both, ``sys.executable`` imports the environment's own torch.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    script = ROOT / "qwen_ops" / "ops" / "kernels" / "cpu_build.py"
+    try:
+        done = subprocess.run([sys.executable, "-c", _PREBUILD, str(script)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"qwen_ops: the CPU kernels were not prebuilt ({e}); they compile on first use", file=sys.stderr)
+        return
+    if done.returncode == 0:
+        print(done.stdout.strip(), file=sys.stderr)
+        return
+    last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    print(f"qwen_ops: the CPU kernels were not prebuilt ({last}); they compile on first use", file=sys.stderr)
+
+
+class BuildPyWithCpuKernels(build_py):
+    """build_py (which every wheel, editable or not, runs) after compiling the CPU kernels into the
+    source tree's prebuilt/ folder, whose files package-data then carries."""
+
+    def run(self):
+        _prebuild_cpu_kernels()
+        super().run()
+
+
 ext_modules, cmdclass = _cuda_extensions()
+cmdclass = {**cmdclass, "build_py": BuildPyWithCpuKernels}
 # torch_library/ sits at the top level of the repo and installs as qwen_ops.torch_library.
 packages = find_packages(include=["qwen_ops", "qwen_ops.*"]) + ["qwen_ops.torch_library"]
 setup(packages=packages, ext_modules=ext_modules, cmdclass=cmdclass)

@@ -16,6 +16,12 @@ worker holds its own model slice, KV-cache slice and host swap copies (keyed by 
 deterministic, every rank gets the full logits, and rank 0's sampled tokens are broadcast each
 step so that random sampling cannot diverge. Multi-node runs use torchrun's rendezvous as is.
 
+Scripts: the workers are spawned, so each imports the caller's main module again. A script that
+creates ``LLM(tensor_parallel_size=N)`` at its top level, not under ``if __name__ == "__main__":``,
+would do it again in every worker: the worker sees that it is still being bootstrapped
+(``assert_not_bootstrapping``), says so and exits with ``MAIN_NOT_GUARDED_EXIT``, and rank 0, which
+waits for every worker to report before it opens the process group, raises naming the guard.
+
 Faults: the process group has a timeout (``QWEN_OPS_TP_TIMEOUT_S``, default 60 s), so a dead
 worker makes the driver raise within it (gloo usually notices a closed socket at once). Workers
 ignore SIGINT (Ctrl-C reaches the whole process group; the driver shuts them down), are daemon
@@ -50,6 +56,35 @@ tp_timeout_s = timeout_s
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker failed, died or did not start."""
+
+
+# A worker's exit status when it found itself creating tensor-parallel workers of its own while
+# importing the main module (``assert_not_bootstrapping``); rank 0 recognizes it.
+MAIN_NOT_GUARDED_EXIT = 117
+
+_GUARD_ADVICE = ("The tensor-parallel workers are started with the 'spawn' method, which imports the main module "
+                 "({main}) again in each worker; code at its top level runs there again. Put the code that "
+                 "creates the LLM (the script's top-level code) under `if __name__ == \"__main__\":`, as vLLM "
+                 "asks too.")
+
+
+def _main_module() -> str:
+    main = sys.modules.get("__main__")
+    return getattr(main, "__file__", None) or "the script"
+
+
+def assert_not_bootstrapping() -> None:
+    """In a spawned process still importing the main module (multiprocessing's bootstrap, when
+    ``current_process()._inheriting`` is set: the state in which CPython itself refuses to start a
+    process), starting workers means the script has no ``if __name__ == "__main__":`` guard: say so on
+    stderr and exit with ``MAIN_NOT_GUARDED_EXIT`` at once, before loading anything."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        print(f"qwen_ops: a tensor-parallel worker, while importing the main module, reached code that starts "
+              f"tensor-parallel workers again. {_GUARD_ADVICE.format(main=sys.argv[0] or 'the script')}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(MAIN_NOT_GUARDED_EXIT)
 
 
 def external_launch() -> Optional[tuple[int, int]]:
@@ -222,8 +257,9 @@ class WorkerSpec:
     channel: Optional[tuple[str, int]] = None        # (shm name, bytes) of the step messages
 
 
-def _worker_main(rank: int, spec: WorkerSpec, errors) -> None:
+def _worker_main(rank: int, spec: WorkerSpec, errors, started) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started.release()             # bootstrapped: the main module imported without incident
     try:
         import torch.distributed as dist
 
@@ -297,20 +333,49 @@ class TPWorkers:
         self.channel = ShmChannel(segments[1], spec.size) if segments[1] is not None else None
         ctx = mp.get_context("spawn")
         self._errors = ctx.Queue()
+        started = ctx.Semaphore(0)
         self.procs = []
         self._closed = False
         for rank in range(1, spec.size):
-            p = ctx.Process(target=_worker_main, args=(rank, spec, self._errors), daemon=True,
+            p = ctx.Process(target=_worker_main, args=(rank, spec, self._errors, started), daemon=True,
                             name=f"qwen-ops-tp-{rank}")
             p.start()
             self.procs.append(p)
         try:
+            self._await_bootstrap(started)
             init_group(torch.device(spec.device), f"tcp://127.0.0.1:{spec.port}", rank=0, world_size=spec.size)
+        except TensorParallelError:
+            self.shutdown()
+            raise
         except Exception as e:
             self.shutdown()
             raise TensorParallelError(f"tensor-parallel workers did not start: {self._first_error() or e}") from e
         self.group = TPGroup(0, spec.size, dist.group.WORLD.group_name,
                              segments[0].tensor if segments[0] is not None else None, list(segments))
+
+    def _await_bootstrap(self, started) -> None:
+        """Wait until every worker has imported the main module and entered ``_worker_main``, watching
+        them: one that exits first (a script without the main guard, or whose import fails) is an
+        error now, not after the process group's timeout."""
+        deadline = time.monotonic() + tp_timeout_s()
+        waiting = len(self.procs)
+        while waiting:
+            if started.acquire(timeout=0.05):
+                waiting -= 1
+                continue
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                p = dead[0]
+                if p.exitcode == MAIN_NOT_GUARDED_EXIT:
+                    raise TensorParallelError(
+                        f"tensor-parallel worker {p.name} could not start: the main module creates the LLM when "
+                        f"it is imported. {_GUARD_ADVICE.format(main=_main_module())}")
+                raise TensorParallelError(
+                    f"tensor-parallel worker {p.name} exited (exit code {p.exitcode}) before it started, while "
+                    f"importing the main module ({_main_module()}) or its arguments: see its error above")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not start within {tp_timeout_s():.0f} s "
+                                          f"(QWEN_OPS_TP_TIMEOUT_S): {waiting} still importing the main module")
 
     def _first_error(self) -> Optional[str]:
         try:
@@ -379,6 +444,7 @@ def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs
     """Spawn ranks 1..size-1 and join them as rank 0 (the caller loads its own slice after)."""
     import torch.distributed as dist
 
+    assert_not_bootstrapping()
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size > 1 in-process needs a fresh process: torch.distributed is "
                          "already initialized here (under torchrun, every rank calls the same LLM(...))")

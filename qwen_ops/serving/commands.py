@@ -28,33 +28,52 @@ def _llm(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Stream the continuation of the prompt. A prompt ending in whitespace is healed
+    (``serving/token_healing.py``): its last token is generated again, among the tokens that start
+    with its text, then the rest; what is printed is the prompt and its continuation either way."""
     from qwen_ops.engine.sampling import SamplingParams
+    from qwen_ops.serving.token_healing import heal
 
     llm = _llm(args)
     if llm.tokenizer is None:
         print("error: this checkpoint has no tokenizer.json, so text prompts cannot be encoded", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+
+    def params(max_tokens: int, **kwargs) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos, **kwargs)
+
     start = time.perf_counter()
-    updates = llm.stream([args.prompt], params)    # a bad prompt raises here, before any output
+    prompt = args.prompt
+    healing = heal(llm.tokenizer, llm.tokenizer.encode(args.prompt)) if args.max_tokens >= 1 else None
+    shown_first, n_first = "", 0
+    if healing is not None:
+        (out1,) = llm.generate([{"prompt_token_ids": healing.prompt_ids}],
+                               params(1, allowed_token_ids=healing.first_token_ids), use_tqdm=False)
+        first_id = out1.outputs[0].token_ids[0]
+        prompt = {"prompt_token_ids": healing.prompt_ids + [first_id]}
+        shown_first, n_first = llm.tokenizer.decode([first_id])[len(healing.tail):], 1
+    updates = llm.stream([prompt], params(args.max_tokens - n_first)) if args.max_tokens > n_first else iter(())
     out = sys.stdout
-    out.write(args.prompt)
+    out.write(args.prompt + shown_first)
     out.flush()
-    first: Optional[float] = None
+    first: Optional[float] = time.perf_counter() if n_first else None
     shown = ""
     n_tokens = 0
+    finish_reason = "length" if n_first and args.max_tokens == 1 else None
     for update in updates:
         first = first or time.perf_counter()
         text = update.outputs[0].text
         out.write(text[len(shown):])
         out.flush()
         shown = text
-        n_tokens = len(update.outputs[0].token_ids)
+        n_tokens, finish_reason = len(update.outputs[0].token_ids), update.outputs[0].finish_reason
+    n_tokens += n_first
     elapsed = time.perf_counter() - start
     rate = n_tokens / elapsed if elapsed > 0 else float("inf")
+    note = "; the model ended the text" if finish_reason == "stop" else ""
     print(f"\n\n[{n_tokens} tokens in {elapsed:.2f} s: {rate:.1f} tokens/s; "
-          f"first token after {1000 * ((first or start) - start):.0f} ms]")
+          f"first token after {1000 * ((first or start) - start):.0f} ms{note}]")
     return 0
 
 

@@ -3,17 +3,14 @@ fast path's ops that the model's layers choose when their weights are packed (li
 rms_norm, add_rms_norm, qk_norm_rope, silu_mul, moe_packed; ``qwen_ops/models/layers.py``), and
 the greedy argmax that sampling uses.
 
-``qwen_cpu.c`` (next to this file, the arithmetic) is compiled on first use with the system C
-compiler (``$CC``, else ``cc``/``gcc``/``clang``) and linked with ``qwen_cpu_ops.cpp`` (the fast
-ops' dispatcher kernels; ``$CXX``, else ``c++``/``g++``/``clang++``, against torch's headers) into
-one shared library, the only CPU build, kept in a per-user cache (``$QWEN_OPS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/qwen_ops`` or ``~/.cache/qwen_ops``), keyed by the sources, the compilers, the
-flags, torch's version and the CPU's feature flags (the C part is built with ``-march=native``, and
-with OpenMP where the compiler has it, so that the packed products split across torch's intra-op
-threads). This module calls the C functions through ctypes (kv_write, slot_attention, the host
-helpers); the fast ops' C++ kernels are registered by ``registry.cpu_fast_ops``. It is the build
-PyTorch's own ``torch.utils.cpp_extension.load`` would make, without its ninja dependency, and
-``pip install`` stays pure Python.
+``qwen_cpu.c`` (next to this file, the arithmetic) and ``qwen_cpu_ops.cpp`` (the fast ops'
+dispatcher kernels, against torch's headers) are one shared library, the only CPU build:
+``cpu_build.py`` builds it (at ``pip install``, else on first use) and says where a build for this
+machine is found. The C part is built with ``-march=native``, and with OpenMP where the compiler has
+it, so that the packed products split across torch's intra-op threads. This module calls the C
+functions through ctypes (kv_write, slot_attention, the host helpers); the fast ops' C++ kernels are
+registered by ``registry.cpu_fast_ops``. It is the build PyTorch's own
+``torch.utils.cpp_extension.load`` would make, without its ninja dependency.
 
 Without a C or C++ compiler (or torch's headers) the backend is unavailable and ``auto`` keeps the reference on the CPU.
 Sequences with many query rows (prefill, chunked prefill) take slot_attention's flash path
@@ -28,31 +25,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import mmap
 import os
 import platform
-import shutil
-import subprocess
 import time
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+# The build's pieces, named here too: the tests swap _compiler, _cxx_compiler, _build and SOURCE of
+# this module, which library() reads.
+from qwen_ops.ops.kernels.cpu_build import (CXX_SOURCE, SOURCE, _compiler, _cpu_flags,  # noqa: F401
+                                            _cxx_compiler, build, cache_dir, check_toolchain, library_name,
+                                            search_dirs)
 from qwen_ops.ops.kernels.reference import (causal_conv1d_reference, gated_delta_rule_reference,
                                         slot_attention_reference)
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("qwen_cpu.c")
-CXX_SOURCE = Path(__file__).with_name("qwen_cpu_ops.cpp")
-# qwen_cpu.c, the files it includes and the C++ kernels: all of them key the cached build
-SOURCES = (SOURCE, SOURCE.with_name("qwen_cpu_flash.c"), SOURCE.with_name("qwen_cpu_lora.c"), CXX_SOURCE)
-C_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC")
-CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -93,74 +85,9 @@ _SIGNATURES = {
 }
 
 
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    if os.environ.get("QWEN_OPS_CACHE_DIR"):
-        return Path(os.environ["QWEN_OPS_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qwen_ops"
-
-
-def _extra_flags() -> list[str]:
-    """``$QWEN_OPS_CPU_CFLAGS``, appended to the compile flags (e.g. ``-mno-avx512f`` to build the
-    portable loops instead of the AVX-512 paths; the tests do)."""
-    return os.environ.get("QWEN_OPS_CPU_CFLAGS", "").split()
-
-
-def _torch_flags() -> list[str]:
-    """Compile and link flags of the C++ part against this torch (its headers and libraries)."""
-    root = Path(torch.__file__).parent
-    return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{root / 'include'}",
-            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
-
-
 def _build(cc: str, cxx: str, out: Path) -> None:
-    """The one build of the CPU kernels: ``qwen_cpu.c`` (the arithmetic) compiled with the C compiler,
-    linked with ``qwen_cpu_ops.cpp`` (the fast ops' dispatcher kernels, against torch's headers) into
-    one shared library. Compiled to a temporary name, then renamed: concurrent builders never load a
-    half-written file.
-
-    With OpenMP where the compiler has it (the products then split across torch's intra-op
-    threads; GCC's libgomp.so.1 is the one torch itself loaded, so both share one thread pool),
-    else without (single-threaded products)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    # some compilers (or CPUs) reject -march=native; some compilers have no OpenMP runtime
-    for arch, openmp in ((["-march=native"], ["-fopenmp"]), (["-march=native"], []), ([], ["-fopenmp"]), ([], [])):
-        fd, obj = tempfile.mkstemp(suffix=".o", dir=out.parent)
-        os.close(fd)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        steps = ([cc, "-c", *C_FLAGS, *arch, *openmp, *_extra_flags(), str(SOURCE), "-o", obj],
-                 [cxx, *CXX_FLAGS, str(CXX_SOURCE), obj, "-o", tmp, *openmp, *_torch_flags(), "-lm"])
-        for cmd in steps:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                errors.append(f"{' '.join(cmd)}:\n{proc.stderr.strip()[-4000:]}")
-                break
-        else:
-            os.unlink(obj)
-            os.replace(tmp, out)
-            return
-        os.unlink(obj)
-        os.unlink(tmp)
-    raise RuntimeError("compiling the qwen_ops CPU kernels failed:\n" + "\n".join(errors))
+    """``cpu_build.build`` of this module's ``SOURCE`` and ``CXX_SOURCE``."""
+    build(cc, cxx, out, SOURCE, CXX_SOURCE)
 
 
 # Environment settings the C library reads once per process (qwen_cpu.c): their allowed values.
@@ -174,40 +101,36 @@ def _check_product_settings() -> None:
             raise ValueError(f"{name} = {value!r}, expected one of {', '.join(allowed)} (or unset: the CPU's own choice)")
 
 
-def _cxx_compiler() -> Optional[str]:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The compiled kernels (built on first call, then cached on disk and in this process): the C
-    functions, called through ctypes by this module, and the fast ops' C++ kernels, which
-    ``qwen_register_cpu_kernels`` registers (registry.py calls it, once)."""
+    """The compiled kernels, loaded once per process: the build for this machine found where
+    ``cpu_build.search_dirs`` says (the per-user cache, then the one ``pip install`` made), else
+    compiled now into the cache. The C functions are called through ctypes by this module; the fast
+    ops' C++ kernels are registered by ``qwen_register_cpu_kernels`` (registry.py calls it, once)."""
     _check_product_settings()
     cc, cxx = _compiler(), _cxx_compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install c++/g++/clang++)")
-    if not (Path(torch.__file__).parent / "include" / "torch" / "library.h").is_file():
-        raise RuntimeError(f"torch {torch.__version__} has no C++ headers here (torch/include/torch/library.h)")
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, cxx, " ".join(C_FLAGS + CXX_FLAGS),
-                                    " ".join(_extra_flags()), _cpu_flags(), platform.machine(), torch.__version__]
-                                    ).encode()).hexdigest()[:16]
-    path = cache_dir() / f"qwen_cpu_{key}.so"
-    if not path.exists():
-        # Say so: the first use on a machine waits a few seconds here, which should not look like a hang.
+    check_toolchain(cc, cxx)
+    name = library_name(cc, cxx)
+    lib = None
+    for folder in search_dirs():
+        if (folder / name).exists():
+            try:
+                lib = ctypes.CDLL(str(folder / name))
+                break
+            except OSError as e:        # e.g. a wheel's build whose torch libraries moved: build again
+                logger.warning("qwen_ops: cannot load %s (%s); compiling the CPU kernels instead", folder / name, e)
+    if lib is None:
+        path = cache_dir() / name
+        # Say so: the first use on a machine waits here (no build at install, or another CPU, compiler
+        # or torch since), which should not look like a hang.
         logger.warning("qwen_ops: compiling the CPU kernels with %s and %s (first use on this machine, about "
-                       "15 s) into %s", cc, cxx, path)
+                       "30 s) into %s", cc, cxx, path)
         start = time.perf_counter()
         _build(cc, cxx, path)
         logger.warning("qwen_ops: CPU kernels compiled in %.1f s", time.perf_counter() - start)
-    lib = ctypes.CDLL(str(path))
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        lib = ctypes.CDLL(str(path))
+    for fn_name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib
 
