@@ -84,9 +84,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY); an empty or "
-                        "blank key is an error. To serve without authentication, leave out both --api-key and "
-                        "QWEN_OPS_API_KEY")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also: QWEN_OPS_API_KEY, then vLLM's "
+                        "VLLM_API_KEY); an empty or blank key is an error. To serve without authentication, leave "
+                        "out --api-key and both variables")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model name(s) clients use (default: the checkpoint directory's name, or "
                         "qwen-ops-default for the embedded model)")
@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, dest="sampling_seed", metavar="SEED",
                    help="seed of the request's sampling")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    g.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prompt ending in whitespace (a newline, indentation) has its last token generated again "
+                        "among the tokens that start with its text, so a small model does not end the text at once "
+                        "(default: on; --no-token-healing sends the prompt as it is, as LLM.generate does)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     g.set_defaults(func="generate")
     _add_chat_parser(sub)

@@ -65,6 +65,13 @@ def test_generate_heals_the_newline_and_prints_transformers_continuation(hf, cap
     assert stats.startswith(f"{MAX_TOKENS} tokens in ")
 
 
+def test_no_token_healing_sends_the_prompt_as_it_is(hf, capsys):
+    """``--no-token-healing``: the prompt as LLM.generate sends it, so transformers' end-of-sequence first."""
+    assert main(["generate", PROMPT, "--max-tokens", str(MAX_TOKENS), "--no-token-healing"]) == 0
+    printed, stats = capsys.readouterr().out.rsplit("\n\n[", 1)
+    assert printed == PROMPT and "the model ended the text" in stats         # EOS first, nothing printed
+
+
 def test_only_a_whitespace_tail_that_longer_tokens_extend_is_healed():
     tokenizer = load_tokenizer(default_model_path())
     newline = tokenizer.encode("\n")

@@ -45,7 +45,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     prompt = args.prompt
-    healing = heal(llm.tokenizer, llm.tokenizer.encode(args.prompt)) if args.max_tokens >= 1 else None
+    healing = (heal(llm.tokenizer, llm.tokenizer.encode(args.prompt))
+               if args.max_tokens >= 1 and getattr(args, "token_healing", True) else None)
     shown_first, n_first = "", 0
     if healing is not None:
         (out1,) = llm.generate([{"prompt_token_ids": healing.prompt_ids}],
