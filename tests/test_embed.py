@@ -308,8 +308,9 @@ def test_reranker_prompt_and_tokens_from_the_tokenizer():
 
 
 def test_reranker_overrides_are_checked(causal_ckpt):
-    with pytest.raises(ValueError, match=r"hf_overrides\['num_labels'\] is not supported"):
-        LLM(str(causal_ckpt), hf_overrides={"num_labels": 2})
+    # (other keys are config.json overrides since issue 62, vLLM's context extension: tests/test_vllm_engine_args.py)
+    with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\] = None, expected two tokens"):
+        LLM(str(causal_ckpt), hf_overrides={"architectures": ["Qwen3ForSequenceClassification"]})
     with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\] = \['yes'\], expected two tokens"):
         LLM(str(causal_ckpt), hf_overrides=dict(RERANKER_OVERRIDES, classifier_from_token=["yes"]))
     with pytest.raises(ValueError, match=r"hf_overrides\['classifier_from_token'\]\[0\] = 'no' is not a token"):

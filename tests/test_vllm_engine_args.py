@@ -286,3 +286,28 @@ def test_vllm_example_style_argument_parsing():
     e = EngineArgs(**args)
     assert (e.model, e.max_model_len, e.dtype) == ("/m", 64, "float32")
     assert isinstance(parser, argparse.ArgumentParser)
+
+
+def test_hf_overrides_lay_config_keys_over_the_checkpoints(ckpt, tmp_path):
+    """vLLM's context extension: hf_overrides' config.json keys (rope_theta, rope_scaling) change the model as
+    the same keys written into config.json do. Oracle: transformers' greedy tokens on a copy of the checkpoint
+    whose config.json holds them."""
+    overrides = {"rope_theta": 500.0, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                       "original_max_position_embeddings": 256}}
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in ckpt.iterdir():
+        (edited / f.name).write_bytes(f.read_bytes())
+    config = json.loads((edited / "config.json").read_text())
+    config.update(overrides)
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+                                 "rope_theta": 500.0}
+    (edited / "config.json").write_text(json.dumps(config))
+    oracle, plain = TransformersGreedy(edited), TransformersGreedy(ckpt)
+    prompt = list(range(3, 60))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = LLM(str(ckpt), hf_overrides=overrides).generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == oracle(prompt, 8)
+    assert oracle(prompt, 8) != plain(prompt, 8)          # the override changes the answer
+    with pytest.raises(ValueError, match=r"hf_overrides = .* with tensor_parallel_size = 2: config overrides"):
+        LLM(str(ckpt), hf_overrides={"rope_theta": 500.0}, tensor_parallel_size=2)

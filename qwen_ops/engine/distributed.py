@@ -549,3 +549,19 @@ def broadcast_tokens(tokens: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
     return tokens.copy_(funcol.broadcast(tokens, 0, tp.group))
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's ``cleanup_dist_env_and_memory`` (its examples call it between two ``LLM``s): leave this
+    process's torch.distributed group if one is up, and collect what deleted engines left. An
+    ``LLM``'s tensor-parallel workers stop with ``LLM.shutdown()`` (or when it is deleted). ``shutdown_ray``:
+    accepted (no Ray here)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

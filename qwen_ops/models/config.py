@@ -305,13 +305,15 @@ class QwenConfig:
         return None if self.torch_dtype is None else getattr(torch, self.torch_dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "QwenConfig":
-        """Read ``config.json`` from a checkpoint directory (or the file itself), or a GGUF file's metadata."""
+    def from_pretrained(cls, path: str | Path, overrides: Optional[Mapping[str, Any]] = None) -> "QwenConfig":
+        """Read ``config.json`` from a checkpoint directory (or the file itself), or a GGUF file's metadata;
+        ``overrides``: keys laid over it before it is read (vLLM's ``hf_overrides``)."""
         from qwen_ops.models.gguf import gguf_of
 
         gguf = gguf_of(path)
         if gguf is not None:            # a GGUF file: its metadata as a config.json would hold it
-            return cls.from_dict(gguf.config_dict(), source=str(gguf.path))
+            source = str(gguf.path) + (" with hf_overrides" if overrides else "")
+            return cls.from_dict(_lay_over(gguf.config_dict(), overrides or {}), source=source)
         path = Path(path)
         file = path / CONFIG_FILE if path.is_dir() else path
         if not file.is_file():
@@ -325,6 +327,8 @@ class QwenConfig:
             raise ValueError(f"{file}: not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+        if overrides:
+            return cls.from_dict(_lay_over(data, overrides), source=f"{file} with hf_overrides")
         return cls.from_dict(data, source=str(file))
 
     @classmethod
@@ -407,6 +411,25 @@ class QwenConfig:
 
 def _types(predicate) -> list[str]:
     return [name for name, arch in ARCHITECTURES.items() if predicate(arch)]
+
+
+def _lay_over(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
+    """config.json's ``data`` with vLLM's ``hf_overrides`` over it. The older rope keys (``rope_theta``,
+    ``rope_scaling``, which vLLM's examples override) also go into a ``rope_parameters`` the file holds
+    (transformers 5 writes that, and it is read first): the scaling replaces its type and factors, the
+    theta its theta."""
+    out = {**data, **overrides}
+    params = data.get("rope_parameters")
+    if isinstance(params, Mapping) and "rope_parameters" not in overrides and (
+            "rope_theta" in overrides or "rope_scaling" in overrides):
+        theta = overrides.get("rope_theta", params.get("rope_theta"))
+        scaling = overrides.get("rope_scaling")
+        merged = dict(scaling) if isinstance(scaling, Mapping) else {
+            k: v for k, v in params.items() if k != "rope_theta"}
+        if theta is not None:
+            merged["rope_theta"] = theta
+        out["rope_parameters"] = merged
+    return out
 
 
 def _unsupported_type_message(model_type: Any, source: str) -> str:

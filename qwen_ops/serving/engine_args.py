@@ -123,7 +123,8 @@ class EngineArgs:
     architectures ``Qwen3Model``). ``task`` is vLLM's older spelling: ``"embed"`` and ``"score"``
     mean ``runner="pooling"``. One runner per ``LLM``.
 
-    ``hf_overrides`` (vLLM's, for Qwen3-Reranker only): ``{"architectures":
+    ``hf_overrides`` (vLLM's): config.json keys laid over the checkpoint's (``{"rope_theta": 1e6,
+    "rope_scaling": {"rope_type": "yarn", ...}}``: vLLM's context extension), and for Qwen3-Reranker ``{"architectures":
     ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": True}`` runs a causal-LM checkpoint as a reranker: the pooling
     runner, and ``score`` is the softmax share of "yes" over the two tokens' logits at the last
@@ -485,10 +486,15 @@ class EngineArgs:
                            "'auto'")
 
     def _check_runner(self) -> None:
-        from qwen_ops.serving.pooling import check_hf_overrides, resolve_runner
+        from qwen_ops.serving.pooling import check_hf_overrides, resolve_runner, split_hf_overrides
 
         resolve_runner(self.runner, self.task, False)       # the names; "auto" is decided by the checkpoint
-        if self.hf_overrides is not None:
+        reranker, config = split_hf_overrides(self.hf_overrides)
+        if config and self.tensor_parallel_size > 1:
+            raise ValueError(f"hf_overrides = {self.hf_overrides!r} with tensor_parallel_size = "
+                             f"{self.tensor_parallel_size}: config overrides apply to one process only; expected "
+                             "tensor_parallel_size = 1, or a checkpoint whose config.json holds them")
+        if reranker is not None:
             check_hf_overrides(self.hf_overrides)
             if self.runner == "generate" or self.task == "generate":
                 raise ValueError("hf_overrides (a Qwen3-Reranker classifier) with a generate runner; expected "

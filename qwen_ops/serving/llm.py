@@ -42,7 +42,8 @@ from qwen_ops.serving.pooling import (ClassificationOutput, ClassificationReques
                                       EmbeddingRequestOutput, PoolingOutput, PoolingParams,  # noqa: F401
                                       PoolingRequestOutput, ScoringRequestOutput, check_pooling_task,
                                       classifier_probs, classifier_tokens, pooling_tasks, reranker_head,
-                                      resolve_runner, run_pooling, run_pooling_requests, ScorePlan)
+                                      resolve_runner, run_pooling, run_pooling_requests, split_hf_overrides,
+                                      ScorePlan)
 from qwen_ops.models.pooler_config import PoolerConfig, is_embedding_checkpoint, read_pooler_config
 from qwen_ops.engine.scheduler import SchedulerConfig
 
@@ -346,7 +347,7 @@ def _tokenizer_override(tokenizer, tokenizer_path: Optional[Path]) -> Optional[Q
 def _resolve_runner(args: EngineArgs, path, spec: Optional[SpeculativeConfig]) -> str:
     """``"generate"`` or ``"pooling"`` (``"auto"``: as the checkpoint says; a reranker pools), and
     what the pooling runner cannot do with it."""
-    reranker = args.hf_overrides is not None
+    reranker = split_hf_overrides(args.hf_overrides)[0] is not None
     runner = resolve_runner(args.runner, args.task, reranker or is_embedding_checkpoint(path))
     if runner == "pooling" and (spec is not None or args.tensor_parallel_size > 1 or args.enable_lora):
         raise ValueError(f"runner = 'pooling' with speculative_config, tensor_parallel_size = "
@@ -390,6 +391,23 @@ def _resolve_dtype(dtype, cfg: QwenConfig, device: torch.device) -> torch.dtype:
         logger.info("dtype='auto': the checkpoint is bfloat16, which this CPU does not compute in; loading float32")
         return torch.float32
     return resolved
+
+
+def _seed_everything(seed: int) -> None:
+    """vLLM's ``set_random_seed`` for ``LLM(seed=...)``: Python's ``random``, numpy's and torch's global
+    generators, so a script's own draws after building the engine repeat from run to run, as they do
+    with vLLM (its in-process engine). The engine's own noise is the seed's, per request
+    (``SchedulerConfig.seed``), and reads none of them."""
+    import random
+
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % (1 << 32))
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
 
 
 def _check_load_format(args: EngineArgs, path) -> None:
@@ -571,8 +589,11 @@ class LLM:
         self.runner = _resolve_runner(args, path, spec)
         pooling = self.runner == "pooling"
         # The config first: max_model_len decides how much of the model's RoPE table is built.
-        cfg = QwenConfig.from_pretrained(path)
+        reranker_overrides, config_overrides = split_hf_overrides(args.hf_overrides)
+        cfg = QwenConfig.from_pretrained(path, overrides=config_overrides)
         args = dataclasses.replace(args, dtype=_resolve_dtype(args.dtype, cfg, device))   # "auto" as vLLM-CPU
+        if args.seed is not None:
+            _seed_everything(args.seed)
         # the model's limit, lowered (from the config's KV bytes) to what the KV cache holds: the RoPE table
         # is built for this many positions; after the load the blocks are counted again from the model
         max_model_len, _ = _fit_kv_cache(args, cfg, None, device, _max_model_len(args.max_model_len, cfg),
@@ -601,7 +622,7 @@ class LLM:
         if args.skip_tokenizer_init:              # vLLM's: token ids in and out, no text
             self.engine.tokenizer = self.tokenizer = None
         self._default_sampling = SamplingParams(**self.sampling_overrides)
-        self.pooler, self.classifier = (_pooling_head(args.hf_overrides, path, ckpt, self.tokenizer) if pooling
+        self.pooler, self.classifier = (_pooling_head(reranker_overrides, path, ckpt, self.tokenizer) if pooling
                                         else (None, None))
 
     @classmethod

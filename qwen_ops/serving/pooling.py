@@ -261,17 +261,28 @@ def qwen3_reranker_inputs(query: str, documents: Union[str, Sequence[str]],
     return text_1, [f"<Document>: {d}{QWEN3_RERANKER_SUFFIX}" for d in documents]
 
 
-def check_hf_overrides(hf_overrides: Optional[dict]) -> None:
-    """vLLM's Qwen3-Reranker overrides, checked before the load: only its keys, its architecture,
-    two classifier tokens (strings or ids)."""
+def split_hf_overrides(hf_overrides: Optional[dict]) -> tuple[Optional[dict], dict]:
+    """vLLM's ``hf_overrides`` as ``(reranker, config)``: the Qwen3-Reranker keys (``HF_OVERRIDE_KEYS``;
+    None when it names none of them) and the rest, config.json keys laid over the checkpoint's
+    (``rope_theta``, ``rope_scaling``, ``max_position_embeddings``, ...; vLLM's context extension)."""
     if hf_overrides is None:
-        return
+        return None, {}
     if not isinstance(hf_overrides, dict):
         raise ValueError(f"hf_overrides = {hf_overrides!r}, expected a dict or None")
-    for key in hf_overrides:
-        if key not in HF_OVERRIDE_KEYS:
-            raise ValueError(f"hf_overrides[{key!r}] is not supported; expected only {', '.join(HF_OVERRIDE_KEYS)} "
-                             "(vLLM's Qwen3-Reranker overrides)")
+    reranker = {k: v for k, v in hf_overrides.items() if k in HF_OVERRIDE_KEYS}
+    config = {k: v for k, v in hf_overrides.items() if k not in HF_OVERRIDE_KEYS}
+    if set(reranker) == {"architectures"} and reranker["architectures"] != [RERANKER_ARCHITECTURE]:
+        config["architectures"] = reranker.pop("architectures")     # a config key, not the reranker's
+    return (reranker or None), config
+
+
+def check_hf_overrides(hf_overrides: Optional[dict]) -> None:
+    """vLLM's Qwen3-Reranker overrides, checked before the load: its architecture, two classifier
+    tokens (strings or ids). The other keys are config.json keys (``split_hf_overrides``), checked
+    with the config."""
+    hf_overrides, _ = split_hf_overrides(hf_overrides)
+    if hf_overrides is None:
+        return
     archs = hf_overrides.get("architectures", [RERANKER_ARCHITECTURE])
     if archs != [RERANKER_ARCHITECTURE]:
         raise ValueError(f"hf_overrides['architectures'] = {archs!r}, expected [{RERANKER_ARCHITECTURE!r}]")
