@@ -41,13 +41,23 @@ def test_a_script_without_the_main_guard_fails_at_once_naming_the_guard(tmp_path
     done, elapsed = _run(tmp_path, BODY + "print('generated', tp)\n")
     assert done.returncode != 0 and "generated" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("qwen_ops.engine.distributed.TensorParallelError: tensor-parallel worker qwen-ops-tp-1 "
-                           "could not start"), done.stderr[-3000:]
-    assert 'if __name__ == "__main__":' in last and str(tmp_path / "script.py") in last
-    # The worker's own words, on its stderr, before the driver's error.
-    assert "qwen_ops: a tensor-parallel worker, while importing the main module" in done.stderr
-    # Two interpreters importing torch on a busy 2-core machine take seconds; the group's timeout is 120 s.
+    assert last.startswith("qwen_ops.engine.distributed.TensorParallelError: tensor_parallel_size > 1 from the top "
+                           f"level of {tmp_path / 'script.py'} (line 4)"), done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last
+    # The driver sees it before spawning anything: no worker ran the script again.
+    assert "qwen_ops: a tensor-parallel worker" not in done.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_the_guard_error_comes_within_a_second_of_the_call(tmp_path):
+    timed = ("import time\nfrom qwen_ops import LLM\nstart = time.monotonic()\ntry:\n"
+             "    LLM(tensor_parallel_size=2)\nexcept Exception as e:\n"
+             "    print('after', round(time.monotonic() - start, 3), type(e).__name__, str(e))\n")
+    done, _ = _run(tmp_path, timed)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("after "))
+    _, seconds, kind, message = line.split(" ", 3)
+    assert kind == "TensorParallelError" and 'if __name__ == "__main__":' in message, line
+    assert float(seconds) < 1.0, line
 
 
 def test_a_guarded_script_runs_and_equals_one_process(tmp_path):

@@ -37,6 +37,7 @@ import datetime
 import mmap
 import os
 import signal
+from pathlib import Path
 import socket
 import sys
 import time
@@ -85,6 +86,39 @@ def assert_not_bootstrapping() -> None:
               f"tensor-parallel workers again. {_GUARD_ADVICE.format(main=sys.argv[0] or 'the script')}",
               file=sys.stderr, flush=True)
         raise SystemExit(MAIN_NOT_GUARDED_EXIT)
+
+
+def assert_main_guarded() -> None:
+    """In the driver, before anything is spawned: when the main module is a file still running its
+    top-level code (its ``<module>`` frame is on the stack) and the line it is at is not inside an
+    ``if __name__ == "__main__":`` block, every spawned worker would run that line again: raise now,
+    naming the guard (the workers' own check, ``assert_not_bootstrapping``, would say so only after
+    each imported torch). A main module without a file (an interactive session, ``python -c``), or one
+    whose source cannot be read, is left to the workers' check."""
+    import ast
+    import inspect
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path:
+        return
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return                      # the main module finished its top level (a callback, a thread): fine
+    line = frame.f_lineno
+    del frame
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return
+    raise TensorParallelError(f"tensor_parallel_size > 1 from the top level of {path} (line {line}). "
+                              + _GUARD_ADVICE.format(main=path))
 
 
 def external_launch() -> Optional[tuple[int, int]]:
@@ -445,6 +479,7 @@ def start_workers(path, *, size: int, dtype, device: torch.device, engine_kwargs
     import torch.distributed as dist
 
     assert_not_bootstrapping()
+    assert_main_guarded()
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size > 1 in-process needs a fresh process: torch.distributed is "
                          "already initialized here (under torchrun, every rank calls the same LLM(...))")
