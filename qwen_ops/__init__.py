@@ -52,7 +52,7 @@ _MODULES = {
     "ScoringOutput": "qwen_ops.serving.pooling",
     "TextPrompt": "qwen_ops.serving.prompts", "TokensPrompt": "qwen_ops.serving.prompts",
     "PromptType": "qwen_ops.serving.prompts", "AsyncEngineArgs": "qwen_ops.serving.engine_args",
-    "AsyncLLM": "qwen_ops.serving.async_llm",
+    "AsyncLLM": "qwen_ops.serving.async_llm", "LLMEngine": "qwen_ops.serving.llm_engine",
     "ClassificationRequestOutput": "qwen_ops.serving.pooling", "qwen3_reranker_inputs": "qwen_ops.serving.pooling",
 }
 

@@ -33,8 +33,8 @@ def _layer(module: str) -> str | None:
 # nothing but imports (test_vllm_paths_only_re_export).
 VLLM_PATHS = sorted(
     [p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
-    + [p for folder in ("lora", "entrypoints", "utils", "distributed") for p in (PACKAGE / folder).rglob("*.py")]
-    + [PACKAGE / "engine" / "arg_utils.py"])
+    + [p for folder in ("lora", "entrypoints", "utils", "distributed", "v1") for p in (PACKAGE / folder).rglob("*.py")]
+    + [PACKAGE / "engine" / "arg_utils.py", PACKAGE / "engine" / "llm_engine.py"])
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -50,7 +50,7 @@ def test_layers_import_only_downward(layer):
 
 
 def test_no_module_outside_the_layers_but_vllms_paths():
-    folders = set(LAYERS) | {"lora", "entrypoints", "utils", "distributed", "default_model", "__pycache__"}
+    folders = set(LAYERS) | {"lora", "entrypoints", "utils", "distributed", "v1", "default_model", "__pycache__"}
     loose = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name not in folders)
     assert loose == [], f"packages outside ops/, models/, engine/, serving/ and vLLM's paths: {loose}"
     names = {str(p.relative_to(PACKAGE.parent)) for p in VLLM_PATHS}

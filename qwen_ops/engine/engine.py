@@ -611,8 +611,12 @@ class QwenEngine:
 
     def stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a request: its ``stop_token_ids``, plus the model's EOS ids unless
-        ``ignore_eos`` (the one place this is decided, for the engine API and ``LLM`` alike)."""
-        return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
+        ``ignore_eos`` (the one place this is decided, for the engine API and ``LLM`` alike). Stop ids
+        past the vocabulary (accepted, as vLLM accepts them) are left out: never sampled, and ``min_tokens``
+        masks these ids in the logits."""
+        vocab = self.config.vocab_size
+        stops = frozenset(t for t in sampling.stop_token_ids if t < vocab)
+        return stops | (frozenset() if sampling.ignore_eos else frozenset(self.eos_token_ids))
 
     # ----------------------------------------------------------------- single-session API
     def prefill(self, tokens: Sequence[int], slot_id: int = 0,

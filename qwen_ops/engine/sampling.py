@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -219,9 +219,16 @@ def _structured_outputs(structured_outputs, guided_decoding):
     return structured_outputs
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(init=False)
 class SamplingParams:
     """How to pick tokens. Defaults follow vLLM (temperature 1.0, 16 new tokens).
+
+    Mutable, as vLLM's: ``sp.temperature = 0.5`` (and ``sp.max_tokens = 100``) re-runs the
+    constructor's checks on the whole, so a bad value raises the constructor's ``ValueError`` and
+    leaves ``sp`` as it was; an unknown name is an ``AttributeError``. The engine never keeps the
+    caller's object: every request takes its own ``clone()`` (``prepare_requests``), so changing
+    ``sp`` after ``generate`` or ``add_request`` changes no request queued with it. Unhashable,
+    as vLLM's. Shared constants (``GREEDY``) are ``read_only()`` copies, which refuse assignment.
 
     ``max_new_tokens`` is also accepted as vLLM's ``max_tokens``. ``temperature`` 0 (or anything
     below ``GREEDY_TEMPERATURE``, 1e-5, as vLLM) is greedy.
@@ -336,8 +343,49 @@ class SamplingParams:
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """vLLM's mutable fields, each assignment checked as the constructor checks it: the
+        parameters are rebuilt with the new value (every cross-field rule too, min_tokens <=
+        max_tokens, stop strings need detokenize) and take effect only when all pass."""
+        if self.__dict__.get("_read_only"):
+            raise AttributeError(f"cannot set {name} = {value!r}: this SamplingParams is a shared read-only "
+                                 "constant (GREEDY); expected a copy of it, .clone()")
+        if name == "max_tokens":                 # vLLM's name of max_new_tokens
+            name = "max_new_tokens"
+        if name not in _SETTABLE:
+            raise AttributeError(f"SamplingParams has no settable field {name!r}; expected one of "
+                                 f"{', '.join(sorted(_SETTABLE | {'max_tokens'}))}")
+        checked = SamplingParams(**{**self._arguments(), name: value})
+        if name != "bad_words":                  # the encoded words stay with the words they encode
+            object.__setattr__(checked, "bad_words_token_ids", self.bad_words_token_ids)
+        self.__dict__.update((f, checked.__dict__[f]) for f in _FIELDS)
+
+    def _arguments(self) -> dict:
+        """The constructor's keywords that rebuild these parameters (``__setattr__``)."""
+        kwargs = {f: getattr(self, f) for f in _SETTABLE}
+        if self.logit_bias is not None:
+            kwargs["logit_bias"] = dict(self.logit_bias)
+        return kwargs
+
+    def clone(self) -> "SamplingParams":
+        """A writable copy that shares nothing mutable with this one (vLLM's ``clone``): the one a
+        request keeps, so its caller may change or reuse its own object afterwards."""
+        out = copy.copy(self)
+        out.__dict__.pop("_read_only", None)
+        for name in ("extra_args", "structured_outputs"):     # may hold dicts (a JSON schema)
+            if getattr(self, name) is not None:
+                object.__setattr__(out, name, copy.deepcopy(getattr(self, name)))
+        return out
+
+    def read_only(self) -> "SamplingParams":
+        """A copy that refuses assignment: for parameters shared by every caller (``GREEDY``)."""
+        out = self.clone()
+        object.__setattr__(out, "_read_only", True)
+        return out
+
     @property
     def max_tokens(self) -> int:
+        """vLLM's name of ``max_new_tokens`` (assignable: ``sp.max_tokens = 100``)."""
         return self.max_new_tokens
 
     @property
@@ -358,9 +406,8 @@ class SamplingParams:
         return child
 
     def check_vocab(self, vocab_size: int) -> None:
-        for i, t in enumerate(self.stop_token_ids):
-            if t >= vocab_size:
-                raise ValueError(f"stop_token_ids[{i}] = {t}, expected < vocab_size = {vocab_size}")
+        # stop_token_ids past the vocabulary are accepted, as vLLM accepts them (an adapter's added token in
+        # its examples): never sampled, they never stop anything.
         for t, _ in self.logit_bias or ():
             if t >= vocab_size:
                 raise ValueError(f"logit_bias key {t}, expected a token id < vocab_size = {vocab_size}")
@@ -412,7 +459,12 @@ class SamplingParams:
         return SeededNoise(self.seed)
 
 
-GREEDY = SamplingParams(temperature=0.0)
+# Every field of SamplingParams, and those an assignment may set (bad_words_token_ids is derived from
+# bad_words by prepare_requests).
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_SETTABLE = _FIELDS - {"bad_words_token_ids"}
+
+GREEDY = SamplingParams(temperature=0.0).read_only()
 
 # What a uniform is drawn for (``SeededNoise.uniform_at``): one stream each, so no two uses of a
 # request's noise at one output position share a value.

@@ -474,6 +474,8 @@ class EngineArgs:
             if _is_vllm_default(name, value):
                 continue
             action, why = VLLM_ARGUMENTS[name]
+            if action == "read":
+                continue
             if action == "refuse":
                 default = f"vLLM's default {_VLLM_DEFAULTS[name]!r}" if name in _VLLM_DEFAULTS else "it left out"
                 raise ValueError(f"{name} = {value!r} is not supported: {why}; expected {default}")
@@ -560,7 +562,7 @@ _WARN_GROUPS = {
           "per_request_spec_decode_metrics kv_cache_metrics kv_cache_metrics_sample custom_histogram_buckets "
           "cudagraph_metrics enable_mfu_metrics enable_logging_iteration_details jit_monitor_mode "
           "jit_monitor_verbose enable_mm_processor_stats logging_config log_level log_config_file "
-          "aggregate_engine_logging enable_trace_replay profiler_config fault_tolerance_config "
+          "aggregate_engine_logging enable_trace_replay fault_tolerance_config "
           "enable_fault_tolerance fail_on_environ_validation enable_log_requests disable_log_requests "
           "reasoning_parser reasoning_parser_plugin",
     _MM: "allowed_local_media_path allowed_media_domains language_model_only limit_mm_per_prompt "
@@ -638,13 +640,18 @@ _VLLM_DEFAULTS = {
 }
 
 
+# vLLM's arguments read from ``vllm_options`` by the feature they configure (no field of their own; no warning).
+_READ = {"profiler_config": "LLM.start_profile's trace folder (torch_profiler_dir)"}
+
+
 def _vllm_arguments() -> dict[str, tuple[str, str]]:
     table = {name: ("warn", why) for why, names in _WARN_GROUPS.items() for name in names.split()}
     table.update((name, ("refuse", why)) for name, why in _REFUSED.items())
+    table.update((name, ("read", why)) for name, why in _READ.items())
     return table
 
 
-VLLM_ARGUMENTS = MappingProxyType(_vllm_arguments())     # name -> ("warn" | "refuse", why)
+VLLM_ARGUMENTS = MappingProxyType(_vllm_arguments())     # name -> ("warn" | "refuse" | "read", why)
 
 
 def _is_vllm_default(name: str, value: Any) -> bool:

@@ -61,7 +61,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 # A pooling request's sampling (never used: it samples nothing; Request wants one).
-POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0).read_only()
 
 
 class EngineDeadError(RuntimeError):
@@ -151,7 +151,7 @@ class EngineCore:
                         self._next_state += 1
                     if sid in self.outputs.states:
                         raise ValueError(f"request_id = {sid!r} is already running; expected a new id")
-                    state = RequestState(sid, prompt, ids, sp)
+                    state = RequestState(sid, prompt, ids, sp, lora_request=loras[k])
                     self.outputs.states[sid] = state
                     states.append(state)
                     job = None

@@ -16,6 +16,7 @@ several threads share forward passes; each caller gets exactly its own outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -94,6 +95,51 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+# vLLM's environment variable naming the torch profiler's trace folder (its older spelling of
+# profiler_config's torch_profiler_dir).
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
+
+
+def profiler_dir(profiler_config) -> Path:
+    """The folder ``LLM.start_profile`` writes its trace to: vLLM's ``profiler_config`` (a dict or an object
+    with ``profiler`` and ``torch_profiler_dir``) if it names one, else $VLLM_TORCH_PROFILER_DIR."""
+    if profiler_config is not None:
+        get = profiler_config.get if isinstance(profiler_config, dict) else (
+            lambda k: getattr(profiler_config, k, None))
+        kind, folder = get("profiler"), get("torch_profiler_dir")
+        if kind not in (None, "torch"):
+            raise ValueError(f"profiler_config.profiler = {kind!r}, but only the torch profiler runs here; "
+                             "expected 'torch'")
+        if folder:
+            return Path(folder).expanduser().resolve()
+    folder = os.environ.get(PROFILER_DIR_ENV, "").strip()
+    if folder:
+        return Path(folder).expanduser().resolve()
+    raise RuntimeError("Profiling is not enabled: no trace folder is set. Set profiler_config="
+                       "{'profiler': 'torch', 'torch_profiler_dir': DIR} (vLLM's --profiler-config) or "
+                       f"${PROFILER_DIR_ENV}=DIR before start_profile")
+
+
+class _TorchProfile:
+    """One ``start_profile`` .. ``stop_profile`` session of ``torch.profiler`` in this process (the
+    engine core and, on one rank, the model); ``stop`` writes its Chrome trace (``chrome://tracing``,
+    Perfetto) into ``folder``."""
+
+    def __init__(self, folder: Path, prefix: Optional[str], device: torch.device):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.path = folder / f"{prefix or 'qwen_ops'}_pid{os.getpid()}_{time.time_ns()}.pt.trace.json"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.start()
+
+    def stop(self) -> Path:
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(str(self.path))
+        return self.path
 
 
 def default_swap_space_bytes() -> int:
@@ -270,7 +316,8 @@ def prepare_requests(prompts: Union[Prompt, Sequence[Prompt]],
         for j, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompts[{i}][{j}] = {t!r}, expected a token id in [0, {vocab_size})")
-        out.append((prompt, ids, sp.with_bad_words_token_ids(tokenizer)))
+        # each request keeps its own copy: the caller may change or reuse its SamplingParams afterwards
+        out.append((prompt, ids, sp.clone().with_bad_words_token_ids(tokenizer)))
     return out
 
 
@@ -622,6 +669,7 @@ class LLM:
         if args.skip_tokenizer_init:              # vLLM's: token ids in and out, no text
             self.engine.tokenizer = self.tokenizer = None
         self._default_sampling = SamplingParams(**self.sampling_overrides)
+        self.engine_args = args      # read by get_metrics (disable_log_stats) and start_profile (profiler_config)
         self.pooler, self.classifier = (_pooling_head(reranker_overrides, path, ckpt, self.tokenizer) if pooling
                                         else (None, None))
 
@@ -633,8 +681,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of a call that passes none (vLLM's): with ``generation_config="auto"``
         the checkpoint's ``generation_config.json`` (``temperature``, ``top_p``, ``top_k``,
-        ``min_p``, ``repetition_penalty``, ``max_new_tokens``) over vLLM's defaults."""
-        return self._default_sampling
+        ``min_p``, ``repetition_penalty``, ``max_new_tokens``) over vLLM's defaults. A new copy each
+        call (vLLM's): changing it changes no other call's defaults."""
+        return self._default_sampling.clone()
 
     def _attach_speculative(self, spec: Optional[SpeculativeConfig], cfg: QwenConfig, dtype, device,
                             max_model_len: int) -> None:
@@ -724,6 +773,25 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_work()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget every cached prefix, so that later prompts compute theirs afresh (after the
+        weights changed, or to measure without the cache). True when reset. As vLLM's, it refuses
+        (False) while any request holds KV blocks, unless ``reset_running_requests``. vLLM then
+        preempts the running requests to recompute them; here they keep their blocks and their KV
+        (only the index by content is forgotten: what they hold stays theirs, found by no new
+        request), so nothing is recomputed. ``reset_connector``: there is no KV connector here,
+        nothing to reset (as vLLM without one)."""
+        for name, value in (("reset_running_requests", reset_running_requests),
+                            ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} = {value!r}, expected True or False")
+        with self.core.lock:
+            kv = self.engine.kv
+            if not reset_running_requests and kv.num_free_blocks < kv.num_total_blocks:
+                return False
+            self.scheduler.reset_cache()
+            return True
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One iteration of the engine core. Returns an output for every request that gained
@@ -731,7 +799,9 @@ class LLM:
 
         Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
         with self.core.lock:
-            return [st.output()[0] for st in self.core.step()]
+            states = self.core.step()
+            self._record(states)
+            return [st.output()[0] for st in states]
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
@@ -755,6 +825,7 @@ class LLM:
                 bar.close()
             core.abort_unfinished(states)
         with core.lock:
+            self._record(states)
             return [st.output()[0] for st in states]
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
@@ -786,6 +857,7 @@ class LLM:
                         continue
                     with core.lock:
                         out, new = st.output() if st.dirty or st.finished else (None, [])
+                        self._record((st,))
                     if out is not None and (new or st.finished):
                         done[i] = st.finished
                         yield out
@@ -998,3 +1070,65 @@ class LLM:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    # ------------------------------------------------------------------ metrics and profiling (vLLM's)
+    @functools.cached_property
+    def _request_stats(self):
+        """What ``get_metrics`` reports of finished requests (created on first use, under the core's lock)."""
+        from qwen_ops.serving.metrics_reader import RequestStats
+
+        return RequestStats(self.scheduler.config.max_model_len)
+
+    def _record(self, states) -> None:
+        """Count the finished ones of ``states`` in ``get_metrics`` (each once); the caller holds the core's lock."""
+        if not self.engine_args.disable_log_stats:
+            self._request_stats.record(states)
+
+    def get_metrics(self) -> list:
+        """vLLM's ``LLM.get_metrics()``: a snapshot of the metrics (``vllm.v1.metrics.reader``'s
+        ``Counter``, ``Gauge``, ``Histogram``; ``serving/metrics_reader.py``) under vLLM's names: the
+        engine's state and counts now, and the requests this ``LLM`` has finished (tokens, finish
+        reasons, latencies). Needs ``disable_log_stats=False`` (the default here), as vLLM's."""
+        from qwen_ops.serving.metrics_reader import engine_metrics
+
+        if self.engine_args.disable_log_stats:
+            raise ValueError("get_metrics: disable_log_stats = True, so no stats are kept; expected "
+                             "LLM(..., disable_log_stats=False)")
+        name = self.engine_args.served_model_name
+        if not isinstance(name, str):
+            name = name[0] if name else str(self.model_path)
+        labels = {"model_name": name, "engine": "0"}
+        with self.core.lock:
+            return engine_metrics(self.core.stats(), labels) + self._request_stats.metrics(labels)
+
+    def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None) -> None:
+        """vLLM's: start ``torch.profiler`` here (the engine core and the model; with tensor parallelism,
+        not the other ranks' processes) until ``stop_profile``, which writes the Chrome trace
+        ``<profile_prefix or qwen_ops>_pid<pid>_<ns>.pt.trace.json`` into the folder of
+        ``profiler_config`` (``torch_profiler_dir``) or $VLLM_TORCH_PROFILER_DIR; neither set is an
+        error, as vLLM's. ``delay_iterations`` / ``max_iterations``: only None or 0 (the whole session)."""
+        import re
+
+        if self.__dict__.get("_profile") is not None:
+            raise RuntimeError("start_profile: a profile is running already; expected stop_profile first")
+        for name, value in (("delay_iterations", delay_iterations), ("max_iterations", max_iterations)):
+            if value not in (None, 0) or isinstance(value, bool):
+                raise ValueError(f"{name} = {value!r}, but the profile here covers every iteration between "
+                                 "start_profile and stop_profile; expected None or 0")
+        if profile_prefix is not None and (not isinstance(profile_prefix, str)
+                                           or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", profile_prefix)):
+            raise ValueError(f"profile_prefix = {profile_prefix!r}, expected 1-128 ASCII letters, digits, '.', '_' "
+                             "or '-', starting with a letter or digit (vLLM's rule), or None")
+        options = self.engine_args.vllm_options or {}
+        folder = profiler_dir(options.get("profiler_config"))
+        self._profile = _TorchProfile(folder, profile_prefix, torch.device(self.engine_args.device))
+
+    def stop_profile(self) -> Path:
+        """Stop the profile ``start_profile`` began and write its trace; returns the trace's path."""
+        profile = self.__dict__.pop("_profile", None)
+        if profile is None:
+            raise RuntimeError("stop_profile: no profile is running; expected start_profile first")
+        path = profile.stop()
+        logger.info("torch profiler trace written to %s", path)
+        return path

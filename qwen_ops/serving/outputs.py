@@ -91,6 +91,7 @@ class RequestOutput:
     # vLLM's: prompt tokens whose KV came from the prefix cache (full blocks a previous request
     # computed); 0 with enable_prefix_caching=False.
     num_cached_tokens: int = 0
+    lora_request: Any = None             # vLLM's: the adapter the request ran with (LoRARequest or None)
 
 
 def num_cached_tokens(request) -> int:
@@ -358,6 +359,7 @@ class RequestState:
     last_token_time: Optional[float] = None
     first_scheduled_time: Optional[float] = None
     accumulator: Optional["RequestAccumulator"] = None    # LLM's fold of this state's deltas
+    lora_request: Any = None         # its adapter, named in its outputs (vLLM's RequestOutput.lora_request)
     sent_prompt_logprobs: bool = False
     # Why it failed (a completion's token could not be sampled: EngineCore._fail_requests), and
     # whether its own parameters were the cause.
@@ -430,6 +432,7 @@ class RequestState:
         new = self.accumulator.apply(self.delta())
         out = self.accumulator.output(new)
         out.error = self.error
+        out.lora_request = self.lora_request
         return out, new
 
 
