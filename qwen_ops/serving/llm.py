@@ -800,7 +800,10 @@ class LLM:
         Raises ``SchedulerStuckError`` when requests are pending and none can ever run."""
         with self.core.lock:
             states = self.core.step()
-            self._record(states)
+            if not self.engine_args.disable_log_stats:   # get_metrics' counts: a call only when one finishes
+                for st in states:
+                    if st.num_unfinished == 0:
+                        self._request_stats.record((st,))
             return [st.output()[0] for st in states]
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],

@@ -114,7 +114,7 @@ class RequestStats:
     def record(self, states: Iterable) -> None:
         """Count each finished state of ``states`` (unfinished and already counted ones are skipped)."""
         for st in states:
-            if st.finished and st not in self._counted:
+            if st.num_unfinished == 0 and st not in self._counted:     # st.finished, without a call a step
                 self._counted.add(st)
                 self._record(st)
 

@@ -417,7 +417,7 @@ class RequestState:
                 ids, text = self.prompt_token_ids, first.state._token_text
                 prompt_lps = [None] + [logprob_entry(t, e, text) for t, e in zip(ids[1:], scored)]
                 self.sent_prompt_logprobs = True
-        cached = num_cached_tokens(self.completions[0].request) if self.completions else 0
+        cached = (self.completions[0].request.num_cached_tokens or 0) if self.completions else 0
         return RequestDelta(self.request_id, self.finished, comps, self.arrival_time, self.first_token_time,
                             self.last_token_time, self.error, prompt_lps, self.first_scheduled_time, self.bad_request,
                             num_cached_tokens=cached)
