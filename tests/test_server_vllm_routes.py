@@ -1,10 +1,15 @@
 """What a vLLM deployment finds on this server (issue 62): ``VLLM_API_KEY``, completions' ``max_tokens``
-absent (16) and null (the room left in the context), ``/ping``, the route aliases ``/score`` and ``/v2/rerank``, ``/pooling``,
-``/classify``, and vLLM's periodic stats line in the log.
+absent (16) and null (the room left in the context), ``/ping``, the route aliases ``/score`` and ``/v2/rerank``, ``/pooling``
+(also with chat ``messages``), ``/classify`` (also with the engine core in its own process), a chat message's
+``tool_calls: []``, ``response_format`` of type ``structural_tag``, ``/v1/chat/completions/batch``, vLLM's demo
+server (``/generate``, ``demo_api.py``) and vLLM's periodic stats line in the log.
 
-Oracles: offline ``LLM.generate`` (greedy) for completions; transformers for pooled vectors and
-classifier probabilities (tests/test_server_embed.py's and tests/test_embed.py's); for the stats
-line, the tokens and concurrency the test itself sent, and a server built with the line turned off.
+Oracles: offline ``LLM.generate`` (greedy) for completions, and for the batch route of the conversations as
+transformers' ``apply_chat_template`` renders them; offline ``LLM.beam_search`` for the demo server's beams;
+the official ``openai`` client's parse of a chat message; the structural tag's own grammar (a regex);
+transformers for pooled vectors and classifier probabilities (tests/test_server_embed.py's
+and tests/test_embed.py's), with transformers' chat template for ``messages``; for the stats line, the tokens
+and concurrency the test itself sent, and a server built with the line turned off.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ import openai
 import pytest
 import torch
 
+import qwen_ops
 from qwen_ops import LLM, SamplingParams
 from qwen_ops.serving.async_llm import AsyncLLM
+from qwen_ops.serving.beam_search import BeamSearchParams
 from qwen_ops.serving.cli import main
+from qwen_ops.serving.openai import ServerThread
+from qwen_ops.serving.openai.demo_api import build_demo_app
 from qwen_ops.serving.openai.server import _api_key
 from test_embed import hf_class_logits, make_sequence_classifier
 from test_server_embed import (COSINE_DISTANCE_FP32, ENGINE_KWARGS as POOL_KWARGS, NAME, NO, PROMPTS, SCORE_ATOL,
-                               YES, ckpt, cosine_distance, hf_lm, oracle_embedding, oracle_yes_share, prompt,
-                               words)
+                               YES, _save_word_tokenizer, ckpt, cosine_distance, hf_lm, oracle_embedding,
+                               oracle_yes_share, prompt, words)
 
 from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, cli_server_port, make_engine,
                             running_server, wait_for)
@@ -217,6 +226,197 @@ def test_classify_and_pooling_on_a_sequence_classifier(classifier):
         assert p["data"] == pytest.approx(torch.softmax(hf_class_logits(hf, ids), dim=0).tolist(), abs=1e-5)
     r = post(srv.url + "/v1/embeddings", {"input": prompts[0]})
     assert r.status_code == 400 and "classifier" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------- a classifier whose engine core runs in its own process
+# A word-level chat template: each message "w1 <content> w2", the generation prompt "w3".
+WORD_CHAT_TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                      "{% if add_generation_prompt %}w3{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def process_classifier(tmp_path_factory):
+    """``serve``'s default: the engine core in a child process, which sends the classifier head over its pipe."""
+    path = tmp_path_factory.mktemp("cls3proc")
+    hf = make_sequence_classifier(path, num_labels=3)
+    _save_word_tokenizer(path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "chat_template": WORD_CHAT_TEMPLATE}))
+    engine = AsyncLLM.from_pretrained(str(path), **POOL_KWARGS)
+    assert engine.llm is None                        # no LLM here: the core is the child's
+    with running_server(engine, served_model_name=NAME, disable_log_stats=True) as srv:
+        yield srv, hf, path
+    engine.shutdown()
+
+
+def test_classify_with_the_engine_in_its_own_process(process_classifier):
+    srv, hf, _ = process_classifier
+    prompts = [prompt(n, seed=n) for n in (3, 11, 60)]
+    r = post(srv.url + "/classify", {"model": NAME, "input": [words(p) for p in prompts]})
+    assert r.status_code == 200, r.text
+    for ids, d in zip(prompts, r.json()["data"]):
+        assert d["probs"] == pytest.approx(torch.softmax(hf_class_logits(hf, ids), dim=0).tolist(), abs=1e-5)
+
+
+def test_pooling_chat_messages_are_the_rendered_conversation(process_classifier):
+    """vLLM's PoolingChatRequest: ``messages`` rendered by the chat template (no generation prompt unless
+    asked), pooled as one prompt. Oracle: transformers' apply_chat_template, then its classifier."""
+    from transformers import AutoTokenizer
+
+    srv, hf, path = process_classifier
+    tok = AutoTokenizer.from_pretrained(str(path))
+    messages = [{"role": "system", "content": words(prompt(4, seed=1))},
+                {"role": "user", "content": [{"type": "text", "text": words(prompt(9, seed=2))}]}]
+    for extra in ({}, {"add_generation_prompt": True}):
+        hf_messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                        else m["content"][0]["text"]} for m in messages]
+        ids = tok.apply_chat_template(hf_messages, tokenize=True, **extra)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        r = post(srv.url + "/pooling", {"model": NAME, "messages": messages, **extra})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        (d,) = body["data"]
+        assert d["data"] == pytest.approx(torch.softmax(hf_class_logits(hf, ids), dim=0).tolist(), abs=1e-5)
+    for bad, param in (({"messages": messages, "input": "w1"}, "messages"), ({"messages": []}, "messages"),
+                       ({"messages": [{"role": "robot", "content": "w1"}]}, "messages[0].role")):
+        r = post(srv.url + "/pooling", bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------ chat: tool_calls, structural tags
+def test_chat_message_without_tool_calls_has_an_empty_list(server):
+    """vLLM's ChatMessage (before 0.32 dropped an empty list): ``tool_calls`` is ``[]``, which vLLM's tools
+    example iterates; the official client reads it as an empty list, not None."""
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:
+        reply = c.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+        beams = c.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, temperature=0, n=2, extra_body={"use_beam_search": True})
+    assert reply.choices[0].message.tool_calls == []
+    assert [ch.message.tool_calls for ch in beams.choices] == [[], []]
+
+
+# xgrammar's structural tag: "<f>", one of two cities, "</f>". (A json_schema content takes free whitespace
+# inside a structural tag, which the tiny model fills its budget with.)
+STRUCTURAL_TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                       "content": {"type": "regex", "pattern": "(Paris|Rome)"}}}
+
+
+def test_response_format_structural_tag_constrains_the_reply(server):
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:
+        reply = c.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "Pick a city."}],
+                                          max_tokens=40, temperature=0, response_format=STRUCTURAL_TAG)
+    content = reply.choices[0].message.content
+    assert re.fullmatch(r"<f>(Paris|Rome)</f>", content), content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "structural_tag"},
+    {"type": "structural_tag", "format": "tag"},
+    {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]},
+    {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]},
+    {"type": "structural_tag", "format": {"type": "no_such_format"}},             # shaped right; does not compile
+], ids=["empty", "format-str", "no-schema", "no-triggers", "bad-format"])
+def test_bad_structural_tag_is_400_naming_response_format(server, fmt):
+    r = post(server.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 4, "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+# ----------------------------------------------------------------------- /v1/chat/completions/batch
+CONVERSATIONS = [[{"role": "user", "content": "What is the capital of France?"}],
+                 [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."}],
+                 [{"role": "user", "content": "def fibonacci(n):"}]]
+
+
+def test_batch_chat_answers_each_conversation(server, offline):
+    """One choice per conversation, in order. Oracle: transformers' chat template of each conversation,
+    generated offline (greedy)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen_ops.default_model_path())
+    texts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) for conv in CONVERSATIONS]
+    wants = offline.generate(texts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    r = post(server.base_url + "/chat/completions/batch", {"model": SERVED_NAME, "messages": CONVERSATIONS,
+                                                           "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == SERVED_NAME
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == [w.outputs[0].text for w in wants]
+    assert [c["finish_reason"] for c in body["choices"]] == [w.outputs[0].finish_reason for w in wants]
+    assert body["usage"]["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in wants)
+    assert body["usage"]["completion_tokens"] == sum(len(w.outputs[0].token_ids) for w in wants)
+    r = post(server.base_url + "/chat/completions/batch",
+             {"messages": CONVERSATIONS[:2], "max_tokens": 8, "structured_outputs": {"regex": "(yes|no)"}})
+    assert [c["message"]["content"] for c in r.json()["choices"]] in (
+        [a, b] for a in ("yes", "no") for b in ("yes", "no")), r.text
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": CONVERSATIONS, "stream": True}, "stream"),
+    ({"messages": CONVERSATIONS, "n": 2}, "n"),
+    ({"messages": CONVERSATIONS, "tools": [TOOL]}, "tools"),
+    ({"messages": CONVERSATIONS, "use_beam_search": True}, "use_beam_search"),
+    ({"messages": CONVERSATIONS[0]}, "messages"),                          # one conversation, not a list of them
+    ({"messages": [CONVERSATIONS[0], [{"role": "robot", "content": "x"}]]}, "messages[1][0].role"),
+    ({"messages": [CONVERSATIONS[0], []]}, "messages[1]"),
+])
+def test_batch_chat_bad_input_is_400_naming_the_field(server, body, param):
+    r = post(server.base_url + "/chat/completions/batch", {"max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# --------------------------------------------------------------------- vLLM's demo server (/generate)
+@pytest.fixture(scope="module")
+def demo_server(engine):
+    with ServerThread(build_demo_app(engine)) as srv:
+        yield srv
+
+
+def test_demo_generate_is_the_prompt_and_its_completion(demo_server, offline):
+    text = "def fibonacci(n):"
+    (want,) = offline.generate([text], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    whole = text + want.outputs[0].text
+    r = httpx.post(demo_server.url + "/generate", json={"prompt": text, "max_tokens": 12, "temperature": 0},
+                   timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 200 and r.json() == {"text": [whole]}, r.text
+    r = httpx.post(demo_server.url + "/generate", json={"prompt": text, "max_tokens": 12, "temperature": 0,
+                                                        "stream": True}, timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 200 and r.content.endswith(b"\0"), r.content
+    updates = [json.loads(chunk)["text"] for chunk in r.content.split(b"\0") if chunk]
+    assert len(updates) > 1 and updates[-1] == [whole]
+    assert all(u[0].startswith(text) and whole.startswith(u[0]) for u in updates)       # cumulative
+    assert httpx.get(demo_server.url + "/health", timeout=CLIENT_TIMEOUT_S).status_code == 200
+
+
+def test_demo_generate_beam_search(demo_server, offline):
+    text = "The capital of France is"
+    (want,) = offline.beam_search([{"prompt": text}], BeamSearchParams(beam_width=3, max_tokens=6))
+    r = httpx.post(demo_server.url + "/generate", json={"prompt": text, "use_beam_search": True, "n": 3,
+                                                        "temperature": 0.0, "max_tokens": 6}, timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == [s.text for s in want.sequences]         # offline's text holds the prompt too
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": 3}, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "no_such_field": 1}, "no_such_field"),
+    ({"prompt": "x", "use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ({"prompt": "x", "use_beam_search": True, "n": 0}, "n"),
+    ({"prompt": "x", "use_beam_search": "yes"}, "use_beam_search"),
+])
+def test_demo_generate_bad_input_is_400_naming_the_field(demo_server, body, param):
+    r = httpx.post(demo_server.url + "/generate", json=body, timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ----------------------------------------------------------------------------- the stats line

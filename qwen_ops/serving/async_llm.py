@@ -125,7 +125,9 @@ class AsyncLLM:
         self.runner = info["runner"]                      # "generate" or "pooling"
         self.pooler = info["pooler"]                      # the pooling runner's PoolerConfig (else None)
         self.hidden_size = info["hidden_size"]
-        self.classifier = info["classifier"]              # a reranker's / classifier's head [labels, hidden], or None
+        # a reranker's / classifier's head [labels, hidden] (fp32), or None; pooling_info's lists, back as a tensor
+        head = info["classifier"]
+        self.classifier = None if head is None else torch.tensor(head, dtype=torch.float32)
 
     @classmethod
     def from_pretrained(cls, model=None, *, max_waiting_requests: Optional[int] = None,

@@ -17,9 +17,13 @@ from qwen_ops.serving.outputs import RequestDelta
 
 def pooling_info(llm) -> dict:
     """What a client of ``llm``'s core needs to make pooling requests (``AsyncLLM``): the runner,
-    the checkpoint's pooling, the embedding size and the classifier head (None: an embedding model)."""
+    the checkpoint's pooling, the embedding size and the classifier head as nested lists of fp32
+    values ``[labels][hidden]`` (None: an embedding model). Plain data, not a tensor: it crosses to
+    the parent through the socketpair, and a pickled tensor goes as a shared-memory handle that the
+    parent's connection cannot fetch (multiprocessing's resource sharer refuses it)."""
+    head = llm.classifier
     return {"runner": llm.runner, "pooler": llm.pooler, "hidden_size": int(llm.engine.config.hidden_size),
-            "classifier": llm.classifier}
+            "classifier": None if head is None else head.float().tolist()}
 
 
 def core_main(conn) -> None:

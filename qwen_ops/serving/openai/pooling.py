@@ -1,7 +1,8 @@
 """The pooling routes of the OpenAI-compatible server (a ``runner="pooling"`` engine): OpenAI's
 ``/v1/embeddings``, vLLM's ``/v1/score`` (also ``/score``), ``/rerank`` (also ``/v1/rerank`` and
-``/v2/rerank``; Jina / Cohere's shape), ``/pooling`` (the model's own pooled output per input: an
-embedding model's vector, a classifier's probabilities) and ``/classify`` (a sequence classifier's
+``/v2/rerank``; Jina / Cohere's shape), ``/pooling`` (the model's own pooled output per input, or
+of a chat's ``messages`` rendered by the template: an embedding model's vector, a classifier's
+probabilities) and ``/classify`` (a sequence classifier's
 probabilities and label per input, ``LLM.classify``'s path).
 
 Text is tokenized here (the server's tokenizer, with its length bounds); the engine work runs on
@@ -55,9 +56,15 @@ class RerankRequest(P._Strict):
 
 
 class PoolingRequest(P._Strict):
-    """vLLM's ``/pooling`` (its completion-style request; ``task`` defaults to the model's own)."""
+    """vLLM's ``/pooling``: its completion-style request (``input``) or its chat-style one (``messages``,
+    rendered by the chat template and pooled as one prompt; vLLM's ``PoolingChatRequest`` defaults:
+    no generation prompt, no special tokens beyond the template's). ``task`` defaults to the model's own."""
     model: Optional[str] = None
     input: Any = None
+    messages: Any = None
+    add_generation_prompt: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: Optional[dict] = None
     task: Optional[str] = None
     encoding_format: str = "float"
     dimensions: Optional[int] = None
@@ -259,6 +266,18 @@ class PoolingRoutes:
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.s.names[0], "results": results,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
+    def _chat_ids(self, req: PoolingRequest) -> list[list[int]]:
+        """The one prompt of a chat-style request: ``messages`` rendered by the chat template, tokenized."""
+        if req.input is not None:
+            raise P.bad_request("give one of input (texts or token ids) and messages (a chat), not both", "messages")
+        text = self.s.render_chat(P.chat_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs)
+        ids = self.s.encode(text, "messages", add_special_tokens=req.add_special_tokens)
+        self.s.check_ids(ids, "messages (rendered)", "messages")
+        if len(ids) > self.s.max_model_len:
+            raise P.bad_request(f"messages (rendered) has {len(ids)} tokens; this model's maximum context length is "
+                                f"{self.s.max_model_len} tokens", "messages")
+        return [ids]
+
     async def _probs(self, ids: list[list[int]]) -> list[list[float]]:
         """The classifier's probabilities of each prompt: ``LLM.classify``'s pooling and head, each
         prompt one pooling request on the engine loop."""
@@ -287,7 +306,7 @@ class PoolingRoutes:
             raise P.bad_request(f"encoding_format = {req.encoding_format!r}, expected 'float' or 'base64'",
                                 "encoding_format")
         self._check_activation(req.use_activation)
-        ids = self._ids(_texts_or_ids(req.input, "input"), "input")
+        ids = self._chat_ids(req) if req.messages is not None else self._ids(_texts_or_ids(req.input, "input"), "input")
         if own == "embed":
             outs = await self._run(self.engine.embed([{"prompt_token_ids": x} for x in ids],
                                                      PoolingParams(normalize=req.use_activation)), "input", ids)

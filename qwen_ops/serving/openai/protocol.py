@@ -449,9 +449,11 @@ def structured_outputs(req: _SamplingFields):
                 raise bad_request("response_format.json_schema must be an object with a \"schema\" object",
                                   "response_format")
             found.append(("response_format", {"json": spec.get("schema", {})}))
+        elif kind == "structural_tag":
+            found.append(("response_format", {"structural_tag": structural_tag_format(fmt)}))
         elif kind != "text":
-            raise bad_request(f"response_format.type = {_show(kind)}, expected \"text\", \"json_object\" or "
-                              "\"json_schema\"", "response_format")
+            raise bad_request(f"response_format.type = {_show(kind)}, expected \"text\", \"json_object\", "
+                              "\"json_schema\" or \"structural_tag\"", "response_format")
     if req.structured_outputs is not None:
         found.append(("structured_outputs", dict(req.structured_outputs)))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -469,17 +471,42 @@ def structured_outputs(req: _SamplingFields):
     if len(found) > 1:
         raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output; give one", found[1][0])
     field, spec = found[0]
-    unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar", "any_whitespace",
-                                  "disable_any_whitespace"})
+    unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar", "structural_tag",
+                                  "any_whitespace", "disable_any_whitespace"})
     if unknown:
         raise bad_request(f"{field}.{unknown[0]} is not a structured output this server supports; expected json, "
-                          "json_object, regex, choice or grammar", field)
+                          "json_object, regex, choice, grammar or structural_tag", field)
     if "disable_any_whitespace" in spec:
         spec["any_whitespace"] = not spec.pop("disable_any_whitespace")
     try:
         return field, StructuredOutputsParams(**spec)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e).replace("structured_outputs", field, 1), field) from None
+
+
+def structural_tag_format(fmt: dict) -> str:
+    """``response_format`` of type ``"structural_tag"`` as ``StructuredOutputsParams.structural_tag`` (the
+    whole object as JSON, as vLLM passes it). Its two shapes, as vLLM's protocol takes them: xgrammar's
+    ``{"type", "format": {...}}``, or the older ``{"type", "structures": [{"begin", "schema", "end"}],
+    "triggers": [str]}``. Only the shape is checked here; the engine compiles it (a 400 if it cannot)."""
+    if "format" in fmt:
+        if not isinstance(fmt["format"], dict):
+            raise bad_request(f"response_format.format = {_show(fmt['format'])}, expected an object (xgrammar's "
+                              "structural tag format)", "response_format")
+    else:
+        structures, triggers = fmt.get("structures"), fmt.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            raise bad_request(f"response_format.structures = {_show(structures)}, expected a non-empty array of "
+                              '{"begin": str, "schema": object, "end": str} (or a "format" object)', "response_format")
+        for i, item in enumerate(structures):
+            if not (isinstance(item, dict) and isinstance(item.get("begin"), str) and isinstance(item.get("end"), str)
+                    and isinstance(item.get("schema"), dict)):
+                raise bad_request(f"response_format.structures[{i}] = {_show(item)}, expected "
+                                  '{"begin": str, "schema": object, "end": str}', "response_format")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise bad_request(f"response_format.triggers = {_show(triggers)}, expected a non-empty array of "
+                              "non-empty strings", "response_format")
+    return json.dumps(fmt)
 
 
 def check_params(params, vocab_size: int, tokenizer):

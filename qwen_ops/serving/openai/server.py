@@ -1,5 +1,6 @@
 """The FastAPI app of ``qwen-ops serve``: OpenAI's completions, chat completions, Responses
-(responses.py) and models routes over an ``AsyncLLM``, the pooling routes (pooling.py), plus
+(responses.py) and models routes over an ``AsyncLLM``, vLLM's batched chat completions
+(batch_chat.py), the pooling routes (pooling.py), plus
 ``/health`` (and ``/ping``), ``/metrics`` and vLLM's periodic stats line (stats_log.py), as vLLM's
 server does.
 
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwen_ops.serving.engine_args import EngineArgs
 from qwen_ops.serving.engine_core import EngineDeadError
 from qwen_ops.serving.openai import protocol as P
+from qwen_ops.serving.openai.batch_chat import BatchChatRoutes
 from qwen_ops.serving.openai.chat import ChatTemplate, ChatTemplateError
 from qwen_ops.serving.openai.lora import (LoadLoRAAdapterRequest, LoRAAdapters, LoRAModulePath,
                                           UnloadLoRAAdapterRequest, runtime_updating_allowed)
@@ -567,10 +569,17 @@ class _Serving:
         ends the stream (the completions APIs' ``[DONE]``; the Responses API sends none)."""
         if stream:
             return _StreamResponse(self._guard_stream(render_stream(gen), deadline, error_event, done), gen.close)
+        got = await self.final_outputs(request, [gen], deadline)
+        return Response(status_code=499) if got is None else JSONResponse(render_full(got[0]))
+
+    async def final_outputs(self, request: Request, gens: Sequence[_Generation],
+                            deadline: Optional[float]) -> Optional[list[list[Any]]]:
+        """Each of ``gens``' final outputs (``_Generation.final``), awaited together; None when the
+        client went away first. Every one of them is closed however this ends."""
         try:
-            outputs = await _until_disconnect(request, _by(deadline, gen.final()))
+            return await _until_disconnect(request, _by(deadline, asyncio.gather(*(g.final() for g in gens))))
         except _ClientGone:
-            return Response(status_code=499)
+            return None
         except EngineDeadError:
             raise self.engine_down_error() from None
         except asyncio.TimeoutError:
@@ -578,8 +587,8 @@ class _Serving:
                 raise
             raise self.timeout_error() from None
         finally:
-            gen.close()
-        return JSONResponse(render_full(outputs))
+            for g in gens:
+                g.close()
 
     async def _guard_stream(self, chunks: AsyncIterator[str], deadline: Optional[float],
                             error_event: Callable[[dict], str], done: Optional[str]) -> AsyncIterator[str]:
@@ -818,8 +827,8 @@ class _Serving:
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_of(prep)}
         if req.use_beam_search:
             (out,) = await _by(deadline, self.beam_search([ids], req, params, rid))
-            choices = [{"index": j, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
-                        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+            choices = [{"index": j, "message": {"role": "assistant", "content": s.text, "tool_calls": []},
+                        "logprobs": None, "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
                        for j, s in enumerate(out.sequences)]
             generated = sum(len(s.tokens) - len(ids) for s in out.sequences)
             return JSONResponse({**meta, "choices": choices, "usage": P.usage(len(ids), generated)})
@@ -827,26 +836,7 @@ class _Serving:
 
         def full(outputs):
             (out,) = outputs
-            choices = []
-            for c in out.outputs:
-                lp = None
-                if k is not None and c.logprobs is not None:
-                    lp = {"content": P.chat_logprobs(c.token_ids, c.logprobs, k, self.decode)}
-                message = {"role": "assistant", "content": c.text}
-                finish = c.finish_reason
-                if parser is not None:
-                    message["reasoning_content"], message["content"] = parser.split(c.text)
-                if mode != "none":
-                    if mode == "auto":
-                        content, calls = T.parse_hermes(c.text)
-                        calls = T.first_call_only(calls, req.parallel_tool_calls)
-                    else:
-                        content, calls = None, T.forced_calls(mode, c.text, named)
-                    if calls:
-                        message["content"], message["tool_calls"] = content, T.openai_calls(calls)
-                        finish = "tool_calls" if finish == "stop" else finish
-                choices.append({"index": c.index, "message": message,
-                                "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
+            choices = [self.chat_choice(prep, c, c.index) for c in out.outputs]
             generated = sum(len(c.token_ids) for c in out.outputs)
             resp = {**meta, "choices": choices, "usage": P.usage(len(ids), generated)}
             if req.prompt_logprobs is not None:      # vLLM's extra field, beside the choices
@@ -914,6 +904,32 @@ class _Serving:
                 yield _sse({**chunk_meta, "choices": [], "usage": P.usage(len(ids), g.generated[0])})
 
         return await self.respond(request, gen, req.stream, full, chunks, deadline)
+
+    def chat_choice(self, prep: _Prepared, c, index: int) -> dict:
+        """One choice of a chat reply sent whole: the finished completion ``c`` split by ``prep``'s
+        reasoning and tool parsers. ``message.tool_calls`` is always there, ``[]`` when the reply
+        calls none: vLLM's ``ChatMessage`` sent it so until 0.32 (which drops an empty list), and its
+        tools example iterates it unguarded (``for call in message.tool_calls``)."""
+        req, k, parser = prep.req, prep.k, prep.reasoning
+        mode, named = prep.tools
+        lp = None
+        if k is not None and c.logprobs is not None:
+            lp = {"content": P.chat_logprobs(c.token_ids, c.logprobs, k, self.decode)}
+        message = {"role": "assistant", "content": c.text, "tool_calls": []}
+        finish = c.finish_reason
+        if parser is not None:
+            message["reasoning_content"], message["content"] = parser.split(c.text)
+        if mode != "none":
+            if mode == "auto":
+                content, calls = T.parse_hermes(c.text)
+                calls = T.first_call_only(calls, req.parallel_tool_calls)
+            else:
+                content, calls = None, T.forced_calls(mode, c.text, named)
+            if calls:
+                message["content"], message["tool_calls"] = content, T.openai_calls(calls)
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason}
 
     def model_of(self, prep: _Prepared) -> str:
         """A response's ``model``: the adapter's name, or the (first) served name (vLLM's)."""
@@ -1183,6 +1199,7 @@ def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updat
         return serving.models()
 
     pooling = PoolingRoutes(serving)
+    batch_chat = BatchChatRoutes(serving)
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
@@ -1193,6 +1210,11 @@ def _add_model_routes(app: FastAPI, serving: "_Serving", keyed: list, lora_updat
     async def chat_completions(request: Request):
         pooling.refuse_generation("Chat Completions")
         return await serving.chat(request, await request.body())
+
+    @app.post("/v1/chat/completions/batch", dependencies=keyed)
+    async def batch_chat_completions(request: Request):
+        pooling.refuse_generation("Chat Completions")
+        return await batch_chat.create(request, await request.body())
 
     @app.post("/v1/responses", dependencies=keyed)
     async def create_response(request: Request):
