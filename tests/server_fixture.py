@@ -10,6 +10,7 @@ import time
 from typing import Callable, Iterator
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_ops.serving.async_llm import AsyncLLM
@@ -74,6 +75,22 @@ class RevealingEngine(PassThroughEngine):
 
 def make_engine() -> AsyncLLM:
     return AsyncLLM.from_pretrained(None, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A served engine per test module (``make_engine``), shut down after it."""
+    eng = make_engine()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same model offline, with the same arguments: the oracle of what a server returns."""
+    from qwen_ops.serving.llm import LLM
+
+    return LLM(None, **ENGINE_KWARGS)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,10 @@ import jsonschema
 import openai
 import pytest
 
-from qwen_ops import LLM, SamplingParams
+from qwen_ops import SamplingParams
 
-from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, RevealingEngine, make_engine,
-                            running_server)
+from server_fixture import engine, offline  # noqa: F401  (fixtures)
+from server_fixture import CLIENT_TIMEOUT_S, SERVED_NAME, RevealingEngine, running_server
 
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0, "max_output_tokens": MAX_TOKENS}
@@ -26,18 +26,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 CALL_TEXT = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
                "response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = make_engine()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(None, **ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,8 @@ from test_server_embed import (COSINE_DISTANCE_FP32, ENGINE_KWARGS as POOL_KWARG
                                YES, _save_word_tokenizer, ckpt, cosine_distance, hf_lm, oracle_embedding,
                                oracle_yes_share, prompt, words)
 
-from server_fixture import (CLIENT_TIMEOUT_S, ENGINE_KWARGS, SERVED_NAME, cli_server_port, make_engine,
-                            running_server, wait_for)
+from server_fixture import engine, offline  # noqa: F401  (fixtures)
+from server_fixture import CLIENT_TIMEOUT_S, SERVED_NAME, cli_server_port, running_server, wait_for
 
 __all__ = ["ckpt", "hf_lm"]          # fixtures shared with test_server_embed.py
 API_KEY = "vllm-env-key"
@@ -56,18 +56,6 @@ STATS_LINE = re.compile(r"Engine 000: Avg prompt throughput: (\d+\.\d) tokens/s,
 
 
 # ----------------------------------------------------------------------------- a generation server
-@pytest.fixture(scope="module")
-def engine():
-    eng = make_engine()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(None, **ENGINE_KWARGS)
-
-
 @pytest.fixture(scope="module")
 def server(engine):
     with pytest.MonkeyPatch.context() as mp:
