@@ -181,7 +181,7 @@ def test_metric_shapes_are_vllms():
 
 
 def test_get_metrics_counts_what_ran():
-    llm = LLM(MODEL, enable_prefix_caching=False)
+    llm = LLM(MODEL, enable_prefix_caching=False, disable_log_stats=False)     # LLM keeps none by default (vLLM)
     start = time.perf_counter()
     llm.generate(PROMPT_IDS, GREEDY_FIXED, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -210,7 +210,7 @@ def test_get_metrics_counts_what_ran():
 
 
 def test_get_metrics_needs_stats():
-    llm = LLM(MODEL, disable_log_stats=True)
+    llm = LLM(MODEL)                       # disable_log_stats=True: LLM's default, as vLLM's
     with pytest.raises(ValueError, match="disable_log_stats = True"):
         llm.get_metrics()
 
@@ -261,3 +261,29 @@ def test_async_llm_at_vllms_path_streams_deltas(llm):
         engine.shutdown()
     assert [t for o in outs for t in o.outputs[0].token_ids] == whole.outputs[0].token_ids
     assert "".join(o.outputs[0].text for o in outs) == whole.outputs[0].text and outs[-1].finished
+
+
+def test_the_offline_api_needs_no_serve_extra(tmp_path):
+    """``pip install -e .`` has no serve extra (prometheus_client, fastapi): LLM.generate, LLM.chat's path
+    (``stream``) and get_metrics run without them. Blocked in a subprocess (None in sys.modules makes the
+    import fail); the README's main command broke this way once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "offline.py"
+    script.write_text(
+        "import sys\n"
+        "for name in ('prometheus_client', 'fastapi', 'uvicorn'):\n"
+        "    sys.modules[name] = None\n"
+        "from qwen_ops import LLM, SamplingParams\n"
+        "llm = LLM(max_model_len=256)\n"
+        "sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)\n"
+        "print(len(llm.generate('def f():', sp, use_tqdm=False)[0].outputs[0].token_ids))\n"
+        "print(len(list(llm.stream(['def g():'], sp))) > 0)\n"
+        "llm = LLM(max_model_len=256, disable_log_stats=False)\n"
+        "llm.generate('def f():', sp, use_tqdm=False)\n"
+        "print(sorted(m.name for m in llm.get_metrics())[:1])\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["4", "True"], done.stdout

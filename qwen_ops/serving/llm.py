@@ -623,7 +623,9 @@ class LLM:
         from qwen_ops.models.gguf import as_path
         from qwen_ops.models.loader import load_checkpoint
 
-        args = EngineArgs(model=model, **kwargs)
+        # vLLM's LLM keeps no request stats unless asked (disable_log_stats=False: get_metrics); the server's
+        # engine arguments log them by default (EngineArgs' default, False)
+        args = EngineArgs(model=model, **{"disable_log_stats": True, **kwargs})
         args.validate()
         device = torch.device(args.device)
         spec = args.speculative()
@@ -1091,7 +1093,7 @@ class LLM:
         """vLLM's ``LLM.get_metrics()``: a snapshot of the metrics (``vllm.v1.metrics.reader``'s
         ``Counter``, ``Gauge``, ``Histogram``; ``serving/metrics_reader.py``) under vLLM's names: the
         engine's state and counts now, and the requests this ``LLM`` has finished (tokens, finish
-        reasons, latencies). Needs ``disable_log_stats=False`` (the default here), as vLLM's."""
+        reasons, latencies). Needs ``LLM(..., disable_log_stats=False)`` (True is LLM's default, as vLLM's)."""
         from qwen_ops.serving.metrics_reader import engine_metrics
 
         if self.engine_args.disable_log_stats:

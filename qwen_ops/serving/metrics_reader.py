@@ -13,16 +13,38 @@ cumulative and keyed by the upper bound as Prometheus writes it (``"0.5"``, ``"1
 from __future__ import annotations
 
 import bisect
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from prometheus_client.utils import floatToGoString
-
 from qwen_ops.serving.engine_core import ITERATION_TOKEN_BUCKETS
-from qwen_ops.serving.openai.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, token_buckets
 
 PREFIX = "vllm:"
+# The histograms' buckets, vLLM's (the server's Prometheus metrics, serving/openai/metrics.py, use the same;
+# they live here because this module, offline LLM.get_metrics', needs no prometheus_client: the serve extra).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+# Request token counts: vLLM's 1-2-5 series up to the longest request.
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
+
+
+def token_buckets(max_model_len: Optional[int]) -> tuple:
+    return tuple(b for b in TOKEN_BUCKETS if max_model_len is None or b <= max_model_len) or (1,)
+
+
+def _go_float(x: float) -> str:
+    """A bucket bound as Prometheus' text format writes it (Go's float formatting): ``+Inf``, ``0.5``,
+    ``40960.0``, and from a million up in exponent form, ``1e+06``, ``2.5e+06``."""
+    x = float(x)
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    if abs(x) < 1e6:
+        return repr(x)
+    mantissa, exponent = f"{x:.15e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent[0]}{int(exponent[1:]):02d}"
 # vLLM's buckets of request_params_n.
 N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -79,7 +101,7 @@ class _Buckets:
 
 def histogram(name: str, labels: dict, bounds: Sequence[float], counts: Sequence[int], total: float) -> Histogram:
     """A ``Histogram`` from per-bucket (not cumulative) ``counts``, one per bound and a last for +Inf."""
-    keys = [floatToGoString(b) for b in bounds] + ["+Inf"]
+    keys = [_go_float(b) for b in bounds] + ["+Inf"]
     cumulative, running = {}, 0
     for key, c in zip(keys, counts, strict=True):
         running += c

@@ -21,24 +21,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from qwen_ops.serving.metrics_reader import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, token_buckets
 from qwen_ops.serving.openai.stats_log import TokenCounts
 
 PREFIX = "qwen_ops:"
 VLLM_PREFIX = "vllm:"
 PREFIXES = (PREFIX, VLLM_PREFIX)
 # vLLM's buckets (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
-# Request token counts: vLLM's 1-2-5 series up to the longest request.
-TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
-
-
-def token_buckets(max_model_len: Optional[int]) -> tuple:
-    return tuple(b for b in TOKEN_BUCKETS if max_model_len is None or b <= max_model_len) or (1,)
-
-
 class _EngineCollector(Collector):
     """Gauges and the preemption counter, read from ``stats()`` at scrape time."""
 
