@@ -206,7 +206,8 @@ BAD_CALLS = [
     ("max_new_tokens", lambda e: QwenBatchedRequest(1, [1], 1, SamplingParams(max_new_tokens=0))),
     ("temperature", lambda e: e.prefill([1], slot_id=1, sampling=SamplingParams(temperature=-1))),
     ("top_p", lambda e: e.prefill([1], slot_id=1, sampling=SamplingParams(top_p=0.0))),
-    ("stop_token_ids", lambda e: e.prefill([1], slot_id=1, sampling=SamplingParams(stop_token_ids=[500]))),
+    # (a stop id past the vocabulary is accepted since issue 62, as vLLM's; a logit_bias key past it is not)
+    ("logit_bias key 500", lambda e: e.prefill([1], slot_id=1, sampling=SamplingParams(logit_bias={500: 1.0}))),
     ("also used by", lambda e: e.batch_prefill([QwenBatchedRequest(1, [1], 1), QwenBatchedRequest(2, [2], 1)])),
     (r"requests\[1\].prompt_tokens", lambda e: e.batch_prefill([QwenBatchedRequest(1, [1], 1),
                                                                  QwenBatchedRequest(2, [], 2)])),
