@@ -64,12 +64,15 @@ class Balancer:
     server calls it from its one event loop."""
 
     def __init__(self, num_replicas: int, *, block_size: int = 16, cache_blocks: int = 4096,
-                 margin_tokens: int = DEFAULT_MARGIN_TOKENS):
+                 margin_tokens: int = DEFAULT_MARGIN_TOKENS, prefix_affinity: bool = True):
         for name, value, low in (("num_replicas", num_replicas, 1), ("block_size", block_size, 1),
                                  ("cache_blocks", cache_blocks, 1), ("margin_tokens", margin_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} = {value!r}, expected an int >= {low}")
+        if not isinstance(prefix_affinity, bool):
+            raise ValueError(f"prefix_affinity = {prefix_affinity!r}, expected True or False")
         self.num_replicas = num_replicas
+        self.prefix_affinity = prefix_affinity     # False: the replicas cache no prefixes; load alone decides
         self.block_size = block_size
         self.cache_blocks = cache_blocks
         self.margin_tokens = margin_tokens
@@ -110,7 +113,7 @@ class Balancer:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r}, expected an int >= 0")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r}, expected an int >= 1")
-        keys = prefix_block_keys(prompt_ids, self.block_size)
+        keys = prefix_block_keys(prompt_ids, self.block_size) if self.prefix_affinity else []
         replica, matched = self.choose(keys)
         if matched:
             self.num_affinity += 1
