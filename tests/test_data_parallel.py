@@ -93,6 +93,13 @@ def test_greedy_equals_one_engine_offline(client, offline):
     assert "".join(c.choices[0].text for c in streamed) == expected[0]
 
 
+def test_seeded_sampling_is_the_same_on_every_replica(client):
+    kw = dict(model=SERVED_NAME, prompt=PROMPTS[2], temperature=1.0, seed=11, max_tokens=MAX_TOKENS)
+    with ThreadPoolExecutor(4) as pool:                   # at once: spread over both replicas
+        texts = list(pool.map(lambda _: client.completions.create(**kw).choices[0].text, range(4)))
+    assert len(set(texts)) == 1, texts
+
+
 def test_every_replica_gets_work_under_concurrency(dp_server, client):
     url = dp_server[0]
     before = per_engine(url, "qwen_ops:iteration_tokens_total_count")
@@ -137,3 +144,48 @@ def test_offline_llm_refuses_data_parallel():
 
     with pytest.raises(ValueError, match=r"data_parallel_size = 2, but the offline LLM runs one engine"):
         LLM(None, data_parallel_size=2)
+
+
+def test_health_reports_each_replica(dp_server):
+    import httpx
+
+    body = httpx.get(dp_server[0] + "/health", timeout=10).json()
+    assert [r["engine"] for r in body["replicas"]] == [0, 1]
+    assert all(r["running"] for r in body["replicas"])
+
+
+def test_merge_stats_sums_counts_and_recomputes_ratios():
+    from qwen_ops.serving.data_parallel import merge_stats
+
+    a = {"num_running": 1, "num_iterations": 10, "mean_batch_size": 2.0, "prefix_cache_queries": 100,
+         "prefix_cache_hits": 50, "prefix_cache_hit_rate": 0.5, "iteration_tokens_buckets": [1, 2],
+         "block_size": 16, "dtype": "float32", "lora_running": ["x"], "prefix_caching": True}
+    b = {"num_running": 3, "num_iterations": 30, "mean_batch_size": 4.0, "prefix_cache_queries": 300,
+         "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0, "iteration_tokens_buckets": [3, 4],
+         "block_size": 16, "dtype": "float32", "lora_running": ["y"], "prefix_caching": True}
+    m = merge_stats([a, b])
+    assert (m["num_running"], m["num_iterations"], m["iteration_tokens_buckets"]) == (4, 40, [4, 6])
+    assert m["mean_batch_size"] == (2.0 * 10 + 4.0 * 30) / 40 and m["prefix_cache_hit_rate"] == 50 / 400
+    assert (m["block_size"], m["dtype"], m["lora_running"], m["prefix_caching"]) == (16, "float32", ["x", "y"], True)
+    assert m["replicas"] == [a, b]
+
+
+def test_replica_cpus_pins_only_where_each_gets_its_own():
+    from qwen_ops.serving.data_parallel import replica_cpus
+
+    assert replica_cpus(2, 1, [4, 5]) == [[4], [5]]
+    assert replica_cpus(2, 2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert replica_cpus(2, 2, [0, 1, 2]) == [None, None]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "-dp", "0"], "data_parallel_size = 0, expected an int >= 1"),
+    (["serve", "-dp", "2", "--no-engine-process"], "--data-parallel-size = 2 with --no-engine-process"),
+    (["serve", "--threads-per-replica", "0"], "--threads-per-replica = 0, expected >= 1"),
+])
+def test_serve_rejects_bad_data_parallel_flags(argv, message, capsys, monkeypatch):
+    from qwen_ops_cli import main
+
+    monkeypatch.delenv("QWEN_OPS_DEBUG", raising=False)
+    assert main(argv + ["--port", "0"]) == 2
+    assert message in capsys.readouterr().err

@@ -13,7 +13,8 @@ balancer's count. The replica re-tokenizes the prompt (same tokenizer, same ids)
 more tokenization on the server's side, and the outputs (prompt text included) are the replica's own.
 
 ``stats()`` sums the replicas' counters (ratios recomputed) and keeps each replica's own under
-``"replicas"`` (``/metrics`` labels them ``engine="i"``, vLLM's label). ``add_lora`` /
+``"replicas"`` (``/metrics`` labels them ``engine="i"``, vLLM's label); ``replica_health()`` is
+``/health``'s body. ``add_lora`` /
 ``remove_lora`` go to every replica; pooling requests go whole to the least-loaded one.
 
 Not yet (issue 63 item 2): a replica that dies takes the server down with it (``is_running`` is
@@ -122,7 +123,8 @@ class DataParallelAsyncLLM:
         ``max_waiting_requests`` bounds each replica's queue."""
         engine_args.validate()
         size = engine_args.data_parallel_size
-        usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        usable = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                  else list(range(os.cpu_count() or 1)))
         if threads_per_replica is None:
             threads_per_replica = max(1, len(usable) // size)
         elif isinstance(threads_per_replica, bool) or not isinstance(threads_per_replica, int) \
@@ -167,6 +169,14 @@ class DataParallelAsyncLLM:
     def heartbeat_age(self) -> float:
         return max(r.heartbeat_age() for r in self.replicas)
 
+    def replica_health(self) -> list[dict]:
+        """Each replica's state for ``/health``: running, seconds without an iteration while it has work,
+        and the tokens the balancer counts in flight there."""
+        with self._lock:
+            loads = self.balancer.loads()
+        return [{"engine": i, "running": r.is_running, "heartbeat_age_s": round(r.heartbeat_age(), 3),
+                 "load_tokens": loads[i]} for i, r in enumerate(self.replicas)]
+
     def replica_of(self, request_id: str) -> Optional[int]:
         """The replica a streaming request runs on (None once it has ended)."""
         with self._lock:
@@ -180,8 +190,8 @@ class DataParallelAsyncLLM:
             raise EngineDeadError("a data-parallel replica is not running" + (f" ({self.dead_reason})"
                                                                              if self.dead_reason else ""))
         params = sampling_params or SamplingParams()
-        ((_, ids, params),) = prepare_requests([prompt], [params], tokenizer=self.tokenizer,
-                                               vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        ((_, ids, checked),) = prepare_requests([prompt], [params], tokenizer=self.tokenizer,
+                                                vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         if request_id is None:
             request_id = f"dp-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
@@ -189,9 +199,9 @@ class DataParallelAsyncLLM:
         with self._lock:
             if request_id in self._where:
                 raise ValueError(f"request_id = {request_id!r} is already in flight; expected a new id")
-            ticket = self.balancer.assign(ids, params.max_new_tokens, params.n)
+            ticket = self.balancer.assign(ids, checked.max_new_tokens, checked.n)
             self._where[request_id] = ticket.replica
-        delta = params.output_kind == RequestOutputKind.DELTA
+        delta = checked.output_kind == RequestOutputKind.DELTA
         generated = 0
         try:
             async for out in self.replicas[ticket.replica].generate(prompt, params, request_id, lora_request):

@@ -1161,13 +1161,17 @@ def _add_health_routes(app: FastAPI, serving: "_Serving", heartbeat_timeout: Opt
     @app.get("/ping")
     @app.post("/ping")
     async def health() -> Response:
+        replicas = getattr(serving.engine, "replica_health", None)     # data-parallel: each replica's state
         if not serving.engine_up():       # AsyncLLM's loop has stopped
-            return _error_response(P.APIError(503, "the engine is not running"))
+            reason = getattr(serving.engine, "dead_reason", None) if replicas is not None else None
+            return _error_response(P.APIError(503, "the engine is not running" + (f" ({reason})" if reason else "")))
         stalled = serving.stalled_for()
         if heartbeat_timeout is not None and stalled > heartbeat_timeout:
             return _error_response(P.APIError(503, f"the engine has requests to run and has finished no "
                                                    f"iteration for {stalled:.1f} s (heartbeat timeout "
                                                    f"{heartbeat_timeout:g} s)"))
+        if replicas is not None:
+            return JSONResponse({"replicas": replicas()})
         return Response(status_code=200)
 
     @app.get("/metrics")
