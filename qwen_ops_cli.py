@@ -106,6 +106,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own, apart from the HTTP server's event loop "
                         "(default; --no-engine-process: a thread of the server's process)")
+    s.add_argument("--threads-per-replica", type=int, default=None, metavar="N",
+                   help="torch threads of each engine core with --data-parallel-size > 1, each replica pinned to "
+                        "cores of its own where there are enough (default: the usable cores divided among them)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="completions (n per prompt) allowed to wait for a slot before new requests get 503 "
                         "(default: no limit)")

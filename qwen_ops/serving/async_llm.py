@@ -107,8 +107,9 @@ class AsyncLLM:
             self.max_loras = None if llm.engine.lora is None else llm.engine.lora.config.max_loras
             info = pooling_info(llm)
         else:
-            model, llm_kwargs = _process
-            self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited)
+            model, llm_kwargs, num_threads, cpus = _process
+            self._core = ProcessCore(model, llm_kwargs, self._deliver, self._core_exited, num_threads=num_threads,
+                                     cpus=cpus)
             info = self._core.info
             self.vocab_size = info["vocab_size"]
             self.max_model_len = info["max_model_len"]
@@ -139,15 +140,24 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, *, max_waiting_requests: Optional[int] = None,
-                         engine_process: bool = True) -> "AsyncLLM":
-        """``LLM.from_engine_args(engine_args)`` under a background loop (``from_pretrained``'s)."""
+                         engine_process: bool = True, num_threads: Optional[int] = None,
+                         cpus: Optional[Sequence[int]] = None) -> "AsyncLLM":
+        """``LLM.from_engine_args(engine_args)`` under a background loop (``from_pretrained``'s).
+        With ``engine_process``: ``num_threads`` torch threads in the core's process (None: this
+        process's count), pinned to ``cpus`` (None: not pinned); a data-parallel replica's."""
         if not isinstance(engine_process, bool):
             raise ValueError(f"engine_process = {engine_process!r}, expected True or False")
         if not engine_process:
+            if num_threads is not None or cpus is not None:
+                raise ValueError(f"num_threads = {num_threads!r}, cpus = {cpus!r} with engine_process = False; "
+                                 "expected both None (they set the engine core process's threads)")
             return cls(LLM.from_engine_args(engine_args), max_waiting_requests=max_waiting_requests)
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads = {num_threads!r}, expected an int >= 1 or None")
         engine_args.validate()          # here, in the caller: a bad argument fails before a process starts
         return cls(max_waiting_requests=max_waiting_requests,
-                   _process=(engine_args.model, engine_args.llm_kwargs()))
+                   _process=(engine_args.model, engine_args.llm_kwargs(), num_threads, cpus))
 
     # ------------------------------------------------------------------ caller side
     @property

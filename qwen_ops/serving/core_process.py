@@ -7,6 +7,7 @@ steps. Its own module, so that
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -35,7 +36,9 @@ def core_main(conn) -> None:
     from qwen_ops.serving.llm import LLM
 
     try:
-        _, model, llm_kwargs, num_threads = conn.recv()
+        _, model, llm_kwargs, num_threads, cpus = conn.recv()
+        if cpus is not None and hasattr(os, "sched_setaffinity"):     # a data-parallel replica's own cores
+            os.sched_setaffinity(0, cpus)
         torch.set_num_threads(num_threads)
         llm = LLM(model, **llm_kwargs)
     except BaseException as e:              # noqa: BLE001 - reported to the parent, which raises it

@@ -253,7 +253,8 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "fcfs: requests run in arrival order (vLLM's priority is not "
                                           "supported) (default: fcfs)", metavar="{fcfs}")
     pipeline_parallel_size: int = _arg(1, "vLLM's; only 1 here (use --tensor-parallel-size)", "-pp", type=int)
-    data_parallel_size: int = _arg(1, "vLLM's; only 1 here", "-dp", type=int)
+    data_parallel_size: int = _arg(1, "engine replicas behind one server, each in its own process with its own "
+                                         "KV cache (vLLM's; serve only) (default: 1)", "-dp", type=int)
     distributed_executor_backend: Optional[str] = _arg(
         None, "mp (worker processes; the default), uni or external_launcher (torchrun), as vLLM's; not ray")
     served_model_name: Union[str, Sequence[str], None] = None   # vLLM's; the server has the flag, offline unused
@@ -458,11 +459,11 @@ class EngineArgs:
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config = {self.override_generation_config!r}, expected a dict "
                              "such as {'temperature': 0.5} or None")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            _check_int(name, getattr(self, name), 1)
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name} = {getattr(self, name)}, but only 1 is supported here; expected 1 (split a "
-                                 "model with tensor_parallel_size)")
+        _check_int("data_parallel_size", self.data_parallel_size, 1)     # > 1: the server's replicas
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size = {self.pipeline_parallel_size}, but only 1 is supported here; "
+                             "expected 1 (split a model with tensor_parallel_size)")
         if self.served_model_name is not None and not isinstance(self.served_model_name, (str, list, tuple)):
             raise ValueError(f"served_model_name = {self.served_model_name!r}, expected a name, a list of names or "
                              "None")

@@ -689,7 +689,10 @@ class ProcessCore:
     """
 
     def __init__(self, model, llm_kwargs: dict, deliver: Deliver, on_exit: Callable[[BaseException], None],
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, *, num_threads: Optional[int] = None,
+                 cpus: Optional[Sequence[int]] = None):
+        """``num_threads``: the child's torch threads (None: this process's count); ``cpus``: the CPU
+        ids the child is pinned to (None: not pinned), as data-parallel replicas are."""
         import torch
 
         ours, theirs = socket.socketpair()
@@ -713,7 +716,9 @@ class ProcessCore:
         self._finalizer = weakref.finalize(self, _stop_child, self._conn, self.process, self._send_lock,
                                            DEFAULT_STOP_TIMEOUT_S)
         try:
-            self._conn.send(("start", None if model is None else str(model), llm_kwargs, torch.get_num_threads()))
+            self._conn.send(("start", None if model is None else str(model), llm_kwargs,
+                             torch.get_num_threads() if num_threads is None else num_threads,
+                             None if cpus is None else list(cpus)))
             self.info = self._wait_ready(start_timeout_s)
         except BaseException:
             self._finalizer()

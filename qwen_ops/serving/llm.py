@@ -618,6 +618,10 @@ class LLM:
         # engine arguments log them by default (EngineArgs' default, False)
         args = EngineArgs(model=model, **{"disable_log_stats": True, **kwargs})
         args.validate()
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size = {args.data_parallel_size}, but the offline LLM runs one engine "
+                             "here; expected 1 (data-parallel replicas are served: qwen-ops serve "
+                             "--data-parallel-size N)")
         device = torch.device(args.device)
         spec = args.speculative()
         # None: the embedded model; a model id: the Hugging Face cache (revision, download_dir, hf_token)

@@ -38,38 +38,51 @@ class _EngineCollector(Collector):
         self._prefix = prefix
 
     def _families(self, s: Optional[dict], up: Optional[bool] = None):
-        labels = ["model_name"]
         PREFIX = self._prefix                  # noqa: N806 - this collector's prefix, qwen_ops: or vllm:
-        g = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs, 0 once it has stopped.", labels=labels)
+        g = GaugeMetricFamily(PREFIX + "engine_up", "1 while the engine runs, 0 once it has stopped.",
+                              labels=["model_name"])
         if up is not None:
             g.add_metric([self._model], 1.0 if up else 0.0)
         yield g
+        # One row of samples per engine: data-parallel replicas (stats' "replicas") carry vLLM's
+        # engine label, one engine none (as before; a dashboard's sum() reads both alike).
+        if s is not None and "replicas" in s:
+            labels = ["model_name", "engine"]
+            rows = [([self._model, str(i)], r) for i, r in enumerate(s["replicas"])]
+        else:
+            labels = ["model_name"]
+            rows = [] if s is None else [([self._model], s)]
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            if s is not None:
-                g.add_metric([self._model], value)
-            return g
+        def family(kind, name, doc, value, extra_labels=(), extra=lambda r: []):
+            f = kind(PREFIX + name, doc, labels=labels + list(extra_labels))
+            for values, r in rows:
+                f.add_metric(values + extra(r), value(r))
+            return f
 
-        get = (lambda k: s.get(k, 0)) if s is not None else (lambda k: 0)
-        total = get("total_blocks")
-        used = total - get("free_blocks")
-        yield gauge("num_requests_running", "Requests in the running batch.", get("num_running"))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
-        yield gauge("num_requests_swapped", "Requests swapped out to host memory.", get("num_swapped"))
-        yield gauge("kv_cache_blocks_in_use", "KV-cache blocks held by requests.", used)
-        yield gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", total)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                    used / total if total else 0.0)
+        def blocks_used(r):
+            return r.get("total_blocks", 0) - r.get("free_blocks", 0)
+
+        def usage(r):
+            total = r.get("total_blocks", 0)
+            return blocks_used(r) / total if total else 0.0
+
+        yield family(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+                     lambda r: r.get("num_running", 0))
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
+                     lambda r: r.get("num_waiting", 0))
+        yield family(GaugeMetricFamily, "num_requests_swapped", "Requests swapped out to host memory.",
+                     lambda r: r.get("num_swapped", 0))
+        yield family(GaugeMetricFamily, "kv_cache_blocks_in_use", "KV-cache blocks held by requests.", blocks_used)
+        yield family(GaugeMetricFamily, "kv_cache_blocks_total", "KV-cache blocks in the pool.",
+                     lambda r: r.get("total_blocks", 0))
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)
         if PREFIX == VLLM_PREFIX:
-            yield gauge("gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (vLLM's older name).",
-                        used / total if total else 0.0)
-        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (labels; value 1).",
-                                 labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
-        if s is not None:
-            info.add_metric([self._model, str(get("block_size")), str(total), str(s.get("kv_cache_dtype", "")),
-                             str(bool(s.get("prefix_caching"))).lower()], 1.0)
-        yield info
+            yield family(GaugeMetricFamily, "gpu_cache_usage_perc",
+                         "Fraction of KV-cache blocks in use (vLLM's older name).", usage)
+        yield family(GaugeMetricFamily, "cache_config_info", "The KV cache's configuration (labels; value 1).",
+                     lambda r: 1.0, ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+                     lambda r: [str(r.get("block_size", 0)), str(r.get("total_blocks", 0)),
+                                str(r.get("kv_cache_dtype", "")), str(bool(r.get("prefix_caching"))).lower()])
         if s is not None and s.get("max_loras") is not None:
             lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests (labels; value: "
                                      "the time).", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
@@ -77,15 +90,16 @@ class _EngineCollector(Collector):
                              str(s["max_loras"])], time.time())
             yield lora
         hist = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens per engine iteration.", labels=labels)
-        counts = s.get("iteration_tokens_buckets") if s is not None else None
-        if counts:
-            from qwen_ops.serving.engine_core import ITERATION_TOKEN_BUCKETS
+        for values, r in rows:
+            counts = r.get("iteration_tokens_buckets")
+            if counts:
+                from qwen_ops.serving.engine_core import ITERATION_TOKEN_BUCKETS
 
-            cumulative, running = [], 0
-            for bound, c in zip([*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"], counts):
-                running += c
-                cumulative.append((bound, running))
-            hist.add_metric([self._model], cumulative, s.get("iteration_tokens_sum", 0))
+                cumulative, running = [], 0
+                for bound, c in zip([*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"], counts):
+                    running += c
+                    cumulative.append((bound, running))
+                hist.add_metric(values, cumulative, r.get("iteration_tokens_sum", 0))
         yield hist
         for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions since start."),
                                ("prefix_cache_queries", "prefix_cache_queries",
@@ -98,10 +112,7 @@ class _EngineCollector(Collector):
                                 "Draft tokens accepted."),
                                ("spec_decode_num_emitted_tokens", "spec_num_emitted_tokens",
                                 "Tokens emitted by decodes that verified drafts (accepted drafts + 1 each).")):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            if s is not None:
-                c.add_metric([self._model], get(key))
-            yield c
+            yield family(CounterMetricFamily, name, doc, lambda r, k=key: r.get(k, 0))
 
     def describe(self):
         return list(self._families(None))

@@ -1161,13 +1161,17 @@ def _add_health_routes(app: FastAPI, serving: "_Serving", heartbeat_timeout: Opt
     @app.get("/ping")
     @app.post("/ping")
     async def health() -> Response:
+        replicas = getattr(serving.engine, "replica_health", None)     # data-parallel: each replica's state
         if not serving.engine_up():       # AsyncLLM's loop has stopped
-            return _error_response(P.APIError(503, "the engine is not running"))
+            reason = getattr(serving.engine, "dead_reason", None) if replicas is not None else None
+            return _error_response(P.APIError(503, "the engine is not running" + (f" ({reason})" if reason else "")))
         stalled = serving.stalled_for()
         if heartbeat_timeout is not None and stalled > heartbeat_timeout:
             return _error_response(P.APIError(503, f"the engine has requests to run and has finished no "
                                                    f"iteration for {stalled:.1f} s (heartbeat timeout "
                                                    f"{heartbeat_timeout:g} s)"))
+        if replicas is not None:
+            return JSONResponse({"replicas": replicas()})
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -1417,8 +1421,6 @@ def run_server(args) -> int:
     """``qwen-ops serve``: load the model, then serve until interrupted."""
     import uvicorn
 
-    from qwen_ops.serving.async_llm import AsyncLLM
-
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port}, expected 0..65535")
     if args.max_body_bytes < 1:
@@ -1440,8 +1442,7 @@ def run_server(args) -> int:
     names = args.served_model_name or [default_served_model_name(args.model)]
     sock = bind_socket(args.host, args.port)        # before the model load: a port in use fails at once
     try:
-        engine = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=args.max_waiting_requests,
-                                           engine_process=args.engine_process)
+        engine = _start_engine(engine_args, args)
         try:
             app = build_app(engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes,
                             heartbeat_timeout=args.engine_heartbeat_timeout, request_timeout=args.request_timeout,
@@ -1461,6 +1462,29 @@ def run_server(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _start_engine(engine_args: EngineArgs, args):
+    """``serve``'s engine: one ``AsyncLLM``, or with ``--data-parallel-size N > 1`` N of them behind a
+    ``DataParallelAsyncLLM`` (each in its own process, ``--threads-per-replica`` threads each)."""
+    from qwen_ops.serving.async_llm import AsyncLLM
+
+    threads = getattr(args, "threads_per_replica", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads-per-replica = {threads}, expected >= 1")
+    if engine_args.data_parallel_size > 1:
+        if not args.engine_process:
+            raise ValueError(f"--data-parallel-size = {engine_args.data_parallel_size} with --no-engine-process; "
+                             "replicas are engine processes, expected --engine-process (the default)")
+        from qwen_ops.serving.data_parallel import DataParallelAsyncLLM
+
+        return DataParallelAsyncLLM.from_engine_args(engine_args, threads_per_replica=threads,
+                                                     max_waiting_requests=args.max_waiting_requests)
+    if threads is not None and not args.engine_process:
+        raise ValueError(f"--threads-per-replica = {threads} with --no-engine-process; it sets the engine "
+                         "process's threads, expected --engine-process (the default) or no --threads-per-replica")
+    return AsyncLLM.from_engine_args(engine_args, max_waiting_requests=args.max_waiting_requests,
+                                     engine_process=args.engine_process, num_threads=threads)
 
 
 def _show_stats_lines() -> None:
@@ -1495,7 +1519,9 @@ def startup_line(engine, names: Sequence[str], host: str, port: int) -> str:
     tokens = st["total_blocks"] * st["block_size"]
     return (f"qwen-ops serve: {engine.model_path} as {', '.join(names)} | {st['dtype']}, KV {st['kv_cache_dtype']} | "
             f"max_model_len {st['max_model_len']} | KV cache {st['total_blocks']} blocks = {tokens} tokens | "
-            f"{st['num_threads']} thread{'s' if st['num_threads'] != 1 else ''} | http://{host}:{port}"
+            f"{st['num_threads']} thread{'s' if st['num_threads'] != 1 else ''}"
+            + (f" in {len(st['replicas'])} data-parallel replicas" if "replicas" in st else "")
+            + f" | http://{host}:{port}"
             + (f" | {engine.weights}" if getattr(engine, "weights", None) else ""))
 
 
