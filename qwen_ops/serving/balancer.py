@@ -78,6 +78,7 @@ class Balancer:
         self.margin_tokens = margin_tokens
         self._load = [0] * num_replicas
         self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._up = [True] * num_replicas
         self.num_assigned = [0] * num_replicas
         self.num_affinity = 0        # requests sent where a prefix was held (not the least-loaded fallback)
 
@@ -88,6 +89,18 @@ class Balancer:
     def loads(self) -> list[int]:
         return list(self._load)
 
+    def is_up(self, replica: int) -> bool:
+        return self._up[replica]
+
+    def mark_down(self, replica: int) -> None:
+        """``replica`` takes no new requests (dead, hung or restarting) and its cache is forgotten:
+        a restarted replica starts empty. Its tickets leave its load as they are released."""
+        self._up[replica] = False
+        self._cached[replica].clear()
+
+    def mark_up(self, replica: int) -> None:
+        self._up[replica] = True
+
     def matched_blocks(self, replica: int, keys: Sequence[int]) -> int:
         """How many leading ``keys`` ``replica`` is believed to hold."""
         cached, n = self._cached[replica], 0
@@ -97,24 +110,31 @@ class Balancer:
             n += 1
         return n
 
-    def choose(self, keys: Sequence[int]) -> tuple[int, int]:
-        """The replica for a prompt with block ``keys``, and how many of them it holds."""
-        matched = [self.matched_blocks(r, keys) for r in range(self.num_replicas)]
-        least = min(range(self.num_replicas), key=lambda r: (self._load[r], r))
-        best = min(range(self.num_replicas), key=lambda r: (-matched[r], self._load[r], r))
+    def choose(self, keys: Sequence[int], exclude: Sequence[int] = ()) -> tuple[int, int]:
+        """The replica for a prompt with block ``keys``, and how many of them it holds: one that is
+        up and not in ``exclude``. ``LookupError`` when there is none."""
+        live = [r for r in range(self.num_replicas) if self._up[r] and r not in exclude]
+        if not live:
+            raise LookupError(f"no replica is up (of {self.num_replicas}"
+                              + (f", excluding {sorted(exclude)}" if exclude else "") + ")")
+        matched = {r: self.matched_blocks(r, keys) for r in live}
+        least = min(live, key=lambda r: (self._load[r], r))
+        best = min(live, key=lambda r: (-matched[r], self._load[r], r))
         if matched[best] > 0 and self._load[best] - self._load[least] <= self.margin_tokens:
             return best, matched[best]
         return least, matched[least]
 
-    def assign(self, prompt_ids: Sequence[int], max_new_tokens: int, n: int = 1) -> Ticket:
-        """Pick the replica for a prompt that may generate ``max_new_tokens`` tokens in each of its
-        ``n`` completions; count its load there and remember its blocks there."""
+    def assign(self, prompt_ids: Sequence[int], max_new_tokens: int, n: int = 1,
+               exclude: Sequence[int] = ()) -> Ticket:
+        """Pick the replica (up, not in ``exclude``) for a prompt that may generate ``max_new_tokens``
+        tokens in each of its ``n`` completions; count its load there and remember its blocks there.
+        ``LookupError`` when no replica is up."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r}, expected an int >= 0")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r}, expected an int >= 1")
         keys = prefix_block_keys(prompt_ids, self.block_size) if self.prefix_affinity else []
-        replica, matched = self.choose(keys)
+        replica, matched = self.choose(keys, exclude)
         if matched:
             self.num_affinity += 1
         ticket = Ticket(replica, len(prompt_ids) - matched * self.block_size, max_new_tokens * n, matched)
