@@ -109,6 +109,14 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--threads-per-replica", type=int, default=None, metavar="N",
                    help="torch threads of each engine core with --data-parallel-size > 1, each replica pinned to "
                         "cores of its own where there are enough (default: the usable cores divided among them)")
+    s.add_argument("--data-parallel-policy", choices=("cache_aware", "least_load", "round_robin"),
+                   default="cache_aware",
+                   help="with --data-parallel-size > 1, which replica takes a request: the one holding the longest "
+                        "cached prefix of its prompt unless it is loaded well beyond the others (cache_aware, the "
+                        "default), the least loaded in tokens, or each in turn")
+    s.add_argument("--replica-hang-timeout", type=float, default=None, metavar="S",
+                   help="with --data-parallel-size > 1: a replica that has work and finishes no iteration for S "
+                        "seconds is killed and restarted, its unstarted requests sent to another (default 60)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="completions (n per prompt) allowed to wait for a slot before new requests get 503 "
                         "(default: no limit)")

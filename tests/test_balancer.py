@@ -124,3 +124,46 @@ def test_bad_arguments_name_themselves(name, kwargs):
         bal.assign([1, 2], max_new_tokens=-1)
     with pytest.raises(ValueError, match="n = 0"):
         bal.assign([1, 2], max_new_tokens=1, n=0)
+
+
+def test_a_replica_marked_down_takes_nothing_and_forgets_its_prefixes():
+    bal = Balancer(2, block_size=BLOCK)
+    shared = prompt(7, 64)
+    t = bal.assign(shared, max_new_tokens=4)
+    assert t.replica == 0 and bal.matched_blocks(0, prefix_block_keys(shared, BLOCK)) == 4
+    bal.mark_down(0)
+    assert not bal.is_up(0)
+    assert [bal.assign(prompt(i, 8), max_new_tokens=1).replica for i in range(3)] == [1, 1, 1]
+    bal.release(t)                                      # its ticket still leaves the dead replica's load
+    assert bal.load(0) == 0
+    bal.mark_up(0)                                      # restarted: empty, so no affinity for the old prefix
+    again = bal.assign(shared + [1, 2], max_new_tokens=4)
+    assert again.matched_blocks == 0 and again.replica == 0        # the least loaded now
+    bal.mark_down(0)
+    bal.mark_down(1)
+    with pytest.raises(LookupError, match="no replica is up"):
+        bal.assign(shared, max_new_tokens=1)
+
+
+def test_exclude_skips_the_replicas_a_request_failed_on():
+    bal = Balancer(3, block_size=BLOCK)
+    assert bal.assign(prompt(0, 8), max_new_tokens=1, exclude=[0]).replica == 1
+    assert bal.assign(prompt(1, 8), max_new_tokens=1, exclude=[1, 2]).replica == 0
+    with pytest.raises(LookupError, match=r"excluding \[0, 1, 2\]"):
+        bal.assign(prompt(2, 8), max_new_tokens=1, exclude=[0, 1, 2])
+
+
+def test_policies_round_robin_and_least_load_ignore_prefixes():
+    shared = prompt(3, 64)
+    rr = Balancer(2, block_size=BLOCK, policy="round_robin")
+    heavy = rr.assign(shared, max_new_tokens=1000)      # replica 0 now carries far more load
+    assert [rr.assign(shared, max_new_tokens=1).replica for _ in range(4)] == [1, 0, 1, 0]
+    assert heavy.replica == 0
+    ll = Balancer(2, block_size=BLOCK, policy="least_load")
+    ll.assign(shared, max_new_tokens=100)               # on 0
+    assert ll.assign(shared, max_new_tokens=1).replica == 1          # cache_aware would pick 0 (within margin)
+    ca = Balancer(2, block_size=BLOCK)
+    ca.assign(shared, max_new_tokens=100)
+    assert ca.assign(shared, max_new_tokens=1).replica == 0
+    with pytest.raises(ValueError, match=r"policy = 'random', expected one of 'cache_aware', 'least_load'"):
+        Balancer(2, policy="random")

@@ -24,7 +24,7 @@ from server_fixture import ENGINE_KWARGS, SERVED_NAME, cli_server_port, scrape
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "    def __init__(self):"]
 MAX_TOKENS = 12
-NUM_CHATS = 8
+NUM_CHATS = 20
 BLOCK = 16
 
 
@@ -139,11 +139,46 @@ def test_second_turns_land_on_the_replica_of_the_first(dp_server, client):
         assert sorted(gained.values())[0] == 0 and max(gained.values()) >= (first_blocks - 1) * BLOCK, (i, gained)
 
 
-def test_offline_llm_refuses_data_parallel():
+def test_greedy_equals_transformers(client):
+    """The outside oracle: transformers' greedy ``generate`` on the embedded checkpoint."""
+    import torch
+    import transformers
+
+    from qwen_ops.models.defaults import default_model_path
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model=SERVED_NAME, prompt=p, temperature=0,
+                                                                max_tokens=MAX_TOKENS), PROMPTS))
+    for prompt, g in zip(PROMPTS, got):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        assert g.choices[0].text == tok.decode(out[0, ids.shape[1]:]), prompt
+
+
+def test_offline_llm_data_parallel(offline):
+    """``LLM(data_parallel_size=2)``: two engine processes; greedy outputs in prompt order equal one
+    engine's, both replicas ran some, and what needs a local engine names the argument."""
     from qwen_ops.serving.llm import LLM
 
-    with pytest.raises(ValueError, match=r"data_parallel_size = 2, but the offline LLM runs one engine"):
-        LLM(None, data_parallel_size=2)
+    prompts = [f"# {i}\n" + p for i in range(3) for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(None, data_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.prompt for o in got] == prompts
+        assert [list(o.outputs[0].token_ids) for o in got] == [list(e) for e in expected]
+        assert all(r["num_iterations"] > 0 for r in llm.stats()["replicas"])
+        chat = [{"role": "user", "content": "Say hi."}]
+        assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text == \
+            offline.chat(chat, params, use_tqdm=False)[0].outputs[0].text
+        with pytest.raises(ValueError, match=r"data_parallel_size = 2: .*\(\.add_requests\)"):
+            llm.add_request("x")
+    finally:
+        llm.shutdown()
 
 
 def test_health_reports_each_replica(dp_server):
@@ -151,7 +186,7 @@ def test_health_reports_each_replica(dp_server):
 
     body = httpx.get(dp_server[0] + "/health", timeout=10).json()
     assert [r["engine"] for r in body["replicas"]] == [0, 1]
-    assert all(r["running"] for r in body["replicas"])
+    assert all(r["running"] and r["state"] == "running" and r["pid"] for r in body["replicas"])
 
 
 def test_merge_stats_sums_counts_and_recomputes_ratios():

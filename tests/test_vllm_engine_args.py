@@ -192,7 +192,7 @@ def test_vllm_only_arguments_warn_once_or_are_refused(ckpt, caplog):
     for kwargs, match in [
         (dict(enable_sleep_mode=True), r"enable_sleep_mode = True is not supported: sleep mode"),
         (dict(pipeline_parallel_size=2), r"pipeline_parallel_size = 2, but only 1 is supported here"),
-        (dict(data_parallel_size=2), r"data_parallel_size = 2, but the offline LLM runs one engine"),
+        (dict(data_parallel_rank=1), r"data_parallel_rank = 1 .*data-parallel replicas here are"),
         (dict(logits_processors=[object]), r"logits_processors = .* is not supported"),
         (dict(tokenizer_mode="mistral"), r"tokenizer_mode = 'mistral', expected one of 'auto', 'hf', 'slow'"),
         (dict(scheduling_policy="priority"), r"scheduling_policy = 'priority', expected one of 'fcfs'"),

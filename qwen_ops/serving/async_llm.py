@@ -173,6 +173,12 @@ class AsyncLLM:
         return self._core.heartbeat_age()
 
     @property
+    def pid(self) -> Optional[int]:
+        """The engine core process's id (None: the core runs on a thread here)."""
+        process = getattr(self._core, "process", None)
+        return None if process is None else process.pid
+
+    @property
     def dead_reason(self) -> Optional[BaseException]:
         """Why the engine loop stopped (an ``EngineDeadError``), or None while it runs."""
         return self._dead

@@ -28,9 +28,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["Balancer", "Ticket", "prefix_block_keys"]
+__all__ = ["POLICIES", "Balancer", "Ticket", "prefix_block_keys"]
 
 DEFAULT_MARGIN_TOKENS = 2048
+POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
 def prefix_block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -64,13 +65,20 @@ class Balancer:
     server calls it from its one event loop."""
 
     def __init__(self, num_replicas: int, *, block_size: int = 16, cache_blocks: int = 4096,
-                 margin_tokens: int = DEFAULT_MARGIN_TOKENS, prefix_affinity: bool = True):
+                 margin_tokens: int = DEFAULT_MARGIN_TOKENS, prefix_affinity: bool = True,
+                 policy: str = "cache_aware"):
         for name, value, low in (("num_replicas", num_replicas, 1), ("block_size", block_size, 1),
                                  ("cache_blocks", cache_blocks, 1), ("margin_tokens", margin_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} = {value!r}, expected an int >= {low}")
         if not isinstance(prefix_affinity, bool):
             raise ValueError(f"prefix_affinity = {prefix_affinity!r}, expected True or False")
+        if policy not in POLICIES:
+            raise ValueError(f"policy = {policy!r}, expected one of {', '.join(map(repr, POLICIES))}")
+        # cache_aware: prefix affinity within the margin, else the least loaded (the module docstring);
+        # least_load: the least loaded only; round_robin: in turn, whatever the load (a baseline to measure by)
+        self.policy = policy
+        self._turn = 0
         self.num_replicas = num_replicas
         self.prefix_affinity = prefix_affinity     # False: the replicas cache no prefixes; load alone decides
         self.block_size = block_size
@@ -117,10 +125,15 @@ class Balancer:
         if not live:
             raise LookupError(f"no replica is up (of {self.num_replicas}"
                               + (f", excluding {sorted(exclude)}" if exclude else "") + ")")
+        if self.policy == "round_robin":
+            self._turn += 1
+            r = live[(self._turn - 1) % len(live)]
+            return r, self.matched_blocks(r, keys)
         matched = {r: self.matched_blocks(r, keys) for r in live}
         least = min(live, key=lambda r: (self._load[r], r))
         best = min(live, key=lambda r: (-matched[r], self._load[r], r))
-        if matched[best] > 0 and self._load[best] - self._load[least] <= self.margin_tokens:
+        if (self.policy == "cache_aware" and matched[best] > 0
+                and self._load[best] - self._load[least] <= self.margin_tokens):
             return best, matched[best]
         return least, matched[least]
 

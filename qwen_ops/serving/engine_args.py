@@ -253,8 +253,8 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "fcfs: requests run in arrival order (vLLM's priority is not "
                                           "supported) (default: fcfs)", metavar="{fcfs}")
     pipeline_parallel_size: int = _arg(1, "vLLM's; only 1 here (use --tensor-parallel-size)", "-pp", type=int)
-    data_parallel_size: int = _arg(1, "engine replicas behind one server, each in its own process with its own "
-                                         "KV cache (vLLM's; serve only) (default: 1)", "-dp", type=int)
+    data_parallel_size: int = _arg(1, "engine replicas behind one server or LLM, each in its own process with "
+                                         "its own KV cache (vLLM's) (default: 1)", "-dp", type=int)
     distributed_executor_backend: Optional[str] = _arg(
         None, "mp (worker processes; the default), uni or external_launcher (torchrun), as vLLM's; not ray")
     served_model_name: Union[str, Sequence[str], None] = None   # vLLM's; the server has the flag, offline unused
@@ -529,6 +529,9 @@ _DIST = "a multi-process setting of vLLM's; here one process per tensor-parallel
 _LOAD = "a weight-loading setting of vLLM's; safetensors are memory-mapped here"
 _SCHED = "a scheduler knob of vLLM's without a counterpart here"
 _OBS = "an observability / logging setting of vLLM's without a counterpart here"
+_DP = ("data-parallel replicas here are data_parallel_size processes on one machine behind one balancer; "
+       "across machines, qwen-ops router in front of several servers (vLLM's ranks and DP coordinator are not "
+       "used)")
 _MM = "a multimodal setting; the models here are text-only"
 _LORA = "a LoRA setting of vLLM's; adapters here are PEFT, in the model's dtype"
 _WARN_GROUPS = {
@@ -585,14 +588,14 @@ _REFUSED = {
     "prefill_context_parallel_size": "context parallelism is not implemented here",
     "decode_context_parallel_size": "context parallelism is not implemented here",
     "nnodes": "one machine here", "node_rank": "one machine here",
-    "data_parallel_rank": "data parallelism is not implemented here",
-    "data_parallel_start_rank": "data parallelism is not implemented here",
-    "data_parallel_size_local": "data parallelism is not implemented here",
-    "data_parallel_address": "data parallelism is not implemented here",
-    "data_parallel_rpc_port": "data parallelism is not implemented here",
-    "data_parallel_hybrid_lb": "data parallelism is not implemented here",
-    "data_parallel_external_lb": "data parallelism is not implemented here",
-    "data_parallel_multi_port_external_lb": "data parallelism is not implemented here",
+    "data_parallel_rank": _DP,
+    "data_parallel_start_rank": _DP,
+    "data_parallel_size_local": _DP,
+    "data_parallel_address": _DP,
+    "data_parallel_rpc_port": _DP,
+    "data_parallel_hybrid_lb": _DP,
+    "data_parallel_external_lb": _DP,
+    "data_parallel_multi_port_external_lb": _DP,
     "enable_elastic_ep": "expert parallelism is not implemented here",
     "logprobs_mode": "log-probabilities here are the model's raw ones (vLLM's raw_logprobs)",
     "model_class_overrides": "the model classes here are qwen_ops' own",

@@ -138,7 +138,10 @@ def pooling_tasks(pooling_params: Union[PoolingParams, Sequence[PoolingParams], 
 def run_pooling(llm, prompts: list[list[int]], tasks: list[PoolingTask],
                 use_tqdm: Union[bool, Callable[..., Any]]) -> list[torch.Tensor]:
     """Run pooling requests on ``llm``'s engine core until each has its embedding (fp32 tensors,
-    in prompt order); an interruption aborts the unfinished ones."""
+    in prompt order); an interruption aborts the unfinished ones. With ``data_parallel_size > 1``
+    they run on the replicas (``OfflineDataParallel.encode``)."""
+    if getattr(llm, "_dp", None) is not None:
+        return llm._dp.encode(prompts, tasks)
     return [r.embedding for r in run_pooling_requests(llm, prompts, tasks, use_tqdm)]
 
 

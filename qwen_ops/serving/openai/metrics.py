@@ -83,6 +83,15 @@ class _EngineCollector(Collector):
                      lambda r: 1.0, ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                      lambda r: [str(r.get("block_size", 0)), str(r.get("total_blocks", 0)),
                                 str(r.get("kv_cache_dtype", "")), str(bool(r.get("prefix_caching"))).lower()])
+        if s is not None and "replicas" in s and PREFIX != VLLM_PREFIX:    # data-parallel faults (ours)
+            yield family(GaugeMetricFamily, "replica_up", "1 while the replica takes requests, 0 while it restarts.",
+                         lambda r: r.get("up", 1))
+            yield family(CounterMetricFamily, "replica_restarts", "Times the replica died or hung and was restarted.",
+                         lambda r: r.get("restarts", 0))
+            retried = CounterMetricFamily(PREFIX + "requests_retried", "Requests sent to another replica after "
+                                          "theirs failed before they had an output.", labels=["model_name"])
+            retried.add_metric([self._model], s.get("requests_retried", 0))
+            yield retried
         if s is not None and s.get("max_loras") is not None:
             lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests (labels; value: "
                                      "the time).", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])

@@ -181,8 +181,8 @@ class PoolingRoutes:
             return out
         except QueueFullError as e:
             raise P.APIError(503, str(e), headers={"Retry-After": "1"}) from None
-        except EngineDeadError:
-            raise self.s.engine_down_error() from None
+        except EngineDeadError as e:
+            raise self.s.dead_error(e) from None
         except asyncio.TimeoutError:
             if deadline is None:
                 raise

@@ -133,6 +133,7 @@ class _Generation:
         self.latest: dict[int, Any] = {}           # stream index -> newest output (deltas: merged) not yet consumed
         self.last: list[Any] = [None] * len(prompts)
         self._delta = params.output_kind == RequestOutputKind.DELTA
+        self._final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self._reasons: list[dict[int, Optional[str]]] = [{} for _ in prompts]   # completion -> finish reason
         self.finished = [False] * len(prompts)
         self.generated = [0] * len(prompts)       # tokens over all n completions, summed from the updates
@@ -149,7 +150,9 @@ class _Generation:
         # new_token_ids, not the n completions' lengths: an update costs what changed, not n.
         self.generated[i] += len(out.new_token_ids)
         generated = self.generated[i]
-        self._timings[i].update(generated, time.perf_counter())
+        first = getattr(getattr(out, "metrics", None), "first_token_time", None)
+        # a final-only output is the first update: its time to first token is the engine's
+        self._timings[i].update(generated, first if self._final_only and first is not None else time.perf_counter())
         if getattr(out, "error", None):
             raise RuntimeError(f"engine request {self.ids[i]} failed: {out.error}")
         for c in out.outputs:
@@ -402,6 +405,21 @@ class _Serving:
         return P.APIError(503, "the engine is not running" + (f" ({reason})" if reason else "")
                           + "; this server cannot serve requests until it is restarted")
 
+    def output_kind(self, stream: bool) -> RequestOutputKind:
+        """A stream's engine outputs are deltas. A response sent whole takes cumulative ones, or only
+        the final one where the engine sends again to another replica a request whose replica failed
+        before it yielded anything (data-parallel's ``retries_unsent``): then no non-streamed
+        request has received anything before it finishes, and every one of them can be retried."""
+        if stream:
+            return RequestOutputKind.DELTA
+        return RequestOutputKind.FINAL_ONLY if getattr(self.engine, "retries_unsent", False) \
+            else RequestOutputKind.CUMULATIVE
+
+    def dead_error(self, e: BaseException) -> P.APIError:
+        """The 503 of an ``EngineDeadError`` ``e``: the engine's own state if it is down, else ``e``
+        itself (a data-parallel replica failed under this request; the others serve)."""
+        return P.APIError(503, str(e)) if self.engine_up() else self.engine_down_error()
+
     def check_engine(self) -> None:
         if not self.engine_up():
             raise self.engine_down_error()
@@ -550,7 +568,7 @@ class _Serving:
                 raise P.APIError(503, str(e) or "too many waiting requests; retry later",
                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
             if isinstance(e, EngineDeadError):
-                raise self.engine_down_error() from None
+                raise self.dead_error(e) from None
             if isinstance(e, asyncio.TimeoutError) and deadline is not None:
                 raise self.timeout_error() from None
             if isinstance(e, ValueError):
@@ -580,8 +598,8 @@ class _Serving:
             return await _until_disconnect(request, _by(deadline, asyncio.gather(*(g.final() for g in gens))))
         except _ClientGone:
             return None
-        except EngineDeadError:
-            raise self.engine_down_error() from None
+        except EngineDeadError as e:
+            raise self.dead_error(e) from None
         except asyncio.TimeoutError:
             if deadline is None:
                 raise
@@ -599,9 +617,10 @@ class _Serving:
                 except StopAsyncIteration:
                     break
                 yield chunk
-        except EngineDeadError:                # the stream has started: report in-band, no traceback
-            logger.warning("a streaming request ended: %s", getattr(self.engine, "dead_reason", None))
-            yield error_event(self.engine_down_error().body())
+        except EngineDeadError as e:           # the stream has started: report in-band, no traceback
+            logger.warning("a streaming request ended: %s", getattr(self.engine, "dead_reason", None) or e)
+            # the engine still runs (a data-parallel replica failed under this stream): that is the error
+            yield error_event(self.dead_error(e).body())
         except asyncio.TimeoutError:
             if deadline is None:
                 raise
@@ -644,8 +663,7 @@ class _Serving:
                                                                    defaults=self.sampling_defaults))
         if score:
             kwargs["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
-        if req.stream:
-            kwargs["output_kind"] = RequestOutputKind.DELTA
+        kwargs["output_kind"] = self.output_kind(req.stream)
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field="max_tokens"), self.vocab_size,
                                 self.tokenizer)
         echoes = [(p if isinstance(p, str) else self.decode(p)) if req.echo else "" for p in raw]
@@ -805,8 +823,7 @@ class _Serving:
             so_field = "tool_choice"
             kwargs["structured_outputs"] = self.check_spec(so_field, StructuredOutputsParams(json=P.tool_call_schema(
                 mode, tools, named, parallel=req.parallel_tool_calls is not False)))
-        if req.stream:
-            kwargs["output_kind"] = RequestOutputKind.DELTA
+        kwargs["output_kind"] = self.output_kind(req.stream)
         params = P.check_params(P.sampling_params(kwargs, max_tokens_field=field, logprobs_field="top_logprobs"),
                                 self.vocab_size, self.tokenizer)
         prep = _Prepared(req, [ids], params, None, k, field)
@@ -1478,8 +1495,13 @@ def _start_engine(engine_args: EngineArgs, args):
                              "replicas are engine processes, expected --engine-process (the default)")
         from qwen_ops.serving.data_parallel import DataParallelAsyncLLM
 
+        hang = getattr(args, "replica_hang_timeout", None)
+        if hang is not None and not hang > 0:
+            raise ValueError(f"--replica-hang-timeout = {hang}, expected seconds > 0")
         return DataParallelAsyncLLM.from_engine_args(engine_args, threads_per_replica=threads,
-                                                     max_waiting_requests=args.max_waiting_requests)
+                                                     max_waiting_requests=args.max_waiting_requests,
+                                                     policy=getattr(args, "data_parallel_policy", "cache_aware"),
+                                                     **({} if hang is None else {"hang_timeout_s": hang}))
     if threads is not None and not args.engine_process:
         raise ValueError(f"--threads-per-replica = {threads} with --no-engine-process; it sets the engine "
                          "process's threads, expected --engine-process (the default) or no --threads-per-replica")
