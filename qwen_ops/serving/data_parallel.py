@@ -499,17 +499,20 @@ class OfflineDataParallel:
                 from tqdm.auto import tqdm as factory
             bar = factory(total=len(prepared), desc="Processed prompts", dynamic_ncols=True)
 
-        async def one(prompt, params, lora) -> RequestOutput:
+        async def one(prompt, ids, params, lora) -> RequestOutput:
             final = None
-            async for final in self.engine.generate(prompt, _final_only(params), lora_request=lora):
+            # the ids LLM already made (the replica need not tokenize again); the prompt's text put back
+            async for final in self.engine.generate({"prompt_token_ids": ids}, _final_only(params), lora_request=lora):
                 pass
+            final.prompt = prompt if isinstance(prompt, str) else (
+                prompt.get("prompt") if isinstance(prompt, dict) else None)
             if bar is not None:
                 bar.update(1)
             return final
 
         async def every() -> list[RequestOutput]:
-            tasks = [asyncio.ensure_future(one(p, params, None if loras is None else loras[i]))
-                     for i, (p, _, params) in enumerate(prepared)]
+            tasks = [asyncio.ensure_future(one(p, ids, params, None if loras is None else loras[i]))
+                     for i, (p, ids, params) in enumerate(prepared)]
             try:
                 return list(await asyncio.gather(*tasks))
             finally:
