@@ -42,7 +42,7 @@ _MODULES = {
     "SamplingParams": "qwen_ops.engine.sampling", "RequestOutputKind": "qwen_ops.engine.sampling",
     "StructuredOutputsParams": "qwen_ops.engine.structured", "GuidedDecodingParams": "qwen_ops.engine.structured",
     "LoRARequest": "qwen_ops.engine.lora", "PoolingParams": "qwen_ops.engine.pooling",
-    "LLM": "qwen_ops.serving.llm", "RequestOutput": "qwen_ops.serving.llm", "CompletionOutput": "qwen_ops.serving.llm",
+    "LLM": "qwen_ops.serving.offline", "RequestOutput": "qwen_ops.serving.llm", "CompletionOutput": "qwen_ops.serving.llm",
     "EngineArgs": "qwen_ops.serving.engine_args",
     "BeamSearchParams": "qwen_ops.serving.beam_search", "BeamSearchOutput": "qwen_ops.serving.beam_search",
     "BeamSearchSequence": "qwen_ops.serving.beam_search",

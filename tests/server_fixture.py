@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import subprocess
 import time
 from typing import Callable, Iterator
@@ -143,3 +144,14 @@ def cli_server_port(proc: subprocess.Popen, timeout_s: float = 60.0) -> tuple[in
     assert port, "".join(seen)
     return port, seen
 
+
+
+def stop_cli_server(proc: subprocess.Popen) -> None:
+    """Stop a ``qwen-ops serve`` subprocess as Ctrl-C does (SIGINT), killing it after 30 s; its pipes
+    are drained so that a full one cannot hold it up."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import openai
 import pytest
 
 from qwen_ops.engine.sampling import SamplingParams
-from server_fixture import ENGINE_KWARGS, SERVED_NAME, cli_server_port, scrape
+from server_fixture import ENGINE_KWARGS, SERVED_NAME, cli_server_port, scrape, stop_cli_server
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "    def __init__(self):"]
 MAX_TOKENS = 12
@@ -41,12 +40,7 @@ def dp_server():
         port, seen = cli_server_port(proc, timeout_s=180.0)
         yield f"http://127.0.0.1:{port}", seen
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate(timeout=10)
+        stop_cli_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +155,11 @@ def test_greedy_equals_transformers(client):
 def test_offline_llm_data_parallel(offline):
     """``LLM(data_parallel_size=2)``: two engine processes; greedy outputs in prompt order equal one
     engine's, both replicas ran some, and what needs a local engine names the argument."""
-    from qwen_ops.serving.llm import LLM
+    from qwen_ops import LLM
+    from qwen_ops.serving.llm import LLM as OneEngine
 
+    with pytest.raises(ValueError, match=r"data_parallel_size = 2, but this LLM class .*runs one engine"):
+        OneEngine(None, data_parallel_size=2)
     prompts = [f"# {i}\n" + p for i in range(3) for p in PROMPTS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from qwen_ops.engine.sampling import SamplingParams
-from server_fixture import ENGINE_KWARGS, SERVED_NAME, cli_server_port, scrape
+from server_fixture import ENGINE_KWARGS, SERVED_NAME, cli_server_port, scrape, stop_cli_server
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 160
@@ -55,12 +55,7 @@ def dp_server():
         drain.start()
         yield f"http://127.0.0.1:{port}", log
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_cli_server(proc)
 
 
 def replicas(url: str) -> list[dict]:

@@ -184,7 +184,7 @@ def test_the_lazy_root_keeps_its_public_names():
                "import torch\n"
                "print(LLM.__module__, SamplingParams.__module__, qwen_ops.QwenEngine.__name__, "
                "set(qwen_ops.__all__) <= set(dir(qwen_ops)), hasattr(torch.ops.qwen, 'kv_write'))")
-    assert out == "qwen_ops.serving.llm qwen_ops.engine.sampling QwenEngine True True"
+    assert out == "qwen_ops.serving.offline qwen_ops.engine.sampling QwenEngine True True"
 
 
 def test_llm_chat_needs_no_fastapi():

@@ -83,7 +83,7 @@ def test_public_names_from_the_top():
 
     for name in qwen_ops.__all__:
         assert getattr(qwen_ops, name) is not None, name
-    assert qwen_ops.LLM.__module__ == "qwen_ops.serving.llm"
+    assert qwen_ops.LLM.__module__ == "qwen_ops.serving.offline"
     assert qwen_ops.QwenEngine.__module__ == "qwen_ops.engine.engine"
 
 

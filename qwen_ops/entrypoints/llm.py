@@ -1,5 +1,5 @@
 """vLLM's ``vllm.entrypoints.llm`` (a re-export)."""
 
-from qwen_ops.serving.llm import LLM
+from qwen_ops.serving.offline import LLM
 
 __all__ = ["LLM"]

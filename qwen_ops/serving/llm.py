@@ -22,7 +22,6 @@ import math
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -605,22 +604,6 @@ def _pooling_head(hf_overrides: Optional[dict], path, ckpt, tokenizer) -> tuple[
     return pooler, classifier
 
 
-class _ReplicasView:
-    """``LLM.engine`` / ``.scheduler`` / ``.core`` with ``data_parallel_size > 1``: the few facts the
-    replicas share (``vocab_size``, ``config``), and a clear error for what needs an engine in
-    this process."""
-
-    def __init__(self, size: int, **facts: Any):
-        self._size = size
-        self.__dict__.update(facts)
-
-    def __getattr__(self, name: str):
-        raise ValueError(f"data_parallel_size = {self._size}: the engines run in {self._size} processes of their "
-                         f"own, and this needs one here (.{name}); expected data_parallel_size=1 for step, "
-                         "add_request, stream, beam_search, LoRA and profiling calls (generate, chat, embed, "
-                         "score and classify run on the replicas)")
-
-
 class LLM:
     def __init__(self, model: Union[str, Path, None] = None, **kwargs: Any) -> None:
         """vLLM's ``LLM``: ``model`` (a checkpoint directory, a GGUF file or a Hugging Face model id;
@@ -635,10 +618,10 @@ class LLM:
         # engine arguments log them by default (EngineArgs' default, False)
         args = EngineArgs(model=model, **{"disable_log_stats": True, **kwargs})
         args.validate()
-        self._dp = None
         if args.data_parallel_size != 1:
-            self._init_data_parallel(args)
-            return
+            raise ValueError(f"data_parallel_size = {args.data_parallel_size}, but this LLM class "
+                             "(qwen_ops.serving.llm.LLM) runs one engine in this process; expected 1, or "
+                             "qwen_ops.LLM (serving/offline.py), which runs data-parallel replicas")
         device = torch.device(args.device)
         spec = args.speculative()
         # None: the embedded model; a model id: the Hugging Face cache (revision, download_dir, hf_token)
@@ -686,28 +669,6 @@ class LLM:
         self.engine_args = args      # read by get_metrics (disable_log_stats) and start_profile (profiler_config)
         self.pooler, self.classifier = (_pooling_head(reranker_overrides, path, ckpt, self.tokenizer) if pooling
                                         else (None, None))
-
-    def _init_data_parallel(self, args: EngineArgs) -> None:
-        """``data_parallel_size = N > 1``: N engine-core processes (``serving/data_parallel.py``,
-        ``OfflineDataParallel``), each with its own KV cache and the usable cores divided among
-        them; ``generate`` and ``chat`` spread their requests over them (by load and cached
-        prefix), ``embed`` / ``score`` / ``classify`` send theirs to one. What needs this process's
-        own engine (``step``, ``stream``, ``beam_search``, profiling) names the argument."""
-        from qwen_ops.serving.data_parallel import OfflineDataParallel
-
-        self._dp = OfflineDataParallel(args)
-        front = self._dp.engine
-        self.runner, self.pooler, self.classifier = front.runner, front.pooler, front.classifier
-        self.tokenizer = None if args.skip_tokenizer_init else front.tokenizer
-        self.model_path, self.tokenizer_path = front.model_path, front.tokenizer_path
-        self.sampling_overrides = dict(front.sampling_overrides)
-        self._default_sampling = SamplingParams(**self.sampling_overrides)
-        self.engine_args = args
-        self.engine = _ReplicasView(args.data_parallel_size, vocab_size=front.vocab_size,
-                                    config=SimpleNamespace(hidden_size=front.hidden_size))
-        self.scheduler = _ReplicasView(args.data_parallel_size,
-                                       config=SimpleNamespace(max_model_len=front.max_model_len))
-        self.core = _ReplicasView(args.data_parallel_size)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
@@ -851,10 +812,8 @@ class LLM:
         prompts done and the tokens/s in and out (a callable: the ``tqdm``-like class to use).
         ``lora_request`` (vLLM's; needs ``enable_lora=True``): one ``LoRARequest`` for every prompt,
         or a list with one (or None: the base model) per prompt."""
-        prepared = self._prepare(prompts, sampling_params)
-        if self._dp is not None:
-            return self._dp.generate(prepared, self._loras(lora_request, len(prepared)), use_tqdm)
         core = self.core
+        prepared = self._prepare(prompts, sampling_params)
         states = core.add_requests(prepared, lora_requests=self._loras(lora_request, len(prepared)))
         bar = _ProgressBar(use_tqdm, states) if use_tqdm else None
         try:
@@ -1106,15 +1065,10 @@ class LLM:
         self.core.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers, or the data-parallel replicas' processes (a no-op without them)."""
-        if self._dp is not None:
-            self._dp.shutdown()
-            return
+        """Stop tensor-parallel workers (a no-op without them)."""
         self.engine.shutdown()
 
     def stats(self) -> dict:
-        if self._dp is not None:
-            return self._dp.engine.stats()
         return self.core.stats()
 
     # ------------------------------------------------------------------ metrics and profiling (vLLM's)
