@@ -4,7 +4,8 @@
 engine's flags come from ``qwen_ops/serving/engine_args.py`` (``EngineArgs.add_cli_args``), which
 imports without torch, read from its file without running the package's root (``_engine_args_module``). The commands themselves live in
 ``qwen_ops.serving.commands``; they check the engine's arguments with ``EngineArgs.validate``,
-the same check and the same words as ``LLM(...)``.
+the same check and the same words as ``LLM(...)``. ``router`` never loads torch at all
+(``_router_module``).
 
     qwen-ops generate "def fibonacci(n):"            # the embedded default model
     qwen-ops generate --model /path/to/Qwen3-0.6B --max-tokens 64 "Hello"
@@ -13,6 +14,7 @@ the same check and the same words as ``LLM(...)``.
     qwen-ops bench --num-requests 32 --prompt-len 64 --output-len 64
     qwen-ops serve /path/to/Qwen3-0.6B --port 8000 --api-key token-abc123
     qwen-ops perplexity /path/to/Qwen3-0.6B --file wiki.test.raw --ctx-size 512
+    qwen-ops router --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002 --port 8000
 
 An error prints one line, ``error: ...``, on stderr and exits non-zero; ``--debug`` (or
 ``QWEN_OPS_DEBUG=1``) lets the exception through with its traceback instead.
@@ -164,6 +166,60 @@ def _add_chat_parser(sub) -> None:
     c.set_defaults(func="chat")
 
 
+# The router's policies (qwen_ops/serving/router.py's POLICIES, which tests/test_router.py checks this against):
+# named here so that --help lists them without loading the router's module.
+ROUTER_POLICIES = ("cache_aware", "least_load", "round_robin", "consistent_hash")
+
+
+def _add_router_parser(sub) -> None:
+    r = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of worker servers",
+                       description="Forward OpenAI-compatible requests to worker servers (qwen-ops serve, or any "
+                                   "OpenAI-compatible server) by a routing policy, with health checks and retries "
+                                   "of requests that failed before their first byte. Serves /health and /metrics "
+                                   "of its own; everything else goes to a worker. Loads no model and no torch.")
+    r.add_argument("--worker", action="append", required=True, metavar="URL",
+                   help="a worker's root URL, e.g. http://127.0.0.1:8001; give --worker once per worker")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    r.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    r.add_argument("--policy", choices=ROUTER_POLICIES, default="cache_aware",
+                   help="cache_aware (default): the worker holding the longest prefix of the prompt text unless "
+                        "it is much busier; least_load: the fewest tokens in flight; round_robin: each in turn; "
+                        "consistent_hash: sticky sessions by a session key (--session-header, or the body's user)")
+    r.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="ask each worker's /health this often; a failed check takes it out until one passes "
+                        "(default: 1)")
+    r.add_argument("--max-retries", type=int, default=2, metavar="N",
+                   help="other workers to try a request on when its worker fails before the first byte of the "
+                        "answer (no connection, lost, or a 503; default: 2)")
+    r.add_argument("--session-header", action="append", default=None, metavar="NAME",
+                   help="the header holding the session key of consistent_hash, first found wins; give it once "
+                        "per header (default: X-Session-ID, then X-User-ID; then the body's user field)")
+    r.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    r.set_defaults(func="router")
+
+
+def _router_module():
+    """``qwen_ops.serving.router`` imported without running the package's ``__init__`` (which registers
+    the custom ops, and so imports torch): where ``qwen_ops`` is not imported yet, it and
+    ``qwen_ops.serving`` enter ``sys.modules`` as bare packages (their folders as search paths, their
+    ``__init__`` not run), so the router and the torch-free modules it imports (the balancer, the hash
+    ring) load from their files under their own names. Only ``qwen-ops router``'s process does this;
+    it imports nothing else of the package."""
+    import importlib
+    import importlib.util
+
+    if "qwen_ops" not in sys.modules:
+        package = importlib.util.find_spec("qwen_ops")          # found, not run
+        folder = package.submodule_search_locations[0]
+        for name, path in (("qwen_ops", folder), ("qwen_ops.serving", os.path.join(folder, "serving"))):
+            spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                          submodule_search_locations=[path])
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+    return importlib.import_module("qwen_ops.serving.router")
+
+
 def _add_perplexity_parser(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text, as llama.cpp's llama-perplexity",
                        description="Perplexity of a text under MODEL, as llama.cpp's llama-perplexity computes it: "
@@ -222,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func="bench")
     _add_serve_parser(sub)
     _add_perplexity_parser(sub)
+    _add_router_parser(sub)
     return parser
 
 
@@ -251,6 +308,8 @@ def _one_line(e: BaseException) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.func == "router":                  # a light process: the router's modules only, no torch
+            return _router_module().run_router(args)
         # Only now torch and the package load: --help and argument errors never wait for them.
         from qwen_ops.serving import commands
 
