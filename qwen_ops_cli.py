@@ -194,6 +194,9 @@ def _add_router_parser(sub) -> None:
     r.add_argument("--session-header", action="append", default=None, metavar="NAME",
                    help="the header holding the session key of consistent_hash, first found wins; give it once "
                         "per header (default: X-Session-ID, then X-User-ID; then the body's user field)")
+    r.add_argument("--no-worker-metrics", action="store_true",
+                   help="do not read each worker's /metrics (running and waiting requests) after its health check; "
+                        "load is then only what this router sent")
     r.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)

@@ -274,8 +274,9 @@ class FakeWorker:
     connection closed before any answer; cut: an SSE answer of two events, then the connection closed
     mid-body. ``/health`` answers 200 while ``healthy``."""
 
-    def __init__(self, behaviour: str, healthy: bool = True):
+    def __init__(self, behaviour: str, healthy: bool = True, metrics: str = ""):
         self.behaviour, self.healthy, self.hits = behaviour, healthy, 0
+        self.metrics = metrics              # its /metrics body (empty: 404, as a server without metrics)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -292,7 +293,10 @@ class FakeWorker:
                 self.wfile.write(body)
 
             def do_GET(self):
-                self._send(200 if fake.healthy else 503, b"{}")
+                if self.path == "/metrics":
+                    self._send(200 if fake.metrics else 404, fake.metrics.encode(), "text/plain")
+                else:
+                    self._send(200 if fake.healthy else 503, b"{}")
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -435,3 +439,36 @@ def test_the_router_loads_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert (done.returncode, done.stdout.strip()) == (0, "False"), done.stderr[-2000:]
+
+
+BUSY = ('# HELP vllm:num_requests_running Requests in the running batch.\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 30.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 10.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 8.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n')
+
+
+def test_worker_requests_sums_running_and_waiting_over_engines():
+    from qwen_ops.serving.router import worker_requests
+
+    assert worker_requests(BUSY) == 48
+    assert worker_requests("vllm:kv_cache_usage_perc 0.5\n") is None
+    assert worker_requests("") is None
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_work_a_worker_reports_from_other_clients_steers_requests_away(read):
+    """A worker whose /metrics says it runs 48 requests nobody sent through this router: least_load
+    sends new work to the idle one (after one health round); with --no-worker-metrics it cannot know."""
+    with contextlib.ExitStack() as stack:
+        busy = stack.enter_context(FakeWorker("ok", metrics=BUSY))
+        idle = stack.enter_context(FakeWorker("ok", metrics=BUSY.replace("30.0", "0.0").replace("10.0", "0.0")
+                                              .replace("8.0", "0.0")))
+        router, server = stack.enter_context(routing([busy.url, idle.url], "least_load", health_interval=0.2,
+                                                     worker_metrics=read))
+        assert wait_for(lambda: httpx.get(server.url + "/health").json()["workers"][0]["load_tokens"] > 0,
+                        timeout_s=5 if read else 1.5) == read
+        for _ in range(4):                               # one at a time: the router's own count stays at 0
+            assert post(server).status_code == 200
+        assert (busy.hits, idle.hits) == ((0, 4) if read else (4, 0))     # without: ties go to the first

@@ -87,15 +87,26 @@ class Balancer:
         self._load = [0] * num_replicas
         self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._up = [True] * num_replicas
+        self._external = [0] * num_replicas        # load a replica reports beyond what was sent through here
         self.num_assigned = [0] * num_replicas
         self.num_affinity = 0        # requests sent where a prefix was held (not the least-loaded fallback)
 
     def load(self, replica: int) -> int:
-        """Tokens ``replica`` still has to prefill or may still generate, by this balancer's count."""
-        return self._load[replica]
+        """Tokens ``replica`` still has to prefill or may still generate, by this balancer's count,
+        plus what it reported of work sent to it by others (``set_external_load``)."""
+        return self._load[replica] + self._external[replica]
 
     def loads(self) -> list[int]:
-        return list(self._load)
+        return [self.load(r) for r in range(self.num_replicas)]
+
+    def set_external_load(self, replica: int, tokens: int) -> None:
+        """Work on ``replica`` that did not go through this balancer (another router, a direct
+        client), in tokens, as read from the replica itself; it weighs in every choice until the
+        next reading. (Its own tickets still count separately, so they are never counted twice
+        as long as the reading leaves them out.)"""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens = {tokens!r}, expected an int >= 0")
+        self._external[replica] = tokens
 
     def is_up(self, replica: int) -> bool:
         return self._up[replica]
@@ -105,6 +116,7 @@ class Balancer:
         a restarted replica starts empty. Its tickets leave its load as they are released."""
         self._up[replica] = False
         self._cached[replica].clear()
+        self._external[replica] = 0
 
     def mark_up(self, replica: int) -> None:
         self._up[replica] = True
@@ -130,10 +142,11 @@ class Balancer:
             r = live[(self._turn - 1) % len(live)]
             return r, self.matched_blocks(r, keys)
         matched = {r: self.matched_blocks(r, keys) for r in live}
-        least = min(live, key=lambda r: (self._load[r], r))
-        best = min(live, key=lambda r: (-matched[r], self._load[r], r))
+        load = {r: self.load(r) for r in live}
+        least = min(live, key=lambda r: (load[r], r))
+        best = min(live, key=lambda r: (-matched[r], load[r], r))
         if (self.policy == "cache_aware" and matched[best] > 0
-                and self._load[best] - self._load[least] <= self.margin_tokens):
+                and load[best] - load[least] <= self.margin_tokens):
             return best, matched[best]
         return least, matched[least]
 

@@ -25,7 +25,10 @@ Policies (``--policy``):
 
 Load is the router's own count of what it sent and what came back (as the balancer counts it): a
 request adds its prompt's estimated tokens and ``max_tokens`` x ``n`` to its worker, each streamed
-event counts as a token back, and the rest leaves when the answer ends.
+event counts as a token back, and the rest leaves when the answer ends. To it each health round adds
+what the worker reports of work the router did not send (``read_worker_load``: its ``/metrics``
+running and waiting requests, less the router's own in flight there, at the mean request's cost),
+so clients that bypass the router, or a second router, are seen too (``--no-worker-metrics``: not).
 
 Faults: every ``health_interval`` seconds each worker's ``/health`` is asked; a failed check (not 200,
 or no answer) marks the worker down (no new requests, its prefix set forgotten), a passing one marks
@@ -77,6 +80,8 @@ DEFAULT_SESSION_HEADERS = ("X-Session-ID", "X-User-ID")
 # max_tokens a request may generate when it names none: OpenAI's completions default; a chat's
 # default is the rest of the worker's context, unknown here, so a guess of a typical reply.
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
+WORKER_QUEUE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+DEFAULT_REQUEST_TOKENS = 512      # a request's cost in tokens before the router has seen any
 HEALTH_TIMEOUT_S = 5.0        # a /health slower than this (or than the interval, if longer) is a failed check
 # Idle connections to workers are dropped after this, below uvicorn's 5 s keep-alive: the router never
 # sends on a connection the worker is closing (which would read as the worker failing).
@@ -117,6 +122,7 @@ class RouterConfig:
     max_retries: int = 2                  # further workers a request that failed before its first byte is tried on
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     connect_timeout: float = 5.0          # seconds to open a connection to a worker
+    worker_metrics: bool = True           # read each worker's /metrics for work sent to it by others
 
     def __post_init__(self):
         if isinstance(self.workers, str) or not isinstance(self.workers, Sequence) or not self.workers:
@@ -132,6 +138,8 @@ class RouterConfig:
         for name, value in (("health_interval", self.health_interval), ("connect_timeout", self.connect_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) = {value!r}, expected a number of seconds > 0")
+        if not isinstance(self.worker_metrics, bool):
+            raise ValueError(f"worker_metrics (--no-worker-metrics) = {self.worker_metrics!r}, expected True or False")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"max_retries (--max-retries) = {self.max_retries!r}, expected an int >= 0")
         headers = self.session_headers
@@ -178,6 +186,21 @@ def prompt_text(payload: dict) -> str:
 def text_units(text: str) -> list[str]:
     """``text`` in pieces of ``CHARS_PER_TOKEN`` characters: the balancer's "tokens"."""
     return [text[i:i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def worker_requests(metrics_text: str) -> Optional[int]:
+    """Running plus waiting requests in a worker's Prometheus text (``WORKER_QUEUE_METRICS``, every
+    sample summed: a data-parallel worker has one per engine); None if it has neither."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in WORKER_QUEUE_METRICS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+            except (IndexError, ValueError):
+                continue
+    return int(total) if seen else None
 
 
 def _count(value: object, low: int) -> Optional[int]:
@@ -283,6 +306,8 @@ class Router:
             for counter in (self.metrics.requests, self.metrics.failed_attempts, self.metrics.cut_streams):
                 counter.labels(url)
         self._client: Optional[httpx.AsyncClient] = None
+        self.mean_request_tokens = DEFAULT_REQUEST_TOKENS   # running mean of what one request costs, in tokens
+        self.reported = [0] * n                            # requests each worker last reported (running + waiting)
         self.app = self._build_app()
 
     # -- policy
@@ -309,7 +334,9 @@ class Router:
             chosen = self.ring.lookup(info.session, live)
         if chosen is not None:                # the balancer counts the load where the policy chose
             exclude = [i for i in range(n) if i != chosen]
-        return self.balancer.assign(text_units(info.text), info.max_tokens, info.n, exclude=exclude)
+        ticket = self.balancer.assign(text_units(info.text), info.max_tokens, info.n, exclude=exclude)
+        self.mean_request_tokens += (ticket.load - self.mean_request_tokens) / 32      # a slow running mean
+        return ticket
 
     # -- health
     def mark_down(self, worker: int, reason: str) -> None:
@@ -334,9 +361,28 @@ class Router:
             reason = f"/health failed: {type(e).__name__}: {e}"
         if reason is None:
             self.mark_up(worker)
+            if self.config.worker_metrics:
+                await self.read_worker_load(worker)
         else:
             self.mark_down(worker, reason)
         return reason is None
+
+    async def read_worker_load(self, worker: int) -> None:
+        """The work ``worker`` has that this router did not send it (other routers, direct clients):
+        its ``/metrics`` count of running and waiting requests (vLLM's ``vllm:num_requests_running``
+        and ``vllm:num_requests_waiting``, summed over engines) less this router's requests in flight
+        there, each weighed as the mean request this router has seen, handed to the balancer. A
+        worker without those metrics (or without ``/metrics``) counts as having none."""
+        requests = None
+        try:
+            r = await self._client.get(self.config.workers[worker] + "/metrics", timeout=HEALTH_TIMEOUT_S)
+            if r.status_code == 200:
+                requests = worker_requests(r.text)
+        except httpx.HTTPError:
+            pass
+        self.reported[worker] = requests or 0
+        others = max(0, (requests or 0) - self.in_flight[worker])
+        self.balancer.set_external_load(worker, int(others * self.mean_request_tokens))
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self.check_worker(i) for i in range(len(self.config.workers))))
@@ -573,7 +619,8 @@ def run_router(args) -> int:
         raise ValueError(f"--port = {args.port}, expected 0..65535")
     config = RouterConfig(workers=tuple(args.worker), policy=args.policy, health_interval=args.health_interval,
                           max_retries=args.max_retries,
-                          session_headers=tuple(args.session_header or DEFAULT_SESSION_HEADERS))
+                          session_headers=tuple(args.session_header or DEFAULT_SESSION_HEADERS),
+                          worker_metrics=not args.no_worker_metrics)
     router = Router(config)
     sock = _listen(args.host, args.port)
     port = sock.getsockname()[1]
