@@ -135,6 +135,9 @@ def _add_serve_parser(sub) -> None:
                         "opened (uvicorn's option, also guarding never-used connections; default: 5)")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request (vLLM's flag; behind qwen-ops router, which asks /health and "
+                        "/metrics every second)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     s.set_defaults(func="serve")
 

@@ -44,6 +44,7 @@ def dp_server():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "qwen_ops.serving.cli", "serve", "--port", "0", "-dp", "2",
                              "--threads-per-replica", "1", "--disable-log-stats", "--replica-hang-timeout", "2",
+                             "--disable-uvicorn-access-log",
                              "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
                              "--max-num-seqs", str(ENGINE_KWARGS["max_num_seqs"])],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -117,6 +118,7 @@ def test_a_failed_replica_loses_no_unstarted_request_and_comes_back(dp_server, e
     assert back[1]["restarts"] == 1 and back[1]["last_failure"].startswith("hung" if sig == signal.SIGSTOP
                                                                              else "died")
     assert any("replica 1" in line and "restarting" in line for line in log), log[-20:]
+    assert not any("GET /health" in line for line in log), log[-20:]      # --disable-uvicorn-access-log
     # the restarted replica serves again
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     with ThreadPoolExecutor(8) as pool:

@@ -1472,7 +1472,9 @@ def run_server(args) -> int:
             if not disable_log_stats:
                 _show_stats_lines()
             server = _server_class()(uvicorn_config(app, args.host, port, log_level=args.uvicorn_log_level,
-                                                    timeout_keep_alive=args.timeout_keep_alive))
+                                                    timeout_keep_alive=args.timeout_keep_alive,
+                                                    access_log=not getattr(args, "disable_uvicorn_access_log",
+                                                                           False)))
             server.run(sockets=[sock])
         finally:
             engine.shutdown()
