@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -1476,6 +1477,10 @@ def run_server(args) -> int:
                                                     access_log=not getattr(args, "disable_uvicorn_access_log",
                                                                            False)))
             server.run(sockets=[sock])
+            # uvicorn re-raises a captured Ctrl-C after its shutdown, but under asyncio's runner that
+            # becomes a cancel of a task that may already have ended (seen once: exit 0 instead of 130)
+            if signal.SIGINT in getattr(server, "_captured_signals", ()):
+                raise KeyboardInterrupt
         finally:
             engine.shutdown()
     finally:
