@@ -362,14 +362,22 @@ class DataParallelAsyncLLM:
 
     async def _assign(self, ids: list[int], checked: SamplingParams, failed: Sequence[AsyncLLM]):
         """The balancer's ticket and replica for a request, among the replicas that are up and not
-        one it ``failed`` on; waits (up to ``restart_wait_s``) while there is none."""
+        one it ``failed`` on (``_when_up``)."""
+        def pick(exclude: list[int]):
+            ticket = self.balancer.assign(ids, checked.max_new_tokens, checked.n, exclude=exclude)
+            return ticket, self.replicas[ticket.replica]
+
+        return await self._when_up(pick, failed)
+
+    async def _when_up(self, pick, failed: Sequence[AsyncLLM]):
+        """``pick(exclude)`` under the lock, ``exclude`` the indices of the replicas in ``failed``;
+        while it finds none up (``LookupError``), wait for a restart, up to ``restart_wait_s``."""
         deadline = time.monotonic() + self.restart_wait_s
         while True:
             with self._lock:
                 exclude = [i for i, r in enumerate(self.replicas) if any(r is f for f in failed)]
                 try:
-                    ticket = self.balancer.assign(ids, checked.max_new_tokens, checked.n, exclude=exclude)
-                    return ticket, self.replicas[ticket.replica]
+                    return pick(exclude)
                 except LookupError:
                     pass
             if not self.is_running or time.monotonic() > deadline:
@@ -387,20 +395,9 @@ class DataParallelAsyncLLM:
         """``await call(replica)`` on the least-loaded replica that is up (pooling requests go whole to
         one); again on another if that one fails (a pooling request returns nothing until it is done)."""
         failed: list[AsyncLLM] = []
-        deadline = time.monotonic() + self.restart_wait_s
         while True:
-            with self._lock:
-                exclude = [i for i, r in enumerate(self.replicas) if any(r is f for f in failed)]
-                try:
-                    replica = self.replicas[self.balancer.choose((), exclude)[0]]
-                except LookupError:
-                    replica = None
-            if replica is None:
-                if not self.is_running or time.monotonic() > deadline:
-                    raise EngineDeadError(f"no data-parallel replica came back within restart_wait_s = "
-                                          f"{self.restart_wait_s:g} s")
-                await asyncio.sleep(CHECK_INTERVAL_S)
-                continue
+            replica = await self._when_up(lambda exclude: self.replicas[self.balancer.choose((), exclude)[0]],
+                                          failed)
             try:
                 return await call(replica)
             except EngineDeadError:
