@@ -26,7 +26,7 @@ from qwen_ops.serving.async_llm import AsyncLLM
 from qwen_ops.serving.llm import LLM
 from tests.checkpoints import make_qwen3_checkpoint
 
-from server_fixture import CLIENT_TIMEOUT_S, cli_server_port, running_server, wait_for
+from server_fixture import CLIENT_TIMEOUT_S, cli_server_port, running_server, stop_cli_server, wait_for
 
 COSINE_DISTANCE_FP32 = 1e-6        # tests/test_embed.py's bound
 SCORE_ATOL = 1e-5
@@ -288,7 +288,6 @@ def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
     """The real command on a checkpoint that does not say it pools: --runner pooling makes it an
     embedding server (its vectors transformers'), and a bad --runner value is refused naming the flag."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -313,12 +312,7 @@ def test_qwen_ops_serve_runner_pooling_end_to_end(tmp_path):
         with pytest.raises(openai.BadRequestError, match="pooling model"):
             c.completions.create(model=NAME, prompt="w1", max_tokens=1)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate(timeout=10)
+        stop_cli_server(proc)
 
 
 def test_cancelled_embed_aborts_its_pooling_requests(ckpt, hf_lm):
